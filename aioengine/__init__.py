@@ -1,0 +1,3 @@
+"""aioengine: an LLM inference engine whose serving path runs in one asyncio event loop."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,1 @@
+"""aioengine.bench: throughput, serving and latency benchmarks."""

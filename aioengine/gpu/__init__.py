@@ -1,0 +1,1 @@
+"""aioengine.gpu: the model runner — persistent request state, flat batches, models and the sampler."""

@@ -1,0 +1,1 @@
+"""Model implementations built from a Hugging Face config.json."""

@@ -1,0 +1,1 @@
+"""aioengine.http: the OpenAI-compatible aiohttp server; speaks protocols, never touches tensors."""

@@ -1,0 +1,1 @@
+"""aioengine.sched: requests, token budgets and KV blocks — pure Python, never imports torch."""
