@@ -1,0 +1,26 @@
+"""The typed exceptions that aioengine raises to its users."""
+
+from __future__ import annotations
+
+
+class AioEngineError(Exception):
+    """Base class of every error aioengine raises on purpose."""
+
+
+class InvalidRequestError(AioEngineError, ValueError):
+    """A request that can never run: bad parameters, an empty or too long prompt."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+class EngineDeadError(AioEngineError, RuntimeError):
+    """The engine hit an unrecoverable error; every pending and future request fails with this."""
+
+
+class EngineNotStartedError(AioEngineError, RuntimeError):
+    """generate() was called before start() (or after shutdown())."""
+

@@ -1,0 +1,154 @@
+"""The KV block pool: blocks, their ref counts, an O(1) LRU free queue and the prefix-cache hash map."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+NONE_HASH = 0
+
+
+def hash_block_tokens(parent_hash: int, token_ids: Sequence[int], extra_keys: tuple | None = None) -> int:
+    """Chained block hash: equal hashes mean equal token prefixes (and equal extra keys, e.g. a cache salt)."""
+    return hash((parent_hash, tuple(token_ids), extra_keys))
+
+
+@dataclass(slots=True, eq=False)
+class KVCacheBlock:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: int | None = None  # set while the block holds a full, cached block of tokens
+    prev_free_block: KVCacheBlock | None = None
+    next_free_block: KVCacheBlock | None = None
+    is_null: bool = False
+
+    def __repr__(self) -> str:
+        return f"KVCacheBlock(id={self.block_id}, ref={self.ref_cnt}, hash={self.block_hash})"
+
+
+class FreeKVCacheBlockQueue:
+    """Intrusive doubly linked list of free blocks, least recently freed first.
+
+    The links live in the blocks themselves, so append, popleft and remove from the middle
+    (a cache hit on a free block) are all O(1) with no allocation.
+    """
+
+    def __init__(self, blocks: list[KVCacheBlock]) -> None:
+        self.num_free_blocks = len(blocks)
+        self._head = KVCacheBlock(-1)
+        self._tail = KVCacheBlock(-1)
+        prev = self._head
+        for block in blocks:
+            prev.next_free_block = block
+            block.prev_free_block = prev
+            prev = block
+        prev.next_free_block = self._tail
+        self._tail.prev_free_block = prev
+
+    def popleft(self) -> KVCacheBlock:
+        block = self._head.next_free_block
+        assert block is not None and block is not self._tail, "no free blocks"
+        self.remove(block)
+        return block
+
+    def remove(self, block: KVCacheBlock) -> None:
+        prev, nxt = block.prev_free_block, block.next_free_block
+        assert prev is not None and nxt is not None, f"{block} is not in the free queue"
+        prev.next_free_block = nxt
+        nxt.prev_free_block = prev
+        block.prev_free_block = block.next_free_block = None
+        self.num_free_blocks -= 1
+
+    def append(self, block: KVCacheBlock) -> None:
+        assert block.prev_free_block is None and block.next_free_block is None
+        last = self._tail.prev_free_block
+        assert last is not None
+        last.next_free_block = block
+        block.prev_free_block = last
+        block.next_free_block = self._tail
+        self._tail.prev_free_block = block
+        self.num_free_blocks += 1
+
+    def __iter__(self):
+        block = self._head.next_free_block
+        while block is not self._tail:
+            assert block is not None
+            yield block
+            block = block.next_free_block
+
+
+class BlockPool:
+    """Owns every KV block. Block 0 is the null block, never handed out (a placeholder in block tables)."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+        assert num_blocks >= 2, "need at least one usable block besides the null block"
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
+        self.cached_block_hash_to_block: dict[int, KVCacheBlock] = {}
+        self.null_block = self.free_block_queue.popleft()
+        self.null_block.is_null = True
+
+    def get_num_free_blocks(self) -> int:
+        return self.free_block_queue.num_free_blocks
+
+    def get_usage(self) -> float:
+        """Fraction of usable blocks held by requests (free-but-cached blocks count as free)."""
+        usable = self.num_blocks - 1
+        return 1.0 - self.get_num_free_blocks() / usable
+
+    def get_cached_block(self, block_hash: int) -> KVCacheBlock | None:
+        return self.cached_block_hash_to_block.get(block_hash)
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        assert num_blocks <= self.get_num_free_blocks(), "not enough free blocks"
+        out = []
+        for _ in range(num_blocks):
+            block = self.free_block_queue.popleft()
+            self._evict(block)  # lazy eviction: a free block keeps its cached KV until reused
+            assert block.ref_cnt == 0
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        if block.block_hash is not None:
+            if self.cached_block_hash_to_block.get(block.block_hash) is block:
+                del self.cached_block_hash_to_block[block.block_hash]
+            block.block_hash = None
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take a reference on cache-hit blocks, pulling free ones out of the free queue."""
+        for block in blocks:
+            if block.ref_cnt == 0 and not block.is_null:
+                self.free_block_queue.remove(block)
+            block.ref_cnt += 1
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference each; blocks reaching 0 join the free queue in the given order (evicted first)."""
+        for block in ordered_blocks:
+            block.ref_cnt -= 1
+            assert block.ref_cnt >= 0, f"double free of {block}"
+            if block.ref_cnt == 0 and not block.is_null:
+                self.free_block_queue.append(block)
+
+    def cache_full_blocks(self, blocks: list[KVCacheBlock], block_hashes: list[int],
+                          num_cached_blocks: int, num_full_blocks: int) -> None:
+        """Publish blocks [num_cached_blocks, num_full_blocks) of a request under their chained hashes."""
+        for i in range(num_cached_blocks, num_full_blocks):
+            block = blocks[i]
+            if block.block_hash is not None:  # a prefix-cache hit: already published
+                continue
+            h = block_hashes[i]
+            block.block_hash = h
+            # Keep the first block published under a hash; a duplicate stays private to its request.
+            self.cached_block_hash_to_block.setdefault(h, block)
+
+    def reset_prefix_cache(self) -> bool:
+        if self.get_num_free_blocks() != self.num_blocks - 1:
+            return False  # blocks are in use
+        for block in self.blocks:
+            block.block_hash = None
+        self.cached_block_hash_to_block.clear()
+        return True

@@ -1,0 +1,89 @@
+"""Request: one sequence's tokens, counters and status as the scheduler sees it."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from aioengine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    # Everything after PREEMPTED is finished.
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH_CAPPED = 4
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None = None
+    priority: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    cache_salt: str | None = None
+
+    all_token_ids: list[int] = field(init=False)
+    num_prompt_tokens: int = field(init=False)
+    num_computed_tokens: int = 0
+    num_output_placeholders: int = 0  # sampled tokens still in flight (async scheduling)
+    is_prefill_chunk: bool = False
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = -1  # prompt tokens served by the prefix cache at first admission
+    num_preemptions: int = 0
+    spec_token_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks of all_token_ids
+    max_tokens: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        mt = self.sampling_params.max_tokens
+        self.max_tokens = mt if mt is not None else 1 << 62
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return len(self.all_token_ids) + len(self.spec_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status > RequestStatus.PREEMPTED
+
+    def append_output_token_ids(self, token_ids: list[int]) -> None:
+        self.all_token_ids.extend(token_ids)

@@ -1,0 +1,298 @@
+"""Scheduler: shares one token budget among running then waiting requests, with async placeholders."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from aioengine.sched.kv_cache_manager import KVCacheManager
+from aioengine.sched.output import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+    SchedulerStats,
+)
+from aioengine.sched.request import Request, RequestStatus
+from aioengine.sched.request_queue import create_request_queue
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    max_model_len: int = 8192
+    num_blocks: int = 1024  # KV blocks, the null block included
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    long_prefill_token_threshold: int = 0  # 0: no cap on one prompt's share of a step
+    policy: str = "fcfs"  # or "priority"
+    async_scheduling: bool = True  # one output placeholder per in-flight sampled token
+
+    def __post_init__(self) -> None:
+        assert self.max_num_batched_tokens >= 1 and self.max_num_seqs >= 1 and self.block_size >= 1
+        assert self.long_prefill_token_threshold >= 0
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.max_model_len = config.max_model_len
+        self.kv_cache_manager = KVCacheManager(config.num_blocks, config.block_size, config.max_model_len,
+                                               config.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}
+        self.waiting = create_request_queue(config.policy)
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()  # since the last schedule(), for the runner
+        self.num_preemptions_total = 0
+        self._num_preemptions_step = 0
+        self._last_num_scheduled_tokens = 0
+
+    # ---- request lifecycle --------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        assert request.request_id not in self.requests, f"duplicate request id {request.request_id!r}"
+        assert 0 < request.num_tokens < self.max_model_len, "the engine validates prompt lengths"
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(self, request_ids: str | list[str], status: RequestStatus) -> list[Request]:
+        """Finish requests from outside (abort, stop string): free their blocks at once.
+
+        A request whose step is in flight is skipped by the update of that step.
+        """
+        assert status.is_finished
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        done = []
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._free_request(request)
+            done.append(request)
+        return done
+
+    def _free_request(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self.finished_req_ids.add(request.request_id)
+
+    def has_requests(self) -> bool:
+        return bool(self.running) or len(self.waiting) > 0
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    # ---- schedule -----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        cfg = self.config
+        kv = self.kv_cache_manager
+        threshold = cfg.long_prefill_token_threshold
+        max_model_len = self.max_model_len
+        token_budget = cfg.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_block_ids: dict[str, list[int]] = {}
+        scheduled_running: list[Request] = []
+        scheduled_new: list[Request] = []
+        preempted: list[Request] = []
+
+        # Running pass, from the front: decodes that came first get their token before later prefills.
+        running = self.running
+        i = 0
+        while i < len(running) and token_budget > 0:
+            request = running[i]
+            placeholders = request.num_output_placeholders
+            if placeholders and (request.num_output_tokens + placeholders >= request.max_tokens
+                                 or request.num_tokens + placeholders >= max_model_len):
+                i += 1  # every remaining token is already in flight: no extra step
+                continue
+            need = request.num_tokens_with_spec + placeholders - request.num_computed_tokens
+            if 0 < threshold < need:
+                need = threshold
+            need = min(need, token_budget, max_model_len - request.num_computed_tokens)
+            if need <= 0:
+                i += 1
+                continue
+            while True:
+                blocks = kv.allocate_slots(request, need)
+                if blocks is not None:
+                    break
+                victim = self._pick_victim()
+                j = running.index(victim) if victim is not running[-1] else len(running) - 1
+                del running[j]
+                if j < i:
+                    i -= 1
+                if victim.request_id in num_scheduled:  # priority policy: undo its place in this step
+                    token_budget += num_scheduled.pop(victim.request_id)
+                    new_block_ids.pop(victim.request_id, None)
+                    scheduled_running.remove(victim)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            if blocks is None:
+                continue  # the request itself was preempted; running[i] is now the next one
+            scheduled_running.append(request)
+            num_scheduled[request.request_id] = need
+            if blocks:
+                new_block_ids[request.request_id] = [b.block_id for b in blocks]
+            token_budget -= need
+            i += 1
+
+        # Waiting pass: admit new (or preempted) requests while budget, sequences and blocks remain.
+        if not preempted:
+            skipped: list[Request] = []
+            waiting = self.waiting
+            while len(waiting) and token_budget > 0 and len(running) < cfg.max_num_seqs:
+                request = waiting.peek()
+                if request.num_output_placeholders:
+                    # Preempted with a token still in flight: resume once it has arrived.
+                    skipped.append(waiting.pop())
+                    continue
+                hit_blocks, num_hit = kv.get_computed_blocks(request)
+                need = request.num_tokens - num_hit
+                if 0 < threshold < need:
+                    need = threshold
+                need = min(need, token_budget)
+                blocks = kv.allocate_slots(request, need, num_hit, hit_blocks)
+                if blocks is None:
+                    break
+                waiting.pop()
+                kv.record_prefix_hit(request, num_hit)
+                request.status = RequestStatus.RUNNING
+                request.num_computed_tokens = num_hit
+                if request.num_cached_tokens < 0:
+                    request.num_cached_tokens = num_hit
+                running.append(request)
+                scheduled_new.append(request)
+                num_scheduled[request.request_id] = need
+                token_budget -= need
+            for request in reversed(skipped):
+                waiting.prepend(request)
+
+        # Build the output before the counters advance (the runner needs the values before this step).
+        new_reqs = [
+            NewRequestData(r.request_id, list(r.all_token_ids), r.sampling_params,
+                           kv.get_block_ids(r.request_id), r.num_computed_tokens, r.num_prompt_tokens)
+            for r in scheduled_new
+        ]
+        cached = CachedRequestData(
+            req_ids=[r.request_id for r in scheduled_running],
+            new_block_ids=[new_block_ids.get(r.request_id) for r in scheduled_running],
+            num_computed_tokens=[r.num_computed_tokens for r in scheduled_running],
+            num_output_tokens=[r.num_output_tokens + r.num_output_placeholders for r in scheduled_running],
+        )
+        total = cfg.max_num_batched_tokens - token_budget
+        assert total == sum(num_scheduled.values()) and total <= cfg.max_num_batched_tokens
+        out = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=total,
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids={r.request_id for r in preempted},
+        )
+        self.finished_req_ids = set()
+        self._num_preemptions_step += len(preempted)
+        self._last_num_scheduled_tokens = total
+        self._update_after_schedule(out)
+        return out
+
+    def _update_after_schedule(self, out: SchedulerOutput) -> None:
+        requests = self.requests
+        add_placeholder = self.config.async_scheduling
+        for req_id, n in out.num_scheduled_tokens.items():
+            request = requests[req_id]
+            request.num_computed_tokens += n
+            request.is_prefill_chunk = request.num_computed_tokens < (
+                request.num_tokens + request.num_output_placeholders)
+            if add_placeholder and not request.is_prefill_chunk:
+                request.num_output_placeholders += 1  # its sampled token is in flight from now on
+
+    def _pick_victim(self) -> Request:
+        if self.config.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, request: Request) -> None:
+        """Preempt by recompute: drop the blocks, keep every token, go back to the front of waiting."""
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.is_prefill_chunk = False
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.prepend(request)
+
+    # ---- update -------------------------------------------------------------------------------
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Apply one finished step: append tokens, drop placeholders, check stops; outputs only where changed."""
+        outputs: list[EngineCoreOutput] = []
+        requests = self.requests
+        kv = self.kv_cache_manager
+        async_sched = self.config.async_scheduling
+        sampled = runner_output.sampled_token_ids
+        for i, req_id in enumerate(runner_output.req_ids):
+            new_token_ids = sampled[i]
+            if not new_token_ids:
+                continue  # a prefill chunk produces no token
+            request = requests.get(req_id)
+            if request is None:
+                continue  # finished (aborted, stopped) while this step was in flight
+            if async_sched:
+                request.num_output_placeholders -= len(new_token_ids)
+                assert request.num_output_placeholders >= 0
+            status = None
+            for n, token in enumerate(new_token_ids, 1):
+                request.all_token_ids.append(token)
+                status = self._check_stop(request, token)
+                if status is not None:
+                    del new_token_ids[n:]
+                    break
+            if status is not None:
+                request.status = status
+                if request in self.running:
+                    self.running.remove(request)
+                else:
+                    self.waiting.remove(request)
+                self._free_request(request)
+            elif request.status == RequestStatus.RUNNING:
+                kv.cache_blocks(request, request.num_computed_tokens)
+            outputs.append(EngineCoreOutput(req_id, new_token_ids, status.finish_reason if status else None,
+                                            request.stop_reason, max(request.num_cached_tokens, 0)))
+        return outputs
+
+    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.sampling_params
+        num_output = request.num_output_tokens
+        if num_output >= params.min_tokens:
+            if token == request.eos_token_id and not params.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if params.stop_token_ids and token in params.stop_token_ids:
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if num_output >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+
+    # ---- stats --------------------------------------------------------------------------------
+    def make_stats(self) -> SchedulerStats:
+        """Stats of the steps since the last call (prefix-cache and preemption counts are deltas)."""
+        pc = self.kv_cache_manager.take_prefix_cache_stats()
+        stats = SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage,
+            prefix_cache_queries=pc.queries,
+            prefix_cache_hits=pc.hits,
+            num_preemptions=self._num_preemptions_step,
+            num_scheduled_tokens=self._last_num_scheduled_tokens,
+        )
+        self._num_preemptions_step = 0
+        return stats
