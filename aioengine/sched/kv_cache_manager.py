@@ -81,35 +81,47 @@ class KVCacheManager:
         Returns the blocks added to the request (cache hits first, then fresh blocks).
         """
         assert num_new_tokens > 0
-        new_computed_blocks = new_computed_blocks or []
-        req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        rid = request.request_id
+        req_blocks = self.req_to_blocks.get(rid)
+        if req_blocks is None:
+            req_blocks = self.req_to_blocks[rid] = []
+            if self.enable_caching:
+                self.num_cached_block[rid] = 0
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         total_tokens = min(num_computed + num_new_tokens, self.max_model_len)
-        num_required = cdiv(total_tokens, self.block_size)
-        num_new_blocks = max(0, num_required - len(req_blocks) - len(new_computed_blocks))
+        num_required = -(-total_tokens // self.block_size)
+        num_hits = len(new_computed_blocks) if new_computed_blocks else 0
+        num_new_blocks = num_required - len(req_blocks) - num_hits
+        if num_new_blocks <= 0 and not num_hits:
+            # The common decode case: the current block has room.
+            if self.enable_caching and total_tokens // self.block_size > self.num_cached_block[rid]:
+                self.cache_blocks(request, total_tokens)
+            return []
+        num_new_blocks = max(0, num_new_blocks)
+        new_computed_blocks = new_computed_blocks or []
         # Cache hits that sit in the free queue stop being free once touched.
         num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         if num_new_blocks > self.block_pool.get_num_free_blocks() - num_evictable_hits:
             if not req_blocks:
-                del self.req_to_blocks[request.request_id]
+                del self.req_to_blocks[rid]
+                self.num_cached_block.pop(rid, None)
             return None
         self.block_pool.touch(new_computed_blocks)
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
         req_blocks.extend(new_computed_blocks)
         req_blocks.extend(new_blocks)
         if self.enable_caching:
-            self.num_cached_block.setdefault(request.request_id, 0)
             # Prompt blocks filled by this step can serve hits at once: steps run in order on the device.
-            self.cache_blocks(request, num_computed + num_new_tokens)
+            self.cache_blocks(request, total_tokens)
         return new_computed_blocks + new_blocks
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Publish the request's full blocks holding its first num_tokens tokens (known tokens only)."""
-        if not self.enable_caching or request.request_id not in self.req_to_blocks:
-            return
+        num_cached = self.num_cached_block.get(request.request_id)
+        if num_cached is None or num_tokens // self.block_size <= num_cached:
+            return  # not holding blocks, or no new full block
         self.update_block_hashes(request)
         num_full = min(num_tokens // self.block_size, len(request.block_hashes))
-        num_cached = self.num_cached_block.get(request.request_id, 0)
         if num_full <= num_cached:
             return
         self.block_pool.cache_full_blocks(self.req_to_blocks[request.request_id], request.block_hashes,

@@ -107,11 +107,13 @@ class Scheduler:
         while i < len(running) and token_budget > 0:
             request = running[i]
             placeholders = request.num_output_placeholders
-            if placeholders and (request.num_output_tokens + placeholders >= request.max_tokens
-                                 or request.num_tokens + placeholders >= max_model_len):
+            num_tokens = len(request.all_token_ids)
+            if placeholders and (num_tokens - request.num_prompt_tokens + placeholders >= request.max_tokens
+                                 or num_tokens + placeholders >= max_model_len):
                 i += 1  # every remaining token is already in flight: no extra step
                 continue
-            need = request.num_tokens_with_spec + placeholders - request.num_computed_tokens
+            # num_tokens_with_spec: no speculative tokens yet, so it is num_tokens.
+            need = num_tokens + len(request.spec_token_ids) + placeholders - request.num_computed_tokens
             if 0 < threshold < need:
                 need = threshold
             need = min(need, token_budget, max_model_len - request.num_computed_tokens)
@@ -238,6 +240,8 @@ class Scheduler:
         kv = self.kv_cache_manager
         async_sched = self.config.async_scheduling
         sampled = runner_output.sampled_token_ids
+        num_cached_block = kv.num_cached_block
+        block_size = kv.block_size
         for i, req_id in enumerate(runner_output.req_ids):
             new_token_ids = sampled[i]
             if not new_token_ids:
@@ -262,8 +266,8 @@ class Scheduler:
                 else:
                     self.waiting.remove(request)
                 self._free_request(request)
-            elif request.status == RequestStatus.RUNNING:
-                kv.cache_blocks(request, request.num_computed_tokens)
+            elif request.num_computed_tokens // block_size > num_cached_block.get(req_id, 1 << 62):
+                kv.cache_blocks(request, request.num_computed_tokens)  # a block just filled up
             outputs.append(EngineCoreOutput(req_id, new_token_ids, status.finish_reason if status else None,
                                             request.stop_reason, max(request.num_cached_tokens, 0)))
         return outputs
