@@ -1,0 +1,284 @@
+"""Paged attention over a block-structured KV cache: metadata, KV store and the torch (CPU) path.
+
+Layout (vLLM's): ``kv_cache[layer]`` is ``[2, num_blocks, block_size, num_kv_heads, head_size]``;
+index 0 holds keys, 1 values. A token's slot is ``block_id * block_size + offset``.
+
+The flat batch is sorted decodes first: requests ``0..num_decodes-1`` have exactly one query token.
+The j-th query token of request i sits at position ``seq_lens[i] - q_len_i + j`` and attends
+causally to cache positions ``0..position`` (its own K/V are stored before attention runs).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# enable_gqa appeared in torch 2.5; older torch gets explicit repeats on the prefill path.
+_HAS_ENABLE_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    num_reqs: int
+    num_decodes: int  # the first num_decodes requests have exactly 1 query token each
+    num_actual_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc: torch.Tensor  # int32 [num_reqs + 1], cumulative query lengths
+    seq_lens: torch.Tensor  # int32 [num_reqs], tokens in the KV cache after this step
+    block_table: torch.Tensor  # int32 [num_reqs, max_blocks_per_req], physical block ids
+    slot_mapping: torch.Tensor  # int64 [num_actual_tokens], slot of each new token
+    query_start_loc_cpu: list[int]  # host copies used by CPU loops
+    seq_lens_cpu: list[int]
+    # Torch path only: decode grouping planned by the first layer of a step, reused by the others.
+    decode_groups: list[_DecodeGroup] | None = None
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_table: torch.Tensor,
+        block_size: int,
+        num_decodes: int | None = None,
+    ) -> AttentionMetadata:
+        """Metadata from per-request lists (tests and simple callers; the runner builds its own).
+
+        By default the leading run of 1-token queries counts as decodes (a 1-token chunk attends
+        exactly like a decode); a 1-token query after it takes the per-request path.
+        """
+        assert len(query_lens) == len(seq_lens) == block_table.shape[0]
+        assert all(0 < q <= s for q, s in zip(query_lens, seq_lens, strict=True))
+        if num_decodes is None:
+            num_decodes = 0
+            while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
+                num_decodes += 1
+        assert all(q == 1 for q in query_lens[:num_decodes]), "decodes come first, one token each"
+        starts = [0]
+        slots: list[int] = []
+        table = block_table.tolist()
+        for i, (q_len, seq_len) in enumerate(zip(query_lens, seq_lens, strict=True)):
+            starts.append(starts[-1] + q_len)
+            slots += [table[i][p // block_size] * block_size + p % block_size for p in range(seq_len - q_len, seq_len)]
+        device = block_table.device
+        return cls(
+            num_reqs=len(query_lens),
+            num_decodes=num_decodes,
+            num_actual_tokens=starts[-1],
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_table=block_table.to(torch.int32),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            query_start_loc_cpu=starts,
+            seq_lens_cpu=list(seq_lens),
+        )
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write key/value ``[T, Hkv, D]`` into the cache slots named by ``slot_mapping`` ``[T]``."""
+    num_tokens = slot_mapping.shape[0]
+    num_kv_heads, head_size = kv_cache.shape[-2], kv_cache.shape[-1]
+    # Index the flattened [num_slots, Hkv, D] views; key/value may be padded past num_tokens.
+    kv_cache[0].view(-1, num_kv_heads, head_size).index_copy_(0, slot_mapping, key[:num_tokens])
+    kv_cache[1].view(-1, num_kv_heads, head_size).index_copy_(0, slot_mapping, value[:num_tokens])
+
+
+class _Workspace(threading.local):
+    """Per-thread scratch for gathered K/V.
+
+    Fresh multi-MB tensors come from mmap and page-fault on every touch; on CPU that cost
+    several times the gather itself, so the gather reuses one buffer that only grows.
+    """
+
+    buffer: torch.Tensor | None = None
+
+    def get(self, numel: int, like: torch.Tensor) -> torch.Tensor:
+        buf = self.buffer
+        if buf is None or buf.numel() < numel or buf.dtype != like.dtype or buf.device != like.device:
+            buf = self.buffer = torch.empty(numel, dtype=like.dtype, device=like.device)
+        return buf[:numel]
+
+
+_workspace = _Workspace()
+
+
+def _gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather whole blocks: block_ids ``[..., nb]`` -> key, value ``[..., nb * block_size, Hkv, D]``.
+
+    The results are views of the thread's workspace, valid until the next gather.
+    """
+    flat_ids = block_ids.reshape(-1)
+    block_shape = kv_cache.shape[2:]
+    block_numel = kv_cache[0, 0].numel()
+    n = flat_ids.shape[0]
+    buf = _workspace.get(2 * n * block_numel, kv_cache)
+    key = buf[: n * block_numel].view(n, *block_shape)
+    value = buf[n * block_numel :].view(n, *block_shape)
+    # index_select on the flat id list is several times faster on CPU than advanced indexing.
+    torch.index_select(kv_cache[0], 0, flat_ids, out=key)
+    torch.index_select(kv_cache[1], 0, flat_ids, out=value)
+    shape = (*block_ids.shape[:-1], -1, *block_shape[1:])
+    return key.view(shape), value.view(shape)
+
+
+@dataclass(slots=True)
+class _DecodeGroup:
+    indices: torch.Tensor | None  # int64 request rows in this group; None = all decodes in order
+    max_seq_len: int
+
+
+# A decode group's padded gather stays under this many tokens (bounds the workspace).
+_MAX_GROUP_TOKENS = 32768
+# Groups smaller than this are never split for padding (the extra SDPA call costs more).
+_MIN_SPLIT_TOKENS = 2048
+
+
+def _plan_decode_groups(seq_lens: list[int], device: torch.device) -> list[_DecodeGroup]:
+    """Split decodes into groups of similar length so the padded gather wastes little."""
+    if len(seq_lens) * max(seq_lens) <= _MIN_SPLIT_TOKENS:
+        return [_DecodeGroup(None, max(seq_lens))]
+    order = sorted(range(len(seq_lens)), key=seq_lens.__getitem__)
+    groups: list[list[int]] = [[]]
+    for i in order:
+        group = groups[-1]
+        padded = (len(group) + 1) * seq_lens[i]
+        useful = sum(seq_lens[j] for j in group) + seq_lens[i]
+        if group and (padded > _MAX_GROUP_TOKENS or (padded > _MIN_SPLIT_TOKENS and padded > 2 * useful)):
+            groups.append([i])
+        else:
+            group.append(i)
+    if len(groups) == 1:
+        return [_DecodeGroup(None, max(seq_lens))]
+    return [
+        _DecodeGroup(torch.tensor(g, dtype=torch.int64, device=device), seq_lens[g[-1]]) for g in groups
+    ]
+
+
+def _decode_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seq_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """One masked SDPA over a group of decodes: query ``[B, Hq, D]`` -> ``[B, Hq, D]``."""
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    num_blocks = -(-max_seq_len // block_size)
+    key, value = _gather_kv(kv_cache, block_table[:, :num_blocks])  # [B, S, Hkv, D]
+    # One query token per request: fold the query heads of a KV group into SDPA's length axis,
+    # so GQA costs no repeat of K/V and every row of a request shares one padding mask.
+    b, hq, d = query.shape
+    q = query.reshape(b, num_kv_heads, hq // num_kv_heads, d)
+    mask = torch.arange(key.shape[1], device=query.device) < seq_lens[:, None]
+    out = F.scaled_dot_product_attention(
+        q, key.transpose(1, 2), value.transpose(1, 2), attn_mask=mask[:, None, None, :], scale=scale
+    )
+    return out.reshape(b, hq, d)
+
+
+def _decodes(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Attention for the first ``num_decodes`` requests, whose query rows are ``query[:num_decodes]``."""
+    nd = meta.num_decodes
+    if meta.decode_groups is None:  # planned by the first layer, reused by the rest
+        meta.decode_groups = _plan_decode_groups(meta.seq_lens_cpu[:nd], query.device)
+    query = query[:nd]
+    block_table, seq_lens = meta.block_table[:nd], meta.seq_lens[:nd]
+    groups = meta.decode_groups
+    if len(groups) == 1:
+        return _decode_attention(query, kv_cache, block_table, seq_lens, groups[0].max_seq_len, scale)
+    output = torch.empty_like(query)
+    for g in groups:
+        out = _decode_attention(
+            query.index_select(0, g.indices),
+            kv_cache,
+            block_table.index_select(0, g.indices),
+            seq_lens.index_select(0, g.indices),
+            g.max_seq_len,
+            scale,
+        )
+        output.index_copy_(0, g.indices, out)
+    return output
+
+
+def _prefill_attention(
+    query: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int, scale: float
+) -> torch.Tensor:
+    """One request's chunk: query ``[q_len, Hq, D]`` ending at position ``seq_len - 1``."""
+    q_len, num_heads, _ = query.shape
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    key, value = _gather_kv(kv_cache, block_ids[: -(-seq_len // block_size)])
+    key = key[:seq_len].transpose(0, 1)  # [Hkv, S, D]
+    value = value[:seq_len].transpose(0, 1)
+    context_len = seq_len - q_len
+    mask = None
+    if context_len > 0:
+        # Bottom-right aligned causal mask; SDPA's is_causal is top-left aligned.
+        positions = torch.arange(context_len, seq_len, device=query.device)
+        mask = torch.arange(seq_len, device=query.device)[None, :] <= positions[:, None]
+    kwargs = {}
+    if num_heads != num_kv_heads:
+        if _HAS_ENABLE_GQA:
+            kwargs["enable_gqa"] = True
+        else:
+            key = key.repeat_interleave(num_heads // num_kv_heads, 0)
+            value = value.repeat_interleave(num_heads // num_kv_heads, 0)
+    out = F.scaled_dot_product_attention(
+        query.transpose(0, 1), key, value, attn_mask=mask, is_causal=mask is None, scale=scale, **kwargs
+    )
+    return out.transpose(0, 1)  # [q_len, Hq, D]
+
+
+def paged_attention(
+    query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Causal attention of query ``[T, Hq, D]`` against the paged cache; returns ``[T, Hq, D]``.
+
+    Rows past ``num_actual_tokens`` (padding) come back zero.
+    """
+    assert query.shape[1] % kv_cache.shape[-2] == 0, "query heads must be a multiple of KV heads"
+    num_decodes = meta.num_decodes
+    if meta.num_reqs == num_decodes and query.shape[0] == num_decodes:
+        return _decodes(query, kv_cache, meta, scale)  # pure decode: no extra copy
+    output = torch.zeros_like(query) if query.shape[0] > meta.num_actual_tokens else torch.empty_like(query)
+    if num_decodes > 0:
+        output[:num_decodes] = _decodes(query, kv_cache, meta, scale)
+    starts = meta.query_start_loc_cpu
+    for i in range(num_decodes, meta.num_reqs):
+        start, end = starts[i], starts[i + 1]
+        output[start:end] = _prefill_attention(
+            query[start:end], kv_cache, meta.block_table[i], meta.seq_lens_cpu[i], scale
+        )
+    return output
+
+
+def paged_attention_reference(
+    query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """The dumbest correct version: per request, per token, slot by slot. Tests only."""
+    _, num_heads, head_size = query.shape
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    group = num_heads // num_kv_heads
+    output = torch.zeros_like(query)
+    for i in range(meta.num_reqs):
+        start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
+        seq_len = meta.seq_lens_cpu[i]
+        for j in range(end - start):
+            position = seq_len - (end - start) + j
+            keys = torch.empty(position + 1, num_kv_heads, head_size, dtype=torch.float64)
+            values = torch.empty_like(keys)
+            for p in range(position + 1):
+                block_id = int(meta.block_table[i, p // block_size])
+                keys[p] = kv_cache[0, block_id, p % block_size]
+                values[p] = kv_cache[1, block_id, p % block_size]
+            for h in range(num_heads):
+                q = query[start + j, h].double()
+                scores = (keys[:, h // group] @ q) * scale
+                probs = torch.softmax(scores, dim=0)
+                output[start + j, h] = (probs @ values[:, h // group]).to(query.dtype)
+    return output

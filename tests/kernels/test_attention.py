@@ -1,0 +1,122 @@
+"""paged_attention against the per-token reference and against dense causal attention."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from aioengine.kernels.attention import (
+    AttentionMetadata,
+    paged_attention,
+    paged_attention_reference,
+    store_kv,
+)
+
+HEAD_SIZE = 8
+NUM_KV_HEADS = 2
+
+# (query_len, seq_len) per request, decodes first: decodes, chunks from 0 and mid-sequence chunks.
+BATCHES = [
+    [(1, 1), (1, 7), (1, 17), (5, 5), (4, 13), (9, 9), (3, 20)],
+    [(1, 33), (1, 2)],  # decodes only
+    [(6, 6)],  # one prefill from 0
+    [(7, 30), (2, 2), (1, 5)],  # prefill-only batch whose last chunk is one token
+]
+
+
+def _setup(batch, block_size, group, seed=0):
+    """Dense per-request Q/K/V, a shuffled paged cache holding K/V, and the step's metadata."""
+    gen = torch.Generator().manual_seed(seed)
+    num_heads = NUM_KV_HEADS * group
+    blocks_per_req = [-(-s // block_size) for _, s in batch]
+    num_blocks = sum(blocks_per_req) + 3  # spare blocks stay unused
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    max_blocks = max(blocks_per_req) + 1
+    # Padding entries point at real (unrelated) blocks, as a reused block-table row would.
+    block_table = torch.full((len(batch), max_blocks), perm[-1], dtype=torch.int32)
+    cursor = 0
+    for i, n in enumerate(blocks_per_req):
+        block_table[i, :n] = torch.tensor(perm[cursor : cursor + n])
+        cursor += n
+    kv_cache = torch.randn(2, num_blocks, block_size, NUM_KV_HEADS, HEAD_SIZE, generator=gen)
+    dense = []
+    for _, seq_len in batch:
+        q = torch.randn(seq_len, num_heads, HEAD_SIZE, generator=gen)
+        k = torch.randn(seq_len, NUM_KV_HEADS, HEAD_SIZE, generator=gen)
+        v = torch.randn(seq_len, NUM_KV_HEADS, HEAD_SIZE, generator=gen)
+        dense.append((q, k, v))
+    # Earlier steps wrote the context; this step's store writes the new tokens' K/V.
+    context = AttentionMetadata.build([s for _, s in batch], [s for _, s in batch], block_table, block_size)
+    store_kv(
+        torch.cat([k for _, k, _ in dense]), torch.cat([v for _, _, v in dense]), kv_cache, context.slot_mapping
+    )
+    meta = AttentionMetadata.build([q for q, _ in batch], [s for _, s in batch], block_table, block_size)
+    query = torch.cat([q[s - n :] for (n, s), (q, _, _) in zip(batch, dense, strict=True)])
+    return query, kv_cache, meta, dense
+
+
+def _dense_attention(batch, dense, scale):
+    outs = []
+    for (q_len, _), (q, k, v) in zip(batch, dense, strict=True):
+        group = q.shape[1] // k.shape[1]
+        k = k.repeat_interleave(group, 1).transpose(0, 1)
+        v = v.repeat_interleave(group, 1).transpose(0, 1)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, is_causal=True, scale=scale)
+        outs.append(out.transpose(0, 1)[-q_len:])
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("batch", BATCHES)
+def test_paged_attention_matches_reference_and_dense(batch, block_size, group):
+    query, kv_cache, meta, dense = _setup(batch, block_size, group)
+    scale = HEAD_SIZE**-0.5
+    out = paged_attention(query, kv_cache, meta, scale)
+    assert out.shape == query.shape
+    torch.testing.assert_close(out, paged_attention_reference(query, kv_cache, meta, scale), atol=1e-5, rtol=0)
+    torch.testing.assert_close(out, _dense_attention(batch, dense, scale), atol=1e-5, rtol=0)
+
+
+def test_metadata_and_store_kv_slots():
+    block_table = torch.tensor([[3, 0], [1, 2]], dtype=torch.int32)
+    meta = AttentionMetadata.build([1, 3], [6, 7], block_table, block_size=4)
+    assert meta.num_decodes == 1 and meta.num_actual_tokens == 4
+    assert meta.query_start_loc_cpu == [0, 1, 4] and meta.max_seq_len == 7
+    # req 0 position 5 -> block 0 offset 1; req 1 positions 4..6 -> block 2 offsets 0..2.
+    assert meta.slot_mapping.tolist() == [1, 8, 9, 10]
+    kv_cache = torch.zeros(2, 4, 4, 1, 2)
+    key = torch.arange(8.0).view(4, 1, 2)
+    store_kv(key, -key, kv_cache, meta.slot_mapping)
+    assert torch.equal(kv_cache[0, 2, :3], key[1:])
+    assert torch.equal(kv_cache[1, 0, 1], -key[0])
+
+
+def test_padded_query_rows_are_zero():
+    batch = [(1, 9), (4, 10)]
+    query, kv_cache, meta, dense = _setup(batch, 4, 2)
+    padded = torch.cat([query, torch.randn(3, *query.shape[1:])])
+    out = paged_attention(padded, kv_cache, meta, 0.3)
+    assert torch.count_nonzero(out[-3:]) == 0
+    torch.testing.assert_close(out[:-3], paged_attention(query, kv_cache, meta, 0.3))
+
+
+def test_low_precision_runs_close_to_fp32():
+    batch = [(1, 9), (1, 20), (5, 12)]
+    query, kv_cache, meta, _ = _setup(batch, 4, 2)
+    ref = paged_attention(query, kv_cache, meta, 0.3)
+    out = paged_attention(query.bfloat16(), kv_cache.bfloat16(), meta, 0.3)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, atol=5e-2, rtol=5e-2)
+
+
+def test_decodes_split_into_length_groups(monkeypatch):
+    import aioengine.kernels.attention as attention
+
+    monkeypatch.setattr(attention, "_MIN_SPLIT_TOKENS", 8)
+    monkeypatch.setattr(attention, "_MAX_GROUP_TOKENS", 60)
+    batch = [(1, s) for s in (3, 40, 7, 22, 1, 9, 33, 5, 14)] + [(3, 11)]
+    query, kv_cache, meta, dense = _setup(batch, 4, 3)
+    out = paged_attention(query, kv_cache, meta, 0.3)
+    assert meta.decode_groups is not None and len(meta.decode_groups) > 2
+    torch.testing.assert_close(out, _dense_attention(batch, dense, 0.3), atol=1e-5, rtol=0)
+    torch.testing.assert_close(out, paged_attention(query, kv_cache, meta, 0.3))  # reused plan
