@@ -62,7 +62,10 @@ class AttentionMetadata:
         table = block_table.tolist()
         for i, (q_len, seq_len) in enumerate(zip(query_lens, seq_lens, strict=True)):
             starts.append(starts[-1] + q_len)
-            slots += [table[i][p // block_size] * block_size + p % block_size for p in range(seq_len - q_len, seq_len)]
+            slots += [
+                table[i][p // block_size] * block_size + p % block_size
+                for p in range(seq_len - q_len, seq_len)
+            ]
         device = block_table.device
         return cls(
             num_reqs=len(query_lens),
@@ -79,7 +82,9 @@ class AttentionMetadata:
         )
 
 
-def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def store_kv(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """Write key/value ``[T, Hkv, D]`` into the cache slots named by ``slot_mapping`` ``[T]``."""
     num_tokens = slot_mapping.shape[0]
     num_kv_heads, head_size = kv_cache.shape[-2], kv_cache.shape[-1]
@@ -154,9 +159,7 @@ def _plan_decode_groups(seq_lens: list[int], device: torch.device) -> list[_Deco
             group.append(i)
     if len(groups) == 1:
         return [_DecodeGroup(None, max(seq_lens))]
-    return [
-        _DecodeGroup(torch.tensor(g, dtype=torch.int64, device=device), seq_lens[g[-1]]) for g in groups
-    ]
+    return [_DecodeGroup(torch.tensor(g, dtype=torch.int64, device=device), seq_lens[g[-1]]) for g in groups]
 
 
 def _decode_attention(
@@ -182,7 +185,9 @@ def _decode_attention(
     return out.reshape(b, hq, d)
 
 
-def _decodes(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def _decodes(
+    query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
     """Attention for the first ``num_decodes`` requests, whose query rows are ``query[:num_decodes]``."""
     nd = meta.num_decodes
     if meta.decode_groups is None:  # planned by the first layer, reused by the rest

@@ -47,7 +47,10 @@ def _setup(batch, block_size, group, seed=0):
     # Earlier steps wrote the context; this step's store writes the new tokens' K/V.
     context = AttentionMetadata.build([s for _, s in batch], [s for _, s in batch], block_table, block_size)
     store_kv(
-        torch.cat([k for _, k, _ in dense]), torch.cat([v for _, _, v in dense]), kv_cache, context.slot_mapping
+        torch.cat([k for _, k, _ in dense]),
+        torch.cat([v for _, _, v in dense]),
+        kv_cache,
+        context.slot_mapping,
     )
     meta = AttentionMetadata.build([q for q, _ in batch], [s for _, s in batch], block_table, block_size)
     query = torch.cat([q[s - n :] for (n, s), (q, _, _) in zip(batch, dense, strict=True)])
@@ -73,7 +76,9 @@ def test_paged_attention_matches_reference_and_dense(batch, block_size, group):
     scale = HEAD_SIZE**-0.5
     out = paged_attention(query, kv_cache, meta, scale)
     assert out.shape == query.shape
-    torch.testing.assert_close(out, paged_attention_reference(query, kv_cache, meta, scale), atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        out, paged_attention_reference(query, kv_cache, meta, scale), atol=1e-5, rtol=0
+    )
     torch.testing.assert_close(out, _dense_attention(batch, dense, scale), atol=1e-5, rtol=0)
 
 
