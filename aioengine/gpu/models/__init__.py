@@ -1,1 +1,30 @@
-"""Model implementations built from a Hugging Face config.json."""
+"""Model implementations built from a Hugging Face config.json, looked up by ``architectures``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aioengine.gpu.models.llama import LlamaForCausalLM
+from aioengine.gpu.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
+
+MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+
+def get_model_class(config: Any) -> type[LlamaForCausalLM]:
+    """The class for the first supported name in ``config.architectures``."""
+    architectures = list(getattr(config, "architectures", None) or [])
+    for arch in architectures:
+        if arch in MODEL_REGISTRY:
+            return MODEL_REGISTRY[arch]
+    raise ValueError(
+        f"unsupported model architectures {architectures or '(none in config)'}; "
+        f"supported: {', '.join(MODEL_REGISTRY)}"
+    )
+
+
+__all__ = ["MODEL_REGISTRY", "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "get_model_class"]

@@ -1,0 +1,126 @@
+"""Model building blocks shared by the model files: RMSNorm, rotary embedding, SiluAndMul.
+
+Each op's math sits in a small function so a fused kernel can replace it later.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's order: normalise in fp32, cast back, then scale (so bf16 outputs match HF bit for bit)."""
+    orig_dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(orig_dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(
+        self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None, device: Any = None
+    ) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
+        self.variance_epsilon = eps
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``norm(x)``; with ``residual``: ``(norm(x + residual), x + residual)`` like vLLM's fused op."""
+        if residual is None:
+            return rms_norm(x, self.weight, self.variance_epsilon)
+        residual = x + residual
+        return rms_norm(residual, self.weight, self.variance_epsilon), residual
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(x[..., :d]) * x[..., d:]`` for the fused gate_up projection."""
+    d = x.shape[-1] // 2
+    return F.silu(x[..., :d]) * x[..., d:]
+
+
+class SiluAndMul(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return silu_and_mul(x)
+
+
+def rope_parameters(config: Any) -> tuple[float, dict[str, Any]]:
+    """``(rope_theta, scaling dict)`` from a transformers 5 (``rope_parameters``) or 4.x config."""
+    params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    theta = params.pop("rope_theta", None) or getattr(config, "rope_theta", None) or 10000.0
+    return float(theta), params
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1's frequency-dependent scaling (transformers' ``_compute_llama3_parameters``)."""
+    factor = scaling["factor"]
+    low_freq_factor = scaling["low_freq_factor"]
+    high_freq_factor = scaling["high_freq_factor"]
+    old_context_len = scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Neox / HF ``rotate_half`` rotation: x ``[T, H, D]``, cos/sin ``[T, 1, D/2]``."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary embedding with a ``[max_position, head_dim]`` cos|sin cache built once."""
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_position: int,
+        base: float,
+        rope_scaling: dict[str, Any] | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: Any = None,
+    ) -> None:
+        super().__init__()
+        rope_type = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
+        assert head_dim % 2 == 0
+        self.head_dim = head_dim
+        # HF computes frequencies in fp32 and casts cos/sin to the activation dtype.
+        inv_freq = 1.0 / (
+            base ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim)
+        )
+        if rope_type == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, rope_scaling)
+        elif rope_type != "default":
+            raise NotImplementedError(
+                f"rope_scaling type {rope_type!r} is not supported (supported: default, llama3)"
+            )
+        t = torch.arange(max_position, dtype=torch.float32, device=device)
+        freqs = torch.outer(t, inv_freq)
+        cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype)
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate query ``[T, Hq, D]`` and key ``[T, Hkv, D]`` by ``positions`` ``[T]``."""
+        cos, sin = self.cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
+        return apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
+
+
+def get_rope(
+    head_dim: int, max_position: int, config: Any, dtype: torch.dtype, device: Any = None
+) -> RotaryEmbedding:
+    """The rotary embedding a HF config asks for."""
+    base, scaling = rope_parameters(config)
+    return RotaryEmbedding(head_dim, max_position, base, scaling or None, dtype=dtype, device=device)

@@ -1,0 +1,79 @@
+"""Build a model from a local Hugging Face directory, stream its safetensors weights, size KV caches."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, PretrainedConfig
+
+from aioengine.gpu.models import get_model_class
+from aioengine.gpu.models.llama import LlamaForCausalLM, head_dim_of, num_kv_heads_of
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+SAFETENSORS_SINGLE = "model.safetensors"
+
+
+def safetensors_files(path: str | os.PathLike[str]) -> list[str]:
+    """The checkpoint's safetensors files: the shards of the index, or the single file."""
+    path = os.fspath(path)
+    index = os.path.join(path, SAFETENSORS_INDEX)
+    if os.path.exists(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(path, shard) for shard in shards]
+    single = os.path.join(path, SAFETENSORS_SINGLE)
+    if os.path.exists(single):
+        return [single]
+    raise FileNotFoundError(f"no {SAFETENSORS_SINGLE} or {SAFETENSORS_INDEX} in {path}")
+
+
+def iterate_weights(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) one tensor at a time, so peak memory stays near one tensor."""
+    for file in files:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                yield name, f.get_tensor(name)
+
+
+def load_model(
+    path: str | os.PathLike[str], dtype: torch.dtype = torch.float32, device: Any = "cpu"
+) -> tuple[LlamaForCausalLM, PretrainedConfig]:
+    """(model in eval mode on ``device`` with ``dtype`` weights, its HF config). Never uses the network."""
+    hf_config = AutoConfig.from_pretrained(os.fspath(path), local_files_only=True)
+    model_cls = get_model_class(hf_config)
+    with torch.no_grad():
+        model = model_cls(hf_config, dtype=dtype, device=device)
+        model.load_weights(iterate_weights(safetensors_files(path)))  # copy_ casts dtype and device
+    model.requires_grad_(False)
+    return model.eval(), hf_config
+
+
+def kv_cache_shape(model_config: Any, num_blocks: int, block_size: int) -> tuple[int, ...]:
+    """One layer's cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``."""
+    hf = getattr(model_config, "hf_config", model_config)
+    return (2, num_blocks, block_size, num_kv_heads_of(hf), head_dim_of(hf))
+
+
+def kv_cache_bytes_per_block(model_config: Any, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block costs across all layers (for sizing ``num_blocks`` from a memory budget)."""
+    hf = getattr(model_config, "hf_config", model_config)
+    per_layer = 2 * block_size * num_kv_heads_of(hf) * head_dim_of(hf)
+    return per_layer * hf.num_hidden_layers * torch.empty((), dtype=dtype).element_size()
+
+
+def allocate_kv_caches(
+    model_config: Any, num_blocks: int, block_size: int, dtype: torch.dtype, device: Any
+) -> list[torch.Tensor]:
+    """One zeroed cache tensor per layer.
+
+    Zeroed, not empty: padded attention reads slots nobody wrote, and a NaN there would
+    survive its zero attention weight (0 * NaN = NaN).
+    """
+    hf = getattr(model_config, "hf_config", model_config)
+    shape = kv_cache_shape(hf, num_blocks, block_size)
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(hf.num_hidden_layers)]

@@ -1,0 +1,237 @@
+"""The Llama family (Llama 2/3, SmolLM, Mistral) over the flat batch and the paged KV cache.
+
+Parameter names follow Hugging Face except the fused ``qkv_proj`` and ``gate_up_proj``, which
+``load_weights`` fills from ``q/k/v_proj`` and ``gate/up_proj`` (vLLM's stacked params).
+Qwen2/Qwen3 reuse these classes with the switches in ``LlamaForCausalLM``'s class attributes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.utils import skip_init
+
+from aioengine.gpu.layers import RMSNorm, SiluAndMul, get_rope
+from aioengine.kernels.attention import AttentionMetadata, paged_attention, store_kv
+
+
+def _linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device: Any) -> nn.Linear:
+    # Weights come from the checkpoint: skip the (slow, useless) random init.
+    return skip_init(nn.Linear, in_features, out_features, bias=bias, dtype=dtype, device=device)
+
+
+def head_dim_of(config: Any) -> int:
+    """``config.head_dim`` when set, else hidden_size / num_attention_heads."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def num_kv_heads_of(config: Any) -> int:
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self,
+        config: Any,
+        dtype: torch.dtype,
+        device: Any,
+        qkv_bias: bool,
+        o_bias: bool,
+        qk_norm: bool,
+    ) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = num_kv_heads_of(config)
+        assert self.num_heads % self.num_kv_heads == 0, "GQA needs heads to be a multiple of KV heads"
+        self.head_dim = head_dim_of(config)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scaling = self.head_dim**-0.5
+        hidden = config.hidden_size
+        self.qkv_proj = _linear(hidden, self.q_size + 2 * self.kv_size, qkv_bias, dtype, device)
+        self.qkv_proj.shard_offsets = {
+            "q_proj": (0, self.q_size),
+            "k_proj": (self.q_size, self.kv_size),
+            "v_proj": (self.q_size + self.kv_size, self.kv_size),
+        }
+        self.o_proj = _linear(self.q_size, hidden, o_bias, dtype, device)
+        self.q_norm = self.k_norm = None
+        if qk_norm:  # Qwen3: per-head RMSNorm on q and k before RoPE
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device)
+        self.rotary_emb = get_rope(self.head_dim, config.max_position_embeddings, config, dtype, device)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = hidden_states.shape[0]
+        qkv = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        store_kv(k, v, kv_cache, meta.slot_mapping)
+        out = paged_attention(q, kv_cache, meta, self.scaling)
+        return self.o_proj(out.view(num_tokens, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: Any, dtype: torch.dtype, device: Any) -> None:
+        super().__init__()
+        assert getattr(config, "hidden_act", "silu") == "silu", f"unsupported hidden_act {config.hidden_act}"
+        inter = config.intermediate_size
+        bias = bool(getattr(config, "mlp_bias", False))
+        self.gate_up_proj = _linear(config.hidden_size, 2 * inter, bias, dtype, device)
+        self.gate_up_proj.shard_offsets = {"gate_proj": (0, inter), "up_proj": (inter, inter)}
+        self.down_proj = _linear(inter, config.hidden_size, bias, dtype, device)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: Any, dtype: torch.dtype, device: Any, **attn_switches: bool) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, dtype, device, **attn_switches)
+        self.mlp = LlamaMLP(config, dtype, device)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # vLLM's residual threading: each norm also performs the previous residual add.
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states, kv_cache, meta)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: Any, dtype: torch.dtype, device: Any, **attn_switches: bool) -> None:
+        super().__init__()
+        self.embed_tokens = skip_init(
+            nn.Embedding, config.vocab_size, config.hidden_size, dtype=dtype, device=device
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, dtype, device, **attn_switches) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        assert len(kv_caches) == len(self.layers), "one KV cache per layer"
+        hidden_states = self.embed_tokens(input_ids)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden_states, residual = layer(positions, hidden_states, residual, kv_cache, meta)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class LlamaForCausalLM(nn.Module):
+    """``forward`` maps the flat batch to hidden states; ``compute_logits`` maps chosen rows to logits."""
+
+    qk_norm = False  # Qwen3 turns this on
+
+    @classmethod
+    def attention_biases(cls, config: Any) -> tuple[bool, bool]:
+        """(qkv_proj bias, o_proj bias) for this architecture."""
+        bias = bool(getattr(config, "attention_bias", False))
+        return bias, bias
+
+    def __init__(self, config: Any, dtype: torch.dtype = torch.float32, device: Any = "cpu") -> None:
+        super().__init__()
+        if getattr(config, "use_sliding_window", False):
+            raise NotImplementedError("sliding-window attention is not supported")
+        self.config = config
+        qkv_bias, o_bias = self.attention_biases(config)
+        self.model = LlamaModel(config, dtype, device, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=self.qk_norm)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head = self.model.embed_tokens  # same weight; the checkpoint may omit lm_head
+        else:
+            self.lm_head = _linear(config.hidden_size, config.vocab_size, False, dtype, device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids, positions ``[T]`` (int64) -> hidden states ``[T, hidden_size]``."""
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """hidden ``[N, hidden_size]`` -> float32 logits ``[N, vocab_size]``."""
+        return nn.functional.linear(hidden_states, self.lm_head.weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the (fused) parameters, casting to their dtype and device."""
+        params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
+        expected: set[tuple[str, str | None]] = set()  # (param, shard) pairs the checkpoint must fill
+        for name in params:
+            offsets = getattr(modules[name.rpartition(".")[0]], "shard_offsets", None)
+            expected |= {(name, shard) for shard in offsets} if offsets else {(name, None)}
+        loaded: set[tuple[str, str | None]] = set()
+        for hf_name, tensor in weights:
+            if "rotary_emb.inv_freq" in hf_name:
+                continue
+            if hf_name == "lm_head.weight" and self.tie_word_embeddings:
+                continue  # tied: the embedding is the head
+            name, shard = self._param_name(hf_name)
+            if name not in params:
+                raise ValueError(f"unexpected weight {hf_name!r} for {type(self).__name__}")
+            target = params[name].data
+            if shard is not None:
+                start, size = modules[name.rpartition(".")[0]].shard_offsets[shard]
+                target = target.narrow(0, start, size)
+            if target.shape != tensor.shape:
+                raise ValueError(
+                    f"{hf_name}: checkpoint shape {tuple(tensor.shape)} != {tuple(target.shape)}"
+                )
+            target.copy_(tensor)
+            loaded.add((name, shard))
+        missing = sorted(f"{n}[{s}]" if s else n for n, s in expected - loaded)
+        if missing:
+            more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+            raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:8])}{more}")
+
+    @staticmethod
+    def _param_name(hf_name: str) -> tuple[str, str | None]:
+        """HF name -> (our parameter name, shard of a fused parameter or None)."""
+        for fused, shards in (
+            ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
+            ("gate_up_proj", ("gate_proj", "up_proj")),
+        ):
+            for shard in shards:
+                if f".{shard}." in hf_name:
+                    return hf_name.replace(f".{shard}.", f".{fused}."), shard
+        return hf_name, None
