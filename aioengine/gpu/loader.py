@@ -76,4 +76,5 @@ def allocate_kv_caches(
     """
     hf = getattr(model_config, "hf_config", model_config)
     shape = kv_cache_shape(hf, num_blocks, block_size)
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(hf.num_hidden_layers)]
+    with torch.inference_mode(False):  # normal tensors: writable under inference_mode and no_grad alike
+        return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(hf.num_hidden_layers)]

@@ -105,7 +105,9 @@ class _Workspace(threading.local):
     def get(self, numel: int, like: torch.Tensor) -> torch.Tensor:
         buf = self.buffer
         if buf is None or buf.numel() < numel or buf.dtype != like.dtype or buf.device != like.device:
-            buf = self.buffer = torch.empty(numel, dtype=like.dtype, device=like.device)
+            # A normal tensor (even when first made under inference_mode) stays writable in any mode.
+            with torch.inference_mode(False):
+                buf = self.buffer = torch.empty(numel, dtype=like.dtype, device=like.device)
         return buf[:numel]
 
 
@@ -218,8 +220,10 @@ def _prefill_attention(
     q_len, num_heads, _ = query.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     key, value = _gather_kv(kv_cache, block_ids[: -(-seq_len // block_size)])
-    key = key[:seq_len].transpose(0, 1)  # [Hkv, S, D]
-    value = value[:seq_len].transpose(0, 1)
+    # 4-D [1, H, L, D] inputs: torch's CPU flash kernel takes only those (3-D falls back to the
+    # math path, which materialises the whole score matrix).
+    key = key[None, :seq_len].transpose(1, 2)  # [1, Hkv, S, D]
+    value = value[None, :seq_len].transpose(1, 2)
     context_len = seq_len - q_len
     mask = None
     if context_len > 0:
@@ -231,12 +235,12 @@ def _prefill_attention(
         if _HAS_ENABLE_GQA:
             kwargs["enable_gqa"] = True
         else:
-            key = key.repeat_interleave(num_heads // num_kv_heads, 0)
-            value = value.repeat_interleave(num_heads // num_kv_heads, 0)
+            key = key.repeat_interleave(num_heads // num_kv_heads, 1)
+            value = value.repeat_interleave(num_heads // num_kv_heads, 1)
     out = F.scaled_dot_product_attention(
-        query.transpose(0, 1), key, value, attn_mask=mask, is_causal=mask is None, scale=scale, **kwargs
+        query[None].transpose(1, 2), key, value, attn_mask=mask, is_causal=mask is None, scale=scale, **kwargs
     )
-    return out.transpose(0, 1)  # [q_len, Hq, D]
+    return out[0].transpose(0, 1)  # [q_len, Hq, D]
 
 
 def paged_attention(

@@ -125,3 +125,14 @@ def test_decodes_split_into_length_groups(monkeypatch):
     assert meta.decode_groups is not None and len(meta.decode_groups) > 2
     torch.testing.assert_close(out, _dense_attention(batch, dense, 0.3), atol=1e-5, rtol=0)
     torch.testing.assert_close(out, paged_attention(query, kv_cache, meta, 0.3))  # reused plan
+
+
+def test_workspace_made_under_inference_mode_works_outside_it(monkeypatch):
+    import aioengine.kernels.attention as attention
+
+    monkeypatch.setattr(attention, "_workspace", attention._Workspace())
+    query, kv_cache, meta, _ = _setup([(1, 9), (4, 10)], 4, 2)
+    with torch.inference_mode():
+        expected = paged_attention(query, kv_cache, meta, 0.3)
+    with torch.no_grad():
+        torch.testing.assert_close(paged_attention(query, kv_cache, meta, 0.3), expected)
