@@ -151,12 +151,14 @@ def _plan_decode_groups(seq_lens: list[int], device: torch.device) -> list[_Deco
         return [_DecodeGroup(None, max(seq_lens))]
     order = sorted(range(len(seq_lens)), key=seq_lens.__getitem__)
     groups: list[list[int]] = [[]]
+    useful = 0  # real tokens in the open group
     for i in order:
         group = groups[-1]
-        padded = (len(group) + 1) * seq_lens[i]
-        useful = sum(seq_lens[j] for j in group) + seq_lens[i]
+        padded = (len(group) + 1) * seq_lens[i]  # sorted: the newcomer is the longest
+        useful += seq_lens[i]
         if group and (padded > _MAX_GROUP_TOKENS or (padded > _MIN_SPLIT_TOKENS and padded > 2 * useful)):
             groups.append([i])
+            useful = seq_lens[i]
         else:
             group.append(i)
     if len(groups) == 1:
