@@ -1,0 +1,56 @@
+"""EngineArgs: every knob of the engine, named as vLLM names them, and how defaults are derived."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class EngineArgs:
+    model: str = "default"  # "default" (the embedded SmolLM2-135M-Instruct) or a checkpoint directory
+    tokenizer: str | None = None  # defaults to the model directory
+    served_model_name: str | None = None
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: float32 on CPU, bfloat16 on CUDA)
+    device: str = "auto"  # auto | cpu | cuda
+    seed: int = 0
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    max_num_batched_tokens: int | None = None  # default: 512 on CPU, 8192 on CUDA
+    max_num_seqs: int | None = None  # default: 128 on CPU, 1024 on CUDA
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # overrides the memory budget below
+    kv_cache_memory_bytes: int | None = None  # default on CPU: 2 GiB
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    long_prefill_token_threshold: int = 0
+    scheduling_policy: str = "fcfs"  # or "priority"
+    num_threads: int | None = None  # torch intra-op threads on CPU (default: all cores)
+    enforce_eager: bool = False
+    step_timeout_s: float = 300.0  # watchdog: a step running longer marks the engine dead
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def validate(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "num_kv_blocks"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"unsupported dtype {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+
+
+def default_num_threads() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

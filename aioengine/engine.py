@@ -1,0 +1,452 @@
+"""AsyncEngine: the step coroutine (batch queue of 2, one awaited wait per step) and generate/abort/chat."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import itertools
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from aioengine.config import EngineArgs, default_num_threads
+from aioengine.errors import EngineDeadError, EngineNotStartedError, InvalidRequestError
+from aioengine.outputs import CompletionOutput, RequestOutput
+from aioengine.sampling_params import SamplingParams
+from aioengine.sched.output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, SchedulerStats
+from aioengine.sched.request import Request, RequestStatus
+from aioengine.sched.scheduler import Scheduler, SchedulerConfig
+from aioengine.tokenizer import IncrementalDetokenizer, apply_chat_template, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+_DEFAULT_CPU_KV_BYTES = 2 << 30
+
+
+@dataclass(slots=True, eq=False)
+class _RequestState:
+    """One generate() call: its n completions, their detokenizers, and the stream to its consumer."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    child_ids: list[str]
+    detokenizers: list[IncrementalDetokenizer]
+    queue: asyncio.Queue
+    child_done: list[bool]
+    num_cached_tokens: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    finished: bool = False
+
+
+class GenerateHandle:
+    """What generate() returns: `await` it for the final output, or `async for` over its deltas.
+
+    Leaving an `async for` early, or cancelling the await, aborts the request.
+    """
+
+    def __init__(self, engine: AsyncEngine, state: _RequestState) -> None:
+        self._engine = engine
+        self._state = state
+        self._consumed = False
+
+    @property
+    def request_id(self) -> str:
+        return self._state.request_id
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._iterate()
+
+    def __await__(self):
+        return self._final().__await__()
+
+    async def _iterate(self) -> AsyncIterator[RequestOutput]:
+        assert not self._consumed, "a generate() result can be consumed once"
+        self._consumed = True
+        state = self._state
+        try:
+            while True:
+                item = await state.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            if not state.finished:
+                self._engine._abort_state(state)
+
+    async def _final(self) -> RequestOutput:
+        s = self._state
+        texts = [""] * s.params.n
+        ids: list[list[int]] = [[] for _ in range(s.params.n)]
+        reasons: list[tuple[str | None, int | str | None]] = [(None, None)] * s.params.n
+        last: RequestOutput | None = None
+        async for delta in self._iterate():
+            last = delta
+            for c in delta.outputs:
+                texts[c.index] += c.text
+                ids[c.index].extend(c.token_ids)
+                if c.finish_reason is not None:
+                    reasons[c.index] = (c.finish_reason, c.stop_reason)
+        assert last is not None
+        outputs = [CompletionOutput(i, texts[i], ids[i], *reasons[i]) for i in range(s.params.n)]
+        return RequestOutput(s.request_id, s.prompt, s.prompt_token_ids, outputs, True, s.num_cached_tokens,
+                             last.metrics)
+
+
+class AsyncEngine:
+    def __init__(self, args: EngineArgs | None = None, **kwargs: Any) -> None:
+        self.args = args if args is not None else EngineArgs(**kwargs)
+        self.args.validate()
+        self.tokenizer: Any = None
+        self.runner: Any = None
+        self.scheduler: Scheduler | None = None
+        self.model_path: str | None = None
+        self.model_name = self.args.served_model_name or self.args.model
+        self.max_model_len = 0
+        self.vocab_size = 0
+        self.eos_token_id: int | None = None
+        self.kv_capacity_tokens = 0
+        self._worker: Any = None
+        self._states: dict[str, _RequestState] = {}
+        self._children: dict[str, tuple[_RequestState, int]] = {}
+        self._batch_queue: collections.deque = collections.deque()
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._dead: EngineDeadError | None = None
+        self._stopping = False
+        self._ids = itertools.count()
+        self.stat_listeners: list[Callable[[SchedulerStats, list[EngineCoreOutput]], None]] = []
+        self.request_listeners: list[Callable[[RequestOutput, _RequestState], None]] = []
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    async def start(self) -> AsyncEngine:
+        if self._task is not None:
+            return self
+        from aioengine.model_files import resolve_model
+
+        args = self.args
+        loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
+        self.model_path = str(await loop.run_in_executor(None, resolve_model, args.model))
+        if args.served_model_name is None and args.model != "default":
+            self.model_name = args.model.rstrip("/")
+        tokenizer_fut = loop.run_in_executor(None, load_tokenizer, args.tokenizer or self.model_path)
+        device = args.resolved_device()
+        if device != "cpu":
+            raise NotImplementedError("the CUDA path is not built yet: use device='cpu'")
+        import torch
+
+        from aioengine.gpu.device import CpuWorker
+        from aioengine.gpu.model_runner import ModelRunner
+
+        dtype = torch.float32 if args.dtype in ("auto", "float32") else getattr(torch, args.dtype)
+        self._worker = CpuWorker(args.num_threads or default_num_threads())
+        cfg_probe = await loop.run_in_executor(None, _read_config, self.model_path)
+        max_model_len = args.max_model_len or cfg_probe["max_position_embeddings"]
+        max_num_seqs = args.max_num_seqs or 128
+        self.runner = await asyncio.wrap_future(self._worker.submit(
+            ModelRunner, self.model_path, dtype, torch.device(device), max_num_seqs, max_model_len,
+            args.block_size, args.seed))
+        self.tokenizer = await tokenizer_fut
+        bytes_per_block = self.runner.kv_cache_bytes_per_block()
+        blocks_per_seq = -(-max_model_len // args.block_size)
+        if args.num_kv_blocks is not None:
+            num_blocks = args.num_kv_blocks
+        else:
+            budget = args.kv_cache_memory_bytes or _DEFAULT_CPU_KV_BYTES
+            num_blocks = min(budget // bytes_per_block, max_num_seqs * blocks_per_seq + 1)
+        if num_blocks < 2:
+            raise ValueError(f"the KV cache budget fits {num_blocks} blocks; at least 2 are needed")
+        await asyncio.wrap_future(self._worker.submit(self.runner.initialize_kv_cache, num_blocks))
+        self.max_model_len = max_model_len
+        self.kv_capacity_tokens = (num_blocks - 1) * args.block_size
+        self.vocab_size = cfg_probe["vocab_size"]
+        self.eos_token_id = cfg_probe["eos_token_id"]
+        if self.eos_token_id is None:
+            self.eos_token_id = self.tokenizer.eos_token_id
+        max_batched = args.max_num_batched_tokens or 512
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_batched_tokens=max_batched, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+            num_blocks=num_blocks, block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
+            long_prefill_token_threshold=args.long_prefill_token_threshold, policy=args.scheduling_policy))
+        self._task = asyncio.create_task(self._run(), name="aioengine-step-loop")
+        logger.info("engine started in %.1f s: model=%s device=%s dtype=%s max_model_len=%d kv_blocks=%d "
+                    "(%d tokens) max_num_batched_tokens=%d max_num_seqs=%d", time.perf_counter() - t0,
+                    self.model_path, device, dtype, max_model_len, num_blocks, self.kv_capacity_tokens,
+                    max_batched, max_num_seqs)
+        return self
+
+    async def __aenter__(self) -> AsyncEngine:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.shutdown()
+
+    async def shutdown(self) -> None:
+        """Abort what is in flight, stop the step loop and the worker."""
+        for state in list(self._states.values()):
+            self._abort_state(state)
+        if self._task is not None:
+            self._stopping = True
+            self._wakeup.set()
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+            self._task = None
+        if self._worker is not None:
+            worker, self._worker = self._worker, None
+            await asyncio.get_running_loop().run_in_executor(None, worker.shutdown)
+
+    @property
+    def is_running(self) -> bool:
+        return self._task is not None and self._dead is None
+
+    @property
+    def dead_error(self) -> EngineDeadError | None:
+        return self._dead
+
+    # ---- requests -----------------------------------------------------------------------------
+    def generate(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
+                 request_id: str | None = None, priority: int = 0,
+                 cache_salt: str | None = None) -> GenerateHandle:
+        """Start a request; raises InvalidRequestError (bad input) or EngineDeadError at once."""
+        self._check_alive()
+        params = sampling_params or SamplingParams()
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("The prompt cannot be empty.", param="prompt")
+            prompt_text: str | None = prompt
+            prompt_ids = list(self.tokenizer.encode(prompt))
+        elif isinstance(prompt, list | tuple):
+            prompt_text = None
+            prompt_ids = list(prompt)
+            if not all(type(t) is int and 0 <= t < self.vocab_size for t in prompt_ids):
+                raise InvalidRequestError(f"prompt token ids must be integers in [0, {self.vocab_size}).",
+                                          param="prompt")
+        else:
+            raise InvalidRequestError("prompt must be a string or a list of token ids.", param="prompt")
+        return self._add(prompt_text, prompt_ids, params, request_id, priority, cache_salt)
+
+    def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None,
+             request_id: str | None = None, priority: int = 0,
+             chat_template_kwargs: dict | None = None) -> GenerateHandle:
+        self._check_alive()
+        ids = apply_chat_template(self.tokenizer, messages, **(chat_template_kwargs or {}))
+        return self._add(None, ids, sampling_params or SamplingParams(), request_id, priority, None)
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise self._dead
+        if self._task is None:
+            raise EngineNotStartedError("call `await engine.start()` (or use `async with`) first")
+
+    def _add(self, prompt: str | None, prompt_ids: list[int], params: SamplingParams, request_id: str | None,
+             priority: int, cache_salt: str | None) -> GenerateHandle:
+        num_prompt = len(prompt_ids)
+        if num_prompt == 0:
+            raise InvalidRequestError("The prompt cannot be empty.", param="prompt")
+        if num_prompt >= self.max_model_len:
+            raise InvalidRequestError(
+                f"The prompt is {num_prompt} tokens long, which is not shorter than this model's maximum "
+                f"context length of {self.max_model_len} tokens.", param="prompt", code="context_length_exceeded")
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            max_tokens = self.max_model_len - num_prompt
+        elif num_prompt + max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{num_prompt + max_tokens} tokens ({num_prompt} in the messages, {max_tokens} in the "
+                f"completion). Please reduce the length of the messages or completion.",
+                param="max_tokens", code="context_length_exceeded")
+        if num_prompt + max_tokens > self.kv_capacity_tokens:
+            raise InvalidRequestError(
+                f"The request needs up to {num_prompt + max_tokens} tokens of KV cache, more than the whole "
+                f"cache holds ({self.kv_capacity_tokens} tokens).", param="max_tokens")
+        if params.max_tokens is None:
+            params = replace(params, max_tokens=max_tokens)
+        rid = request_id if request_id is not None else f"req-{uuid.uuid4().hex}"
+        if rid in self._states:
+            raise InvalidRequestError(f"request id {rid!r} is already in use", param="request_id")
+        n = params.n
+        child_ids = [rid] if n == 1 else [f"{i}_{rid}" for i in range(n)]
+        state = _RequestState(
+            rid, prompt, prompt_ids, params, child_ids,
+            [IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop, params.include_stop_str_in_output,
+                                    params.skip_special_tokens) for _ in range(n)],
+            asyncio.Queue(), [False] * n)
+        self._states[rid] = state
+        assert self.scheduler is not None
+        for i, cid in enumerate(child_ids):
+            child_params = params
+            if n > 1 and params.seed is not None:
+                child_params = replace(params, seed=params.seed + i)
+            self._children[cid] = (state, i)
+            self.scheduler.add_request(Request(cid, prompt_ids, child_params, self.eos_token_id, priority,
+                                               state.arrival_time, cache_salt))
+        self._wakeup.set()
+        return GenerateHandle(self, state)
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a request; its stream ends with finish_reason 'abort'. False when it is not running."""
+        state = self._states.get(request_id)
+        if state is None:
+            return False
+        self._abort_state(state)
+        return True
+
+    def _abort_state(self, state: _RequestState) -> None:
+        if state.finished:
+            return
+        live = [cid for cid, done in zip(state.child_ids, state.child_done, strict=True) if not done]
+        if self.scheduler is not None and self._dead is None:
+            self.scheduler.finish_requests(live, RequestStatus.FINISHED_ABORTED)
+        completions = [CompletionOutput(state.child_ids.index(cid), "", [], "abort") for cid in live]
+        for cid in live:
+            self._children.pop(cid, None)
+        state.child_done = [True] * len(state.child_ids)
+        self._finish_state(state, completions)
+
+    def _finish_state(self, state: _RequestState, completions: list[CompletionOutput]) -> None:
+        state.finished = True
+        self._states.pop(state.request_id, None)
+        state.queue.put_nowait(self._make_output(state, completions))
+
+    def _make_output(self, state: _RequestState, completions: list[CompletionOutput]) -> RequestOutput:
+        out = RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions, state.finished,
+                            state.num_cached_tokens, {"arrival_time": state.arrival_time,
+                                                      "first_token_time": state.first_token_time})
+        for listener in self.request_listeners:
+            listener(out, state)
+        return out
+
+    # ---- the step coroutine -------------------------------------------------------------------
+    async def _run(self) -> None:
+        try:
+            while not self._stopping:
+                if not self.scheduler.has_requests() and not self._batch_queue:
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+                    continue
+                if not await self._step():
+                    await asyncio.sleep(0)  # let the loop serve others between two planned steps
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:
+            self._die(e)
+
+    async def _step(self) -> bool:
+        """Plan and enqueue step k; then, once the queue is full, await step k-1 and emit its tokens.
+
+        Returns whether it awaited the device.
+        """
+        scheduler = self.scheduler
+        scheduled = False
+        if scheduler.has_requests():
+            so = scheduler.schedule()  # stops 2-3
+            if so.total_num_scheduled_tokens or so.finished_req_ids or so.preempted_req_ids:
+                exec_fut = self._worker.submit(self.runner.execute_model, so)  # stops 4-7
+                bitmask = None  # stop 8: grammar bitmask, computed while the forward runs
+                sample_fut = self._worker.submit(self.runner.sample_tokens, bitmask)  # stop 9
+                self._batch_queue.appendleft((exec_fut, sample_fut, so))
+                scheduled = so.total_num_scheduled_tokens > 0
+        if not self._batch_queue:
+            return False
+        if len(self._batch_queue) < 2 and scheduled and scheduler.has_requests():
+            return False  # plan step k+1 before waiting for step k
+        exec_fut, sample_fut, so = self._batch_queue.pop()
+        result = await self._await_step(sample_fut)  # stop 10: the only wait for the device
+        if exec_fut.exception() is not None:
+            raise exec_fut.exception()
+        outputs = scheduler.update_from_output(so, result)  # stop 11
+        self._process_outputs(outputs)  # stop 12: straight to each request's stream
+        if self.stat_listeners:
+            stats = scheduler.make_stats()
+            for listener in self.stat_listeners:
+                listener(stats, outputs)
+        return True
+
+    async def _await_step(self, fut: concurrent.futures.Future) -> ModelRunnerOutput:
+        # asyncio.wait, not wait_for: wait_for can swallow a cancellation that races the result (3.11).
+        afut = asyncio.wrap_future(fut)
+        done, _ = await asyncio.wait((afut,), timeout=self.args.step_timeout_s)
+        if not done:
+            raise EngineDeadError(f"a step ran longer than the watchdog limit of {self.args.step_timeout_s} s")
+        return afut.result()
+
+    def _process_outputs(self, outputs: list[EngineCoreOutput]) -> None:
+        grouped: dict[int, tuple[_RequestState, list[CompletionOutput]]] = {}
+        now = time.monotonic()
+        for o in outputs:
+            entry = self._children.get(o.request_id)
+            if entry is None:
+                continue
+            state, idx = entry
+            detok = state.detokenizers[idx]
+            finish_reason, stop_reason = o.finish_reason, o.stop_reason
+            text = detok.add_tokens(o.new_token_ids, finish_reason is not None)
+            if detok.stop_reason is not None:
+                if finish_reason is None:  # a stop string: end this completion now
+                    self.scheduler.finish_requests(o.request_id, RequestStatus.FINISHED_STOPPED)
+                finish_reason, stop_reason = "stop", detok.stop_reason
+            if state.first_token_time is None and o.new_token_ids:
+                state.first_token_time = now
+            if o.num_cached_tokens:
+                state.num_cached_tokens = o.num_cached_tokens
+            if finish_reason is not None:
+                state.child_done[idx] = True
+                del self._children[o.request_id]
+            grouped.setdefault(id(state), (state, []))[1].append(
+                CompletionOutput(idx, text, o.new_token_ids, finish_reason, stop_reason))
+        for state, completions in grouped.values():
+            if all(state.child_done):
+                self._finish_state(state, completions)
+            else:
+                state.queue.put_nowait(self._make_output(state, completions))
+
+    def _die(self, exc: BaseException) -> None:
+        logger.error("engine step failed; the engine is dead", exc_info=exc)
+        err = exc if isinstance(exc, EngineDeadError) else EngineDeadError(f"engine step failed: {exc!r}")
+        if err is not exc:
+            err.__cause__ = exc
+        self._dead = err
+        for state in list(self._states.values()):
+            state.finished = True
+            state.queue.put_nowait(err)
+        self._states.clear()
+        self._children.clear()
+        self._batch_queue.clear()
+
+    # ---- introspection (tests, metrics, the server) ---------------------------------------------
+    def num_unfinished_requests(self) -> int:
+        return len(self._states)
+
+    def kv_cache_usage(self) -> float:
+        return self.scheduler.kv_cache_manager.usage if self.scheduler else 0.0
+
+
+def _read_config(path: str) -> dict:
+    import json
+    import os
+
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    eos = cfg.get("eos_token_id")
+    gen_path = os.path.join(path, "generation_config.json")
+    if os.path.exists(gen_path):
+        with open(gen_path) as f:
+            eos = json.load(f).get("eos_token_id", eos)
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    text_cfg = cfg.get("text_config", cfg)
+    return {"max_position_embeddings": text_cfg.get("max_position_embeddings", 2048),
+            "vocab_size": text_cfg["vocab_size"], "eos_token_id": eos}

@@ -1,0 +1,194 @@
+"""The model runner: applies the scheduler's diffs, builds the flat batch, runs the model and samples."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from aioengine.gpu.loader import allocate_kv_caches, load_model
+from aioengine.gpu.sampler import Sampler, SamplingMetadata
+from aioengine.gpu.states import RequestStates
+from aioengine.kernels.attention import AttentionMetadata
+from aioengine.sched.output import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class InputBatch:
+    req_ids: list[str]  # batch order: decodes first
+    rows: np.ndarray  # state row of each request
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn_metadata: AttentionMetadata
+    logits_indices: torch.Tensor  # token index of each sampled request's last query token
+    sample_mask: np.ndarray  # bool [num_reqs]: False for a prefill chunk (it samples nothing)
+
+
+class ModelRunner:
+    """Runs on the device's worker (a thread on CPU): execute_model() then sample_tokens(), in order."""
+
+    def __init__(self, model_path: str, dtype: torch.dtype, device: torch.device, max_num_reqs: int,
+                 max_model_len: int, block_size: int, seed: int) -> None:
+        self.device = device
+        self.dtype = dtype
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.max_num_reqs = max_num_reqs
+        self.model, self.hf_config = load_model(model_path, dtype=dtype, device=device)
+        self.sampler = Sampler(seed, device)
+        self.states = RequestStates(max_num_reqs, max_model_len, -(-max_model_len // block_size), device)
+        self.kv_caches: list[torch.Tensor] = []
+        self._pending: tuple[InputBatch, torch.Tensor] | None = None
+        self.fault_hook: Callable[[str, SchedulerOutput | None], None] | None = None  # tests inject faults
+        self.num_steps = 0
+
+    def kv_cache_bytes_per_block(self) -> int:
+        cfg = self.hf_config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * cfg.num_hidden_layers * self.block_size * num_kv_heads * head_dim * elem
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.kv_caches = allocate_kv_caches(self.hf_config, num_blocks, self.block_size, self.dtype, self.device)
+
+    # ---- stop 5: update states ----------------------------------------------------------------
+    def _update_states(self, so: SchedulerOutput) -> None:
+        states = self.states
+        for rid in so.finished_req_ids:
+            states.remove(rid)
+        for rid in so.preempted_req_ids:
+            states.remove(rid)
+        for data in so.scheduled_new_reqs:
+            states.add(data)
+        cached = so.scheduled_cached_reqs
+        for rid, block_ids in zip(cached.req_ids, cached.new_block_ids, strict=True):
+            if block_ids:
+                states.append_blocks(states.row_of[rid], block_ids)
+
+    # ---- stop 6: the flat batch ---------------------------------------------------------------
+    def _prepare_inputs(self, so: SchedulerOutput) -> InputBatch:
+        states = self.states
+        computed = {d.req_id: d.num_computed_tokens for d in so.scheduled_new_reqs}
+        cached = so.scheduled_cached_reqs
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        ids = list(so.num_scheduled_tokens)
+        n = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=len(ids))
+        order = np.argsort(n != 1, kind="stable")  # decodes first
+        req_ids = [ids[i] for i in order]
+        n = n[order]
+        rows = np.fromiter((states.row_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+        start = np.fromiter((computed[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+        num_reqs = len(req_ids)
+        num_tokens = int(n.sum())
+        cu = np.zeros(num_reqs + 1, dtype=np.int64)
+        np.cumsum(n, out=cu[1:])
+        tok_req = np.repeat(np.arange(num_reqs), n)
+        positions = np.repeat(start - cu[:-1], n) + np.arange(num_tokens)
+        rows_tok = rows[tok_req]
+        seq_lens = start + n
+        prefill_len = states.prefill_len[rows]
+        known = positions < states.prefill_len[rows_tok]
+        input_ids_np = np.where(known, states.token_ids[rows_tok, np.minimum(positions, self.max_model_len - 1)], 0)
+        bs = self.block_size
+        slot_mapping = states.block_table[rows_tok, positions // bs].astype(np.int64) * bs + positions % bs
+        max_seq_len = int(seq_lens.max())
+        block_table = np.ascontiguousarray(states.block_table[rows, : -(-max_seq_len // bs)])
+        sample_mask = seq_lens >= prefill_len
+        logits_indices = (cu[1:] - 1)[sample_mask]
+
+        dev = self.device
+        input_ids = torch.from_numpy(input_ids_np).to(dev, non_blocking=True)
+        from_last = np.flatnonzero(~known)
+        if from_last.size:
+            # Decode inputs: the token each request sampled last step, still on the device.
+            src = torch.from_numpy(rows_tok[from_last]).to(dev, non_blocking=True)
+            input_ids[torch.from_numpy(from_last).to(dev, non_blocking=True)] = states.last_sampled_tokens[src]
+        num_decodes = int(np.count_nonzero(n == 1))
+        seq_lens_list = seq_lens.tolist()
+        cu_list = cu.tolist()
+        meta = AttentionMetadata(
+            num_reqs=num_reqs,
+            num_decodes=num_decodes,
+            num_actual_tokens=num_tokens,
+            max_query_len=int(n.max()),
+            max_seq_len=max_seq_len,
+            query_start_loc=torch.from_numpy(cu.astype(np.int32)).to(dev, non_blocking=True),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev, non_blocking=True),
+            block_table=torch.from_numpy(block_table).to(dev, non_blocking=True),
+            slot_mapping=torch.from_numpy(slot_mapping).to(dev, non_blocking=True),
+            query_start_loc_cpu=cu_list,
+            seq_lens_cpu=seq_lens_list,
+        )
+        return InputBatch(
+            req_ids=req_ids,
+            rows=rows,
+            input_ids=input_ids,
+            positions=torch.from_numpy(positions).to(dev, non_blocking=True),
+            attn_metadata=meta,
+            logits_indices=torch.from_numpy(logits_indices).to(dev, non_blocking=True),
+            sample_mask=sample_mask,
+        )
+
+    # ---- stops 5-7: execute_model enqueues the forward ----------------------------------------
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> None:
+        if self.fault_hook is not None:
+            self.fault_hook("execute_model", so)
+        self._update_states(so)
+        self._pending = None
+        if so.total_num_scheduled_tokens == 0:
+            return
+        batch = self._prepare_inputs(so)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_metadata)
+        self._pending = (batch, hidden)
+        self.num_steps += 1
+
+    # ---- stop 9: logits for the sampled rows only, then the sampler ----------------------------
+    @torch.inference_mode()
+    def sample_tokens(self, grammar_bitmask: object | None = None) -> ModelRunnerOutput:
+        if self.fault_hook is not None:
+            self.fault_hook("sample_tokens", None)
+        if self._pending is None:
+            return ModelRunnerOutput([], [])
+        batch, hidden = self._pending
+        self._pending = None
+        sampled: list[list[int]] = [[] for _ in batch.req_ids]
+        if batch.logits_indices.numel():
+            logits = self.model.compute_logits(hidden[batch.logits_indices])
+            sample_rows = batch.rows[batch.sample_mask]
+            tokens = self.sampler(logits, self._sampling_metadata(sample_rows))
+            self.states.last_sampled_tokens[torch.from_numpy(sample_rows).to(self.device)] = tokens
+            token_list = tokens.tolist()
+            for j, i in enumerate(np.flatnonzero(batch.sample_mask).tolist()):
+                sampled[i] = [token_list[j]]
+        return ModelRunnerOutput(batch.req_ids, sampled)
+
+    def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
+        s = self.states
+        temperature = s.temperature[rows]
+        all_greedy = bool((temperature < 1e-5).all())
+        dev = self.device
+
+        def opt(arr: np.ndarray, off: float) -> torch.Tensor | None:
+            return torch.from_numpy(arr).to(dev) if (arr != off).any() else None
+
+        gens = {}
+        if s.generators:
+            for j, row in enumerate(rows.tolist()):
+                g = s.generators.get(row)
+                if g is not None:
+                    gens[j] = g
+        return SamplingMetadata(
+            all_greedy=all_greedy,
+            temperature=torch.from_numpy(temperature).to(dev),
+            top_k=opt(s.top_k[rows], 0),
+            top_p=opt(s.top_p[rows], 1.0),
+            min_p=opt(s.min_p[rows], 0.0),
+            generators=gens,
+        )

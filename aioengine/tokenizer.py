@@ -1,0 +1,98 @@
+"""Tokenizer loading, chat templates, and the incremental detokenizer with stop strings."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from aioengine.errors import InvalidRequestError
+
+# Prompt tokens decoded with the output so that SentencePiece-style leading spaces come out right.
+_PREFIX_CONTEXT = 6
+
+
+def load_tokenizer(path: str) -> Any:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def apply_chat_template(tokenizer: Any, messages: list[dict], add_generation_prompt: bool = True,
+                        **kwargs: Any) -> list[int]:
+    """Token ids of a chat conversation; malformed messages raise InvalidRequestError."""
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequestError("messages must be a non-empty list", param="messages")
+    for m in messages:
+        if not isinstance(m, dict) or "role" not in m:
+            raise InvalidRequestError("each message must be an object with a 'role'", param="messages")
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise InvalidRequestError("this model's tokenizer has no chat template", param="messages")
+    try:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                            tokenize=True, **kwargs)
+    except Exception as e:  # jinja errors from user content: the request is bad, the engine is fine
+        raise InvalidRequestError(f"could not apply the chat template: {e}", param="messages") from e
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+class IncrementalDetokenizer:
+    """Turns one completion's token stream into text deltas.
+
+    Never emits a partial multi-byte character (the replacement char means "wait for more tokens"), and
+    holds back the tail that could still become a stop string, so the stop string never reaches the user.
+    """
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], stop: list[str],
+                 include_stop_str_in_output: bool = False, skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        context = prompt_token_ids[-_PREFIX_CONTEXT:]
+        self.ids: list[int] = list(context)
+        self.prefix_offset = 0
+        self.read_offset = len(context)
+        self.text = ""  # all decoded output text so far (after stop-string truncation)
+        self.emitted = 0  # characters of self.text already returned to the user
+        self.stop = stop
+        self.include_stop = include_stop_str_in_output
+        self.hold_back = max((len(s) for s in stop), default=1) - 1
+        self.skip_special_tokens = skip_special_tokens
+        self.stop_reason: str | None = None
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add_tokens(self, new_token_ids: list[int], finished: bool) -> str:
+        """Append tokens; returns the new text to emit. Sets stop_reason when a stop string matched."""
+        if self.stop_reason is None and new_token_ids:
+            self.ids.extend(new_token_ids)
+            prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+            full = self._decode(self.ids[self.prefix_offset:])
+            if len(full) > len(prefix) and (finished or not full.endswith("\ufffd")):
+                new_text = full[len(prefix):]
+                self.prefix_offset = self.read_offset
+                self.read_offset = len(self.ids)
+                start = len(self.text)
+                self.text += new_text
+                if self.stop:
+                    self._check_stop_strings(start)
+        if self.stop_reason is not None or finished:
+            end = len(self.text)
+        else:
+            end = max(self.emitted, len(self.text) - self.hold_back)
+        delta = self.text[self.emitted:end]
+        self.emitted = end
+        return delta
+
+    def _check_stop_strings(self, new_start: int) -> None:
+        search_from = max(0, new_start - self.hold_back)
+        best = None
+        for s in self.stop:
+            i = self.text.find(s, search_from)
+            if i != -1 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is not None:
+            i, s = best
+            self.text = self.text[: i + len(s)] if self.include_stop else self.text[:i]
+            self.stop_reason = s

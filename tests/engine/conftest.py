@@ -1,0 +1,50 @@
+"""Tiny random-weight checkpoints (Llama, Qwen2, Qwen3) with a real tokenizer, for engine tests."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import transformers
+
+from aioengine.model_files import resolve_model
+
+SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=49152, max_position_embeddings=512, eos_token_id=2)
+TINY = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
+              dict(tie_word_embeddings=True, rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                                           "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                           "original_max_position_embeddings": 64})),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(tie_word_embeddings=False)),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(head_dim=24)),
+}
+
+
+def make_tiny_checkpoint(kind: str, path) -> transformers.PreTrainedModel:
+    config_cls, model_cls, extra = TINY[kind]
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**SMALL, **extra)).float().eval()
+    with torch.no_grad():  # HF initialises norms to 1 and biases to 0: randomise so they are tested too
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn_like(p) * (0.1 if "norm" in name else 0.3) + (1.0 if "norm" in name else 0.0))
+    model.save_pretrained(path)
+    default = resolve_model("default")
+    for f in default.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template", "vocab", "merges")):
+            shutil.copy(f, path / f.name)
+    return model
+
+
+@pytest.fixture(scope="session", params=sorted(TINY))
+def tiny_checkpoint(request, tmp_path_factory):
+    """(kind, path, HF model) for each tiny architecture."""
+    path = tmp_path_factory.mktemp(f"tiny-{request.param}")
+    return request.param, path, make_tiny_checkpoint(request.param, path)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama")
+    return path, make_tiny_checkpoint("llama", path)
