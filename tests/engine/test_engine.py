@@ -1,0 +1,263 @@
+"""AsyncEngine behaviour: streaming, aborts, errors, seeds, stop strings, the dead state, the default model."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from aioengine import (
+    AsyncEngine,
+    EngineArgs,
+    EngineDeadError,
+    EngineNotStartedError,
+    InvalidRequestError,
+    SamplingParams,
+)
+from aioengine.tokenizer import IncrementalDetokenizer
+
+
+def tiny_args(path, **kw) -> EngineArgs:
+    return EngineArgs(model=str(path), block_size=4, max_num_batched_tokens=64, **kw)
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 120))
+
+
+def test_stream_deltas_add_up_to_the_final_output(tiny_llama):
+    path, _ = tiny_llama
+
+    async def main():
+        async with AsyncEngine(tiny_args(path)) as engine:
+            params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+            final = await engine.generate("Hello there, how are you?", params)
+            text, ids, n_deltas = "", [], 0
+            async for delta in engine.generate("Hello there, how are you?", params):
+                n_deltas += 1
+                text += delta.outputs[0].text
+                ids += delta.outputs[0].token_ids
+                last = delta
+            assert last.finished and last.outputs[0].finish_reason == "length"
+            assert ids == final.outputs[0].token_ids and len(ids) == 12
+            assert text == final.outputs[0].text == engine.tokenizer.decode(ids, skip_special_tokens=True)
+            assert n_deltas >= 2
+
+    run(main())
+
+
+def test_aborts_free_every_block(tiny_llama):
+    path, _ = tiny_llama
+    rng = random.Random(0)
+
+    async def consume(engine, i):
+        params = SamplingParams(temperature=0, max_tokens=rng.randint(5, 30), ignore_eos=True)
+        prompt = [rng.randrange(3, 40000) for _ in range(rng.randint(4, 60))]
+        handle = engine.generate(prompt, params, request_id=f"r{i}")
+        mode = rng.random()
+        if mode < 0.3:  # leave the stream early: aborts
+            async for delta in handle:
+                if rng.random() < 0.3:
+                    break
+            return "left"
+        if mode < 0.6:  # abort by id at a random point
+            task = asyncio.ensure_future(handle)
+            await asyncio.sleep(rng.random() * 0.05)
+            await engine.abort(f"r{i}")
+            out = await task
+            return out.outputs[0].finish_reason
+        out = await handle
+        assert len(out.outputs[0].token_ids) == params.max_tokens
+        return "done"
+
+    async def main():
+        async with AsyncEngine(tiny_args(path, num_kv_blocks=1 + 200)) as engine:
+            results = await asyncio.gather(*(consume(engine, i) for i in range(100)))
+            for _ in range(100):  # aborts inside a step finish with it: let the loop drain
+                if engine.num_unfinished_requests() == 0 and not engine.scheduler.has_requests():
+                    break
+                await asyncio.sleep(0.01)
+            assert engine.kv_cache_usage() == 0.0
+            assert not engine.scheduler.kv_cache_manager.req_to_blocks
+            assert "abort" in results and "done" in results and "left" in results
+            # The engine still serves after all that.
+            out = await engine.generate([5, 6, 7], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+            assert len(out.outputs[0].token_ids) == 3
+
+    run(main())
+
+
+def test_bad_input_raises_typed_errors_before_scheduling(tiny_llama):
+    path, _ = tiny_llama
+
+    async def main():
+        engine = AsyncEngine(tiny_args(path, max_model_len=64))
+        with pytest.raises(EngineNotStartedError):
+            engine.generate("hi")
+        async with engine:
+            cases = [
+                lambda: engine.generate("", SamplingParams()),
+                lambda: engine.generate([], SamplingParams()),
+                lambda: engine.generate([1] * 64, SamplingParams(max_tokens=1)),
+                lambda: engine.generate([1] * 60, SamplingParams(max_tokens=10)),
+                lambda: engine.generate([10**9], SamplingParams()),
+                lambda: engine.generate([-1], SamplingParams()),
+                lambda: engine.generate(None, SamplingParams()),
+                lambda: engine.chat([], SamplingParams()),
+                lambda: engine.chat([{"content": "no role"}], SamplingParams()),
+                lambda: SamplingParams(temperature=-1),
+                lambda: SamplingParams(top_p=0),
+                lambda: SamplingParams(max_tokens=0),
+                lambda: SamplingParams(n=0),
+                lambda: SamplingParams(n=2, temperature=0),
+                lambda: SamplingParams(logprobs=21),
+            ]
+            for make in cases:
+                with pytest.raises(InvalidRequestError):
+                    make()
+            assert engine.scheduler.get_num_unfinished_requests() == 0
+            with pytest.raises(InvalidRequestError, match="maximum context length is 64 tokens"):
+                engine.generate([1] * 60, SamplingParams(max_tokens=10))
+            h = engine.generate([1, 2], SamplingParams(max_tokens=2), request_id="same")
+            with pytest.raises(InvalidRequestError):
+                engine.generate([1, 2], SamplingParams(max_tokens=2), request_id="same")
+            await h
+
+    run(main())
+
+
+def test_same_seed_same_tokens_alone_or_in_a_batch(tiny_llama):
+    path, _ = tiny_llama
+    params = SamplingParams(temperature=0.9, top_k=50, top_p=0.9, seed=1234, max_tokens=12, ignore_eos=True)
+    prompt = [11, 12, 13, 14, 15]
+
+    async def main():
+        async with AsyncEngine(tiny_args(path)) as engine:
+            alone = (await engine.generate(prompt, params)).outputs[0].token_ids
+            others = [engine.generate([20 + i] * (3 + i), SamplingParams(temperature=1.0, max_tokens=12))
+                      for i in range(15)]
+            batched = engine.generate(prompt, params)
+            results = await asyncio.gather(batched, *others)
+            unseeded = await engine.generate(prompt, SamplingParams(temperature=0.9, max_tokens=12,
+                                                                    ignore_eos=True))
+            return alone, results[0].outputs[0].token_ids, unseeded.outputs[0].token_ids
+
+    alone, batched, unseeded = run(main())
+    assert alone == batched
+    assert unseeded != alone  # sampling is really random without the seed (12 tokens: collision ~ impossible)
+
+
+def test_n_completions_share_the_prompt(tiny_llama):
+    path, _ = tiny_llama
+
+    async def main():
+        async with AsyncEngine(tiny_args(path)) as engine:
+            out = await engine.generate(list(range(100, 140)),
+                                        SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=6, ignore_eos=True))
+            assert [c.index for c in out.outputs] == [0, 1, 2]
+            assert all(len(c.token_ids) == 6 and c.finish_reason == "length" for c in out.outputs)
+            assert engine.scheduler.kv_cache_manager.total_prefix_cache.hits > 0
+
+    run(main())
+
+
+def test_exception_in_a_step_kills_the_engine_cleanly(tiny_llama):
+    path, _ = tiny_llama
+
+    async def main():
+        engine = AsyncEngine(tiny_args(path))
+        await engine.start()
+        handles = [engine.generate([5 + i] * 8, SamplingParams(max_tokens=50, ignore_eos=True)) for i in range(4)]
+        steps = {"n": 0}
+
+        def hook(where, so):
+            if where == "execute_model":
+                steps["n"] += 1
+                if steps["n"] == 5:
+                    raise RuntimeError("injected fault")
+
+        engine.runner.fault_hook = hook
+        for h in handles:
+            with pytest.raises(EngineDeadError):
+                await asyncio.wait_for(h, 5)
+        assert engine.dead_error is not None and not engine.is_running
+        with pytest.raises(EngineDeadError):
+            engine.generate([1, 2, 3])
+        await asyncio.wait_for(engine.shutdown(), 5)
+
+    run(main())
+
+
+def test_watchdog_marks_a_hung_step_dead(tiny_llama):
+    path, _ = tiny_llama
+
+    async def main():
+        engine = AsyncEngine(tiny_args(path, step_timeout_s=0.5))
+        await engine.start()
+        import time
+
+        engine.runner.fault_hook = lambda where, so: time.sleep(1.5) if where == "sample_tokens" else None
+        with pytest.raises(EngineDeadError, match="watchdog"):
+            await asyncio.wait_for(engine.generate([1, 2, 3], SamplingParams(max_tokens=4)), 5)
+        await asyncio.wait_for(engine.shutdown(), 5)
+
+    run(main())
+
+
+def test_stop_strings_never_reach_the_output(tiny_llama):
+    path, _ = tiny_llama
+
+    async def main():
+        async with AsyncEngine(tiny_args(path)) as engine:
+            params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+            full = (await engine.generate("Once upon a time", params)).outputs[0].text
+            assert len(full) > 10
+            stop = full[5:9]
+            out = await engine.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=20,
+                                                                           ignore_eos=True, stop=[stop]))
+            c = out.outputs[0]
+            assert c.finish_reason == "stop" and c.stop_reason == stop
+            assert c.text == full[: full.index(stop)]
+            streamed = ""
+            async for d in engine.generate("Once upon a time", SamplingParams(
+                    temperature=0, max_tokens=20, ignore_eos=True, stop=[stop], include_stop_str_in_output=True)):
+                streamed += d.outputs[0].text if d.outputs else ""
+            assert streamed == full[: full.index(stop) + len(stop)]
+            assert engine.kv_cache_usage() == 0.0
+
+    run(main())
+
+
+class _ByteTokenizer:
+    """Each token is one UTF-8 byte: multi-byte characters span tokens."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_detokenizer_never_splits_a_multibyte_character():
+    text = "héllo → 世界 🎉!"
+    data = list(text.encode())
+    detok = IncrementalDetokenizer(_ByteTokenizer(), list(b"ab"), stop=[])
+    pieces = [detok.add_tokens([b], finished=False) for b in data]
+    pieces.append(detok.add_tokens([], finished=True))
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_detokenizer_holds_back_a_stop_string_spanning_tokens():
+    detok = IncrementalDetokenizer(_ByteTokenizer(), [], stop=["STOP"])
+    out = "".join(detok.add_tokens([b], finished=False) for b in b"abcSTdefSTOPxyz")
+    assert out == "abcSTdef" and detok.stop_reason == "STOP"
+
+
+def test_default_model_knows_the_capital_of_france():
+    async def main():
+        async with AsyncEngine(EngineArgs(model="default", max_model_len=2048)) as engine:
+            out = await engine.chat([{"role": "user", "content": "What is the capital of France?"}],
+                                    SamplingParams(temperature=0, max_tokens=30))
+            return out.outputs[0].text
+
+    text = asyncio.run(main())
+    assert "Paris" in text, text
