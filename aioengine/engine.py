@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import itertools
 import logging
 import time
@@ -17,7 +18,7 @@ from aioengine.config import EngineArgs, default_num_threads
 from aioengine.errors import EngineDeadError, EngineNotStartedError, InvalidRequestError
 from aioengine.outputs import CompletionOutput, RequestOutput
 from aioengine.sampling_params import SamplingParams
-from aioengine.sched.output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, SchedulerStats
+from aioengine.sched.output import EngineCoreOutput, ModelRunnerOutput, SchedulerStats
 from aioengine.sched.request import Request, RequestStatus
 from aioengine.sched.scheduler import Scheduler, SchedulerConfig
 from aioengine.tokenizer import IncrementalDetokenizer, apply_chat_template, load_tokenizer
@@ -198,10 +199,8 @@ class AsyncEngine:
             self._stopping = True
             self._wakeup.set()
             self._task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
             self._task = None
         if self._worker is not None:
             worker, self._worker = self._worker, None

@@ -57,7 +57,7 @@ def test_aborts_free_every_block(tiny_llama):
         handle = engine.generate(prompt, params, request_id=f"r{i}")
         mode = rng.random()
         if mode < 0.3:  # leave the stream early: aborts
-            async for delta in handle:
+            async for _delta in handle:
                 if rng.random() < 0.3:
                     break
             return "left"
