@@ -1,0 +1,194 @@
+"""Prometheus metrics named like vLLM's (prefix `aioengine:`), fed by engine listeners, plus loop lag.
+
+Each app owns its CollectorRegistry, so several apps (tests) can watch one engine side by side.
+Listeners run inside the engine step, so they only bump counters and dicts: no I/O, no locks held long.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                    10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                240.0, 480.0, 960.0, 1920.0, 7680.0)
+_LAG_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+@dataclass(slots=True)
+class Totals:
+    """Plain running totals, read by the periodic stats log line."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+
+
+class EngineMetrics:
+    def __init__(self, engine: Any, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        self.engine = engine
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.totals = Totals()
+        r, labels = self.registry, ["model_name"]
+
+        def gauge(name: str, doc: str, fn: Any) -> None:
+            Gauge(f"aioengine:{name}", doc, labels, registry=r).labels(model_name).set_function(fn)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"aioengine:{name}", doc, labels, registry=r).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: tuple) -> Histogram:
+            return Histogram(f"aioengine:{name}", doc, labels, buckets=buckets, registry=r).labels(model_name)
+
+        # Read at scrape time: exact even when no step runs (after aborts, when idle).
+        gauge("num_requests_running", "Number of requests in model execution batches.",
+              lambda: len(engine.scheduler.running) if engine.scheduler is not None else 0)
+        gauge("num_requests_waiting", "Number of requests waiting to be processed.",
+              lambda: len(engine.scheduler.waiting) if engine.scheduler is not None else 0)
+        gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", engine.kv_cache_usage)
+        self.prefix_queries = counter("prefix_cache_queries", "Prefix cache queries, in number of queried tokens.")
+        self.prefix_hits = counter("prefix_cache_hits", "Prefix cache hits, in number of cached tokens.")
+        self.preemptions = counter("num_preemptions", "Cumulative number of preemptions from the engine.")
+        self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("generation_tokens", "Number of generation tokens processed.")
+        success = Counter("aioengine:request_success", "Count of successfully processed requests.",
+                          ["model_name", "finished_reason"], registry=r)
+        self.success = {reason: success.labels(model_name, reason) for reason in ("stop", "length", "abort")}
+        self._success_family = success
+        self._model_name = model_name
+        self.ttft = histogram("time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              _LATENCY_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                             _ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                             _E2E_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds",
+                                    "Histogram of time spent waiting before first scheduled, in seconds.",
+                                    _E2E_BUCKETS)
+        self.iteration_tokens = histogram("iteration_tokens_total", "Histogram of tokens per engine step.",
+                                          _TOKEN_BUCKETS)
+        self.request_prompt_tokens = histogram("request_prompt_tokens", "Number of prefill tokens per request.",
+                                               _TOKEN_BUCKETS)
+        self.request_generation_tokens = histogram("request_generation_tokens",
+                                                   "Number of generation tokens per request.", _TOKEN_BUCKETS)
+        self.loop_lag = histogram("event_loop_lag_seconds",
+                                  "How late the event loop woke a periodic timer: the delay every request "
+                                  "coroutine on the loop sees.", _LAG_BUCKETS)
+        self._live: dict[str, list] = {}  # request_id -> [last token time, generated tokens]
+        self._scheduled: set[str] = set()  # engine (child) request ids already scheduled once
+        engine.stat_listeners.append(self.on_step)
+        engine.request_listeners.append(self.on_output)
+
+    def close(self) -> None:
+        for listeners, fn in ((self.engine.stat_listeners, self.on_step),
+                              (self.engine.request_listeners, self.on_output)):
+            if fn in listeners:
+                listeners.remove(fn)
+
+    # ---- engine listeners (inside the step: keep them cheap) --------------------------------------------
+    def on_step(self, stats: Any, outputs: list) -> None:
+        t = self.totals
+        if stats.prefix_cache_queries:
+            self.prefix_queries.inc(stats.prefix_cache_queries)
+            t.prefix_queries += stats.prefix_cache_queries
+        if stats.prefix_cache_hits:
+            self.prefix_hits.inc(stats.prefix_cache_hits)
+            t.prefix_hits += stats.prefix_cache_hits
+        if stats.num_preemptions:
+            self.preemptions.inc(stats.num_preemptions)
+        if stats.num_scheduled_tokens:
+            self.iteration_tokens.observe(stats.num_scheduled_tokens)
+        # The engine keeps no "first scheduled" time: a request seen in `running` for the first time was
+        # scheduled in one of the (at most two) steps just finished.
+        scheduler = self.engine.scheduler
+        if scheduler is not None and scheduler.running:
+            now = time.monotonic()
+            for r in scheduler.running:
+                if r.request_id not in self._scheduled:
+                    self._scheduled.add(r.request_id)
+                    self.queue_time.observe(max(0.0, now - r.arrival_time))
+
+    def on_output(self, out: Any, state: Any) -> None:
+        now = time.monotonic()
+        live = self._live.get(out.request_id)
+        n_new = 0
+        for c in out.outputs:
+            n_new += len(c.token_ids)
+            if c.finish_reason is not None:
+                counter = self.success.get(c.finish_reason)
+                if counter is None:
+                    counter = self.success[c.finish_reason] = self._success_family.labels(
+                        self._model_name, c.finish_reason)
+                counter.inc()
+        if n_new:
+            self.generation_tokens.inc(n_new)
+            self.totals.generation_tokens += n_new
+            if live is None:
+                live = self._live[out.request_id] = [now, 0]
+                num_prompt = len(out.prompt_token_ids)
+                self.prompt_tokens.inc(num_prompt)
+                self.totals.prompt_tokens += num_prompt
+                self.request_prompt_tokens.observe(num_prompt)
+                first = state.first_token_time if state.first_token_time is not None else now
+                self.ttft.observe(max(0.0, first - state.arrival_time))
+            else:
+                self.itl.observe(now - live[0])
+                live[0] = now
+            live[1] += n_new
+        if out.finished:
+            self.e2e.observe(max(0.0, now - state.arrival_time))
+            self.request_generation_tokens.observe(live[1] if live is not None else 0)
+            self._live.pop(out.request_id, None)
+            for cid in state.child_ids:
+                self._scheduled.discard(cid)
+
+    # ---- the event loop's own health -------------------------------------------------------------------
+    async def watch_loop_lag(self, interval: float = 0.05) -> None:
+        """Sleep `interval` over and over; how late each wake-up comes is the loop's lag."""
+        loop = asyncio.get_running_loop()
+        while True:
+            t0 = loop.time()
+            await asyncio.sleep(interval)
+            self.loop_lag.observe(max(0.0, loop.time() - t0 - interval))
+
+
+class StatsLogger:
+    """vLLM's periodic one-line summary: throughput over the interval, queue sizes, KV and prefix cache."""
+
+    def __init__(self, metrics: EngineMetrics) -> None:
+        self.metrics = metrics
+        self.last = Totals()
+        self.last_time = time.monotonic()
+        self.was_idle = False
+
+    def line(self) -> str | None:
+        """The line for the interval just ended, or None when the engine was idle then and still is."""
+        m, engine = self.metrics, self.metrics.engine
+        now, t = time.monotonic(), m.totals
+        dt = max(now - self.last_time, 1e-9)
+        prompt_tps = (t.prompt_tokens - self.last.prompt_tokens) / dt
+        gen_tps = (t.generation_tokens - self.last.generation_tokens) / dt
+        queries = t.prefix_queries - self.last.prefix_queries
+        hits = t.prefix_hits - self.last.prefix_hits
+        sched = engine.scheduler
+        running = len(sched.running) if sched is not None else 0
+        waiting = len(sched.waiting) if sched is not None else 0
+        self.last = Totals(t.prompt_tokens, t.generation_tokens, t.prefix_queries, t.prefix_hits)
+        self.last_time = now
+        idle = not (prompt_tps or gen_tps or running or waiting)
+        if idle and self.was_idle:
+            return None
+        self.was_idle = idle
+        return (f"Avg prompt throughput: {prompt_tps:.1f} tokens/s, Avg generation throughput: {gen_tps:.1f} "
+                f"tokens/s, Running: {running} reqs, Waiting: {waiting} reqs, KV cache usage: "
+                f"{engine.kv_cache_usage() * 100:.1f}%, Prefix cache hit rate: "
+                f"{(hits / queries * 100) if queries else 0.0:.1f}%")

@@ -1,0 +1,416 @@
+"""OpenAI request parsing: JSON bodies -> typed requests with SamplingParams, and OpenAI error JSON.
+
+Every field a client may send is either used, validated and rejected when it asks for something the
+engine cannot do yet, or refused as unknown: nothing is ignored silently.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from aioengine.errors import InvalidRequestError
+from aioengine.sampling_params import SamplingParams
+
+MAX_N = 128  # OpenAI's cap on n
+MAX_STOP = 32  # every stop string is searched after every token, on the event loop
+MAX_PROMPTS = 256  # prompts x n in one /v1/completions batch
+
+_ERROR_TYPES = {
+    400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError", 404: "NotFoundError",
+    405: "MethodNotAllowedError", 408: "RequestTimeoutError", 413: "RequestEntityTooLargeError",
+    415: "UnsupportedMediaTypeError", 429: "RateLimitError", 500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+
+class APIError(Exception):
+    """An error with an HTTP status, rendered as OpenAI's {"error": {...}} JSON."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | int | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def to_dict(self) -> dict:
+        return error_dict(self.status, self.message, self.param, self.code)
+
+
+def error_dict(status: int, message: str, param: str | None = None, code: str | int | None = None) -> dict:
+    """OpenAI's error object. `code` is a specific string code when there is one, else the HTTP status."""
+    return {"error": {"message": message, "type": _ERROR_TYPES.get(status, "APIError"), "param": param,
+                      "code": code if code is not None else status}}
+
+
+def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param, code)
+
+
+def from_invalid(e: InvalidRequestError) -> APIError:
+    return APIError(400, e.message, e.param, e.code)
+
+
+def not_supported(param: str, what: str | None = None) -> APIError:
+    return bad(f"{what or param} is not supported yet by aioengine.", param)
+
+
+def parse_json_body(raw: bytes) -> dict:
+    if not raw.strip():
+        raise bad("The request body is empty; expected a JSON object.")
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise bad(f"The request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise bad(f"The request body must be a JSON object, got {type(data).__name__}.")
+    return data
+
+
+# ---- typed field access ---------------------------------------------------------------------------------
+_TYPE_NAMES = {int: "an integer", float: "a number", bool: "a boolean", str: "a string", list: "an array",
+               dict: "an object"}
+
+
+class Fields:
+    """Reads fields of a JSON object with strict types; null means "use the default" as in OpenAI's API."""
+
+    def __init__(self, data: dict, allowed: frozenset[str], prefix: str = "") -> None:
+        for key in data:
+            if key not in allowed:
+                raise bad(f"Unrecognized request argument supplied: {prefix}{key}", f"{prefix}{key}")
+        self.data = data
+        self.prefix = prefix
+
+    def get(self, name: str, kind: type, default: Any = None) -> Any:
+        value = self.data.get(name)
+        if value is None:
+            return default
+        ok = isinstance(value, kind) and not (kind in (int, float) and isinstance(value, bool))
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value, ok = float(value), True
+        if not ok:
+            raise bad(f"{self.prefix}{name} must be {_TYPE_NAMES[kind]}, got {_json_type(value)}.",
+                      f"{self.prefix}{name}")
+        return value
+
+    def int(self, name: str, default: int | None = None, lo: int | None = None, hi: int | None = None
+            ) -> int | None:
+        value = self.get(name, int, default)
+        if value is not None and ((lo is not None and value < lo) or (hi is not None and value > hi)):
+            rng = f"at least {lo}" if hi is None else f"between {lo} and {hi}" if lo is not None else f"at most {hi}"
+            raise bad(f"{self.prefix}{name} must be {rng}, got {value}.", f"{self.prefix}{name}")
+        return value
+
+    def float(self, name: str, default: float | None = None) -> float | None:
+        return self.get(name, float, default)
+
+    def bool(self, name: str, default: bool | None = None) -> bool | None:
+        return self.get(name, bool, default)
+
+    def str(self, name: str, default: str | None = None) -> str | None:
+        return self.get(name, str, default)
+
+    def present(self, name: str) -> bool:
+        return self.data.get(name) is not None
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    for kind, name in _TYPE_NAMES.items():
+        if isinstance(value, kind):
+            return name
+    return type(value).__name__
+
+
+# ---- requests -------------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class GenerationRequest:
+    """What chat and completion requests share once parsed."""
+
+    model: str | None
+    params: SamplingParams
+    stream: bool = False
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+    request_id: str | None = None
+    priority: int = 0
+    user: str | None = None
+
+
+@dataclass(slots=True)
+class ChatRequest(GenerationRequest):
+    messages: list[dict] = field(default_factory=list)
+    chat_template_kwargs: dict = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class CompletionRequest(GenerationRequest):
+    prompts: list[str | list[int]] = field(default_factory=list)
+    echo: bool = False
+
+
+_SAMPLING_FIELDS = frozenset({
+    "model", "n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop",
+    "stop_token_ids", "ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "stream",
+    "stream_options", "user", "request_id", "priority", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "logit_bias", "logprobs", "response_format",
+})
+CHAT_FIELDS = _SAMPLING_FIELDS | {
+    "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
+    "chat_template_kwargs", "add_generation_prompt", "continue_final_message", "store", "metadata",
+    "service_tier",
+}
+COMPLETION_FIELDS = _SAMPLING_FIELDS | {"prompt", "echo", "best_of", "suffix"}
+_ROLES = frozenset({"system", "developer", "user", "assistant"})
+_MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "function_call", "refusal", "audio"})
+
+
+def _sampling_params(f: Fields, max_tokens: int | None) -> SamplingParams:
+    stop = f.data.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    elif not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise bad("stop must be a string or an array of strings.", "stop")
+    if len(stop) > MAX_STOP:
+        raise bad(f"stop may hold at most {MAX_STOP} strings, got {len(stop)}.", "stop")
+    stop_token_ids = f.get("stop_token_ids", list, [])
+    if not all(type(t) is int for t in stop_token_ids):
+        raise bad("stop_token_ids must be an array of integers.", "stop_token_ids")
+    # Penalties and logit bias exist in SamplingParams but the sampler does not apply them yet: refuse
+    # instead of returning something the client did not ask for.
+    for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
+        value = f.float(name)
+        if value is not None and value != neutral:
+            raise not_supported(name)
+    if f.get("logit_bias", dict):
+        raise not_supported("logit_bias")
+    rf = f.get("response_format", dict)
+    if rf is not None and rf.get("type") != "text":
+        raise not_supported("response_format", "Structured output (response_format other than text)")
+    try:
+        return SamplingParams(
+            n=f.int("n", 1, lo=1, hi=MAX_N), temperature=f.float("temperature", 1.0),
+            top_p=f.float("top_p", 1.0), top_k=f.int("top_k", 0), min_p=f.float("min_p", 0.0),
+            seed=f.int("seed"), max_tokens=max_tokens, min_tokens=f.int("min_tokens", 0), stop=stop,
+            stop_token_ids=stop_token_ids, ignore_eos=f.bool("ignore_eos", False),
+            include_stop_str_in_output=f.bool("include_stop_str_in_output", False),
+            skip_special_tokens=f.bool("skip_special_tokens", True))
+    except InvalidRequestError as e:
+        raise from_invalid(e) from None
+
+
+def _common(f: Fields, max_tokens: int | None, allow_priority: bool) -> dict:
+    stream = f.bool("stream", False)
+    so = f.get("stream_options", dict)
+    include_usage = continuous = False
+    if so is not None:
+        if not stream:
+            raise bad("Stream options can only be defined when `stream=True`.", "stream_options")
+        sf = Fields(so, frozenset({"include_usage", "continuous_usage_stats"}), "stream_options.")
+        include_usage = sf.bool("include_usage", False)
+        continuous = sf.bool("continuous_usage_stats", False)
+    priority = f.int("priority", 0)
+    if priority and not allow_priority:
+        raise bad("priority is only honoured with --scheduling-policy priority.", "priority")
+    request_id = f.str("request_id")
+    if request_id is not None and not request_id:
+        raise bad("request_id cannot be empty.", "request_id")
+    return dict(model=f.str("model"), params=_sampling_params(f, max_tokens), stream=stream,
+                include_usage=include_usage, continuous_usage_stats=continuous, request_id=request_id,
+                priority=priority, user=f.str("user"))
+
+
+def parse_chat_request(data: dict, allow_priority: bool = False) -> ChatRequest:
+    f = Fields(data, CHAT_FIELDS)
+    if "messages" not in data:
+        raise bad("messages is required.", "messages")
+    messages = parse_messages(data["messages"])
+    max_tokens = f.int("max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = f.int("max_tokens")
+    else:
+        f.int("max_tokens")  # still type-checked
+    if f.bool("logprobs", False):
+        raise not_supported("logprobs")
+    top_logprobs = f.int("top_logprobs", lo=0, hi=20)
+    if top_logprobs:
+        raise bad("top_logprobs requires logprobs to be true.", "top_logprobs")
+    if f.get("tools", list):
+        raise not_supported("tools", "Tool calling")
+    tool_choice = f.data.get("tool_choice")
+    if tool_choice not in (None, "none", "auto"):
+        raise not_supported("tool_choice", "Tool calling")
+    f.bool("parallel_tool_calls")
+    if f.bool("store", False):
+        raise not_supported("store", "Storing completions (store=true)")
+    metadata = f.get("metadata", dict)
+    if metadata:
+        raise not_supported("metadata", "metadata (only used with store=true)")
+    if f.str("service_tier") not in (None, "auto", "default"):
+        raise not_supported("service_tier")
+    kwargs = dict(f.get("chat_template_kwargs", dict, {}))
+    for name in ("add_generation_prompt", "continue_final_message"):
+        value = f.bool(name)
+        if value is not None:
+            kwargs[name] = value
+    if kwargs.get("continue_final_message") and kwargs.get("add_generation_prompt", True):
+        if "add_generation_prompt" in kwargs:
+            raise bad("continue_final_message and add_generation_prompt cannot both be true.",
+                      "continue_final_message")
+        kwargs["add_generation_prompt"] = False
+    if kwargs.get("continue_final_message") and messages[-1]["role"] != "assistant":
+        raise bad("continue_final_message needs the last message to be from the assistant.", "messages")
+    return ChatRequest(**_common(f, max_tokens, allow_priority), messages=messages, chat_template_kwargs=kwargs)
+
+
+def parse_messages(raw: Any) -> list[dict]:
+    if not isinstance(raw, list):
+        raise bad(f"messages must be an array, got {_json_type(raw)}.", "messages")
+    if not raw:
+        raise bad("messages must not be empty.", "messages")
+    out = []
+    for i, m in enumerate(raw):
+        p = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad(f"{p} must be an object, got {_json_type(m)}.", p)
+        mf = Fields(m, _MESSAGE_FIELDS, p + ".")
+        role = mf.str("role")
+        if role is None:
+            raise bad(f"{p}.role is required.", f"{p}.role")
+        if role == "tool" or mf.present("tool_calls") or mf.present("function_call"):
+            raise not_supported(f"{p}.role", "Tool calling")
+        if role not in _ROLES:
+            raise bad(f"{p}.role must be one of system, developer, user, assistant; got {role!r}.", f"{p}.role")
+        if mf.present("audio"):
+            raise not_supported(f"{p}.audio", "Audio input")
+        content = _content_text(m.get("content"), p)
+        if content is None:
+            if role != "assistant":
+                raise bad(f"{p}.content is required.", f"{p}.content")
+            content = mf.str("refusal") or ""
+        msg = {"role": "system" if role == "developer" else role, "content": content}
+        name = mf.str("name")
+        if name is not None:
+            msg["name"] = name
+        out.append(msg)
+    return out
+
+
+def _content_text(content: Any, p: str) -> str | None:
+    if content is None or isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad(f"{p}.content must be a string or an array of content parts, got {_json_type(content)}.",
+                  f"{p}.content")
+    texts = []
+    for j, part in enumerate(content):
+        q = f"{p}.content[{j}]"
+        if not isinstance(part, dict):
+            raise bad(f"{q} must be an object.", q)
+        kind = part.get("type")
+        if kind != "text":
+            raise not_supported(q, f"Content parts of type {kind!r}")
+        pf = Fields(part, frozenset({"type", "text"}), q + ".")
+        text = pf.str("text")
+        if text is None:
+            raise bad(f"{q}.text is required.", f"{q}.text")
+        texts.append(text)
+    return "\n".join(texts)
+
+
+def parse_completion_request(data: dict, allow_priority: bool = False) -> CompletionRequest:
+    f = Fields(data, COMPLETION_FIELDS)
+    prompts = parse_prompt(data.get("prompt"))
+    logprobs = f.int("logprobs", lo=0, hi=20)
+    if logprobs is not None:
+        raise not_supported("logprobs")
+    if f.str("suffix"):
+        raise not_supported("suffix")
+    base = _common(f, f.int("max_tokens", 16), allow_priority)
+    best_of = f.int("best_of", lo=1)
+    if best_of is not None and best_of != base["params"].n:
+        raise not_supported("best_of", "best_of other than n")
+    if len(prompts) * base["params"].n > MAX_PROMPTS:
+        raise bad(f"A request may ask for at most {MAX_PROMPTS} completions (prompts x n).", "prompt")
+    return CompletionRequest(**base, prompts=prompts, echo=f.bool("echo", False))
+
+
+_PROMPT_TYPES = ("prompt must be a string, an array of strings, an array of token ids, or an array of arrays "
+                 "of token ids.")
+
+
+def parse_prompt(prompt: Any) -> list[str | list[int]]:
+    """str | [str] | [int] | [[int]] -> a list of prompts (each a string or a list of token ids)."""
+    if prompt is None:
+        raise bad("prompt is required.", "prompt")
+    if isinstance(prompt, str):
+        prompts: list = [prompt]
+    elif not isinstance(prompt, list):
+        raise bad(_PROMPT_TYPES, "prompt")
+    elif not prompt:
+        raise bad("prompt must not be empty.", "prompt")
+    elif all(type(t) is int for t in prompt):
+        prompts = [prompt]
+    elif all(isinstance(p, str) for p in prompt) or all(
+            isinstance(p, list) and all(type(t) is int for t in p) for p in prompt):
+        prompts = list(prompt)
+    else:
+        raise bad(_PROMPT_TYPES, "prompt")
+    for p in prompts:
+        if not p:
+            raise bad("The prompt cannot be empty.", "prompt")
+    return prompts
+
+
+@dataclass(slots=True)
+class TokenizeRequest:
+    model: str | None
+    prompt: str | None = None
+    messages: list[dict] | None = None
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+    chat_template_kwargs: dict = field(default_factory=dict)
+
+
+def parse_tokenize_request(data: dict) -> TokenizeRequest:
+    f = Fields(data, frozenset({"model", "prompt", "messages", "add_special_tokens", "return_token_strs",
+                                "add_generation_prompt", "continue_final_message", "chat_template_kwargs"}))
+    has_prompt, has_messages = "prompt" in data, "messages" in data
+    if has_prompt == has_messages:
+        raise bad("Exactly one of prompt and messages is required.", "prompt")
+    req = TokenizeRequest(f.str("model"), return_token_strs=f.bool("return_token_strs", False))
+    if has_prompt:
+        req.prompt = f.str("prompt")
+        if req.prompt is None:
+            raise bad("prompt must be a string.", "prompt")
+        req.add_special_tokens = f.bool("add_special_tokens", True)
+    else:
+        req.messages = parse_messages(data["messages"])
+        req.add_special_tokens = f.bool("add_special_tokens", False)
+        kwargs = dict(f.get("chat_template_kwargs", dict, {}))
+        kwargs["add_generation_prompt"] = f.bool("add_generation_prompt", True)
+        if f.bool("continue_final_message", False):
+            kwargs.update(continue_final_message=True, add_generation_prompt=False)
+        req.chat_template_kwargs = kwargs
+    return req
+
+
+def parse_detokenize_request(data: dict, vocab_size: int) -> tuple[str | None, list[int]]:
+    f = Fields(data, frozenset({"model", "tokens"}))
+    tokens = f.get("tokens", list)
+    if tokens is None:
+        raise bad("tokens is required.", "tokens")
+    if not all(type(t) is int and 0 <= t < vocab_size for t in tokens):
+        raise bad(f"tokens must be an array of integers in [0, {vocab_size}).", "tokens")
+    return f.str("model"), tokens

@@ -1,0 +1,251 @@
+"""Chat and completion generation: start engine requests, then answer with OpenAI JSON or an SSE stream."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from aioengine.errors import AioEngineError, InvalidRequestError
+from aioengine.http.protocol import APIError, ChatRequest, CompletionRequest, bad, error_dict, from_invalid
+from aioengine.outputs import CompletionOutput, RequestOutput
+
+logger = logging.getLogger("aioengine.http")
+
+_REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def new_request_id(given: str | None, prefix: str) -> str:
+    if given is None:
+        return f"{prefix}-{uuid.uuid4().hex}"
+    if not _REQUEST_ID_RE.match(given):
+        raise bad("request_id (or the X-Request-Id header) must be 1-128 letters, digits or ._:-", "request_id")
+    return given
+
+
+def engine_error(e: AioEngineError) -> APIError:
+    """InvalidRequestError -> 400; a dead or stopped engine -> 503."""
+    if isinstance(e, InvalidRequestError):
+        return from_invalid(e)
+    return APIError(503, f"The engine is not serving: {e}", code="engine_dead")
+
+
+def start_chat(engine: Any, req: ChatRequest, request_id: str) -> list:
+    try:
+        return [engine.chat(req.messages, req.params, request_id=request_id, priority=req.priority,
+                            chat_template_kwargs=req.chat_template_kwargs or None)]
+    except AioEngineError as e:
+        raise engine_error(e) from None
+
+
+async def start_completions(engine: Any, req: CompletionRequest, request_id: str) -> list:
+    handles: list = []
+    try:
+        for i, prompt in enumerate(req.prompts):
+            rid = request_id if len(req.prompts) == 1 else f"{request_id}-{i}"
+            handles.append(engine.generate(prompt, req.params, request_id=rid, priority=req.priority))
+    except AioEngineError as e:
+        for h in handles:  # one bad prompt in a batch fails the whole batch
+            await engine.abort(h.request_id)
+        err = engine_error(e)
+        if len(req.prompts) > 1 and err.status == 400:
+            err.message = f"prompt[{len(handles)}]: {err.message}"
+        raise err from None
+    return handles
+
+
+async def merged(handles: list) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """The deltas of several requests as they come, tagged with the request's position.
+
+    Closing this generator (or cancelling its consumer) aborts every request still running.
+    """
+    if len(handles) == 1:
+        async with aclosing(handles[0].__aiter__()) as it:
+            async for out in it:
+                yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, h: Any) -> None:
+        try:
+            async with aclosing(h.__aiter__()) as it:
+                async for out in it:
+                    queue.put_nowait((i, out))
+        except Exception as e:  # the engine died: hand the error to the consumer
+            queue.put_nowait((i, e))
+
+    tasks = [asyncio.create_task(pump(i, h)) for i, h in enumerate(handles)]
+    try:
+        remaining = len(handles)
+        while remaining:
+            i, item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            yield i, item
+            if item.finished:
+                remaining -= 1
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+@dataclass(slots=True)
+class Tally:
+    """Token counts of one HTTP request (all its prompts and completions)."""
+
+    prompt_tokens: list[int]
+    cached_tokens: list[int]
+    completion_tokens: int = 0
+    finish: dict[int, tuple[str | None, Any]] = field(default_factory=dict)
+
+    def add(self, i: int, out: RequestOutput) -> None:
+        self.prompt_tokens[i] = len(out.prompt_token_ids)
+        self.cached_tokens[i] = max(self.cached_tokens[i], out.num_cached_tokens)
+        self.completion_tokens += sum(len(c.token_ids) for c in out.outputs)
+
+    def usage(self) -> dict:
+        prompt = sum(self.prompt_tokens)
+        return {"prompt_tokens": prompt, "completion_tokens": self.completion_tokens,
+                "total_tokens": prompt + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens)}}
+
+
+class SSEWriter:
+    """Writes `data: <json>` events; a vanished client raises ConnectionResetError from write()."""
+
+    def __init__(self, resp: web.StreamResponse) -> None:
+        self.resp = resp
+
+    async def send(self, obj: dict) -> None:
+        await self.resp.write(b"data: " + orjson.dumps(obj) + b"\n\n")
+
+    async def done(self) -> None:
+        await self.resp.write(b"data: [DONE]\n\n")
+        await self.resp.write_eof()
+
+
+async def open_sse(request: web.Request, request_id: str) -> SSEWriter:
+    resp = web.StreamResponse(headers={**SSE_HEADERS, "X-Request-Id": request_id})
+    await resp.prepare(request)
+    return SSEWriter(resp)
+
+
+# ---- chat ---------------------------------------------------------------------------------------------
+def chat_response(request_id: str, model: str, outs: list[RequestOutput]) -> dict:
+    out = outs[0]
+    tally = Tally([len(out.prompt_token_ids)], [out.num_cached_tokens])
+    tally.completion_tokens = out.num_generated_tokens
+    choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                "logprobs": None, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+               for c in out.outputs]
+    return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": choices, "usage": tally.usage()}
+
+
+async def stream_chat(request: web.Request, engine: Any, req: ChatRequest, handles: list, request_id: str,
+                      model: str) -> web.StreamResponse:
+    created = int(time.time())
+    base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
+
+    def choice(c: CompletionOutput) -> dict:
+        delta = {"content": c.text} if c.text else {}
+        return {"index": c.index, "delta": delta, "logprobs": None, "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason} if c.finish_reason else {
+                "index": c.index, "delta": delta, "logprobs": None, "finish_reason": None}
+
+    first = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+             for i in range(req.params.n)]
+    return await _stream(request, engine, req, handles, request_id, base, first, lambda _i, c: choice(c))
+
+
+# ---- completions --------------------------------------------------------------------------------------
+def prompt_text(engine: Any, prompt: str | list[int]) -> str:
+    return prompt if isinstance(prompt, str) else engine.tokenizer.decode(prompt)
+
+
+def completion_response(engine: Any, req: CompletionRequest, request_id: str, model: str,
+                        outs: list[RequestOutput]) -> dict:
+    n = req.params.n
+    tally = Tally([len(o.prompt_token_ids) for o in outs], [o.num_cached_tokens for o in outs])
+    choices = []
+    for i, out in enumerate(outs):
+        echo = prompt_text(engine, req.prompts[i]) if req.echo else ""
+        tally.completion_tokens += out.num_generated_tokens
+        choices.extend({"index": i * n + c.index, "text": echo + c.text, "logprobs": None,
+                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs)
+    return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": choices, "usage": tally.usage()}
+
+
+async def stream_completions(request: web.Request, engine: Any, req: CompletionRequest, handles: list,
+                             request_id: str, model: str) -> web.StreamResponse:
+    n = req.params.n
+    base = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model}
+
+    def choice(i: int, c: CompletionOutput) -> dict:
+        d = {"index": i * n + c.index, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
+        if c.finish_reason:
+            d["stop_reason"] = c.stop_reason
+        return d
+
+    first = []
+    if req.echo:
+        first = [{"index": i * n + j, "text": prompt_text(engine, p), "logprobs": None, "finish_reason": None}
+                 for i, p in enumerate(req.prompts) for j in range(n)]
+    return await _stream(request, engine, req, handles, request_id, base, first, choice)
+
+
+async def _stream(request: web.Request, engine: Any, req: ChatRequest | CompletionRequest, handles: list,
+                  request_id: str, base: dict, first: list[dict], make_choice: Callable[[int, CompletionOutput], dict]
+                  ) -> web.StreamResponse:
+    """One SSE stream for both endpoints: one chunk per changed choice, usage last, then [DONE]."""
+    tally = Tally([0] * len(handles), [0] * len(handles))
+    try:
+        sse = await open_sse(request, request_id)
+    except BaseException:
+        await abort_all(engine, handles)
+        raise
+    try:
+        async with aclosing(merged(handles)) as deltas:
+            for c in first:
+                await sse.send({**base, "choices": [c]})
+            async for i, out in deltas:
+                tally.add(i, out)
+                for c in out.outputs:
+                    if not c.text and c.finish_reason is None:
+                        continue  # the detokenizer is holding text back: nothing to say yet
+                    chunk = {**base, "choices": [make_choice(i, c)]}
+                    if req.continuous_usage_stats:
+                        chunk["usage"] = tally.usage()
+                    await sse.send(chunk)
+        if req.include_usage:
+            await sse.send({**base, "choices": [], "usage": tally.usage()})
+        await sse.done()
+    except ConnectionResetError:
+        pass  # the client left; its requests are aborted below
+    except AioEngineError as e:
+        err = engine_error(e)
+        try:
+            await sse.send(error_dict(err.status, err.message, code=err.code))
+            await sse.done()
+        except ConnectionResetError:
+            pass
+    finally:
+        await abort_all(engine, handles)
+    return sse.resp
+
+
+async def abort_all(engine: Any, handles: list) -> None:
+    """Abort whatever is still running (a no-op for finished requests), also when never iterated."""
+    for h in handles:
+        await engine.abort(h.request_id)

@@ -1,0 +1,177 @@
+"""The websocket endpoint (/v1/ws): many streamed generations over one socket, cancellable by message.
+
+Protocol (docs/websocket.md): the client sends {"type": "chat" | "completion", "id", "body"},
+{"type": "cancel", "id"} or {"type": "ping"}; the server answers with "start", "delta" ... "done" (with
+usage) per generation, "error", and "pong". A closed socket aborts everything it started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import aclosing, suppress
+from typing import Any
+
+import orjson
+from aiohttp import WSMsgType, web
+
+from aioengine.errors import AioEngineError
+from aioengine.http import serving
+from aioengine.http.protocol import APIError, bad, parse_chat_request, parse_completion_request
+from aioengine.http.server import CONFIG, ENGINE, STATE, _check_model, admit, allow_priority
+
+logger = logging.getLogger("aioengine.http")
+
+MAX_ACTIVE_PER_SOCKET = 64
+_KINDS = ("chat", "completion")
+
+
+async def websocket_handler(request: web.Request) -> web.WebSocketResponse:
+    app = request.app
+    ws = web.WebSocketResponse(heartbeat=30.0, max_msg_size=app[CONFIG].client_max_size, compress=False)
+    await ws.prepare(request)
+    session = _Session(app, ws)
+    app[STATE].websockets.add(ws)
+    try:
+        async for msg in ws:
+            if msg.type == WSMsgType.TEXT:
+                await session.on_message(msg.data)
+            elif msg.type == WSMsgType.BINARY:
+                await session.on_message(msg.data.decode("utf-8", "replace"))
+            elif msg.type == WSMsgType.ERROR:
+                break
+    finally:
+        app[STATE].websockets.discard(ws)
+        await session.close()
+    return ws
+
+
+class _Session:
+    """One socket: its running generations by client id, and one lock so frames never interleave."""
+
+    def __init__(self, app: web.Application, ws: web.WebSocketResponse) -> None:
+        self.app = app
+        self.engine = app[ENGINE]
+        self.ws = ws
+        self.active: dict[str, tuple[asyncio.Task, list]] = {}
+        self.send_lock = asyncio.Lock()
+        self.next_id = 0
+
+    async def send(self, obj: dict) -> None:
+        async with self.send_lock:
+            await self.ws.send_str(orjson.dumps(obj).decode())
+
+    async def send_error(self, gen_id: str | None, err: APIError) -> None:
+        d = err.to_dict()["error"]
+        d["status"] = err.status
+        await self.send({"type": "error", "id": gen_id, "error": d})
+
+    async def on_message(self, text: str) -> None:
+        gen_id = None
+        try:
+            try:
+                msg = orjson.loads(text)
+            except orjson.JSONDecodeError as e:
+                raise bad(f"The message is not valid JSON: {e}") from None
+            if not isinstance(msg, dict):
+                raise bad("A message must be a JSON object.")
+            gen_id = msg.get("id")
+            if isinstance(gen_id, bool) or (gen_id is not None and not isinstance(gen_id, str | int)):
+                gen_id = None
+                raise bad("id must be a string or an integer.", "id")
+            gen_id = None if gen_id is None else str(gen_id)
+            kind = msg.get("type")
+            if kind in _KINDS:
+                gen_id = await self.start(kind, gen_id, msg)
+            elif kind == "cancel":
+                await self.cancel(gen_id)
+            elif kind == "ping":
+                await self.send({"type": "pong", "id": gen_id})
+            else:
+                raise bad(f"Unknown message type {kind!r}: expected chat, completion, cancel or ping.", "type")
+        except APIError as e:
+            await self.send_error(gen_id, e)
+        except AioEngineError as e:
+            await self.send_error(gen_id, serving.engine_error(e))
+
+    async def start(self, kind: str, gen_id: str | None, msg: dict) -> str:
+        for key in msg:
+            if key not in ("type", "id", "body"):
+                raise bad(f"Unrecognized message field: {key}", key)
+        if gen_id is None:
+            self.next_id += 1
+            gen_id = f"gen-{self.next_id}"
+        if gen_id in self.active:
+            raise bad(f"A generation with id {gen_id!r} is already running on this socket.", "id")
+        if len(self.active) >= MAX_ACTIVE_PER_SOCKET:
+            raise APIError(429, f"At most {MAX_ACTIVE_PER_SOCKET} generations may run on one socket.",
+                           code="too_many_generations")
+        admit(self.app)
+        body = msg.get("body")
+        if not isinstance(body, dict):
+            raise bad("body must be a JSON object: the same body as the HTTP route takes.", "body")
+        body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}  # always streamed
+        policy = allow_priority(self.engine)
+        req = parse_chat_request(body, policy) if kind == "chat" else parse_completion_request(body, policy)
+        model = _check_model(self.app, req.model)
+        rid = serving.new_request_id(req.request_id, "chatcmpl" if kind == "chat" else "cmpl")
+        if kind == "chat":
+            handles = serving.start_chat(self.engine, req, rid)
+        else:
+            handles = await serving.start_completions(self.engine, req, rid)
+        task = asyncio.create_task(self.run(gen_id, kind, req, handles, rid, model))
+        self.active[gen_id] = (task, handles)
+        return gen_id
+
+    async def run(self, gen_id: str, kind: str, req: Any, handles: list, rid: str, model: str) -> None:
+        n = req.params.n
+        tally = serving.Tally([0] * len(handles), [0] * len(handles))
+        finish: dict[int, dict] = {}
+        try:
+            await self.send({"type": "start", "id": gen_id, "request_id": rid, "model": model})
+            async with aclosing(serving.merged(handles)) as deltas:
+                if kind == "completion" and req.echo:
+                    for i, p in enumerate(req.prompts):
+                        text = serving.prompt_text(self.engine, p)
+                        for j in range(n):
+                            await self.send({"type": "delta", "id": gen_id, "index": i * n + j, "text": text})
+                async for i, out in deltas:
+                    tally.add(i, out)
+                    for c in out.outputs:
+                        index = i * n + c.index
+                        if c.text or c.token_ids:
+                            await self.send({"type": "delta", "id": gen_id, "index": index, "text": c.text,
+                                             "token_ids": c.token_ids})
+                        if c.finish_reason is not None:
+                            finish[index] = {"index": index, "finish_reason": c.finish_reason,
+                                             "stop_reason": c.stop_reason}
+            await self.send({"type": "done", "id": gen_id, "choices": [finish[k] for k in sorted(finish)],
+                             "usage": tally.usage()})
+        except AioEngineError as e:
+            await self._try(self.send_error(gen_id, serving.engine_error(e)))
+        except ConnectionResetError:
+            pass  # the socket went away; its requests are aborted below
+        finally:
+            self.active.pop(gen_id, None)
+            await serving.abort_all(self.engine, handles)
+
+    async def _try(self, coro: Any) -> None:
+        with suppress(ConnectionResetError):
+            await coro
+
+    async def cancel(self, gen_id: str | None) -> None:
+        entry = self.active.get(gen_id) if gen_id is not None else None
+        if entry is None:
+            raise APIError(404, f"No running generation with id {gen_id!r} on this socket.", "id",
+                           code="generation_not_found")
+        for h in entry[1]:  # the stream then ends with finish_reason "abort" and a "done" message
+            await self.engine.abort(h.request_id)
+
+    async def close(self) -> None:
+        entries = list(self.active.values())
+        for task, _ in entries:
+            task.cancel()
+        for _, handles in entries:  # a task cancelled before its first step never runs its finally
+            await serving.abort_all(self.engine, handles)
+        if entries:
+            await asyncio.gather(*(task for task, _ in entries), return_exceptions=True)

@@ -1,0 +1,106 @@
+"""One live server for the tests/http suite: a real engine (default model) serving several apps.
+
+The engine and its apps run in one uvloop event loop on a background thread, as `aioengine serve` runs
+them; tests talk HTTP/websocket to 127.0.0.1 and read engine state on the loop thread via `call`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from aioengine import AsyncEngine, EngineArgs
+from aioengine.http.server import bound_port, build_app, start_server
+
+API_KEY = "test-key-123"
+QUEUE_LIMIT = 2
+MAX_NUM_SEQS = 16
+
+
+class LiveServer:
+    def __init__(self) -> None:
+        import uvloop
+
+        self.loop = uvloop.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="aioengine-test-loop", daemon=True)
+        self.thread.start()
+        self.engine: AsyncEngine | None = None
+        self.runners: dict[str, Any] = {}
+        self.ports: dict[str, int] = {}
+
+    def run(self, coro: Any, timeout: float = 120.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """Run a plain function on the loop thread (engine state is only touched there)."""
+        async def wrapper() -> Any:
+            return fn()
+        return self.run(wrapper(), 10.0)
+
+    async def _start(self) -> None:
+        self.engine = AsyncEngine(EngineArgs(model="default", max_model_len=2048, max_num_seqs=MAX_NUM_SEQS,
+                                             num_kv_blocks=512, max_num_batched_tokens=512))
+        await self.engine.start()
+        apps = {"main": build_app(self.engine), "keyed": build_app(self.engine, api_key=API_KEY),
+                "limited": build_app(self.engine, max_num_queued_reqs=QUEUE_LIMIT)}
+        for name, app in apps.items():
+            runner = await start_server(app, "127.0.0.1", 0, shutdown_timeout=1.0)
+            self.runners[name] = runner
+            self.ports[name] = bound_port(runner)
+
+    async def _stop(self) -> None:
+        for runner in self.runners.values():
+            await runner.cleanup()
+        if self.engine is not None:
+            await self.engine.shutdown()
+
+    def start(self) -> LiveServer:
+        self.run(self._start())
+        return self
+
+    def stop(self) -> None:
+        try:
+            self.run(self._stop(), 30.0)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10.0)
+
+    def url(self, app: str = "main") -> str:
+        return f"http://127.0.0.1:{self.ports[app]}"
+
+    def engine_state(self) -> dict:
+        e = self.engine
+        return self.call(lambda: {"running": len(e.scheduler.running), "waiting": len(e.scheduler.waiting),
+                                  "kv_usage": e.kv_cache_usage(), "unfinished": e.num_unfinished_requests()})
+
+    def wait_idle(self, timeout: float = 2.0) -> dict:
+        """Poll until no request is left and no KV block is used; returns the last state seen."""
+        deadline = time.monotonic() + timeout
+        while True:
+            state = self.engine_state()
+            if (state["running"], state["waiting"], state["unfinished"], state["kv_usage"]) == (0, 0, 0, 0.0):
+                return state
+            if time.monotonic() > deadline:
+                return state
+            time.sleep(0.02)
+
+
+@pytest.fixture(scope="session")
+def server():
+    s = LiveServer()
+    try:
+        yield s.start()
+    finally:
+        s.stop()
+
+
+@pytest.fixture(scope="session")
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=server.url() + "/v1", api_key="unused", max_retries=0, timeout=60.0)
