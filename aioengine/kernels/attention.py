@@ -86,6 +86,10 @@ def store_kv(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """Write key/value ``[T, Hkv, D]`` into the cache slots named by ``slot_mapping`` ``[T]``."""
+    if kv_cache.is_cuda:  # Triton kernel (imported lazily: the CPU path never needs triton)
+        from aioengine.kernels.kv_store import store_kv_triton
+
+        return store_kv_triton(key, value, kv_cache, slot_mapping)
     num_tokens = slot_mapping.shape[0]
     num_kv_heads, head_size = kv_cache.shape[-2], kv_cache.shape[-1]
     # Index the flattened [num_slots, Hkv, D] views; key/value may be padded past num_tokens.
@@ -252,6 +256,10 @@ def paged_attention(
 
     Rows past ``num_actual_tokens`` (padding) come back zero.
     """
+    if query.is_cuda:  # one Triton varlen kernel (imported lazily: the CPU path never needs triton)
+        from aioengine.kernels.triton_attention import paged_attention_triton
+
+        return paged_attention_triton(query, kv_cache, meta, scale)
     assert query.shape[1] % kv_cache.shape[-2] == 0, "query heads must be a multiple of KV heads"
     num_decodes = meta.num_decodes
     if meta.num_reqs == num_decodes and query.shape[0] == num_decodes:
