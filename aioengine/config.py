@@ -11,7 +11,8 @@ class EngineArgs:
     model: str = "default"  # "default" (the embedded SmolLM2-135M-Instruct) or a checkpoint directory
     tokenizer: str | None = None  # defaults to the model directory
     served_model_name: str | None = None
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: float32 on CPU, bfloat16 on CUDA)
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: bfloat16 on CUDA and on CPUs with
+    # avx512_bf16/AMX, else float32)
     device: str = "auto"  # auto | cpu | cuda
     seed: int = 0
     max_model_len: int | None = None  # default: the model's max_position_embeddings
@@ -50,6 +51,24 @@ class EngineArgs:
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+
+
+def cpu_has_fast_bf16() -> bool:
+    """avx512_bf16 or AMX: bf16 matmuls run several times faster than float32 on this CPU."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype_name(dtype: str, device: str) -> str:
+    if dtype != "auto":
+        return dtype
+    if device == "cpu":
+        return "bfloat16" if cpu_has_fast_bf16() else "float32"
+    return "bfloat16"
 
 
 def default_num_threads() -> int:

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from aioengine.config import EngineArgs, default_num_threads
+from aioengine.config import EngineArgs, default_num_threads, resolve_dtype_name
 from aioengine.errors import EngineDeadError, EngineNotStartedError, InvalidRequestError
 from aioengine.outputs import CompletionOutput, RequestOutput
 from aioengine.sampling_params import SamplingParams
@@ -148,7 +148,7 @@ class AsyncEngine:
         from aioengine.gpu.device import CpuWorker
         from aioengine.gpu.model_runner import ModelRunner
 
-        dtype = torch.float32 if args.dtype in ("auto", "float32") else getattr(torch, args.dtype)
+        dtype = getattr(torch, resolve_dtype_name(args.dtype, device))
         self._worker = CpuWorker(args.num_threads or default_num_threads())
         cfg_probe = await loop.run_in_executor(None, _read_config, self.model_path)
         max_model_len = args.max_model_len or cfg_probe["max_position_embeddings"]

@@ -47,6 +47,9 @@ class ModelRunner:
         self.fault_hook: Callable[[str, SchedulerOutput | None], None] | None = None  # tests inject faults
         self.num_steps = 0
 
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
     def kv_cache_bytes_per_block(self) -> int:
         cfg = self.hf_config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads

@@ -1,0 +1,65 @@
+"""`aioengine bench latency`: one batch of requests decoding together; time per decode step and per request."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+
+from aioengine.bench.throughput import add_engine_args, engine_args_from
+from aioengine.engine import AsyncEngine
+from aioengine.sampling_params import SamplingParams
+
+
+async def run_latency(args) -> dict:
+    engine = AsyncEngine(engine_args_from(args))
+    await engine.start()
+    try:
+        prompt = list(range(1000, 1000 + args.input_len))
+        params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+        e2e, step_times = [], []
+        for it in range(args.num_iters_warmup + args.num_iters):
+            stamps: list[float] = []
+
+            async def one(i: int, stamps: list[float] = stamps) -> None:
+                async for _ in engine.generate([i + 1] + prompt, params):
+                    if i == 0:
+                        stamps.append(time.perf_counter())
+
+            t0 = time.perf_counter()
+            await asyncio.gather(*(one(i) for i in range(args.batch_size)))
+            if it >= args.num_iters_warmup:
+                e2e.append(time.perf_counter() - t0)
+                # Gaps between the tokens of one request, first token (prefill) excluded.
+                step_times += [b - a for a, b in zip(stamps[1:], stamps[2:], strict=False)]
+    finally:
+        await engine.shutdown()
+    step = statistics.median(step_times)
+    return {"mode": "latency", "batch_size": args.batch_size, "input_len": args.input_len,
+            "output_len": args.output_len, "e2e_s_median": statistics.median(e2e),
+            "decode_step_ms_median": step * 1e3,
+            "decode_step_ms_p99": sorted(step_times)[int(0.99 * (len(step_times) - 1))] * 1e3,
+            "decode_tokens_per_s": args.batch_size / step}
+
+
+def main(argv: list[str]) -> dict:
+    ap = argparse.ArgumentParser(prog="aioengine bench latency", description=__doc__.splitlines()[0])
+    add_engine_args(ap)
+    ap.add_argument("--batch-size", type=int, default=1)
+    ap.add_argument("--input-len", type=int, default=32)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--num-iters", type=int, default=3)
+    ap.add_argument("--num-iters-warmup", type=int, default=1)
+    ap.add_argument("--output-json")
+    args = ap.parse_args(argv)
+    r = asyncio.run(run_latency(args))
+    print(f"Latency: batch {r['batch_size']}, decode step {r['decode_step_ms_median']:.2f} ms median "
+          f"({r['decode_step_ms_p99']:.2f} ms p99) = {r['decode_tokens_per_s']:.1f} tokens/s; "
+          f"request end-to-end {r['e2e_s_median']:.2f} s for {r['output_len']} tokens")
+    if args.output_json:
+        import orjson
+
+        with open(args.output_json, "wb") as f:
+            f.write(orjson.dumps(r, option=orjson.OPT_INDENT_2))
+    return r

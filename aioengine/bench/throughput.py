@@ -1,0 +1,97 @@
+"""`aioengine bench throughput`: offline, in-process; all requests at once, report tokens per second."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+
+from tqdm import tqdm
+
+from aioengine.bench.datasets import add_dataset_args, build_dataset
+from aioengine.config import EngineArgs
+from aioengine.engine import AsyncEngine
+from aioengine.sampling_params import SamplingParams
+
+
+def add_engine_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--max-num-batched-tokens", type=int)
+    ap.add_argument("--max-num-seqs", type=int)
+    ap.add_argument("--max-model-len", type=int)
+    ap.add_argument("--num-kv-blocks", type=int)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--no-enable-prefix-caching", action="store_true")
+    ap.add_argument("--num-threads", type=int)
+
+
+def engine_args_from(args) -> EngineArgs:
+    return EngineArgs(model=args.model, dtype=args.dtype, device=args.device,
+                      max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                      max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
+                      block_size=args.block_size, enable_prefix_caching=not args.no_enable_prefix_caching,
+                      num_threads=args.num_threads)
+
+
+async def run_throughput(args) -> dict:
+    engine = AsyncEngine(engine_args_from(args))
+    t_start = time.perf_counter()
+    await engine.start()
+    start_s = time.perf_counter() - t_start
+    try:
+        requests = build_dataset(args, engine.tokenizer)
+        bar = tqdm(total=len(requests), desc="requests", disable=args.no_progress)
+
+        async def one(req):
+            params = SamplingParams(temperature=0, max_tokens=req.output_len, ignore_eos=True)
+            out = await engine.generate(req.prompt_token_ids, params)
+            bar.update(1)
+            return out
+
+        t0 = time.perf_counter()
+        outs = await asyncio.gather(*(one(r) for r in requests))
+        elapsed = time.perf_counter() - t0
+        bar.close()
+        num_params = engine.runner.num_parameters()
+        dtype_name = str(engine.runner.dtype).removeprefix("torch.")
+    finally:
+        await engine.shutdown()
+    from aioengine.bench.roofline import matmul_gflops, roofline_tokens_per_s
+
+    gflops = matmul_gflops(dtype_name)
+    in_tokens = sum(len(r.prompt_token_ids) for r in requests)
+    out_tokens = sum(o.num_generated_tokens for o in outs)
+    return {
+        "mode": "throughput", "num_requests": len(requests), "elapsed_s": elapsed, "engine_start_s": start_s,
+        "requests_per_s": len(requests) / elapsed, "input_tokens": in_tokens, "output_tokens": out_tokens,
+        "input_tokens_per_s": in_tokens / elapsed, "output_tokens_per_s": out_tokens / elapsed,
+        "total_tokens_per_s": (in_tokens + out_tokens) / elapsed,
+        "dtype": dtype_name, "num_parameters": num_params, "matmul_gflops": gflops,
+        "roofline_tokens_per_s": roofline_tokens_per_s(gflops, num_params),
+        "fraction_of_roofline": out_tokens / elapsed / roofline_tokens_per_s(gflops, num_params),
+    }
+
+
+def main(argv: list[str]) -> dict:
+    ap = argparse.ArgumentParser(prog="aioengine bench throughput", description=__doc__.splitlines()[0])
+    add_engine_args(ap)
+    add_dataset_args(ap)
+    ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--output-json")
+    args = ap.parse_args(argv)
+    result = asyncio.run(run_throughput(args))
+    print(f"Throughput: {result['requests_per_s']:.2f} requests/s, {result['total_tokens_per_s']:.1f} total "
+          f"tokens/s, {result['output_tokens_per_s']:.1f} output tokens/s "
+          f"({result['num_requests']} requests, {result['input_tokens']} input + {result['output_tokens']} output "
+          f"tokens in {result['elapsed_s']:.2f} s; engine start {result['engine_start_s']:.1f} s)")
+    print(f"Roofline ({result['dtype']}): matmul {result['matmul_gflops']:.0f} GFLOP/s / (2 x "
+          f"{result['num_parameters'] / 1e6:.1f}M params) = {result['roofline_tokens_per_s']:.0f} tokens/s; "
+          f"output tokens/s is {100 * result['fraction_of_roofline']:.1f}% of it")
+    if args.output_json:
+        import orjson
+
+        with open(args.output_json, "wb") as f:
+            f.write(orjson.dumps(result, option=orjson.OPT_INDENT_2))
+    return result

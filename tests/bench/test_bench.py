@@ -1,0 +1,68 @@
+"""Each bench mode runs on a tiny model and reports sane fields (no timing assertions)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from aioengine.bench import main as bench_main
+from aioengine.bench.datasets import (
+    prefix_repetition_workload,
+    random_workload,
+    shared_workload,
+    sharegpt_workload,
+)
+from tests.engine.conftest import make_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench-tiny")
+    make_tiny_checkpoint("llama", path)
+    return path
+
+
+@pytest.mark.parametrize("dataset", ["shared", "random", "sharegpt", "prefix-repetition"])
+def test_bench_throughput_reports(tiny, tmp_path, dataset, capsys):
+    out = tmp_path / "r.json"
+    rc = bench_main(["throughput", "--model", str(tiny), "--dataset", dataset, "--num-prompts", "6",
+                     "--output-len", "5", "--input-len", "20", "--prefix-len", "40", "--suffix-len", "8",
+                     "--max-model-len", "512", "--sharegpt-max-len", "200", "--no-progress", "--output-json", str(out)])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert r["num_requests"] == 6
+    if dataset != "sharegpt":  # sharegpt draws its own output lengths
+        assert r["output_tokens"] == 30
+    assert r["output_tokens_per_s"] > 0 and r["input_tokens"] > 0 and r["elapsed_s"] > 0
+    assert r["matmul_gflops"] > 0 and r["fraction_of_roofline"] > 0
+    assert "output tokens/s" in capsys.readouterr().out
+
+
+def test_bench_latency_reports(tiny, tmp_path):
+    out = tmp_path / "l.json"
+    assert bench_main(["latency", "--model", str(tiny), "--batch-size", "2", "--output-len", "6",
+                       "--num-iters", "1", "--num-iters-warmup", "0", "--output-json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["batch_size"] == 2 and r["decode_step_ms_median"] > 0 and r["decode_tokens_per_s"] > 0
+
+
+def test_datasets_have_the_promised_shapes():
+    from aioengine.model_files import resolve_model
+    from aioengine.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(str(resolve_model("default")))
+    shared = shared_workload(tok, 64, 128)
+    assert all(64 <= len(r.prompt_token_ids) <= 256 and r.output_len == 128 for r in shared)
+    rnd = random_workload(tok, 20, 100, 50, range_ratio=0.5)
+    assert all(50 <= len(r.prompt_token_ids) <= 150 and 25 <= r.output_len <= 75 for r in rnd)
+    sg = sharegpt_workload(tok, 300)
+    mean_in = sum(len(r.prompt_token_ids) for r in sg) / 300
+    assert 150 < mean_in < 300
+    pr = prefix_repetition_workload(tok, 8, 64, 8, 16, num_prefixes=2)
+    assert pr[0].prompt_token_ids[:64] == pr[2].prompt_token_ids[:64] != pr[1].prompt_token_ids[:64]
+
+
+def test_bench_usage_errors():
+    assert bench_main([]) == 2
+    assert bench_main(["nonsense"]) == 2
