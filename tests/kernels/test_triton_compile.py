@@ -20,6 +20,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from aioengine.kernels.activation import _silu_and_mul_kernel
 from aioengine.kernels.kv_store import _store_kv_kernel
 from aioengine.kernels.norm_rope import _rms_norm_kernel, _rope_kernel
 from aioengine.kernels.triton_attention import _paged_attention_kernel
@@ -66,6 +67,7 @@ for dtype, ptr in ((tl.bfloat16, "*bf16"), (tl.float32, "*fp32")):
     rope = dict.fromkeys(("q_ptr", "k_ptr", "q_out_ptr", "k_out_ptr", "cache_ptr"), ptr)
     build(_rope_kernel, {**rope, "positions_ptr": "*i64"},
           dict(HALF=64, HALF_P=64, Q_HEADS_P=32, K_HEADS_P=8, INTERPRET=False))
+    build(_silu_and_mul_kernel, {"out_ptr": ptr, "x_ptr": ptr}, dict(BLOCK=1024, INTERPRET=False))
 print("compiled")
 """
 

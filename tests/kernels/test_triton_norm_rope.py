@@ -1,4 +1,4 @@
-"""Triton RMSNorm (+ fused residual add) and neox RoPE against their torch references and against
+"""Triton RMSNorm (+ fused residual add), neox RoPE and SiluAndMul against their torch references and against
 ``aioengine.gpu.layers`` (the CPU path), interpreted on CPU without a GPU."""
 
 import os
@@ -11,7 +11,8 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from aioengine.gpu.layers import RMSNorm, RotaryEmbedding  # noqa: E402
+from aioengine.gpu.layers import RMSNorm, RotaryEmbedding, silu_and_mul  # noqa: E402
+from aioengine.kernels.activation import silu_and_mul_reference, silu_and_mul_triton  # noqa: E402
 from aioengine.kernels.norm_rope import (  # noqa: E402
     _rms_norm_kernel,
     _rope_kernel,
@@ -140,3 +141,18 @@ def test_gpu_norm_and_rope_at_model_shapes(dtype):
     q_ref, k_ref = rotary_reference(positions, query, key, rope.cos_sin_cache)
     torch.testing.assert_close(q_out, q_ref, atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(k_out, k_ref, atol=1e-2, rtol=1e-2)
+
+
+# ---------------------------------------------------------------- SiluAndMul
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d", [24, 1536])
+def test_silu_and_mul(dtype, d):
+    x = _randn(5, 2 * d, dtype=dtype, seed=17) * 4
+    out = silu_and_mul_triton(x)
+    ref = silu_and_mul_reference(x)
+    assert out.dtype == dtype and out.shape == (5, d)
+    tol = {"atol": 1e-6, "rtol": 1e-6} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
+    torch.testing.assert_close(out, ref, **tol)
+    torch.testing.assert_close(out, silu_and_mul(x), **tol)
