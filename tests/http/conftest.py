@@ -7,11 +7,14 @@ them; tests talk HTTP/websocket to 127.0.0.1 and read engine state on the loop t
 from __future__ import annotations
 
 import asyncio
+import http.client as httplib
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
+import orjson
 import pytest
 
 from aioengine import AsyncEngine, EngineArgs
@@ -90,6 +93,42 @@ class LiveServer:
             time.sleep(0.02)
 
 
+@dataclass
+class Resp:
+    status: int
+    headers: dict[str, str]  # lower-case names
+    body: bytes
+
+    def json(self) -> Any:
+        return orjson.loads(self.body)
+
+
+class Http:
+    """A tiny blocking HTTP client (stdlib): one connection per request, nothing hidden."""
+
+    def __init__(self, base_url: str) -> None:
+        self.host, port = base_url.removeprefix("http://").split(":")
+        self.port = int(port)
+
+    def request(self, method: str, path: str, body: bytes | None = None, json: Any = None,
+                headers: dict[str, str] | None = None, timeout: float = 60.0) -> Resp:
+        if json is not None:
+            body = orjson.dumps(json)
+        conn = httplib.HTTPConnection(self.host, self.port, timeout=timeout)
+        try:
+            conn.request(method, path, body=body, headers={"Content-Type": "application/json", **(headers or {})})
+            r = conn.getresponse()
+            return Resp(r.status, {k.lower(): v for k, v in r.getheaders()}, r.read())
+        finally:
+            conn.close()
+
+    def get(self, path: str, **kw: Any) -> Resp:
+        return self.request("GET", path, **kw)
+
+    def post(self, path: str, json: Any = None, **kw: Any) -> Resp:
+        return self.request("POST", path, json=json, **kw)
+
+
 @pytest.fixture(scope="session")
 def server():
     s = LiveServer()
@@ -104,3 +143,8 @@ def client(server):
     import openai
 
     return openai.OpenAI(base_url=server.url() + "/v1", api_key="unused", max_retries=0, timeout=60.0)
+
+
+@pytest.fixture(scope="session")
+def http(server):
+    return Http(server.url())
