@@ -209,7 +209,7 @@ def _rope_kernel(
     dim_ok = dims < HALF
     cos = tl.load(cache_ptr + pos * stride_cache + dims, mask=dim_ok, other=0.0)
     sin = tl.load(cache_ptr + pos * stride_cache + HALF + dims, mask=dim_ok, other=0.0)
-    # Products round in the result dtype (the cache's and the activations' promoted type).
+    # cos/sin keep their stored values; _rotate_heads rounds each product to the output dtype.
     cos = cos.to(tl.float32)
     sin = sin.to(tl.float32)
     _rotate_heads(

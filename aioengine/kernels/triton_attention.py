@@ -194,6 +194,7 @@ def paged_attention_triton(
     block_q = block_m // group
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     block_table = meta.block_table
+    assert block_table.stride(-1) == 1
     # fp32 models get exact fp32 dots (no TF32); bf16/fp16 take the tensor cores as they are.
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
     dot_dtype = _TL_DTYPES[query.dtype]
