@@ -166,7 +166,8 @@ class StatsLogger:
 
     def __init__(self, metrics: EngineMetrics) -> None:
         self.metrics = metrics
-        self.last = Totals()
+        t = metrics.totals
+        self.last = Totals(t.prompt_tokens, t.generation_tokens, t.prefix_queries, t.prefix_hits)
         self.last_time = time.monotonic()
         self.was_idle = False
 
