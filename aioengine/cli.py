@@ -1,0 +1,210 @@
+"""The `aioengine` command line: `serve` (engine + HTTP server in one uvloop loop), `bench`, `chat`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import os
+import re
+import sys
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+logger = logging.getLogger("aioengine.serve")
+
+# Help for the EngineArgs fields; a field added to EngineArgs later still gets a flag (with generic help).
+_ENGINE_HELP = {
+    "model": "'default' (the embedded SmolLM2-135M-Instruct) or a Hugging Face checkpoint directory",
+    "tokenizer": "tokenizer directory (default: the model's)",
+    "served_model_name": "name(s) the API answers to; the first is reported (default: the model)",
+    "dtype": "weights and activations dtype (auto: float32 on CPU, bfloat16 on CUDA)",
+    "device": "where the model runs",
+    "seed": "seed of the sampler's generator",
+    "max_model_len": "context length: prompt plus output tokens (default: the model's)",
+    "max_num_batched_tokens": "token budget of one engine step",
+    "max_num_seqs": "most sequences in one step",
+    "block_size": "tokens per KV-cache block (a power of two)",
+    "num_kv_blocks": "KV-cache blocks (overrides the memory budget)",
+    "kv_cache_memory_bytes": "KV-cache memory budget, e.g. 2G or 512MiB",
+    "gpu_memory_utilization": "fraction of GPU memory the engine may use",
+    "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
+    "long_prefill_token_threshold": "cap on prompt tokens one request may take per step (0: off)",
+    "scheduling_policy": "fcfs, or priority (requests then honour their `priority` field)",
+    "num_threads": "torch intra-op threads on CPU (default: all cores)",
+    "enforce_eager": "never capture CUDA graphs",
+    "step_timeout_s": "watchdog: a step running longer marks the engine dead",
+}
+_CHOICES = {"dtype": ["auto", "float32", "bfloat16", "float16"], "device": ["auto", "cpu", "cuda"],
+            "scheduling_policy": ["fcfs", "priority"]}
+_BYTES = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+
+
+def parse_bytes(text: str) -> int:
+    """'4096', '512M', '2G', '1.5GiB' -> bytes (K/M/G/T are powers of 1024, as vLLM reads them)."""
+    m = _BYTES.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r}")
+    unit = m.group(2).lower()
+    scale = 1024 ** ("kmgt".index(unit) + 1) if unit else 1
+    return int(float(m.group(1)) * scale)
+
+
+def _field_type(f: dataclasses.Field) -> Callable[[str], Any]:
+    ann = str(f.type)
+    if f.name.endswith("_bytes"):
+        return parse_bytes
+    if ann.startswith("int"):
+        return int
+    if ann.startswith("float"):
+        return float
+    return str
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per EngineArgs field, named as vLLM names it (--max-model-len, --enable-prefix-caching...)."""
+    from aioengine.config import EngineArgs
+
+    group = parser.add_argument_group("engine")
+    for f in dataclasses.fields(EngineArgs):
+        flag = "--" + f.name.replace("_", "-")
+        default = None if f.default is dataclasses.MISSING else f.default
+        help_text = _ENGINE_HELP.get(f.name, f.name.replace("_", " "))
+        if f.name == "served_model_name":
+            group.add_argument(flag, nargs="+", default=None, metavar="NAME", help=help_text)
+        elif str(f.type) == "bool":
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
+        else:
+            group.add_argument(flag, type=_field_type(f), default=default, choices=_CHOICES.get(f.name),
+                               help=help_text)
+
+
+def engine_args_from(args: argparse.Namespace) -> Any:
+    from aioengine.config import EngineArgs
+
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs)}
+    if getattr(args, "model_tag", None):
+        values["model"] = args.model_tag
+    if values["served_model_name"]:
+        values["served_model_name"] = values["served_model_name"][0]
+    return EngineArgs(**values)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="aioengine", description="An LLM inference engine in one event loop.")
+    sub = parser.add_subparsers(dest="command", metavar="{serve,bench,chat}")
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible API, websocket and chat page",
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    serve.add_argument("model_tag", nargs="?", metavar="MODEL", help="same as --model")
+    srv = serve.add_argument_group("server")
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    srv.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
+    srv.add_argument("--api-key", default=None,  # read from the env later: --help must not print it
+                     help="require 'Authorization: Bearer KEY' on /v1 routes (default: env AIOENGINE_API_KEY)")
+    srv.add_argument("--max-num-queued-reqs", type=int, default=None,
+                     help="answer 503 + Retry-After while this many requests wait in the engine")
+    srv.add_argument("--max-request-bytes", type=parse_bytes, default=4 << 20,
+                     help="largest request body or websocket message (413 beyond)")
+    srv.add_argument("--log-requests", action="store_true", help="log every request and the access log")
+    srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
+    srv.add_argument("--disable-log-stats", action="store_true", help="no periodic stats line")
+    srv.add_argument("--stats-interval", type=float, default=10.0, help="seconds between stats lines")
+    srv.add_argument("--shutdown-timeout", type=float, default=5.0,
+                     help="on SIGINT/SIGTERM, seconds in-flight requests may take to finish before abort")
+    add_engine_args(serve)
+    serve.set_defaults(func=cmd_serve)
+    sub.add_parser("bench", help="benchmarks (aioengine bench --help)", add_help=False)
+    chat = sub.add_parser("chat", help="chat with a running server in the terminal (over its websocket)")
+    chat.add_argument("--url", default="http://127.0.0.1:8000")
+    chat.add_argument("--api-key", default=None, help="default: env AIOENGINE_API_KEY")
+    chat.add_argument("--temperature", type=float, default=0.7)
+    chat.add_argument("--max-tokens", type=int, default=512)
+    chat.add_argument("--system", default=None, help="a system prompt")
+    chat.set_defaults(func=cmd_chat)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "bench":  # bench owns its own flags
+        return cmd_bench(argv[1:])
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    return args.func(args)
+
+
+def cmd_bench(argv: list[str]) -> int:
+    try:
+        from aioengine.bench import main as bench_main
+    except ImportError as e:
+        print(f"aioengine bench is not available in this installation ({e}).", file=sys.stderr)
+        return 2
+    rc = bench_main(argv)
+    return rc if isinstance(rc, int) else 0
+
+
+def run_in_loop(coro: Coroutine[Any, Any, int]) -> int:
+    """Run on uvloop when it is installed: one loop for the engine and the server."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper()), stream=sys.stderr,
+                        format="%(levelname)s %(asctime)s [%(name)s] %(message)s", datefmt="%m-%d %H:%M:%S")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    configure_logging(args.log_level)
+    try:
+        engine_args = engine_args_from(args)
+        engine_args.validate()
+    except ValueError as e:
+        print(f"aioengine serve: {e}", file=sys.stderr)
+        return 2
+    from aioengine.http.server import ServerConfig
+
+    config = ServerConfig(api_key=args.api_key or os.environ.get("AIOENGINE_API_KEY") or None, max_num_queued_reqs=args.max_num_queued_reqs,
+                          client_max_size=args.max_request_bytes, served_model_names=args.served_model_name or [],
+                          log_requests=args.log_requests)
+    return run_in_loop(_serve_main(args, engine_args, config))
+
+
+async def _serve_main(args: argparse.Namespace, engine_args: Any, config: Any) -> int:
+    from aioengine.engine import AsyncEngine
+    from aioengine.http.serve import install_signal_handlers, serve_engine
+
+    stop = asyncio.Event()
+    install_signal_handlers(stop)
+    engine = AsyncEngine(engine_args)
+    start = asyncio.create_task(engine.start())
+    stopped = asyncio.create_task(stop.wait())
+    await asyncio.wait((start, stopped), return_when=asyncio.FIRST_COMPLETED)
+    if not start.done():  # a signal while the model loads
+        start.cancel()
+        await asyncio.gather(start, return_exceptions=True)
+        await engine.shutdown()
+        return 0
+    stopped.cancel()
+    if start.exception() is not None:
+        logger.error("the engine failed to start", exc_info=start.exception())
+        await engine.shutdown()
+        return 1
+    return await serve_engine(engine, config, args.host, args.port, stop,
+                              stats_interval=None if args.disable_log_stats else args.stats_interval,
+                              shutdown_timeout=args.shutdown_timeout, access_log=args.log_requests)
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from aioengine.http.chat_client import chat_repl
+
+    api_key = args.api_key or os.environ.get("AIOENGINE_API_KEY")
+    return run_in_loop(chat_repl(args.url, api_key, args.temperature, args.max_tokens, args.system))
+

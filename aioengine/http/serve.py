@@ -1,0 +1,91 @@
+"""Run a started engine behind the HTTP server until a signal or engine death; shut down gracefully.
+
+Exit codes: 0 after SIGINT/SIGTERM (in-flight requests finish within the grace period, the rest are
+aborted), 1 when the engine dies, so that a supervisor restarts the process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from typing import Any
+
+from aioengine.http.metrics import StatsLogger
+from aioengine.http.server import STATE, ServerConfig, bound_port, build_app, start_server
+
+logger = logging.getLogger("aioengine.serve")
+
+DEATH_POLL_S = 0.25
+
+
+def install_signal_handlers(stop: asyncio.Event) -> None:
+    """First SIGINT/SIGTERM: graceful stop. A second one: leave at once."""
+    loop = asyncio.get_running_loop()
+
+    def on_signal(sig: signal.Signals) -> None:
+        if stop.is_set():
+            logger.warning("second %s: exiting now", sig.name)
+            raise SystemExit(1)
+        logger.info("received %s: shutting down", sig.name)
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal, sig)
+
+
+async def serve_engine(engine: Any, config: ServerConfig, host: str, port: int, stop: asyncio.Event,
+                       stats_interval: float | None = 10.0, shutdown_timeout: float = 5.0,
+                       access_log: bool = False, on_ready: Any = None) -> int:
+    """Serve until `stop` is set (-> 0) or the engine dies (-> 1). The engine must be started."""
+    app = build_app(engine, config)
+    try:
+        runner = await start_server(app, host, port, shutdown_timeout=min(shutdown_timeout, 5.0),
+                                    access_log=logging.getLogger("aiohttp.access") if access_log else None)
+    except OSError as e:
+        logger.error("cannot listen on %s:%d: %s", host, port, e)
+        await engine.shutdown()
+        return 1
+    logger.info("Serving %s on http://%s:%d (chat page /, API /v1, metrics /metrics)", engine.model_name,
+                host, bound_port(runner))
+    if on_ready is not None:
+        on_ready(bound_port(runner))
+    stats_task = None
+    if stats_interval:
+        stats_task = asyncio.create_task(_log_stats(StatsLogger(app[STATE].metrics), stats_interval))
+    dead = await _wait_stop_or_death(engine, stop)
+    if dead:
+        logger.error("the engine is dead (%s): exiting", engine.dead_error)
+    app[STATE].draining = True  # new generations on open connections get 503
+    for site in list(runner.sites):
+        await site.stop()  # no new connections
+    if not dead:
+        deadline = time.monotonic() + shutdown_timeout
+        while engine.num_unfinished_requests() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if engine.num_unfinished_requests():
+            logger.info("aborting %d unfinished requests", engine.num_unfinished_requests())
+    await engine.shutdown()  # aborts the rest: their streams end with finish_reason "abort"
+    if stats_task is not None:
+        stats_task.cancel()
+    await runner.cleanup()
+    logger.info("shut down")
+    return 1 if dead else 0
+
+
+async def _wait_stop_or_death(engine: Any, stop: asyncio.Event) -> bool:
+    """True when the engine died; the engine offers no death event, so poll (cheap, 4 Hz)."""
+    while not stop.is_set() and engine.dead_error is None:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), DEATH_POLL_S)
+    return engine.dead_error is not None
+
+
+async def _log_stats(stats: StatsLogger, interval: float) -> None:
+    while True:
+        await asyncio.sleep(interval)
+        line = stats.line()
+        if line is not None:
+            logger.info("%s", line)
