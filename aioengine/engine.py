@@ -16,9 +16,9 @@ from typing import Any
 
 from aioengine.config import EngineArgs, default_num_threads, resolve_dtype_name
 from aioengine.errors import EngineDeadError, EngineNotStartedError, InvalidRequestError
-from aioengine.outputs import CompletionOutput, RequestOutput
+from aioengine.outputs import CompletionOutput, Logprob, RequestOutput
 from aioengine.sampling_params import SamplingParams
-from aioengine.sched.output import EngineCoreOutput, ModelRunnerOutput, SchedulerStats
+from aioengine.sched.output import EngineCoreOutput, ModelRunnerOutput, SchedulerStats, TokenLogprobs
 from aioengine.sched.request import Request, RequestStatus
 from aioengine.sched.scheduler import Scheduler, SchedulerConfig
 from aioengine.tokenizer import IncrementalDetokenizer, apply_chat_template, load_tokenizer
@@ -44,6 +44,8 @@ class _RequestState:
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     finished: bool = False
+    prompt_logprobs: list | None = None  # set once, from the first completion that delivers them
+    pending_prompt_logprobs: list | None = None  # to attach to the next output
 
 
 class GenerateHandle:
@@ -88,18 +90,24 @@ class GenerateHandle:
         texts = [""] * s.params.n
         ids: list[list[int]] = [[] for _ in range(s.params.n)]
         reasons: list[tuple[str | None, int | str | None]] = [(None, None)] * s.params.n
+        logprobs: list[list | None] = [[] if s.params.logprobs is not None else None for _ in range(s.params.n)]
+        prompt_logprobs = None
         last: RequestOutput | None = None
         async for delta in self._iterate():
             last = delta
+            if delta.prompt_logprobs is not None:
+                prompt_logprobs = delta.prompt_logprobs
             for c in delta.outputs:
                 texts[c.index] += c.text
                 ids[c.index].extend(c.token_ids)
                 if c.finish_reason is not None:
                     reasons[c.index] = (c.finish_reason, c.stop_reason)
+                if c.logprobs and logprobs[c.index] is not None:
+                    logprobs[c.index].extend(c.logprobs)
         assert last is not None
-        outputs = [CompletionOutput(i, texts[i], ids[i], *reasons[i]) for i in range(s.params.n)]
+        outputs = [CompletionOutput(i, texts[i], ids[i], *reasons[i], logprobs[i]) for i in range(s.params.n)]
         return RequestOutput(s.request_id, s.prompt, s.prompt_token_ids, outputs, True, s.num_cached_tokens,
-                             last.metrics)
+                             last.metrics, prompt_logprobs)
 
 
 class AsyncEngine:
@@ -124,6 +132,8 @@ class AsyncEngine:
         self._dead: EngineDeadError | None = None
         self._stopping = False
         self._ids = itertools.count()
+        self._structured: Any = None  # StructuredOutputManager, made at the first structured request
+        self._token_text: dict[int, str] = {}  # decoded single tokens, for logprobs
         self.stat_listeners: list[Callable[[SchedulerStats, list[EngineCoreOutput]], None]] = []
         self.request_listeners: list[Callable[[RequestOutput, _RequestState], None]] = []
 
@@ -273,6 +283,12 @@ class AsyncEngine:
                 f"cache holds ({self.kv_capacity_tokens} tokens).", param="max_tokens")
         if params.max_tokens is None:
             params = replace(params, max_tokens=max_tokens)
+        if params.bad_words:
+            params = replace(params, bad_words_token_ids=params.bad_words_to_token_ids(self.tokenizer))
+        params.verify_vocab(self.vocab_size)
+        compiled_grammar = None
+        if params.structured_outputs is not None:  # compiled (or found in the cache) now: errors raise here
+            compiled_grammar = self._structured_output_manager().compile(params.structured_outputs)
         rid = request_id if request_id is not None else f"req-{uuid.uuid4().hex}"
         if rid in self._states:
             raise InvalidRequestError(f"request id {rid!r} is already in use", param="request_id")
@@ -290,10 +306,21 @@ class AsyncEngine:
             if n > 1 and params.seed is not None:
                 child_params = replace(params, seed=params.seed + i)
             self._children[cid] = (state, i)
-            self.scheduler.add_request(Request(cid, prompt_ids, child_params, self.eos_token_id, priority,
-                                               state.arrival_time, cache_salt))
+            request = Request(cid, prompt_ids, child_params, self.eos_token_id, priority, state.arrival_time,
+                              cache_salt)
+            if compiled_grammar is not None:
+                request.structured_output = self._structured.new_grammar(compiled_grammar)
+            self.scheduler.add_request(request)
         self._wakeup.set()
         return GenerateHandle(self, state)
+
+    def _structured_output_manager(self) -> Any:
+        if self._structured is None:
+            from aioengine.structured import StructuredOutputManager
+
+            self._structured = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_id)
+            self.scheduler.structured_output_manager = self._structured
+        return self._structured
 
     async def abort(self, request_id: str) -> bool:
         """Abort a request; its stream ends with finish_reason 'abort'. False when it is not running."""
@@ -324,6 +351,8 @@ class AsyncEngine:
         out = RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions, state.finished,
                             state.num_cached_tokens, {"arrival_time": state.arrival_time,
                                                       "first_token_time": state.first_token_time})
+        if state.pending_prompt_logprobs is not None:
+            out.prompt_logprobs, state.pending_prompt_logprobs = state.pending_prompt_logprobs, None
         for listener in self.request_listeners:
             listener(out, state)
         return out
@@ -350,17 +379,24 @@ class AsyncEngine:
         """
         scheduler = self.scheduler
         scheduled = False
+        deferred = None
         if scheduler.has_requests():
             so = scheduler.schedule()  # stops 2-3
             if so.total_num_scheduled_tokens or so.finished_req_ids or so.preempted_req_ids:
                 exec_fut = self._worker.submit(self.runner.execute_model, so)  # stops 4-7
-                bitmask = None  # stop 8: grammar bitmask, computed while the forward runs
-                sample_fut = self._worker.submit(self.runner.sample_tokens, bitmask)  # stop 9
-                self._batch_queue.appendleft((exec_fut, sample_fut, so))
                 scheduled = so.total_num_scheduled_tokens > 0
+                if so.pending_structured_output_tokens and self._batch_queue:
+                    # Stop 8: a structured request still has a token in flight and its bitmask needs it:
+                    # sample once the previous step is processed (below). Without grammars, never.
+                    deferred = (exec_fut, so)
+                else:
+                    # Stop 8: the grammar bitmask (None without grammars), filled here while the forward runs.
+                    bitmask = scheduler.get_grammar_bitmask(so)
+                    sample_fut = self._worker.submit(self.runner.sample_tokens, bitmask)  # stop 9
+                    self._batch_queue.appendleft((exec_fut, sample_fut, so))
         if not self._batch_queue:
             return False
-        if len(self._batch_queue) < 2 and scheduled and scheduler.has_requests():
+        if deferred is None and len(self._batch_queue) < 2 and scheduled and scheduler.has_requests():
             return False  # plan step k+1 before waiting for step k
         exec_fut, sample_fut, so = self._batch_queue.pop()
         result = await self._await_step(sample_fut)  # stop 10: the only wait for the device
@@ -368,6 +404,10 @@ class AsyncEngine:
             raise exec_fut.exception()
         outputs = scheduler.update_from_output(so, result)  # stop 11
         self._process_outputs(outputs)  # stop 12: straight to each request's stream
+        if deferred is not None:  # its grammars now know every token: bitmask, then sample (stops 8-9)
+            exec_fut, so = deferred
+            sample_fut = self._worker.submit(self.runner.sample_tokens, scheduler.get_grammar_bitmask(so))
+            self._batch_queue.appendleft((exec_fut, sample_fut, so))
         if self.stat_listeners:
             stats = scheduler.make_stats()
             for listener in self.stat_listeners:
@@ -404,13 +444,35 @@ class AsyncEngine:
             if finish_reason is not None:
                 state.child_done[idx] = True
                 del self._children[o.request_id]
+            logprobs = None
+            if o.new_logprobs is not None:
+                logprobs = [self._logprob_dict(e) for e in o.new_logprobs]
+            elif state.params.logprobs is not None:
+                logprobs = []
+            if o.new_prompt_logprobs is not None and state.prompt_logprobs is None:
+                state.prompt_logprobs = [None] + [self._logprob_dict(e) for e in o.new_prompt_logprobs]
+                state.pending_prompt_logprobs = state.prompt_logprobs
             grouped.setdefault(id(state), (state, []))[1].append(
-                CompletionOutput(idx, text, o.new_token_ids, finish_reason, stop_reason))
+                CompletionOutput(idx, text, o.new_token_ids, finish_reason, stop_reason, logprobs))
         for state, completions in grouped.values():
             if all(state.child_done):
                 self._finish_state(state, completions)
             else:
                 state.queue.put_nowait(self._make_output(state, completions))
+
+    def _logprob_dict(self, entry: TokenLogprobs) -> dict[int, Logprob]:
+        """{chosen token: its Logprob, then the top-k by rank}; ranks are 1-based."""
+        ids, lps, rank = entry
+        cache = self._token_text
+        out: dict[int, Logprob] = {}
+        for j, (tid, lp) in enumerate(zip(ids, lps, strict=True)):
+            if tid in out:
+                continue
+            text = cache.get(tid)
+            if text is None:
+                text = cache[tid] = self.tokenizer.decode([tid])
+            out[tid] = Logprob(lp, rank if j == 0 else j, text)
+        return out
 
     def _die(self, exc: BaseException) -> None:
         logger.error("engine step failed; the engine is dead", exc_info=exc)

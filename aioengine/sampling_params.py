@@ -2,12 +2,74 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
 from aioengine.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0
 _SAMPLING_EPS = 1e-5
+
+
+@dataclass(slots=True)
+class StructuredOutputsParams:
+    """One structured-output constraint (vLLM's names): exactly one of the first five fields is set.
+
+    json: a JSON schema (dict or JSON text); regex: a regular expression; choice: the output is one of these
+    strings; grammar: an EBNF grammar (GBNF/xgrammar syntax, root rule `root`); json_object: any JSON object.
+    disable_any_whitespace: JSON without free whitespace between tokens (fewer ways for a small model to loop).
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        kinds = self.kinds()
+        if len(kinds) > 1:
+            raise InvalidRequestError(
+                f"You can only use one kind of structured outputs constraint but multiple are specified: "
+                f"{kinds}", param="structured_outputs")
+        if not kinds:
+            raise InvalidRequestError(
+                "You must use one kind of structured outputs constraint but none are specified.",
+                param="structured_outputs")
+        if self.choice is not None:
+            if not isinstance(self.choice, list | tuple) or not all(isinstance(c, str) for c in self.choice):
+                raise InvalidRequestError("choice must be a list of strings.", param="structured_outputs")
+            if not self.choice:
+                raise InvalidRequestError(f"Choice '{list(self.choice)}' cannot be an empty list",
+                                          param="structured_outputs")
+            self.choice = list(self.choice)
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
+            raise InvalidRequestError("structured_outputs.grammar cannot be an empty string",
+                                      param="structured_outputs")
+        if self.regex is not None and not isinstance(self.regex, str):
+            raise InvalidRequestError("structured_outputs.regex must be a string", param="structured_outputs")
+        if self.json is not None and not isinstance(self.json, str | dict | bool):
+            raise InvalidRequestError("structured_outputs.json must be a JSON schema (an object or JSON text)",
+                                      param="structured_outputs")
+
+    def kinds(self) -> list[str]:
+        return [k for k in ("json", "regex", "choice", "grammar", "json_object")
+                if getattr(self, k) not in (None, False)]
+
+    def cache_key(self) -> tuple[str, str]:
+        """(kind, spec): equal keys compile to the same grammar."""
+        kind = self.kinds()[0]
+        if kind == "json":
+            spec = self.json if isinstance(self.json, str) else json.dumps(self.json, sort_keys=True)
+            return (f"json:{int(self.disable_any_whitespace)}", spec)
+        if kind == "choice":
+            return ("choice", json.dumps(self.choice))
+        if kind == "json_object":
+            return ("json_object", "")
+        return (kind, getattr(self, kind))
 
 
 @dataclass(slots=True)
@@ -25,12 +87,25 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    logprobs: int | None = None
+    logprobs: int | None = None  # sampled token's logprob plus this many top logprobs (0: sampled only)
+    prompt_logprobs: int | None = None  # per prompt token: its logprob plus this many top logprobs
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, clamped to [-100, 100]
+    allowed_token_ids: list[int] | None = None  # sample only among these tokens
+    bad_words: list[str] | None = None  # never generate these words (each as token sequences, see below)
+    structured_outputs: StructuredOutputsParams | None = None
+    # Filled by the engine from bad_words with its tokenizer (vLLM's _bad_words_token_ids).
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.logit_bias is not None:
+            self.logit_bias = _clamped_logit_bias(self.logit_bias)
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         elif self.stop is None:
@@ -72,9 +147,9 @@ class SamplingParams:
         if not -2.0 <= self.frequency_penalty <= 2.0:
             raise bad("frequency_penalty",
                       f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
-        if not 0.0 < self.repetition_penalty <= 2.0:
+        if not self.repetition_penalty > 0.0:
             raise bad("repetition_penalty",
-                      f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}.")
+                      f"repetition_penalty must be greater than zero, got {self.repetition_penalty}.")
         if self.max_tokens is not None:
             if type(self.max_tokens) is not int:
                 raise bad("max_tokens", f"max_tokens must be an integer, got {self.max_tokens!r}.")
@@ -93,7 +168,78 @@ class SamplingParams:
             raise bad("stop", "stop cannot contain an empty string.")
         if not all(type(t) is int and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "stop_token_ids must be a list of non-negative integers.")
-        if self.logprobs is not None and (type(self.logprobs) is not int or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise bad("logprobs", f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}.")
+        for name, what in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if type(value) is not int:
+                raise bad(name, f"{name} must be an integer, got {value!r}.")
+            if value < 0:
+                raise bad(name, f"{name} must be non-negative, got {value}.")
+            if value > MAX_LOGPROBS:
+                raise bad(name, f"Requested {what} logprobs of {value}, which is greater than max allowed: "
+                                f"{MAX_LOGPROBS}")
         if self.n > 1 and self.greedy:
             raise bad("n", f"n must be 1 when using greedy sampling, got {self.n}.")
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, list | tuple) or not all(
+                    type(t) is int for t in self.allowed_token_ids):
+                raise bad("allowed_token_ids", "allowed_token_ids must be a list of token ids.")
+            if not self.allowed_token_ids:
+                raise bad("allowed_token_ids", "allowed_token_ids is not None and empty!")
+        if self.bad_words is not None and (not isinstance(self.bad_words, list | tuple) or not all(
+                isinstance(w, str) for w in self.bad_words)):
+            raise bad("bad_words", "bad_words must be a list of strings.")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs,
+                                                                  StructuredOutputsParams):
+            raise bad("structured_outputs", "structured_outputs must be a StructuredOutputsParams.")
+
+    def verify_vocab(self, vocab_size: int) -> None:
+        """Checks that need the model's vocabulary size (run by the engine when a request arrives)."""
+        if self.logit_bias:
+            invalid = [t for t in self.logit_bias if not 0 <= t < vocab_size]
+            if invalid:
+                raise InvalidRequestError(f"token_id(s) {invalid} in logit_bias contain out-of-vocab token ids. "
+                                          f"Vocabulary size: {vocab_size}", param="logit_bias")
+        if self.allowed_token_ids is not None and not all(0 <= t < vocab_size for t in self.allowed_token_ids):
+            raise InvalidRequestError("allowed_token_ids contains out-of-vocab token id!",
+                                      param="allowed_token_ids")
+        if self.stop_token_ids and not all(t < vocab_size for t in self.stop_token_ids):
+            raise InvalidRequestError("stop_token_ids contains out-of-vocab token id!", param="stop_token_ids")
+        if self.bad_words_token_ids:
+            invalid = sorted({t for ids in self.bad_words_token_ids for t in ids if not 0 <= t < vocab_size})
+            if invalid:
+                raise InvalidRequestError(
+                    f"The model vocabulary size is {vocab_size}, but the following tokens were specified as "
+                    f"bad: {invalid}. All token id values should be integers satisfying: "
+                    f"0 <= token_id < {vocab_size}.", param="bad_words")
+
+    def bad_words_to_token_ids(self, tokenizer: Any) -> list[list[int]]:
+        """vLLM's rule: each bad word as tokenized alone and, when it tokenizes differently to as many
+        tokens, with a leading space (the form it takes inside a sentence)."""
+        out: list[list[int]] = []
+        for word in self.bad_words or ():
+            for add_prefix_space in (False, True):
+                prompt = (" " if add_prefix_space else "") + word.lstrip()
+                ids = list(tokenizer.encode(prompt, add_special_tokens=False))
+                if not ids:
+                    continue
+                if not add_prefix_space or (out and ids[0] != out[-1][0] and len(ids) == len(out[-1])):
+                    out.append(ids)
+        return out
+
+
+def _clamped_logit_bias(bias: Any) -> dict[int, float]:
+    if not isinstance(bias, dict):
+        raise InvalidRequestError("logit_bias must be a map from token ids to numbers.", param="logit_bias")
+    out: dict[int, float] = {}
+    for token, value in bias.items():
+        try:
+            tid = int(token)
+        except (TypeError, ValueError):
+            raise InvalidRequestError(f"logit_bias keys must be token ids, got {token!r}.",
+                                      param="logit_bias") from None
+        if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
+            raise InvalidRequestError(f"logit_bias values must be numbers, got {value!r}.", param="logit_bias")
+        out[tid] = min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, float(value)))
+    return out

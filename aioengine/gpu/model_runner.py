@@ -10,10 +10,10 @@ import numpy as np
 import torch
 
 from aioengine.gpu.loader import allocate_kv_caches, load_model
-from aioengine.gpu.sampler import Sampler, SamplingMetadata
+from aioengine.gpu.sampler import Sampler, SamplingMetadata, gather_logprobs
 from aioengine.gpu.states import RequestStates
 from aioengine.kernels.attention import AttentionMetadata
-from aioengine.sched.output import ModelRunnerOutput, SchedulerOutput
+from aioengine.sched.output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +41,8 @@ class ModelRunner:
         self.max_num_reqs = max_num_reqs
         self.model, self.hf_config = load_model(model_path, dtype=dtype, device=device)
         self.sampler = Sampler(seed, device)
-        self.states = RequestStates(max_num_reqs, max_model_len, -(-max_model_len // block_size), device)
+        self.states = RequestStates(max_num_reqs, max_model_len, -(-max_model_len // block_size), device,
+                                    vocab_size=self.hf_config.vocab_size)
         self.kv_caches: list[torch.Tensor] = []
         self._pending: tuple[InputBatch, torch.Tensor] | None = None
         self.fault_hook: Callable[[str, SchedulerOutput | None], None] | None = None  # tests inject faults
@@ -154,44 +155,84 @@ class ModelRunner:
 
     # ---- stop 9: logits for the sampled rows only, then the sampler ----------------------------
     @torch.inference_mode()
-    def sample_tokens(self, grammar_bitmask: object | None = None) -> ModelRunnerOutput:
+    def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:
         if self.fault_hook is not None:
             self.fault_hook("sample_tokens", None)
         if self._pending is None:
             return ModelRunnerOutput([], [])
         batch, hidden = self._pending
         self._pending = None
+        states = self.states
         sampled: list[list[int]] = [[] for _ in batch.req_ids]
+        out = ModelRunnerOutput(batch.req_ids, sampled)
+        if (states.num_prompt_logprobs[batch.rows] >= 0).any():
+            out.prompt_logprobs = self._prompt_logprobs(batch, hidden)
         if batch.logits_indices.numel():
             logits = self.model.compute_logits(hidden[batch.logits_indices])
-            sample_rows = batch.rows[batch.sample_mask]
-            tokens = self.sampler(logits, self._sampling_metadata(sample_rows))
-            self.states.last_sampled_tokens[torch.from_numpy(sample_rows).to(self.device)] = tokens
-            token_list = tokens.tolist()
-            for j, i in enumerate(np.flatnonzero(batch.sample_mask).tolist()):
+            sample_idx = np.flatnonzero(batch.sample_mask)
+            sample_rows = batch.rows[sample_idx]
+            md = self._sampling_metadata(sample_rows)
+            if grammar_output is not None:
+                md.grammar = self._grammar_rows(batch, sample_idx, grammar_output)
+            result = self.sampler(logits, md)
+            states.update_after_sample(sample_rows, result.sampled)  # device state for step k+1
+            token_list = result.sampled.tolist()
+            for j, i in enumerate(sample_idx.tolist()):
                 sampled[i] = [token_list[j]]
-        return ModelRunnerOutput(batch.req_ids, sampled)
+            if result.logprobs is not None:
+                ids, lps, ranks = (t.tolist() for t in result.logprobs)
+                num_logprobs = states.num_logprobs[sample_rows].tolist()
+                per_req: list = [None] * len(batch.req_ids)
+                for j, i in enumerate(sample_idx.tolist()):
+                    k = num_logprobs[j]
+                    if k >= 0:
+                        per_req[i] = (ids[j][:k + 1], lps[j][:k + 1], ranks[j])
+                out.logprobs = per_req
+        return out
 
     def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
-        s = self.states
-        temperature = s.temperature[rows]
-        all_greedy = bool((temperature < 1e-5).all())
-        dev = self.device
+        return self.states.sampling_metadata(rows)
 
-        def opt(arr: np.ndarray, off: float) -> torch.Tensor | None:
-            return torch.from_numpy(arr).to(dev) if (arr != off).any() else None
+    def _grammar_rows(self, batch: InputBatch, sample_idx: np.ndarray,
+                      grammar_output: GrammarOutput) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Map the bitmask's requests to the rows of this step's logits (decodes-first order)."""
+        pos = {batch.req_ids[i]: j for j, i in enumerate(sample_idx.tolist())}
+        rows, keep = [], []
+        for k, rid in enumerate(grammar_output.req_ids):
+            j = pos.get(rid)
+            if j is not None:
+                rows.append(j)
+                keep.append(k)
+        if not rows:
+            return None
+        bitmask = torch.from_numpy(np.ascontiguousarray(grammar_output.bitmask[keep]))
+        return (torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True),
+                bitmask.to(self.device, non_blocking=True))
 
-        gens = {}
-        if s.generators:
-            for j, row in enumerate(rows.tolist()):
-                g = s.generators.get(row)
-                if g is not None:
-                    gens[j] = g
-        return SamplingMetadata(
-            all_greedy=all_greedy,
-            temperature=torch.from_numpy(temperature).to(dev),
-            top_k=opt(s.top_k[rows], 0),
-            top_p=opt(s.top_p[rows], 1.0),
-            min_p=opt(s.min_p[rows], 0.0),
-            generators=gens,
-        )
+    def _prompt_logprobs(self, batch: InputBatch, hidden: torch.Tensor) -> dict[str, list] | None:
+        """Logprobs of each prompt token given the tokens before it, gathered over the prompt's chunks and
+        returned whole in the step that samples the first output token."""
+        states = self.states
+        cu = batch.attn_metadata.query_start_loc_cpu
+        seq_lens = batch.attn_metadata.seq_lens_cpu
+        done: dict[str, list] = {}
+        for i, rid in enumerate(batch.req_ids):
+            row = int(batch.rows[i])
+            k = int(states.num_prompt_logprobs[row])
+            if k < 0:
+                continue
+            n = cu[i + 1] - cu[i]
+            start = seq_lens[i] - n  # position of the chunk's first token
+            end = min(start + n, int(states.num_prompt[row]) - 1)  # position p predicts token p + 1
+            acc = states.prompt_logprobs.setdefault(row, [])
+            for lo in range(start, end, 256):  # bounded logits memory: 256 rows at a time
+                hi = min(end, lo + 256)
+                idx = torch.arange(cu[i] + lo - start, cu[i] + hi - start, device=self.device)
+                logprobs = self.model.compute_logits(hidden[idx]).float().log_softmax(-1)
+                targets = torch.from_numpy(states.token_ids[row, lo + 1:hi + 1]).to(self.device)
+                ids, lps, ranks = (t.tolist() for t in gather_logprobs(logprobs, targets, k))
+                acc.extend(zip(ids, lps, ranks, strict=True))
+            if batch.sample_mask[i]:
+                done[rid] = states.prompt_logprobs.pop(row)
+                states.num_prompt_logprobs[row] = -1
+        return done or None

@@ -1,4 +1,15 @@
-"""The sampler: greedy, temperature, top-k, top-p, min-p and per-request seeds, vectorised over the batch."""
+"""The sampler, vectorised over the batch (vLLM's order of operations).
+
+1. grammar bitmask (structured output): disallowed tokens -> -inf
+2. logprobs, if any row asks: log-softmax of these logits (vLLM's default "raw_logprobs": before
+   penalties, bias, temperature and top-k/top-p/min-p; after the grammar mask)
+3. allowed_token_ids, bad words, min_tokens (stop tokens -> -inf), logit_bias
+4. penalties: repetition (prompt + output tokens), frequency and presence (output tokens only)
+5. greedy argmax, or temperature -> min-p -> top-k -> top-p -> a draw (per-request generators for seeds)
+
+No step loops over the vocabulary in Python; the only per-row loop is over the seeded generators.
+A row whose every token is masked (a dead end) samples -1: the scheduler finishes it with an error reason.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +18,26 @@ from dataclasses import dataclass
 import torch
 
 _EPS = 1e-5
+_NEG_INF = float("-inf")
+
+
+@dataclass(slots=True)
+class Penalties:
+    batch_rows: torch.Tensor  # int64 [P]: the rows (of the batch) that have a penalty
+    output_counts: torch.Tensor  # int32 [P, V]
+    prompt_mask: torch.Tensor  # bool [P, V]
+    presence: torch.Tensor | None  # float32 [P]; None when every row has 0
+    frequency: torch.Tensor | None  # float32 [P]; None when every row has 0
+    repetition: torch.Tensor | None  # float32 [P]; None when every row has 1
+
+
+@dataclass(slots=True)
+class BadWords:
+    """Multi-token bad words: ban last_token in batch_rows where the word's prefix ends the output (match)."""
+
+    batch_rows: torch.Tensor  # int64 [K]
+    last_token: torch.Tensor  # int64 [K]
+    match: torch.Tensor  # bool [K]
 
 
 @dataclass(slots=True)
@@ -19,6 +50,73 @@ class SamplingMetadata:
     top_p: torch.Tensor | None  # float32 [B]; 1 = off
     min_p: torch.Tensor | None  # float32 [B]; 0 = off
     generators: dict[int, torch.Generator]  # row -> the request's own generator (seeded requests)
+    max_num_logprobs: int | None = None  # None: no row wants logprobs
+    penalties: Penalties | None = None
+    banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) -> -inf
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (rows, token ids, biases)
+    allowed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (restricted rows, rows, ids)
+    bad_words: BadWords | None = None
+    grammar: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, int32 bitmask [n, ceil(V / 32)])
+
+    @property
+    def may_dead_end(self) -> bool:
+        return (self.grammar is not None or self.allowed is not None or self.banned is not None
+                or self.bad_words is not None)
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    sampled: torch.Tensor  # int64 [B]; -1 where no token was allowed
+    # (token ids [B, 1 + k], logprobs [B, 1 + k], rank of the sampled token [B]); column 0 is the sampled one
+    logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """int32 [n, W] (bit j of word w: token 32 * w + j allowed) -> bool [n, vocab_size]."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
+    return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
+def apply_penalties(logits: torch.Tensor, pen: Penalties) -> None:
+    """vLLM's (and OpenAI's) penalties, in place on the penalised rows.
+
+    repetition (the CTRL rule): a token seen in the prompt or the output has its logit divided by the
+    penalty when positive, multiplied when not. frequency: minus penalty * count in the output.
+    presence: minus penalty if the token occurs in the output.
+    """
+    rows = pen.batch_rows
+    x = logits.index_select(0, rows)
+    counts = pen.output_counts
+    in_output = counts > 0
+    if pen.repetition is not None:
+        rep = pen.repetition.unsqueeze(1)
+        seen = pen.prompt_mask | in_output
+        x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+    if pen.frequency is not None:
+        x = x - pen.frequency.unsqueeze(1) * counts
+    if pen.presence is not None:
+        x = x - pen.presence.unsqueeze(1) * in_output
+    logits.index_copy_(0, rows, x)
+
+
+def apply_constraints(logits: torch.Tensor, md: SamplingMetadata) -> None:
+    """Step 3 in place: allowed_token_ids, bad words, min_tokens, logit_bias."""
+    if md.allowed is not None:
+        restricted, rows, ids = md.allowed
+        mask = torch.zeros_like(logits, dtype=torch.bool)
+        mask[restricted] = True
+        mask[rows, ids] = False
+        logits.masked_fill_(mask, _NEG_INF)
+    if md.banned is not None:
+        logits.index_put_(md.banned, torch.tensor(_NEG_INF, device=logits.device))
+    if md.bad_words is not None:
+        bw = md.bad_words
+        cur = logits[bw.batch_rows, bw.last_token]
+        logits.index_put_((bw.batch_rows, bw.last_token), torch.where(bw.match, _NEG_INF, cur))
+    if md.logit_bias is not None:
+        rows, ids, vals = md.logit_bias
+        logits.index_put_((rows, ids), vals, accumulate=True)
 
 
 def apply_top_k_top_p_min_p(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
@@ -26,7 +124,7 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, md: SamplingMetadata) -> torch
     if md.min_p is not None:
         probs = logits.softmax(-1)
         threshold = probs.amax(-1, keepdim=True) * md.min_p.unsqueeze(1)
-        logits = logits.masked_fill(probs < threshold, float("-inf"))
+        logits = logits.masked_fill(probs < threshold, _NEG_INF)
     if md.top_k is None and md.top_p is None:
         return logits
     sorted_logits, sorted_idx = logits.sort(-1, descending=True)
@@ -34,14 +132,26 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, md: SamplingMetadata) -> torch
         k = md.top_k.clamp(min=1, max=logits.shape[-1])
         k = torch.where(md.top_k > 0, k, logits.shape[-1])
         kth = sorted_logits.gather(1, (k - 1).unsqueeze(1))
-        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, _NEG_INF)
     if md.top_p is not None:
         probs = sorted_logits.softmax(-1)
         cum = probs.cumsum(-1)
         # Drop a token when the tokens ranked above it already reach top_p (the top token always stays).
         drop = (cum - probs) >= md.top_p.unsqueeze(1)
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        sorted_logits = sorted_logits.masked_fill(drop, _NEG_INF)
     return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
+
+
+def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor,
+                    k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids [N, 1 + k], logprobs [N, 1 + k], ranks [N]) for token_ids [N]; columns 1.. are the top-k."""
+    token_ids = token_ids.clamp(min=0).unsqueeze(1)
+    chosen = logprobs.gather(1, token_ids)
+    ranks = (logprobs > chosen).sum(-1) + 1
+    if k > 0:
+        top_lp, top_ids = logprobs.topk(k, dim=-1)
+        return torch.cat([token_ids, top_ids], 1), torch.cat([chosen, top_lp], 1), ranks
+    return token_ids, chosen, ranks
 
 
 class Sampler:
@@ -49,8 +159,27 @@ class Sampler:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        """logits float32 [B, V] -> sampled token ids int64 [B]."""
+    def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+        """logits [B, V] (modified in place) -> sampled token ids int64 [B] and, if asked, logprobs."""
+        if logits.dtype != torch.float32:
+            logits = logits.float()
+        if md.grammar is not None:
+            rows, bitmask = md.grammar
+            allowed = unpack_bitmask(bitmask, logits.shape[1])
+            logits[rows] = logits[rows].masked_fill(~allowed, _NEG_INF)
+        raw_logprobs = logits.log_softmax(-1) if md.max_num_logprobs is not None else None
+        apply_constraints(logits, md)
+        if md.penalties is not None:
+            apply_penalties(logits, md.penalties)
+        sampled = self._sample(logits, md)
+        if md.may_dead_end:
+            sampled = torch.where(torch.isneginf(logits).all(-1), -1, sampled)
+        out = SamplerOutput(sampled)
+        if raw_logprobs is not None:
+            out.logprobs = gather_logprobs(raw_logprobs, sampled, md.max_num_logprobs)
+        return out
+
+    def _sample(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         greedy = logits.argmax(-1)
         if md.all_greedy:
             return greedy

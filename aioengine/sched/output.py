@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from aioengine.sampling_params import SamplingParams
+
+# The logprobs of one position: (token ids, logprobs, rank of the first id). The first id is the sampled (or
+# prompt) token, the rest are the top-k by rank. Plain lists: the scheduler never sees tensors.
+TokenLogprobs = tuple[list[int], list[float], int]
 
 
 @dataclass(slots=True)
@@ -17,6 +22,7 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int  # prefix-cache hit, before this step
     num_prompt_tokens: int  # the user's prompt length (penalties look at outputs only)
+    eos_token_id: int | None = None  # masked with stop_token_ids until min_tokens (unless ignore_eos)
 
 
 @dataclass(slots=True)
@@ -37,7 +43,19 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_req_ids: set[str]  # finished since the last step: the runner drops their state
     preempted_req_ids: set[str]  # likewise; they come back later as new requests
-    pending_structured_output_tokens: bool = False
+    pending_structured_output_tokens: bool = False  # a structured request samples with a token in flight
+    structured_output_request_ids: list[str] = field(default_factory=list)  # structured requests that sample
+
+
+@dataclass(slots=True)
+class GrammarOutput:
+    """Stop 8: the allowed-token bitmask of each structured request that samples in a step.
+
+    bitmask: int32 [len(req_ids), ceil(vocab / 32)], bit j of word w allows token 32 * w + j.
+    """
+
+    req_ids: list[str]
+    bitmask: Any
 
 
 @dataclass(slots=True)
@@ -45,8 +63,9 @@ class ModelRunnerOutput:
     """What one step produced, host side. sampled_token_ids[i] is empty for a prefill chunk."""
 
     req_ids: list[str]
-    sampled_token_ids: list[list[int]]
-    logprobs: list | None = None
+    sampled_token_ids: list[list[int]]  # a negative id: no token was allowed (a dead end)
+    logprobs: list[TokenLogprobs | None] | None = None  # per request, for the sampled token
+    prompt_logprobs: dict[str, list[TokenLogprobs]] | None = None  # whole prompt, with the first token
 
 
 @dataclass(slots=True)
@@ -56,6 +75,8 @@ class EngineCoreOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    new_logprobs: list[TokenLogprobs] | None = None  # one per new token, when requested
+    new_prompt_logprobs: list[TokenLogprobs] | None = None
 
     @property
     def finished(self) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from aioengine.sampling_params import SamplingParams
 
@@ -27,6 +28,10 @@ class RequestStatus(enum.IntEnum):
     def finish_reason(self) -> str | None:
         return _FINISH_REASONS.get(self)
 
+
+# stop_reason of a request finished with FINISHED_ERROR by its sampling constraints (finish_reason "error").
+STOP_REASON_NO_ALLOWED_TOKENS = "no_allowed_tokens"  # grammar, min_tokens, bad words... left no token
+STOP_REASON_GRAMMAR_REJECTED = "grammar_rejected_token"  # the grammar refused a sampled token (a bug guard)
 
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
@@ -57,6 +62,8 @@ class Request:
     num_preemptions: int = 0
     spec_token_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks of all_token_ids
+    # Structured output: the grammar state (aioengine.structured.Grammar), advanced as tokens arrive.
+    structured_output: Any = None
     max_tokens: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -84,6 +91,10 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status > RequestStatus.PREEMPTED
+
+    @property
+    def use_structured_output(self) -> bool:
+        return self.structured_output is not None
 
     def append_output_token_ids(self, token_ids: list[int]) -> None:
         self.all_token_ids.extend(token_ids)

@@ -8,12 +8,18 @@ from aioengine.sched.kv_cache_manager import KVCacheManager
 from aioengine.sched.output import (
     CachedRequestData,
     EngineCoreOutput,
+    GrammarOutput,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
     SchedulerStats,
 )
-from aioengine.sched.request import Request, RequestStatus
+from aioengine.sched.request import (
+    STOP_REASON_GRAMMAR_REJECTED,
+    STOP_REASON_NO_ALLOWED_TOKENS,
+    Request,
+    RequestStatus,
+)
 from aioengine.sched.request_queue import create_request_queue
 
 
@@ -47,6 +53,8 @@ class Scheduler:
         self.num_preemptions_total = 0
         self._num_preemptions_step = 0
         self._last_num_scheduled_tokens = 0
+        # Fills grammar bitmasks (aioengine.structured.StructuredOutputManager); set by the engine.
+        self.structured_output_manager = None
 
     # ---- request lifecycle --------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -156,7 +164,10 @@ class Scheduler:
                     # Preempted with a token still in flight: resume once it has arrived.
                     skipped.append(waiting.pop())
                     continue
-                hit_blocks, num_hit = kv.get_computed_blocks(request)
+                if request.sampling_params.prompt_logprobs is None:
+                    hit_blocks, num_hit = kv.get_computed_blocks(request)
+                else:  # prompt logprobs need every prompt position computed: no prefix-cache reads
+                    hit_blocks, num_hit = [], 0
                 need = request.num_tokens - num_hit
                 if 0 < threshold < need:
                     need = threshold
@@ -180,7 +191,8 @@ class Scheduler:
         # Build the output before the counters advance (the runner needs the values before this step).
         new_reqs = [
             NewRequestData(r.request_id, list(r.all_token_ids), r.sampling_params,
-                           kv.get_block_ids(r.request_id), r.num_computed_tokens, r.num_prompt_tokens)
+                           kv.get_block_ids(r.request_id), r.num_computed_tokens, r.num_prompt_tokens,
+                           r.eos_token_id)
             for r in scheduled_new
         ]
         cached = CachedRequestData(
@@ -213,8 +225,28 @@ class Scheduler:
             request.num_computed_tokens += n
             request.is_prefill_chunk = request.num_computed_tokens < (
                 request.num_tokens + request.num_output_placeholders)
-            if add_placeholder and not request.is_prefill_chunk:
+            if request.is_prefill_chunk:
+                continue
+            if request.structured_output is not None:
+                out.structured_output_request_ids.append(req_id)
+                # Its bitmask needs the token still in flight: sampling waits for that step (stop 8).
+                out.pending_structured_output_tokens |= request.num_output_placeholders > 0
+            if add_placeholder:
                 request.num_output_placeholders += 1  # its sampled token is in flight from now on
+
+    def get_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> GrammarOutput | None:
+        """Stop 8: the bitmask of every structured request that samples in this step (None when none).
+
+        Call it once every token those requests have in flight has been applied by update_from_output.
+        """
+        ids = scheduler_output.structured_output_request_ids
+        if not ids or self.structured_output_manager is None:
+            return None
+        requests = self.requests
+        live = [rid for rid in ids if rid in requests]  # some may have finished since
+        if not live:
+            return None
+        return self.structured_output_manager.grammar_bitmask(live, [requests[r].structured_output for r in live])
 
     def _pick_victim(self) -> Request:
         if self.config.policy == "priority":
@@ -240,6 +272,8 @@ class Scheduler:
         kv = self.kv_cache_manager
         async_sched = self.config.async_scheduling
         sampled = runner_output.sampled_token_ids
+        logprobs = runner_output.logprobs
+        prompt_logprobs = runner_output.prompt_logprobs
         num_cached_block = kv.num_cached_block
         block_size = kv.block_size
         for i, req_id in enumerate(runner_output.req_ids):
@@ -253,9 +287,18 @@ class Scheduler:
                 request.num_output_placeholders -= len(new_token_ids)
                 assert request.num_output_placeholders >= 0
             status = None
+            grammar = request.structured_output
             for n, token in enumerate(new_token_ids, 1):
+                if token < 0 or (grammar is not None and not grammar.accept_token(token)):
+                    # No token was allowed (a dead end), or the grammar refused this one: finish, never hang.
+                    request.stop_reason = STOP_REASON_NO_ALLOWED_TOKENS if token < 0 else STOP_REASON_GRAMMAR_REJECTED
+                    status = RequestStatus.FINISHED_ERROR
+                    del new_token_ids[n - 1:]
+                    break
                 request.all_token_ids.append(token)
                 status = self._check_stop(request, token)
+                if status is None and grammar is not None and grammar.is_terminated():
+                    status = RequestStatus.FINISHED_STOPPED  # the grammar is complete (e.g. with ignore_eos)
                 if status is not None:
                     del new_token_ids[n:]
                     break
@@ -268,8 +311,13 @@ class Scheduler:
                 self._free_request(request)
             elif request.num_computed_tokens // block_size > num_cached_block.get(req_id, 1 << 62):
                 kv.cache_blocks(request, request.num_computed_tokens)  # a block just filled up
-            outputs.append(EngineCoreOutput(req_id, new_token_ids, status.finish_reason if status else None,
-                                            request.stop_reason, max(request.num_cached_tokens, 0)))
+            out = EngineCoreOutput(req_id, new_token_ids, status.finish_reason if status else None,
+                                   request.stop_reason, max(request.num_cached_tokens, 0))
+            if logprobs is not None and logprobs[i] is not None:
+                out.new_logprobs = [logprobs[i]][:len(new_token_ids)]
+            if prompt_logprobs:
+                out.new_prompt_logprobs = prompt_logprobs.get(req_id)
+            outputs.append(out)
         return outputs
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:

@@ -1,0 +1,125 @@
+"""Compiles structured-output constraints with xgrammar (cached by key) and fills the step's grammar bitmask.
+
+Everything here runs on the event loop: compiling at generate() (a few ms for a typical schema, then
+cached), filling the bitmask while the worker runs the forward (stop 8), advancing matchers as tokens
+arrive (stop 11). The scheduler only calls Grammar.accept_token / is_terminated and grammar_bitmask().
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+
+from aioengine.errors import InvalidRequestError
+from aioengine.sampling_params import StructuredOutputsParams
+from aioengine.sched.output import GrammarOutput
+
+logger = logging.getLogger(__name__)
+
+_XGR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+
+
+class Grammar:
+    """One request's grammar state: an xgrammar matcher over the compiled grammar."""
+
+    __slots__ = ("matcher",)
+
+    def __init__(self, matcher: Any) -> None:
+        self.matcher = matcher
+
+    def accept_token(self, token: int) -> bool:
+        return self.matcher.accept_token(token)
+
+    def is_terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+
+class StructuredOutputManager:
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_id: int | None, max_threads: int = 2,
+                 cache_size: int = 512) -> None:
+        import xgrammar as xgr
+
+        self._xgr = xgr
+        stop = [eos_token_id] if eos_token_id is not None else None
+        self.vocab_size = vocab_size
+        self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                                 stop_token_ids=stop)
+        self.compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads)
+        self.bitmask_width = (vocab_size + 31) // 32
+        self._batch = xgr.BatchGrammarMatcher(max_threads)
+        self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._cache_size = cache_size
+        self.cache_hits = 0
+        self.cache_misses = 0
+
+    # ---- at generate(): compile (cached) --------------------------------------------------------
+    def compile(self, params: StructuredOutputsParams) -> Any:
+        """The compiled grammar of a constraint; InvalidRequestError when it does not compile."""
+        key = params.cache_key()
+        compiled = self._cache.get(key)
+        if compiled is not None:
+            self._cache.move_to_end(key)
+            self.cache_hits += 1
+            return compiled
+        self.cache_misses += 1
+        compiled = self._compile(params)
+        self._cache[key] = compiled
+        if len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+        return compiled
+
+    def _compile(self, p: StructuredOutputsParams) -> Any:
+        kind = p.kinds()[0]
+        try:
+            if kind == "json":
+                schema = p.json
+                if isinstance(schema, str):
+                    try:
+                        schema = json.loads(schema)
+                    except ValueError as e:
+                        raise InvalidRequestError(f"Invalid JSON schema: not valid JSON ({e})",
+                                                  param="structured_outputs") from None
+                if not isinstance(schema, dict | bool):
+                    raise InvalidRequestError("Invalid JSON schema: it must be an object",
+                                              param="structured_outputs")
+                return self.compiler.compile_json_schema(json.dumps(schema),
+                                                         any_whitespace=not p.disable_any_whitespace)
+            if kind == "json_object":
+                return self.compiler.compile_builtin_json_grammar()
+            if kind == "regex":
+                return self.compiler.compile_regex(p.regex)
+            if kind == "choice":
+                alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in p.choice)
+                return self.compiler.compile_grammar(f"root ::= {alternatives}")
+            return self.compiler.compile_grammar(p.grammar)
+        except InvalidRequestError:
+            raise
+        except Exception as e:  # xgrammar reports bad specs as RuntimeError / ValueError
+            what = {"json": "JSON schema", "json_object": "JSON grammar", "regex": "regular expression",
+                    "choice": "choice", "grammar": "grammar"}[kind]
+            msg = _XGR_PREFIX.sub("", str(e).strip())
+            raise InvalidRequestError(f"Invalid {what} for structured outputs: {msg}",
+                                      param="structured_outputs") from None
+
+    def new_grammar(self, compiled: Any) -> Grammar:
+        return Grammar(self._xgr.GrammarMatcher(compiled))
+
+    # ---- stop 8: the bitmask -------------------------------------------------------------------
+    def grammar_bitmask(self, req_ids: list[str], grammars: list[Grammar]) -> GrammarOutput:
+        """One row per request, every token allowed where the grammar is already terminated."""
+        bitmask = np.full((len(req_ids), self.bitmask_width), -1, dtype=np.int32)
+        matchers, rows = [], []
+        for i, g in enumerate(grammars):
+            if not g.matcher.is_terminated():
+                matchers.append(g.matcher)
+                rows.append(i)
+        if len(matchers) == 1:
+            matchers[0].fill_next_token_bitmask(bitmask, rows[0])
+        elif matchers:
+            self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+        return GrammarOutput(req_ids, bitmask)
