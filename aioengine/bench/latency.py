@@ -7,6 +7,7 @@ import asyncio
 import statistics
 import time
 
+from aioengine.bench import write_json
 from aioengine.bench.throughput import add_engine_args, engine_args_from
 from aioengine.engine import AsyncEngine
 from aioengine.sampling_params import SamplingParams
@@ -57,9 +58,5 @@ def main(argv: list[str]) -> dict:
     print(f"Latency: batch {r['batch_size']}, decode step {r['decode_step_ms_median']:.2f} ms median "
           f"({r['decode_step_ms_p99']:.2f} ms p99) = {r['decode_tokens_per_s']:.1f} tokens/s; "
           f"request end-to-end {r['e2e_s_median']:.2f} s for {r['output_len']} tokens")
-    if args.output_json:
-        import orjson
-
-        with open(args.output_json, "wb") as f:
-            f.write(orjson.dumps(r, option=orjson.OPT_INDENT_2))
+    write_json(args.output_json, r)
     return r

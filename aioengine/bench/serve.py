@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import aiohttp
 import orjson
 
+from aioengine.bench import write_json
 from aioengine.bench.datasets import add_dataset_args, build_dataset
 
 
@@ -195,7 +196,5 @@ def main(argv: list[str]) -> dict:
         print(f"  {name:5s} ms: mean {m['mean']:.1f}  p50 {m['p50']:.1f}  p90 {m['p90']:.1f}  p99 {m['p99']:.1f}")
     if s["failed"]:
         print(f"  failed: {s['failed']} ({s['errors']})")
-    if args.save_result:
-        with open(args.save_result, "wb") as f:
-            f.write(orjson.dumps(s, option=orjson.OPT_INDENT_2))
+    write_json(args.save_result, s)
     return s

@@ -8,6 +8,7 @@ import time
 
 from tqdm import tqdm
 
+from aioengine.bench import write_json
 from aioengine.bench.datasets import add_dataset_args, build_dataset
 from aioengine.config import EngineArgs
 from aioengine.engine import AsyncEngine
@@ -89,9 +90,5 @@ def main(argv: list[str]) -> dict:
     print(f"Roofline ({result['dtype']}): matmul {result['matmul_gflops']:.0f} GFLOP/s / (2 x "
           f"{result['num_parameters'] / 1e6:.1f}M params) = {result['roofline_tokens_per_s']:.0f} tokens/s; "
           f"output tokens/s is {100 * result['fraction_of_roofline']:.1f}% of it")
-    if args.output_json:
-        import orjson
-
-        with open(args.output_json, "wb") as f:
-            f.write(orjson.dumps(result, option=orjson.OPT_INDENT_2))
+    write_json(args.output_json, result)
     return result
