@@ -12,7 +12,7 @@ from typing import Any
 import orjson
 
 from aioengine.errors import InvalidRequestError
-from aioengine.sampling_params import SamplingParams
+from aioengine.sampling_params import MAX_LOGPROBS, SamplingParams
 
 MAX_N = 128  # OpenAI's cap on n
 MAX_STOP = 32  # every stop string is searched after every token, on the event loop
@@ -162,7 +162,8 @@ _SAMPLING_FIELDS = frozenset({
     "model", "n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop",
     "stop_token_ids", "ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "stream",
     "stream_options", "user", "request_id", "priority", "presence_penalty", "frequency_penalty",
-    "repetition_penalty", "logit_bias", "logprobs", "response_format",
+    "repetition_penalty", "logit_bias", "logprobs", "response_format", "structured_outputs",
+    "allowed_token_ids", "bad_words",
 })
 CHAT_FIELDS = _SAMPLING_FIELDS | {
     "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
@@ -174,7 +175,33 @@ _ROLES = frozenset({"system", "developer", "user", "assistant"})
 _MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "function_call", "refusal", "audio"})
 
 
-def _sampling_params(f: Fields, max_tokens: int | None) -> SamplingParams:
+_STRUCTURED_FIELDS = frozenset({"json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace"})
+
+
+def _structured_outputs(f: Fields) -> dict | None:
+    """OpenAI's response_format, or vLLM's structured_outputs object (not both)."""
+    rf = f.get("response_format", dict)
+    so = f.get("structured_outputs", dict)
+    kind = None if rf is None else rf.get("type")
+    if kind not in (None, "text"):
+        if so is not None:
+            raise bad("Use response_format or structured_outputs, not both.", "structured_outputs")
+        if kind == "json_object":
+            return {"json_object": True}
+        if kind == "json_schema":
+            js = rf.get("json_schema")
+            if not isinstance(js, dict) or not isinstance(js.get("schema"), dict):
+                raise bad("response_format.json_schema.schema must be a JSON schema object.",
+                          "response_format.json_schema")
+            return {"json": js["schema"]}
+        raise bad("response_format.type must be text, json_object or json_schema.", "response_format.type")
+    if so is None:
+        return None
+    Fields(so, _STRUCTURED_FIELDS, "structured_outputs.")
+    return dict(so)
+
+
+def _sampling_params(f: Fields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
     stop = f.data.get("stop")
     if stop is None:
         stop = []
@@ -187,17 +214,14 @@ def _sampling_params(f: Fields, max_tokens: int | None) -> SamplingParams:
     stop_token_ids = f.get("stop_token_ids", list, [])
     if not all(type(t) is int for t in stop_token_ids):
         raise bad("stop_token_ids must be an array of integers.", "stop_token_ids")
-    # Penalties and logit bias exist in SamplingParams but the sampler does not apply them yet: refuse
-    # instead of returning something the client did not ask for.
-    for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
-        value = f.float(name)
-        if value is not None and value != neutral:
-            raise not_supported(name)
-    if f.get("logit_bias", dict):
-        raise not_supported("logit_bias")
-    rf = f.get("response_format", dict)
-    if rf is not None and rf.get("type") != "text":
-        raise not_supported("response_format", "Structured output (response_format other than text)")
+    bias = f.get("logit_bias", dict)
+    bad_words = f.data.get("bad_words")
+    if bad_words is not None and not (isinstance(bad_words, str) or (
+            isinstance(bad_words, list) and all(isinstance(w, str) for w in bad_words))):
+        raise bad("bad_words must be a string or an array of strings.", "bad_words")
+    allowed = f.get("allowed_token_ids", list)
+    if allowed is not None and not all(type(t) is int for t in allowed):
+        raise bad("allowed_token_ids must be an array of integers.", "allowed_token_ids")
     try:
         return SamplingParams(
             n=f.int("n", 1, lo=1, hi=MAX_N), temperature=f.float("temperature", 1.0),
@@ -205,12 +229,15 @@ def _sampling_params(f: Fields, max_tokens: int | None) -> SamplingParams:
             seed=f.int("seed"), max_tokens=max_tokens, min_tokens=f.int("min_tokens", 0), stop=stop,
             stop_token_ids=stop_token_ids, ignore_eos=f.bool("ignore_eos", False),
             include_stop_str_in_output=f.bool("include_stop_str_in_output", False),
-            skip_special_tokens=f.bool("skip_special_tokens", True))
+            skip_special_tokens=f.bool("skip_special_tokens", True), logprobs=logprobs,
+            presence_penalty=f.float("presence_penalty", 0.0), frequency_penalty=f.float("frequency_penalty", 0.0),
+            repetition_penalty=f.float("repetition_penalty", 1.0), logit_bias=bias or None,
+            allowed_token_ids=allowed, bad_words=bad_words, structured_outputs=_structured_outputs(f))
     except InvalidRequestError as e:
         raise from_invalid(e) from None
 
 
-def _common(f: Fields, max_tokens: int | None, allow_priority: bool) -> dict:
+def _common(f: Fields, max_tokens: int | None, logprobs: int | None, allow_priority: bool) -> dict:
     stream = f.bool("stream", False)
     so = f.get("stream_options", dict)
     include_usage = continuous = False
@@ -226,7 +253,7 @@ def _common(f: Fields, max_tokens: int | None, allow_priority: bool) -> dict:
     request_id = f.str("request_id")
     if request_id is not None and not request_id:
         raise bad("request_id cannot be empty.", "request_id")
-    return dict(model=f.str("model"), params=_sampling_params(f, max_tokens), stream=stream,
+    return dict(model=f.str("model"), params=_sampling_params(f, max_tokens, logprobs), stream=stream,
                 include_usage=include_usage, continuous_usage_stats=continuous, request_id=request_id,
                 priority=priority, user=f.str("user"))
 
@@ -241,10 +268,9 @@ def parse_chat_request(data: dict, allow_priority: bool = False) -> ChatRequest:
         max_tokens = f.int("max_tokens")
     else:
         f.int("max_tokens")  # still type-checked
-    if f.bool("logprobs", False):
-        raise not_supported("logprobs")
-    top_logprobs = f.int("top_logprobs", lo=0, hi=20)
-    if top_logprobs:
+    want_logprobs = f.bool("logprobs", False)
+    top_logprobs = f.int("top_logprobs", lo=0, hi=MAX_LOGPROBS)
+    if top_logprobs and not want_logprobs:
         raise bad("top_logprobs requires logprobs to be true.", "top_logprobs")
     if f.get("tools", list):
         raise not_supported("tools", "Tool calling")
@@ -271,7 +297,9 @@ def parse_chat_request(data: dict, allow_priority: bool = False) -> ChatRequest:
         kwargs["add_generation_prompt"] = False
     if kwargs.get("continue_final_message") and messages[-1]["role"] != "assistant":
         raise bad("continue_final_message needs the last message to be from the assistant.", "messages")
-    return ChatRequest(**_common(f, max_tokens, allow_priority), messages=messages, chat_template_kwargs=kwargs)
+    logprobs = (top_logprobs or 0) if want_logprobs else None
+    return ChatRequest(**_common(f, max_tokens, logprobs, allow_priority), messages=messages,
+                       chat_template_kwargs=kwargs)
 
 
 def parse_messages(raw: Any) -> list[dict]:
@@ -332,12 +360,12 @@ def _content_text(content: Any, p: str) -> str | None:
 def parse_completion_request(data: dict, allow_priority: bool = False) -> CompletionRequest:
     f = Fields(data, COMPLETION_FIELDS)
     prompts = parse_prompt(data.get("prompt"))
-    logprobs = f.int("logprobs", lo=0, hi=20)
-    if logprobs is not None:
-        raise not_supported("logprobs")
+    logprobs = f.int("logprobs", lo=0, hi=MAX_LOGPROBS)
+    if logprobs is not None and f.bool("echo", False):
+        raise not_supported("echo", "echo with logprobs (prompt logprobs)")
     if f.str("suffix"):
         raise not_supported("suffix")
-    base = _common(f, f.int("max_tokens", 16), allow_priority)
+    base = _common(f, f.int("max_tokens", 16), logprobs, allow_priority)
     best_of = f.int("best_of", lo=1)
     if best_of is not None and best_of != base["params"].n:
         raise not_supported("best_of", "best_of other than n")

@@ -250,7 +250,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if req.stream:
         return await serving.stream_chat(request, engine, req, handles, rid, model)
     outs = [await h for h in handles]
-    return json_response(serving.chat_response(rid, model, outs), headers={"X-Request-Id": rid})
+    return json_response(serving.chat_response(engine, req, rid, model, outs), headers={"X-Request-Id": rid})
 
 
 async def completions(request: web.Request) -> web.StreamResponse:

@@ -16,6 +16,7 @@ import orjson
 from aiohttp import web
 
 from aioengine.errors import AioEngineError, InvalidRequestError
+from aioengine.http.logprobs import CompletionLogprobs, chat_logprobs
 from aioengine.http.protocol import APIError, ChatRequest, CompletionRequest, bad, error_dict, from_invalid
 from aioengine.outputs import CompletionOutput, RequestOutput
 
@@ -141,12 +142,14 @@ async def open_sse(request: web.Request, request_id: str) -> SSEWriter:
 
 
 # ---- chat ---------------------------------------------------------------------------------------------
-def chat_response(request_id: str, model: str, outs: list[RequestOutput]) -> dict:
+def chat_response(engine: Any, req: ChatRequest, request_id: str, model: str, outs: list[RequestOutput]) -> dict:
     out = outs[0]
+    k = req.params.logprobs
     tally = Tally([len(out.prompt_token_ids)], [out.num_cached_tokens])
     tally.completion_tokens = out.num_generated_tokens
     choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                "logprobs": None, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                "logprobs": None if k is None else chat_logprobs(engine, c.token_ids, c.logprobs, k),
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                for c in out.outputs]
     return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": choices, "usage": tally.usage()}
@@ -156,16 +159,19 @@ async def stream_chat(request: web.Request, engine: Any, req: ChatRequest, handl
                       model: str) -> web.StreamResponse:
     created = int(time.time())
     base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
+    k = req.params.logprobs
 
-    def choice(c: CompletionOutput) -> dict:
-        delta = {"content": c.text} if c.text else {}
-        return {"index": c.index, "delta": delta, "logprobs": None, "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason} if c.finish_reason else {
-                "index": c.index, "delta": delta, "logprobs": None, "finish_reason": None}
+    def choice(_i: int, c: CompletionOutput) -> dict:
+        d = {"index": c.index, "delta": {"content": c.text} if c.text else {},
+             "logprobs": None if k is None else chat_logprobs(engine, c.token_ids, c.logprobs, k),
+             "finish_reason": c.finish_reason}
+        if c.finish_reason:
+            d["stop_reason"] = c.stop_reason
+        return d
 
     first = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
              for i in range(req.params.n)]
-    return await _stream(request, engine, req, handles, request_id, base, first, lambda _i, c: choice(c))
+    return await _stream(request, engine, req, handles, request_id, base, first, choice)
 
 
 # ---- completions --------------------------------------------------------------------------------------
@@ -175,13 +181,15 @@ def prompt_text(engine: Any, prompt: str | list[int]) -> str:
 
 def completion_response(engine: Any, req: CompletionRequest, request_id: str, model: str,
                         outs: list[RequestOutput]) -> dict:
-    n = req.params.n
+    n, k = req.params.n, req.params.logprobs
     tally = Tally([len(o.prompt_token_ids) for o in outs], [o.num_cached_tokens for o in outs])
     choices = []
     for i, out in enumerate(outs):
         echo = prompt_text(engine, req.prompts[i]) if req.echo else ""
         tally.completion_tokens += out.num_generated_tokens
-        choices.extend({"index": i * n + c.index, "text": echo + c.text, "logprobs": None,
+        choices.extend({"index": i * n + c.index, "text": echo + c.text,
+                        "logprobs": None if k is None else CompletionLogprobs(engine, k).render(c.token_ids,
+                                                                                               c.logprobs),
                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs)
     return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
             "choices": choices, "usage": tally.usage()}
@@ -189,11 +197,16 @@ def completion_response(engine: Any, req: CompletionRequest, request_id: str, mo
 
 async def stream_completions(request: web.Request, engine: Any, req: CompletionRequest, handles: list,
                              request_id: str, model: str) -> web.StreamResponse:
-    n = req.params.n
+    n, k = req.params.n, req.params.logprobs
     base = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model}
+    renderers: dict[int, CompletionLogprobs] = {}
 
     def choice(i: int, c: CompletionOutput) -> dict:
-        d = {"index": i * n + c.index, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
+        index = i * n + c.index
+        lp = None
+        if k is not None:
+            lp = renderers.setdefault(index, CompletionLogprobs(engine, k)).render(c.token_ids, c.logprobs)
+        d = {"index": index, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason}
         if c.finish_reason:
             d["stop_reason"] = c.stop_reason
         return d
@@ -222,7 +235,7 @@ async def _stream(request: web.Request, engine: Any, req: ChatRequest | Completi
             async for i, out in deltas:
                 tally.add(i, out)
                 for c in out.outputs:
-                    if not c.text and c.finish_reason is None:
+                    if not c.text and c.finish_reason is None and (req.params.logprobs is None or not c.token_ids):
                         continue  # the detokenizer is holding text back: nothing to say yet
                     chunk = {**base, "choices": [make_choice(i, c)]}
                     if req.continuous_usage_stats:

@@ -17,6 +17,7 @@ from aiohttp import WSMsgType, web
 
 from aioengine.errors import AioEngineError
 from aioengine.http import serving
+from aioengine.http.logprobs import chat_logprobs
 from aioengine.http.protocol import APIError, bad, parse_chat_request, parse_completion_request
 from aioengine.http.server import CONFIG, ENGINE, STATE, _check_model, admit, allow_priority
 
@@ -140,8 +141,12 @@ class _Session:
                     for c in out.outputs:
                         index = i * n + c.index
                         if c.text or c.token_ids:
-                            await self.send({"type": "delta", "id": gen_id, "index": index, "text": c.text,
-                                             "token_ids": c.token_ids})
+                            delta = {"type": "delta", "id": gen_id, "index": index, "text": c.text,
+                                     "token_ids": c.token_ids}
+                            if req.params.logprobs is not None:
+                                delta["logprobs"] = chat_logprobs(self.engine, c.token_ids, c.logprobs,
+                                                                  req.params.logprobs)["content"]
+                            await self.send(delta)
                         if c.finish_reason is not None:
                             finish[index] = {"index": index, "finish_reason": c.finish_reason,
                                              "stop_reason": c.stop_reason}

@@ -128,3 +128,56 @@ def test_errors_surface_as_openai_exceptions(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="default", messages=CHAT, max_tokens=5000)
     assert "2048" in e.value.body["message"] and e.value.body["code"] == "context_length_exceeded"
+
+
+def test_chat_logprobs(client):
+    r = client.chat.completions.create(model="default", messages=CHAT, temperature=0, max_tokens=5,
+                                       logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    assert "".join(e.token for e in content) == r.choices[0].message.content
+    for e in content:
+        assert e.logprob <= 0 and len(e.top_logprobs) == 3
+        assert e.token == e.top_logprobs[0].token  # greedy: the chosen token is the best one
+        assert e.bytes == list(e.token.encode())
+    chunks = list(client.chat.completions.create(model="default", messages=CHAT, temperature=0, max_tokens=5,
+                                                 logprobs=True, stream=True))
+    streamed = [e.token for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert streamed == [e.token for e in content]
+
+
+def test_completion_logprobs(client):
+    r = client.completions.create(model="default", prompt="The capital of France is", temperature=0,
+                                  max_tokens=4, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert lp.text_offset[0] == 0 and all(len(t) == 2 for t in lp.top_logprobs)
+    assert "".join(lp.tokens) == r.choices[0].text
+
+
+def test_penalties_and_logit_bias_are_applied(client, http):
+    base = client.completions.create(model="default", prompt="Hi", temperature=0, max_tokens=12)
+    text = base.choices[0].text  # greedy SmolLM2 repeats itself here ("-party-party-...")
+    first = http.post("/tokenize", json={"prompt": text, "add_special_tokens": False}).json()["tokens"][0]
+    first_str = http.post("/detokenize", json={"tokens": [first]}).json()["prompt"]
+    banned = client.completions.create(model="default", prompt="Hi", temperature=0, max_tokens=12,
+                                       logit_bias={str(first): -100})
+    assert not banned.choices[0].text.startswith(first_str)
+    penalized = client.completions.create(model="default", prompt="Hi", temperature=0, max_tokens=12,
+                                          frequency_penalty=2.0)
+    assert penalized.choices[0].text != text
+
+
+def test_structured_output(client):
+    import json
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
+              "additionalProperties": False}
+    r = client.chat.completions.create(model="default", messages=CHAT, temperature=0, max_tokens=40,
+                                       response_format={"type": "json_schema",
+                                                        "json_schema": {"name": "answer", "schema": schema}})
+    assert r.choices[0].finish_reason == "stop"
+    assert set(json.loads(r.choices[0].message.content)) == {"city"}
+    r = client.completions.create(model="default", prompt="Is Paris in France? Answer:", max_tokens=5,
+                                  extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert r.choices[0].text in ("yes", "no")

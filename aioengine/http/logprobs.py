@@ -1,0 +1,61 @@
+"""Engine logprobs ({token id: Logprob} per token) in OpenAI's two wire formats: chat and legacy completions."""
+
+from __future__ import annotations
+
+from typing import Any
+
+_FLOOR = -9999.0  # -inf is not JSON; vLLM clamps the same way
+
+
+def _text(engine: Any, tid: int, lp: Any) -> str:
+    return lp.decoded_token if lp.decoded_token is not None else engine.tokenizer.decode([tid])
+
+
+def _top(d: dict, k: int) -> list[tuple[int, Any]]:
+    """The k best entries by rank (the chosen token is listed first in `d` even when it ranks lower)."""
+    if k <= 0:
+        return []
+    return sorted(d.items(), key=lambda kv: kv[1].rank if kv[1].rank is not None else 1 << 30)[:k]
+
+
+def _chosen(d: dict, tid: int) -> Any:
+    lp = d.get(tid)
+    return lp if lp is not None else next(iter(d.values()))
+
+
+def chat_logprobs(engine: Any, token_ids: list[int], logprobs: list[dict] | None, k: int) -> dict:
+    """{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}, ...]}, one entry per token."""
+    content = []
+    for tid, d in zip(token_ids, logprobs or [], strict=False):
+        lp = _chosen(d, tid)
+        text = _text(engine, tid, lp)
+        content.append({"token": text, "logprob": max(lp.logprob, _FLOOR), "bytes": list(text.encode()),
+                        "top_logprobs": [{"token": (t := _text(engine, i, p)), "logprob": max(p.logprob, _FLOOR),
+                                          "bytes": list(t.encode())} for i, p in _top(d, k)]})
+    return {"content": content}
+
+
+class CompletionLogprobs:
+    """The legacy format for one choice; keeps the running text offset across stream chunks."""
+
+    def __init__(self, engine: Any, k: int, offset: int = 0) -> None:
+        self.engine = engine
+        self.k = k
+        self.offset = offset
+
+    def render(self, token_ids: list[int], logprobs: list[dict] | None) -> dict:
+        tokens: list[str] = []
+        token_logprobs: list[float] = []
+        top: list[dict | None] = []
+        text_offset: list[int] = []
+        for tid, d in zip(token_ids, logprobs or [], strict=False):
+            lp = _chosen(d, tid)
+            text = _text(self.engine, tid, lp)
+            tokens.append(text)
+            token_logprobs.append(max(lp.logprob, _FLOOR))
+            top.append({_text(self.engine, i, p): max(p.logprob, _FLOOR) for i, p in _top(d, self.k)}
+                       if self.k else None)
+            text_offset.append(self.offset)
+            self.offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
+                "text_offset": text_offset}
