@@ -23,11 +23,15 @@ _SAMPLING = {
     "stream_options": {"type": "object", "properties": {"include_usage": _BOOL,
                                                         "continuous_usage_stats": _BOOL}},
     "user": _STR, "request_id": _STR, "priority": {**_INT, "description": "with --scheduling-policy priority"},
-    "presence_penalty": {**_NUM, "description": "only 0 (not supported yet)"},
-    "frequency_penalty": {**_NUM, "description": "only 0 (not supported yet)"},
-    "repetition_penalty": {**_NUM, "description": "only 1 (not supported yet)"},
-    "logit_bias": {"type": "object", "description": "only empty (not supported yet)"},
-    "response_format": {"type": "object", "description": "only {\"type\": \"text\"}"},
+    "presence_penalty": {**_NUM, "minimum": -2, "maximum": 2}, "frequency_penalty": {**_NUM, "minimum": -2, "maximum": 2},
+    "repetition_penalty": {**_NUM, "exclusiveMinimum": 0},
+    "logit_bias": {"type": "object", "additionalProperties": _NUM, "description": "token id -> bias in [-100, 100]"},
+    "allowed_token_ids": _INTS, "bad_words": _STRS,
+    "response_format": {"type": "object", "properties": {"type": {"enum": ["text", "json_object", "json_schema"]},
+                                                         "json_schema": {"type": "object"}}},
+    "structured_outputs": {"type": "object", "description": "one of json, regex, choice, grammar, json_object",
+                           "properties": {"json": {}, "regex": _STR, "choice": {"type": "array", "items": _STR},
+                                          "grammar": _STR, "json_object": _BOOL, "disable_any_whitespace": _BOOL}},
 }
 _MESSAGE = {"type": "object", "required": ["role"], "properties": {
     "role": {"enum": ["system", "developer", "user", "assistant"]},
@@ -36,8 +40,7 @@ _MESSAGE = {"type": "object", "required": ["role"], "properties": {
 _CHAT = {"type": "object", "required": ["messages"], "properties": {
     **_SAMPLING, "messages": {"type": "array", "items": _MESSAGE, "minItems": 1},
     "max_tokens": _nullable({**_INT, "minimum": 1}), "max_completion_tokens": _nullable({**_INT, "minimum": 1}),
-    "logprobs": {**_BOOL, "description": "only false (not supported yet)"},
-    "top_logprobs": {**_INT, "description": "only 0 (not supported yet)"},
+    "logprobs": _BOOL, "top_logprobs": {**_INT, "minimum": 0, "maximum": 20},
     "chat_template_kwargs": {"type": "object"}, "add_generation_prompt": _BOOL, "continue_final_message": _BOOL,
     "tools": {"type": "array", "maxItems": 0}, "tool_choice": {"enum": ["none", "auto"]},
     "parallel_tool_calls": _BOOL, "store": {"const": False}, "metadata": {"type": "object"},
@@ -47,7 +50,7 @@ _COMPLETION = {"type": "object", "required": ["prompt"], "properties": {
                                       {"type": "array", "items": _INTS}]},
     "max_tokens": {**_INT, "minimum": 1, "default": 16}, "echo": _BOOL,
     "best_of": {**_INT, "description": "only equal to n"}, "suffix": {"type": "null"},
-    "logprobs": {"type": "null", "description": "not supported yet"}}}
+    "logprobs": {**_INT, "minimum": 0, "maximum": 20, "description": "not with echo"}}}
 _TOKENIZE = {"type": "object", "properties": {
     "model": _STR, "prompt": _STR, "messages": {"type": "array", "items": _MESSAGE}, "add_special_tokens": _BOOL,
     "add_generation_prompt": _BOOL, "continue_final_message": _BOOL, "return_token_strs": _BOOL,
