@@ -129,7 +129,7 @@ class Http:
         return self.request("POST", path, json=json, **kw)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def server():
     s = LiveServer()
     try:
@@ -138,13 +138,13 @@ def server():
         s.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def client(server):
     import openai
 
     return openai.OpenAI(base_url=server.url() + "/v1", api_key="unused", max_retries=0, timeout=60.0)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def http(server):
     return Http(server.url())
