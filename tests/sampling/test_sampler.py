@@ -208,3 +208,21 @@ def test_seeded_rows_do_not_depend_on_the_batch():
     batch[1] = logits[0]
     together = [sampler(batch.clone(), states.sampling_metadata(np.arange(3))).sampled[1].item() for _ in range(5)]
     assert alone == together
+
+
+def test_temperature_draws_follow_the_softmax_and_never_pick_masked_tokens():
+    logits = torch.randn(2, V, generator=torch.Generator().manual_seed(3)) * 2
+    logits[:, 10:20] = float("-inf")
+    md = make_states(SamplingParams(temperature=0.5), SamplingParams(temperature=2.0)).sampling_metadata(
+        np.arange(2))
+    sampler = Sampler(0, CPU)
+    counts = torch.zeros(2, V)
+    n = 20000
+    big = logits.repeat(n // 100, 1)  # 100 draws per call keep the test fast
+    md.temperature = md.temperature.repeat(n // 100)
+    for _ in range(100):
+        t = sampler(big.clone(), md).sampled.view(-1, 2)
+        counts.scatter_add_(1, t.T, torch.ones_like(t.T, dtype=torch.float))
+    expected = torch.stack([(logits[0] / 0.5).softmax(-1), (logits[1] / 2.0).softmax(-1)])
+    assert counts[:, 10:20].sum() == 0
+    assert (counts / n - expected).abs().max() < 0.015
