@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -19,8 +18,6 @@ from aioengine.errors import AioEngineError, InvalidRequestError
 from aioengine.http.logprobs import CompletionLogprobs, chat_logprobs
 from aioengine.http.protocol import APIError, ChatRequest, CompletionRequest, bad, error_dict, from_invalid
 from aioengine.outputs import CompletionOutput, RequestOutput
-
-logger = logging.getLogger("aioengine.http")
 
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -107,7 +104,6 @@ class Tally:
     prompt_tokens: list[int]
     cached_tokens: list[int]
     completion_tokens: int = 0
-    finish: dict[int, tuple[str | None, Any]] = field(default_factory=dict)
 
     def add(self, i: int, out: RequestOutput) -> None:
         self.prompt_tokens[i] = len(out.prompt_token_ids)

@@ -8,7 +8,6 @@ usage) per generation, "error", and "pong". A closed socket aborts everything it
 from __future__ import annotations
 
 import asyncio
-import logging
 from contextlib import aclosing, suppress
 from typing import Any
 
@@ -20,8 +19,6 @@ from aioengine.http import serving
 from aioengine.http.logprobs import chat_logprobs
 from aioengine.http.protocol import APIError, bad, parse_chat_request, parse_completion_request
 from aioengine.http.server import CONFIG, ENGINE, STATE, _check_model, admit, allow_priority
-
-logger = logging.getLogger("aioengine.http")
 
 MAX_ACTIVE_PER_SOCKET = 64
 _KINDS = ("chat", "completion")
