@@ -50,7 +50,8 @@ class LiveServer:
                                              num_kv_blocks=512, max_num_batched_tokens=512))
         await self.engine.start()
         apps = {"main": build_app(self.engine), "keyed": build_app(self.engine, api_key=API_KEY),
-                "limited": build_app(self.engine, max_num_queued_reqs=QUEUE_LIMIT)}
+                "limited": build_app(self.engine, max_num_queued_reqs=QUEUE_LIMIT),
+                "logged": build_app(self.engine, log_requests=True, served_model_names=["alias", "default"])}
         for name, app in apps.items():
             runner = await start_server(app, "127.0.0.1", 0, shutdown_timeout=1.0)
             self.runners[name] = runner

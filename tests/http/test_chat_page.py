@@ -7,12 +7,12 @@ import shutil
 
 import pytest
 
-CHROMIUM = os.environ.get("AIOENGINE_CHROMIUM", "/usr/bin/chromium")
+CHROMIUM = os.environ.get("AIOENGINE_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
         "--disable-component-update", "--no-first-run"]
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install playwright)")
-if not (os.path.exists(CHROMIUM) or shutil.which("chromium")):
+if not os.path.exists(CHROMIUM):
     pytest.skip("chromium is not installed (apt-get install chromium)", allow_module_level=True)
 
 

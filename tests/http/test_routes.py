@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import aioengine
 
 
@@ -52,3 +54,18 @@ def test_content_parts_and_developer_role(http):
         {"role": "developer", "content": "Be brief."},
         {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]}]})
     assert r.status == 200, r.body
+
+
+def test_log_requests_and_served_model_names(server, caplog):
+    from tests.http.conftest import Http
+
+    logged = Http(server.url("logged"))
+    with caplog.at_level(logging.INFO, logger="aioengine.http"):
+        r = logged.post("/v1/completions", json={"model": "alias", "prompt": "Hi", "max_tokens": 2},
+                        headers={"X-Request-Id": "logged-1"})
+        assert r.status == 200 and r.json()["model"] == "alias"
+        assert logged.post("/v1/completions", json={"model": "default", "prompt": "Hi", "max_tokens": 1}).status == 200
+        server.wait_idle()
+    text = caplog.text
+    assert "Received request logged-1" in text and "Finished request logged-1" in text
+    assert [m["id"] for m in logged.get("/v1/models").json()["data"]] == ["alias", "default"]
