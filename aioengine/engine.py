@@ -63,6 +63,10 @@ class GenerateHandle:
     def request_id(self) -> str:
         return self._state.request_id
 
+    def abort(self) -> None:
+        """Abort this request now (its stream ends with finish_reason 'abort'); a no-op once finished."""
+        self._engine._abort_state(self._state)
+
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self._iterate()
 

@@ -91,4 +91,4 @@ class SchedulerStats:
     prefix_cache_queries: int = 0  # in this step
     prefix_cache_hits: int = 0
     num_preemptions: int = 0  # in this step
-    num_scheduled_tokens: int = 0
+    num_scheduled_tokens: int = 0  # planned since the previous stats

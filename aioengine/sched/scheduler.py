@@ -52,7 +52,7 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()  # since the last schedule(), for the runner
         self.num_preemptions_total = 0
         self._num_preemptions_step = 0
-        self._last_num_scheduled_tokens = 0
+        self._num_scheduled_tokens_since_stats = 0
         # Fills grammar bitmasks (aioengine.structured.StructuredOutputManager); set by the engine.
         self.structured_output_manager = None
 
@@ -213,7 +213,7 @@ class Scheduler:
         )
         self.finished_req_ids = set()
         self._num_preemptions_step += len(preempted)
-        self._last_num_scheduled_tokens = total
+        self._num_scheduled_tokens_since_stats += total
         self._update_after_schedule(out)
         return out
 
@@ -344,7 +344,8 @@ class Scheduler:
             prefix_cache_queries=pc.queries,
             prefix_cache_hits=pc.hits,
             num_preemptions=self._num_preemptions_step,
-            num_scheduled_tokens=self._last_num_scheduled_tokens,
+            num_scheduled_tokens=self._num_scheduled_tokens_since_stats,
         )
         self._num_preemptions_step = 0
+        self._num_scheduled_tokens_since_stats = 0
         return stats

@@ -261,3 +261,22 @@ def test_default_model_knows_the_capital_of_france():
 
     text = asyncio.run(main())
     assert "Paris" in text, text
+
+
+def test_handle_abort_and_stats_count_every_scheduled_token(tiny_llama):
+    path, _ = tiny_llama
+
+    async def main():
+        async with AsyncEngine(tiny_args(path)) as engine:
+            scheduled = []
+            engine.stat_listeners.append(lambda stats, outputs: scheduled.append(stats.num_scheduled_tokens))
+            await engine.generate(list(range(3, 103)), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+            # 100 prompt tokens in chunks of 64, then 7 decodes: the last token is never fed back.
+            assert sum(scheduled) == 100 + 7
+            h = engine.generate([1, 2, 3], SamplingParams(max_tokens=500, ignore_eos=True))
+            h.abort()
+            out = await h
+            assert out.outputs[0].finish_reason == "abort"
+            assert engine.num_unfinished_requests() == 0
+
+    run(main())
