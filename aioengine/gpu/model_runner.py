@@ -194,7 +194,7 @@ class ModelRunner:
         return self.states.sampling_metadata(rows)
 
     def _grammar_rows(self, batch: InputBatch, sample_idx: np.ndarray,
-                      grammar_output: GrammarOutput) -> tuple[torch.Tensor, torch.Tensor] | None:
+                      grammar_output: GrammarOutput) -> tuple[list[int], torch.Tensor] | None:
         """Map the bitmask's requests to the rows of this step's logits (decodes-first order)."""
         pos = {batch.req_ids[i]: j for j, i in enumerate(sample_idx.tolist())}
         rows, keep = [], []
@@ -205,9 +205,9 @@ class ModelRunner:
                 keep.append(k)
         if not rows:
             return None
-        bitmask = torch.from_numpy(np.ascontiguousarray(grammar_output.bitmask[keep]))
-        return (torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True),
-                bitmask.to(self.device, non_blocking=True))
+        bitmask = np.full((len(sample_idx), grammar_output.bitmask.shape[1]), -1, dtype=np.int32)
+        bitmask[rows] = grammar_output.bitmask[keep]  # row j of the bitmask masks row j of the logits
+        return rows, torch.from_numpy(bitmask).to(self.device, non_blocking=True)
 
     def _prompt_logprobs(self, batch: InputBatch, hidden: torch.Tensor) -> dict[str, list] | None:
         """Logprobs of each prompt token given the tokens before it, gathered over the prompt's chunks and

@@ -57,12 +57,14 @@ class SamplingMetadata:
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (rows, token ids, biases)
     allowed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (restricted rows, rows, ids)
     bad_words: BadWords | None = None
-    grammar: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, int32 bitmask [n, ceil(V / 32)])
+    grammar: tuple[list[int], torch.Tensor] | None = None  # (rows, int32 bitmask [B, ceil(V / 32)])
 
     @property
     def may_dead_end(self) -> bool:
-        return (self.grammar is not None or self.allowed is not None or self.banned is not None
-                or self.bad_words is not None)
+        """Whether some row may have every token masked. A grammar alone always allows a token (xgrammar
+        never leaves a live matcher without one); with other masks (min_tokens hiding the EOS a complete
+        grammar needs) it may not. A missed dead end still ends: the grammar rejects the token."""
+        return self.allowed is not None or self.banned is not None or self.bad_words is not None
 
 
 @dataclass(slots=True)
@@ -77,6 +79,21 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
     bits = (bitmask.unsqueeze(-1) >> shifts) & 1
     return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
+def apply_grammar_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
+    """Disallowed tokens of these rows -> -inf, in place (float32 logits); bitmask row i masks logits row i.
+
+    xgrammar's kernel (C++ on CPU, CUDA/Triton on GPU) is ~3x faster than unpacking in torch on a CPU.
+    """
+    try:
+        import xgrammar
+
+        xgrammar.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[1], indices=rows)
+    except ImportError:
+        idx = torch.tensor(rows, device=logits.device)
+        allowed = unpack_bitmask(bitmask.index_select(0, idx), logits.shape[1])
+        logits.index_copy_(0, idx, logits.index_select(0, idx).masked_fill(~allowed, _NEG_INF))
 
 
 def apply_penalties(logits: torch.Tensor, pen: Penalties) -> None:
@@ -165,9 +182,7 @@ class Sampler:
         if logits.dtype != torch.float32:
             logits = logits.float()
         if md.grammar is not None:
-            rows, bitmask = md.grammar
-            allowed = unpack_bitmask(bitmask, logits.shape[1])
-            logits[rows] = logits[rows].masked_fill(~allowed, _NEG_INF)
+            apply_grammar_bitmask(logits, *md.grammar)
         raw_logprobs = logits.log_softmax(-1) if md.max_num_logprobs is not None else None
         apply_constraints(logits, md)
         if md.penalties is not None:

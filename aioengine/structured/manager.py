@@ -118,8 +118,9 @@ class StructuredOutputManager:
             if not g.matcher.is_terminated():
                 matchers.append(g.matcher)
                 rows.append(i)
-        if len(matchers) == 1:
-            matchers[0].fill_next_token_bitmask(bitmask, rows[0])
-        elif matchers:
+        if len(matchers) < 64:  # a few us each: threads only pay off for large batches
+            for m, i in zip(matchers, rows, strict=True):
+                m.fill_next_token_bitmask(bitmask, i)
+        else:
             self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
         return GrammarOutput(req_ids, bitmask)

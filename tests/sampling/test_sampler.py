@@ -13,7 +13,14 @@ from transformers import (
     SequenceBiasLogitsProcessor,
 )
 
-from aioengine.gpu.sampler import Sampler, apply_constraints, apply_penalties, gather_logprobs, unpack_bitmask
+from aioengine.gpu.sampler import (
+    Sampler,
+    apply_constraints,
+    apply_grammar_bitmask,
+    apply_penalties,
+    gather_logprobs,
+    unpack_bitmask,
+)
 from aioengine.gpu.states import RequestStates
 from aioengine.sampling_params import SamplingParams
 from aioengine.sched.output import NewRequestData
@@ -157,7 +164,7 @@ def test_grammar_bitmask_unpacks_bit_j_of_word_w_to_token_32w_plus_j():
     assert unpack_bitmask(bitmask, V)[0].nonzero().flatten().tolist() == allowed
     states = make_states(SamplingParams(temperature=0, logprobs=2))
     md = states.sampling_metadata(np.arange(1))
-    md.grammar = (torch.tensor([0]), bitmask)
+    md.grammar = ([0], bitmask)
     logits = logits_for()
     out = Sampler(0, CPU)(logits.clone(), md)
     assert out.sampled.item() == allowed[int(logits[0, allowed].argmax())]
@@ -226,3 +233,17 @@ def test_temperature_draws_follow_the_softmax_and_never_pick_masked_tokens():
     expected = torch.stack([(logits[0] / 0.5).softmax(-1), (logits[1] / 2.0).softmax(-1)])
     assert counts[:, 10:20].sum() == 0
     assert (counts / n - expected).abs().max() < 0.015
+
+
+def test_bitmask_application_xgrammar_kernel_equals_the_torch_fallback(monkeypatch):
+    rng = np.random.default_rng(0)
+    bitmask = torch.from_numpy(rng.integers(-2**31, 2**31 - 1, (4, 2), dtype=np.int64).astype(np.int32))
+    logits = logits_for(4)
+    fast, slow = logits.clone(), logits.clone()
+    apply_grammar_bitmask(fast, [0, 2, 3], bitmask)
+    monkeypatch.setitem(__import__("sys").modules, "xgrammar", None)  # import fails: the torch path
+    apply_grammar_bitmask(slow, [0, 2, 3], bitmask)
+    torch.testing.assert_close(fast, slow)
+    torch.testing.assert_close(fast[1], logits[1])
+    assert torch.isneginf(fast[0]).any() and torch.isneginf(fast[0]).tolist() == (~unpack_bitmask(
+        bitmask[:1], V)[0]).tolist()
