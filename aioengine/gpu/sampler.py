@@ -137,13 +137,14 @@ def apply_constraints(logits: torch.Tensor, md: SamplingMetadata) -> None:
         logits.index_put_((rows, ids), vals, accumulate=True)
 
 
-def apply_top_k_top_p_min_p(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-    """Mask (to -inf) every token outside the top-k / nucleus / min-p set of its row."""
-    if md.min_p is not None:
+def apply_top_k_top_p_min_p(logits: torch.Tensor, md: SamplingMetadata, min_p: bool = True,
+                            top_k_top_p: bool = True) -> torch.Tensor:
+    """Mask (to -inf) every token outside the top-k / nucleus / min-p set of its row (by sorting)."""
+    if min_p and md.min_p is not None:
         probs = logits.softmax(-1)
         threshold = probs.amax(-1, keepdim=True) * md.min_p.unsqueeze(1)
         logits = logits.masked_fill(probs < threshold, _NEG_INF)
-    if md.top_k is None and md.top_p is None:
+    if not top_k_top_p or (md.top_k is None and md.top_p is None):
         return logits
     sorted_logits, sorted_idx = logits.sort(-1, descending=True)
     if md.top_k is not None:
@@ -202,15 +203,85 @@ class Sampler:
         temp = md.temperature
         is_greedy = temp < _EPS
         scaled = logits / torch.where(is_greedy, 1.0, temp).unsqueeze(1)
-        scaled = apply_top_k_top_p_min_p(scaled, md)
-        probs = scaled.softmax(-1)
+        if md.min_p is not None:
+            scaled = apply_top_k_top_p_min_p(scaled, md, top_k_top_p=False)
+        if (md.top_k is None and md.top_p is None) or scaled.is_cuda:
+            scaled = apply_top_k_top_p_min_p(scaled, md, min_p=False)
+            return torch.where(is_greedy, greedy, self._race(scaled, md.generators))
+        # CPU: sorting the whole vocabulary (top-p) costs ~10x the step's other sampling work. Rows whose
+        # top-k / nucleus lies within the 256 best tokens sample among those; the others as before.
+        vals, idx, restricted, in_cands = top_k_top_p_candidates(scaled, md.top_k, md.top_p)
+        sampled = greedy.clone()
+        sampling = ~is_greedy
+        groups = (in_cands & sampling, ~restricted & sampling, restricted & ~in_cands & sampling)
+        for kind, mask in enumerate(groups):
+            rows = mask.nonzero().flatten()
+            if not rows.numel():
+                continue
+            gens = {j: md.generators[row] for j, row in enumerate(rows.tolist()) if row in md.generators}
+            if kind == 0:  # among the candidates
+                winner = self._race(vals.index_select(0, rows), gens)
+                sampled[rows] = idx.index_select(0, rows).gather(1, winner.unsqueeze(1)).squeeze(1)
+            elif kind == 1:  # no top-k / top-p: the whole vocabulary
+                sampled[rows] = self._race(scaled.index_select(0, rows), gens)
+            else:  # a nucleus wider than the candidates (a flat distribution): sort the whole rows
+                sub = SamplingMetadata(False, temp.index_select(0, rows), _rows(md.top_k, rows),
+                                       _rows(md.top_p, rows), None, {})
+                sampled[rows] = self._race(apply_top_k_top_p_min_p(scaled.index_select(0, rows), sub), gens)
+        return sampled
+
+    def _race(self, logits: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+        """One draw per row from softmax(logits): the column index of the winner."""
+        probs = logits.softmax(-1)
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, and a small change of the logits
         # (another batch shape) rarely changes the winner. E = -log(U): uniforms are ~6x cheaper to draw
         # on a CPU than exponential_(); U = 0 gives E = inf, a lost race (probability 2^-24 per token).
         # Seeded rows draw from their own generator, so their tokens do not depend on the batch.
         noise = torch.rand(probs.shape, generator=self.generator, device=probs.device)
-        for row, gen in md.generators.items():
+        for row, gen in generators.items():
             noise[row] = torch.rand(probs.shape[1], generator=gen, device=probs.device)
         noise.log_().neg_()
-        sampled = (probs / noise).argmax(-1)
-        return torch.where(is_greedy, greedy, sampled)
+        return (probs / noise).argmax(-1)
+
+
+def _rows(t: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:
+    return None if t is None else t.index_select(0, rows)
+
+
+def top_k_top_p_candidates(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
+                           num_candidates: int = 256) -> tuple[torch.Tensor, ...]:
+    """The best tokens of each row, with those outside its top-k / nucleus set to -inf.
+
+    Returns (values [B, K] sorted, token ids [B, K], restricted [B], in_candidates [B]): restricted where
+    top-k or top-p applies to the row; in_candidates where, besides, its whole kept set lies among the K
+    candidates, so sampling among them is exact. Ties at the top-k boundary keep the first k by position.
+    """
+    num_rows, vocab = logits.shape
+    k_max = min(vocab, num_candidates)
+    vals, idx = logits.topk(k_max, dim=-1)
+    keep = torch.full((num_rows,), k_max, dtype=torch.int64, device=logits.device)
+    restricted = torch.zeros(num_rows, dtype=torch.bool, device=logits.device)
+    exact = torch.ones(num_rows, dtype=torch.bool, device=logits.device)
+    confined = torch.zeros(num_rows, dtype=torch.bool, device=logits.device)  # top-k within the candidates
+    if top_k is not None:
+        has_k = (top_k > 0) & (top_k < vocab)
+        restricted |= has_k
+        confined = has_k & (top_k <= k_max)
+        exact &= ~has_k | confined
+        keep = torch.where(confined, top_k, keep)
+    pos = torch.arange(k_max, device=logits.device)
+    vals = vals.masked_fill(pos >= keep.unsqueeze(1), _NEG_INF)
+    if top_p is not None:
+        has_p = top_p < 1.0
+        restricted |= has_p
+        # Probabilities under the top-k-masked distribution: over the candidates when top-k confines the
+        # row to them, else over the whole row.
+        norm = torch.where(confined, vals.logsumexp(-1), logits.logsumexp(-1))
+        probs = (vals - norm.unsqueeze(1)).exp()
+        cum = probs.cumsum(-1)
+        # Drop a token when the tokens ranked above it already reach top_p (the top token always stays).
+        n_p = ((cum - probs) < top_p.unsqueeze(1)).sum(-1)
+        exact &= ~has_p | confined | (cum[:, -1] >= top_p)  # the nucleus ends among the candidates
+        keep = torch.where(has_p, torch.minimum(keep, n_p), keep)
+        vals = vals.masked_fill(pos >= keep.unsqueeze(1), _NEG_INF)
+    return vals, idx, restricted, restricted & exact

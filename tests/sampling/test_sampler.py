@@ -15,10 +15,13 @@ from transformers import (
 
 from aioengine.gpu.sampler import (
     Sampler,
+    SamplingMetadata,
     apply_constraints,
     apply_grammar_bitmask,
     apply_penalties,
+    apply_top_k_top_p_min_p,
     gather_logprobs,
+    top_k_top_p_candidates,
     unpack_bitmask,
 )
 from aioengine.gpu.states import RequestStates
@@ -247,3 +250,37 @@ def test_bitmask_application_xgrammar_kernel_equals_the_torch_fallback(monkeypat
     torch.testing.assert_close(fast[1], logits[1])
     assert torch.isneginf(fast[0]).any() and torch.isneginf(fast[0]).tolist() == (~unpack_bitmask(
         bitmask[:1], V)[0]).tolist()
+
+
+def test_candidate_top_k_top_p_keep_the_same_tokens_as_sorting_the_vocabulary():
+    vocab = 1024
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(6, vocab, generator=gen) * torch.tensor([[8.0], [8.0], [8.0], [0.1], [8.0], [3.0]])
+    top_k = torch.tensor([0, 5, 300, 0, 40, 0])
+    top_p = torch.tensor([0.9, 1.0, 0.8, 0.99, 0.5, 1.0])
+    vals, idx, restricted, exact = top_k_top_p_candidates(logits, top_k, top_p)
+    assert restricted.tolist() == [True, True, True, True, True, False]
+    assert exact.tolist() == [True, True, False, False, True, False]  # k=300 > 256; flat row 3: wide nucleus
+    md = SamplingMetadata(False, torch.ones(6), top_k, top_p, None, {})
+    reference = apply_top_k_top_p_min_p(logits, md)
+    for row in np.flatnonzero(exact.numpy()):
+        kept = set(idx[row][torch.isfinite(vals[row])].tolist())
+        assert kept == set(torch.isfinite(reference[row]).nonzero().flatten().tolist())
+
+
+@pytest.mark.parametrize("scale,top_k,top_p", [(4.0, 0, 0.8), (4.0, 10, 1.0), (4.0, 20, 0.7), (0.05, 0, 0.95)])
+def test_top_k_top_p_draws_follow_the_masked_softmax(scale, top_k, top_p):
+    vocab, n = 512, 30000
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(11)) * scale
+    md = SamplingMetadata(False, torch.ones(1), torch.tensor([top_k]), torch.tensor([top_p]), None, {})
+    expected = apply_top_k_top_p_min_p(logits, md).softmax(-1)[0]
+    rows = 300
+    batch = logits.repeat(rows, 1)
+    md_b = SamplingMetadata(False, torch.ones(rows), torch.full((rows,), top_k), torch.full((rows,), top_p), None,
+                            {})
+    sampler = Sampler(0, CPU)
+    counts = torch.zeros(vocab)
+    for _ in range(n // rows):
+        counts += torch.bincount(sampler(batch.clone(), md_b).sampled, minlength=vocab).float()
+    assert counts[expected == 0].sum() == 0
+    assert (counts / n - expected).abs().max() < 0.01
