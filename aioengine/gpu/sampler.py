@@ -220,8 +220,9 @@ class Sampler:
                 continue
             gens = {j: md.generators[row] for j, row in enumerate(rows.tolist()) if row in md.generators}
             if kind == 0:  # among the candidates
-                winner = self._race(vals.index_select(0, rows), gens)
-                sampled[rows] = idx.index_select(0, rows).gather(1, winner.unsqueeze(1)).squeeze(1)
+                ids = idx.index_select(0, rows)
+                winner = self._race(vals.index_select(0, rows), gens, ids, scaled.shape[1])
+                sampled[rows] = ids.gather(1, winner.unsqueeze(1)).squeeze(1)
             elif kind == 1:  # no top-k / top-p: the whole vocabulary
                 sampled[rows] = self._race(scaled.index_select(0, rows), gens)
             else:  # a nucleus wider than the candidates (a flat distribution): sort the whole rows
@@ -230,8 +231,14 @@ class Sampler:
                 sampled[rows] = self._race(apply_top_k_top_p_min_p(scaled.index_select(0, rows), sub), gens)
         return sampled
 
-    def _race(self, logits: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
-        """One draw per row from softmax(logits): the column index of the winner."""
+    def _race(self, logits: torch.Tensor, generators: dict[int, torch.Generator],
+              token_ids: torch.Tensor | None = None, vocab_size: int = 0) -> torch.Tensor:
+        """One draw per row from softmax(logits): the column index of the winner.
+
+        token_ids: the token of each column when the columns are candidates. A seeded row then still draws
+        one uniform per vocabulary token and each candidate takes its own token's: if another batch shape
+        reorders two near-equal candidates, each keeps its noise and the winner stays.
+        """
         probs = logits.softmax(-1)
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, and a small change of the logits
         # (another batch shape) rarely changes the winner. E = -log(U): uniforms are ~6x cheaper to draw
@@ -239,7 +246,10 @@ class Sampler:
         # Seeded rows draw from their own generator, so their tokens do not depend on the batch.
         noise = torch.rand(probs.shape, generator=self.generator, device=probs.device)
         for row, gen in generators.items():
-            noise[row] = torch.rand(probs.shape[1], generator=gen, device=probs.device)
+            if token_ids is None:
+                noise[row] = torch.rand(probs.shape[1], generator=gen, device=probs.device)
+            else:
+                noise[row] = torch.rand(vocab_size, generator=gen, device=probs.device)[token_ids[row]]
         noise.log_().neg_()
         return (probs / noise).argmax(-1)
 
@@ -254,7 +264,7 @@ def top_k_top_p_candidates(logits: torch.Tensor, top_k: torch.Tensor | None, top
 
     Returns (values [B, K] sorted, token ids [B, K], restricted [B], in_candidates [B]): restricted where
     top-k or top-p applies to the row; in_candidates where, besides, its whole kept set lies among the K
-    candidates, so sampling among them is exact. Ties at the top-k boundary keep the first k by position.
+    candidates, so sampling among them is exact. Tokens tied with the k-th are all kept.
     """
     num_rows, vocab = logits.shape
     k_max = min(vocab, num_candidates)
@@ -266,9 +276,13 @@ def top_k_top_p_candidates(logits: torch.Tensor, top_k: torch.Tensor | None, top
     if top_k is not None:
         has_k = (top_k > 0) & (top_k < vocab)
         restricted |= has_k
-        confined = has_k & (top_k <= k_max)
+        kth = vals.gather(1, (top_k.clamp(1, k_max) - 1).unsqueeze(1))
+        # Every token tied with the k-th is kept, as when sorting the vocabulary (bf16 logits tie often;
+        # keeping some of the tied tokens by position would depend on the batch shape).
+        n_k = (vals >= kth).sum(-1)
+        confined = has_k & (top_k <= k_max) & ((n_k < k_max) | (k_max == vocab))
         exact &= ~has_k | confined
-        keep = torch.where(confined, top_k, keep)
+        keep = torch.where(confined, n_k, keep)
     pos = torch.arange(k_max, device=logits.device)
     vals = vals.masked_fill(pos >= keep.unsqueeze(1), _NEG_INF)
     if top_p is not None:

@@ -18,7 +18,8 @@ PROMPTS = [[5, 77, 901, 34, 12], [1000, 2000, 3000], [44] * 9, [7, 8, 9, 10, 11,
 
 def engine(path, **kw) -> AsyncEngine:
     kw.setdefault("max_num_batched_tokens", 64)
-    return AsyncEngine(EngineArgs(model=str(path), dtype="float32", device="cpu", block_size=4, **kw))
+    kw.setdefault("dtype", "float32")
+    return AsyncEngine(EngineArgs(model=str(path), device="cpu", block_size=4, **kw))
 
 
 def run(coro):
@@ -148,15 +149,19 @@ def test_bad_words_and_allowed_token_ids(tiny_llama):
     assert set(allowed) <= {40, 41, 42}
 
 
-def test_same_seed_same_tokens_alone_or_in_a_batch_of_16_with_every_knob(tiny_llama):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_same_seed_same_tokens_alone_or_in_a_batch_of_16_with_every_knob(tiny_llama, dtype):
+    """bf16 logits move by an ulp with the batch shape (GEMM blocking): a token at a top-k / top-p / min-p
+    boundary of this flat random model can then flip, so bf16 checks the knobs without a hard cut-off."""
     path, _ = tiny_llama
-    params = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.01, seed=77, max_tokens=10,
-                            ignore_eos=True, presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.1,
-                            logit_bias={99: 3.0}, logprobs=2, bad_words=["the"])
+    cut = dict(top_k=40, top_p=0.95, min_p=0.01) if dtype == "float32" else {}
+    params = SamplingParams(temperature=0.8, seed=77, max_tokens=10, ignore_eos=True, presence_penalty=0.5,
+                            frequency_penalty=0.3, repetition_penalty=1.1, logit_bias={99: 3.0}, logprobs=2,
+                            bad_words=["the"], **cut)
     prompt = PROMPTS[0]
 
     async def main():
-        async with engine(path) as eng:
+        async with engine(path, dtype=dtype) as eng:
             alone = await eng.generate(prompt, params)
             others = [eng.generate(PROMPTS[i % 4] + [i], SamplingParams(
                 temperature=1.0, max_tokens=6 + i % 7, presence_penalty=0.1 * (i % 3), logprobs=i % 3 or None,
@@ -166,7 +171,8 @@ def test_same_seed_same_tokens_alone_or_in_a_batch_of_16_with_every_knob(tiny_ll
 
     alone, batched = run(main())
     assert alone.token_ids == batched.token_ids
-    assert [list(d) for d in alone.logprobs] == [list(d) for d in batched.logprobs]
+    if dtype == "float32":  # in bf16 the 2nd and 3rd best may tie and swap
+        assert [list(d) for d in alone.logprobs] == [list(d) for d in batched.logprobs]
 
 
 def test_a_dead_end_finishes_with_a_clear_reason_never_hangs(tiny_llama):

@@ -33,6 +33,15 @@ EOS = 2
 CPU = torch.device("cpu")
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Small tensors: one thread is fastest, and immune to OpenMP barriers stalling on a busy machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def make_states(*params: SamplingParams, prompts=None, outputs=None) -> RequestStates:
     states = RequestStates(8, 128, 32, CPU, vocab_size=V)
     for i, p in enumerate(params):
