@@ -153,6 +153,9 @@ class AsyncEngine:
         self.model_path = str(await loop.run_in_executor(None, resolve_model, args.model))
         if args.served_model_name is None and args.model != "default":
             self.model_name = args.model.rstrip("/")
+        # transformers' lazy module is not safe to import from two threads at once: import it once here,
+        # before the tokenizer thread and the model loader race for it.
+        await loop.run_in_executor(None, _import_heavy_modules)
         tokenizer_fut = loop.run_in_executor(None, load_tokenizer, args.tokenizer or self.model_path)
         device = args.resolved_device()
         if device != "cpu":
@@ -497,6 +500,12 @@ class AsyncEngine:
 
     def kv_cache_usage(self) -> float:
         return self.scheduler.kv_cache_manager.usage if self.scheduler else 0.0
+
+
+def _import_heavy_modules() -> None:
+    from transformers import AutoConfig, AutoTokenizer  # noqa: F401  (resolves the lazy attributes)
+
+    import aioengine.gpu.model_runner  # noqa: F401  (torch, the models, the loader)
 
 
 def _read_config(path: str) -> dict:
