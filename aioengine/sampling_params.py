@@ -101,7 +101,10 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs, dict):
-            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as e:
+                raise InvalidRequestError(f"Invalid structured_outputs: {e}", param="structured_outputs") from None
         if self.logit_bias is not None:
             self.logit_bias = _clamped_logit_bias(self.logit_bias)
         if isinstance(self.bad_words, str):

@@ -191,6 +191,23 @@ def test_a_dead_end_finishes_with_a_clear_reason_never_hangs(tiny_llama):
     run(main())
 
 
+def test_a_complete_grammar_under_min_tokens_is_a_dead_end(tiny_llama):
+    path, _ = tiny_llama
+
+    async def main():
+        async with engine(path) as eng:
+            so = StructuredOutputsParams(choice=["alpha", "beta"])
+            out = await eng.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=10, min_tokens=6,
+                                                                structured_outputs=so))
+            c = out.outputs[0]  # the grammar wants EOS after the word, min_tokens forbids it
+            assert (c.finish_reason, c.stop_reason) == ("error", "no_allowed_tokens") and c.text in so.choice
+            ok = await eng.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=10, structured_outputs=so,
+                                                               ignore_eos=True))
+            assert ok.outputs[0].finish_reason == "stop" and ok.outputs[0].text in so.choice
+
+    run(main())
+
+
 def test_invalid_params_raise_typed_errors_at_generate(tiny_llama):
     path, _ = tiny_llama
 

@@ -60,6 +60,8 @@ def test_structured_outputs_need_exactly_one_kind():
         StructuredOutputsParams(choice=[])
     with pytest.raises(InvalidRequestError, match="grammar cannot be an empty string"):
         StructuredOutputsParams(grammar="  ")
+    with pytest.raises(InvalidRequestError, match="Invalid structured_outputs"):
+        SamplingParams(structured_outputs={"jsonn": {}})
     p = SamplingParams(structured_outputs={"json_object": True})
     assert p.structured_outputs.kinds() == ["json_object"]
     a = StructuredOutputsParams(json={"b": 1, "a": 2})
