@@ -182,19 +182,40 @@ class Sampler:
         """logits [B, V] (modified in place) -> sampled token ids int64 [B] and, if asked, logprobs."""
         if logits.dtype != torch.float32:
             logits = logits.float()
-        if md.grammar is not None:
+        # A greedy batch without logprobs checks its argmax against the bitmask first and masks only the
+        # rows whose argmax the grammar forbids (CPU; -inf commutes with bias and penalties).
+        check_first = (md.grammar is not None and md.all_greedy and md.max_num_logprobs is None
+                       and not logits.is_cuda)
+        if md.grammar is not None and not check_first:
             apply_grammar_bitmask(logits, *md.grammar)
         raw_logprobs = logits.log_softmax(-1) if md.max_num_logprobs is not None else None
         apply_constraints(logits, md)
         if md.penalties is not None:
             apply_penalties(logits, md.penalties)
-        sampled = self._sample(logits, md)
+        if check_first:
+            sampled = self._greedy_under_grammar(logits, *md.grammar)
+        else:
+            sampled = self._sample(logits, md)
         if md.may_dead_end:
             sampled = torch.where(torch.isneginf(logits).all(-1), -1, sampled)
         out = SamplerOutput(sampled)
         if raw_logprobs is not None:
             out.logprobs = gather_logprobs(raw_logprobs, sampled, md.max_num_logprobs)
         return out
+
+    @staticmethod
+    def _greedy_under_grammar(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> torch.Tensor:
+        greedy = logits.argmax(-1)
+        idx = torch.tensor(rows, dtype=torch.int64)
+        tok = greedy.index_select(0, idx)
+        words = bitmask.index_select(0, idx).gather(1, (tok // 32).unsqueeze(1)).squeeze(1)
+        forbidden = ((words >> (tok % 32).to(torch.int32)) & 1) == 0
+        redo = idx[forbidden].tolist()
+        if redo:
+            apply_grammar_bitmask(logits, redo, bitmask)
+            redo_t = torch.tensor(redo, dtype=torch.int64)
+            greedy[redo_t] = logits.index_select(0, redo_t).argmax(-1)
+        return greedy
 
     def _sample(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         greedy = logits.argmax(-1)

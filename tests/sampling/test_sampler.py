@@ -293,3 +293,21 @@ def test_top_k_top_p_draws_follow_the_masked_softmax(scale, top_k, top_p):
         counts += torch.bincount(sampler(batch.clone(), md_b).sampled, minlength=vocab).float()
     assert counts[expected == 0].sum() == 0
     assert (counts / n - expected).abs().max() < 0.01
+
+
+def test_greedy_checks_the_argmax_against_the_bitmask_before_masking():
+    rng = np.random.default_rng(1)
+    words = rng.integers(0, 2**32, (6, 2), dtype=np.uint64).astype(np.uint32)
+    logits = logits_for(6, seed=4)
+    words[0] |= np.uint32(0xFFFFFFFF)  # row 0 allows everything: no masking needed
+    words[2] = [np.uint32(1 << 3), 0]  # row 2 allows token 3 only: its argmax must be redone
+    bitmask = torch.from_numpy(words.view(np.int32))
+    states = make_states(*[SamplingParams(temperature=0, presence_penalty=0.3)] * 6)
+    feed(states, *range(6))
+    md = states.sampling_metadata(np.arange(6))
+    md.grammar = ([0, 2, 3, 5], bitmask)
+    got = Sampler(0, CPU)(logits.clone(), md).sampled
+    expected = logits.clone()
+    apply_grammar_bitmask(expected, [0, 2, 3, 5], bitmask)
+    apply_penalties(expected, md.penalties)
+    assert got.tolist() == expected.argmax(-1).tolist() and got[2].item() == 3
