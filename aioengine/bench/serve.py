@@ -137,13 +137,15 @@ async def run_serve(args) -> dict:
         "ttft_s": _stats([r.ttft for r in ok]), "tpot_s": _stats(tpot),
         "itl_s": _stats([x for r in ok for x in r.itl]), "e2el_s": _stats([r.e2e for r in ok]),
     }
-    if args.plot:
-        _plot(args.plot, summary, ok, t0)
+    summary["_results"] = (ok, t0)  # for --plot, dropped before saving
     return summary
 
 
 def _plot(path: str, summary: dict, ok: list[RequestResult], t0: float) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("--plot needs matplotlib: pip install 'aioengine[bench]'") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -196,5 +198,8 @@ def main(argv: list[str]) -> dict:
         print(f"  {name:5s} ms: mean {m['mean']:.1f}  p50 {m['p50']:.1f}  p90 {m['p90']:.1f}  p99 {m['p99']:.1f}")
     if s["failed"]:
         print(f"  failed: {s['failed']} ({s['errors']})")
+    ok, t0 = s.pop("_results")
     write_json(args.save_result, s)
+    if args.plot:
+        _plot(args.plot, s, ok, t0)
     return s

@@ -66,3 +66,39 @@ def test_datasets_have_the_promised_shapes():
 def test_bench_usage_errors():
     assert bench_main([]) == 2
     assert bench_main(["nonsense"]) == 2
+
+
+def test_bench_serve_reports_against_a_live_server(tiny, tmp_path):
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "aioengine", "serve", str(tiny), "--port", str(port),
+                               "--max-model-len", "512", "--block-size", "4"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(120):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+                break
+            except OSError:
+                time.sleep(0.5)
+        out, png = tmp_path / "s.json", tmp_path / "s.png"
+        assert bench_main(["serve", "--base-url", f"http://127.0.0.1:{port}", "--max-concurrency", "3",
+                           "--num-prompts", "6", "--output-len", "5", "--ignore-eos",
+                           "--save-result", str(out), "--plot", str(png)]) == 0
+        r = json.loads(out.read_text())
+        assert r["completed"] == 6 and r["failed"] == 0 and r["output_tokens"] == 30
+        for key in ("ttft_s", "tpot_s", "itl_s", "e2el_s"):
+            assert set(r[key]) == {"mean", "p50", "p90", "p99"}
+            assert 0 < r[key]["p50"] <= r[key]["p99"]
+        assert r["ttft_s"]["p99"] <= r["e2el_s"]["p99"]
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
