@@ -6,7 +6,6 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
-import itertools
 import logging
 import time
 import uuid
@@ -135,7 +134,6 @@ class AsyncEngine:
         self._task: asyncio.Task | None = None
         self._dead: EngineDeadError | None = None
         self._stopping = False
-        self._ids = itertools.count()
         self._structured: Any = None  # StructuredOutputManager, made at the first structured request
         self._token_text: dict[int, str] = {}  # decoded single tokens, for logprobs
         self.stat_listeners: list[Callable[[SchedulerStats, list[EngineCoreOutput]], None]] = []
