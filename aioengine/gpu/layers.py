@@ -1,16 +1,28 @@
 """Model building blocks shared by the model files: RMSNorm, rotary embedding, SiluAndMul.
 
-Each op's math sits in a small function so a fused kernel can replace it later.
+Each op's math sits in a small torch function (the CPU path); on CUDA tensors the modules call the
+Triton kernels of ``aioengine.kernels`` instead (imported on first use: the CPU path never needs triton).
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+@functools.cache
+def triton_ops() -> SimpleNamespace:
+    """The Triton kernels for CUDA tensors, imported once."""
+    from aioengine.kernels.activation import silu_and_mul_triton
+    from aioengine.kernels.norm_rope import rms_norm_triton, rotary_triton
+
+    return SimpleNamespace(rms_norm=rms_norm_triton, rotary=rotary_triton, silu_and_mul=silu_and_mul_triton)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -33,6 +45,8 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``norm(x)``; with ``residual``: ``(norm(x + residual), x + residual)`` like vLLM's fused op."""
+        if x.is_cuda:
+            return triton_ops().rms_norm(x, self.weight, self.variance_epsilon, residual)
         if residual is None:
             return rms_norm(x, self.weight, self.variance_epsilon)
         residual = x + residual
@@ -47,6 +61,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            return triton_ops().silu_and_mul(x)
         return silu_and_mul(x)
 
 
@@ -114,6 +130,8 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate query ``[T, Hq, D]`` and key ``[T, Hkv, D]`` by ``positions`` ``[T]``."""
+        if query.is_cuda:
+            return triton_ops().rotary(positions, query, key, self.cos_sin_cache)
         cos, sin = self.cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
         return apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
 
