@@ -18,6 +18,28 @@ def load_tokenizer(path: str) -> Any:
     return AutoTokenizer.from_pretrained(path)
 
 
+class NullTokenizer:
+    """For a model without a tokenizer (``random:NAME``): prompts are token ids, outputs have no text."""
+
+    all_special_ids: list[int] = []
+    eos_token_id = None
+    chat_template = None
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def encode(self, text: str, **kwargs: Any) -> list[int]:
+        raise InvalidRequestError("this model has no tokenizer: send the prompt as token ids", param="prompt")
+
+    __call__ = encode
+
+    def decode(self, ids: Any, **kwargs: Any) -> str:
+        return ""
+
+
 def apply_chat_template(tokenizer: Any, messages: list[dict], add_generation_prompt: bool = True,
                         **kwargs: Any) -> list[int]:
     """Token ids of a chat conversation; malformed messages raise InvalidRequestError."""

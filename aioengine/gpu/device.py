@@ -1,4 +1,9 @@
-"""Where the runner's work executes: one dedicated worker thread on CPU, so the event loop stays free."""
+"""Where the runner's work executes: one dedicated worker thread, so the event loop stays free.
+
+On CPU the thread computes each step (torch releases the GIL inside its ops). On CUDA it only launches
+kernels on its own stream, which returns as soon as they are queued; the step coroutine then awaits a
+CUDA event for the sampled tokens (``aioengine.gpu.async_output``), never a blocking synchronize.
+"""
 
 from __future__ import annotations
 
@@ -28,3 +33,22 @@ class CpuWorker:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+class CudaWorker(CpuWorker):
+    """The launching thread on CUDA: its current stream is a dedicated compute stream on ``device``."""
+
+    def __init__(self, device_index: int = 0) -> None:
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="aioengine-step")
+        self.stream = self._pool.submit(self._init_cuda, device_index).result()
+
+    @staticmethod
+    def _init_cuda(device_index: int) -> Any:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise RuntimeError("device='cuda' but torch sees no CUDA device (torch.cuda.is_available() is False)")
+        torch.cuda.set_device(device_index)
+        stream = torch.cuda.Stream(device_index)
+        torch.cuda.set_stream(stream)  # thread-local: every launch of this worker goes to this stream
+        return stream

@@ -13,6 +13,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from aioengine.gpu.models import get_model_class
 from aioengine.gpu.models.llama import LlamaForCausalLM, head_dim_of, num_kv_heads_of
+from aioengine.gpu.random_model import build_random_model, is_random_model
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SINGLE = "model.safetensors"
@@ -43,7 +44,12 @@ def iterate_weights(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
 def load_model(
     path: str | os.PathLike[str], dtype: torch.dtype = torch.float32, device: Any = "cpu"
 ) -> tuple[LlamaForCausalLM, PretrainedConfig]:
-    """(model in eval mode on ``device`` with ``dtype`` weights, its HF config). Never uses the network."""
+    """(model in eval mode on ``device`` with ``dtype`` weights, its HF config). Never uses the network.
+
+    ``random:NAME`` builds a random-weight model of a known shape on the device instead (no files).
+    """
+    if is_random_model(os.fspath(path)):
+        return build_random_model(os.fspath(path), dtype, device)
     hf_config = AutoConfig.from_pretrained(os.fspath(path), local_files_only=True)
     model_cls = get_model_class(hf_config)
     with torch.no_grad():

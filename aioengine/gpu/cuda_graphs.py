@@ -1,0 +1,147 @@
+"""CUDA graphs for uniform decode batches: bucket sizes, static input buffers, padding, capture, replay.
+
+A batch where every request has one query token (a pure decode step) of ``n`` requests replays the
+graph of the smallest captured size ``>= n``; the ``size - n`` padded rows get slot -1 (the KV store
+skips them), sequence length 1 and block 0 (the null block), and their outputs are ignored. Any other
+batch runs eagerly. The Triton attention kernel's grid depends only on shapes and it reads lengths and
+block tables from device tensors, so one capture serves every replay of its size.
+
+Only the model's forward is captured; logits and sampling stay eager (they depend on per-request
+sampling knobs). Graphs share one memory pool, captured largest first; a replayed graph's output is
+read (by the logits gather, queued on the same stream) before the next replay can overwrite it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import os
+import time
+from typing import Any
+
+import torch
+
+from aioengine.kernels.attention import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+MAX_CAPTURE_SIZE = 512  # the tour's cap: min(max_num_seqs x 1 x 2, 512) on an H100
+DEFAULT_CAPTURE_TIME_LIMIT_S = 180.0
+
+
+def capture_sizes(max_num_seqs: int, max_num_batched_tokens: int, cap: int = MAX_CAPTURE_SIZE) -> list[int]:
+    """1, 2, 4, then steps of 8 up to 256 and of 16 beyond, up to min(max_num_seqs, token budget, cap);
+    that limit itself is always a size, so every decode batch up to it has a bucket."""
+    limit = min(max_num_seqs, max_num_batched_tokens, cap)
+    if limit < 1:
+        return []
+    sizes = [s for s in (1, 2, 4, *range(8, 256, 8), *range(256, cap + 1, 16)) if s <= limit]
+    if sizes[-1] != limit:
+        sizes.append(limit)
+    return sizes
+
+
+def bucket_for(n: int, sizes: list[int]) -> int | None:
+    """The smallest of the (sorted) ``sizes`` that holds ``n`` rows, or None."""
+    i = bisect.bisect_left(sizes, n)
+    return sizes[i] if i < len(sizes) else None
+
+
+def capture_time_limit_s() -> float:
+    return float(os.environ.get("AIOENGINE_CUDA_GRAPH_CAPTURE_S", DEFAULT_CAPTURE_TIME_LIMIT_S))
+
+
+class DecodeGraphs:
+    """Static buffers for ``max_size`` decode rows and one captured graph per bucket size."""
+
+    def __init__(self, model: Any, kv_caches: list[torch.Tensor], max_size: int, max_blocks_per_req: int,
+                 device: torch.device) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.max_size = max_size
+        with torch.inference_mode(False):  # normal tensors: writable in and out of inference mode
+            self.input_ids = torch.zeros(max_size, dtype=torch.int64, device=device)
+            self.positions = torch.zeros(max_size, dtype=torch.int64, device=device)
+            self.slot_mapping = torch.full((max_size,), -1, dtype=torch.int64, device=device)
+            self.seq_lens = torch.ones(max_size, dtype=torch.int32, device=device)
+            self.query_start_loc = torch.arange(max_size + 1, dtype=torch.int32, device=device)
+            self.block_table = torch.zeros(max_size, max_blocks_per_req, dtype=torch.int32, device=device)
+        self.graphs: dict[int, tuple[Any, torch.Tensor]] = {}
+        self.sizes: list[int] = []  # captured, ascending
+
+    def metadata(self, size: int) -> AttentionMetadata:
+        """Metadata over the static buffers: only device tensors and shape-derived host ints."""
+        return AttentionMetadata(
+            num_reqs=size, num_decodes=size, num_actual_tokens=size, max_query_len=1,
+            max_seq_len=self.block_table.shape[1],  # unused by the Triton path
+            query_start_loc=self.query_start_loc[: size + 1], seq_lens=self.seq_lens[:size],
+            block_table=self.block_table[:size], slot_mapping=self.slot_mapping[:size],
+            query_start_loc_cpu=[], seq_lens_cpu=[])
+
+    def load(self, size: int, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
+        """Copy a decode batch of ``n = meta.num_reqs`` rows into the buffers and pad rows n..size-1."""
+        n = meta.num_reqs
+        width = meta.block_table.shape[1]
+        assert n <= size <= self.max_size and width <= self.block_table.shape[1]
+        self.input_ids[:n].copy_(input_ids[:n], non_blocking=True)
+        self.positions[:n].copy_(positions[:n], non_blocking=True)
+        self.slot_mapping[:n].copy_(meta.slot_mapping[:n], non_blocking=True)
+        self.seq_lens[:n].copy_(meta.seq_lens[:n], non_blocking=True)
+        self.block_table[:n, :width].copy_(meta.block_table[:n], non_blocking=True)
+        if size > n:  # padding rows: no KV write, attend to one slot of the null block
+            self.input_ids[n:size].zero_()
+            self.positions[n:size].zero_()
+            self.slot_mapping[n:size].fill_(-1)
+            self.seq_lens[n:size].fill_(1)
+            self.block_table[n:size, 0].zero_()
+
+    def forward(self, size: int) -> torch.Tensor:
+        """The model over the first ``size`` static rows (what a graph captures)."""
+        return self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, self.metadata(size))
+
+    def capture(self, sizes: list[int], time_limit_s: float) -> list[int]:
+        """Capture a graph per size, largest first, until ``time_limit_s``; sizes not reached run eagerly."""
+        t0 = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        self.slot_mapping.fill_(-1)
+        self.seq_lens.fill_(1)
+        self.block_table.zero_()
+        skipped: list[int] = []
+        for size in sorted(sizes, reverse=True):
+            if time.perf_counter() - t0 > time_limit_s:
+                skipped.append(size)
+                continue
+            self.forward(size)  # warm-up outside the capture: compiles this shape's Triton kernels
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = self.forward(size)
+            self.graphs[size] = (graph, out)
+        torch.cuda.synchronize()
+        self.sizes = sorted(self.graphs)
+        elapsed = time.perf_counter() - t0
+        logger.info("captured %d CUDA graphs for decode batches of %s rows in %.1f s (time limit %.0f s)",
+                    len(self.sizes), _ranges(self.sizes), elapsed, time_limit_s)
+        if skipped:
+            logger.warning("CUDA graph capture hit its time limit of %.0f s: batches of %s rows pad to a larger "
+                           "graph or run eagerly", time_limit_s, _ranges(sorted(skipped)))
+        return self.sizes
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
+        """Hidden states ``[n, hidden]`` by replaying a graph, or None when this batch runs eagerly."""
+        n = meta.num_reqs
+        if meta.num_decodes != n or meta.num_actual_tokens != n or input_ids.shape[0] != n:
+            return None
+        size = bucket_for(n, self.sizes)
+        if size is None:
+            return None
+        self.load(size, input_ids, positions, meta)
+        graph, out = self.graphs[size]
+        graph.replay()
+        return out[:n]
+
+
+def _ranges(sizes: list[int]) -> str:
+    if not sizes:
+        return "no"
+    return str(sizes[0]) if len(sizes) == 1 else f"{len(sizes)} sizes {sizes[0]}..{sizes[-1]}"
