@@ -9,6 +9,7 @@ context, cuBLAS workspaces, other processes). The arithmetic lives here, apart, 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -34,3 +35,41 @@ def warmup_lengths(num_tokens: int, max_model_len: int, max_num_seqs: int) -> li
         lens.append(min(left, max_model_len))
         left -= lens[-1]
     return lens
+
+
+def profile_memory(model: Any, hf_config: Any, dtype: Any, device: Any, block_size: int, lens: list[int],
+                   num_logit_rows: int) -> MemoryProfile:
+    """Run prompts of ``lens`` through ``model`` (a throwaway KV cache just big enough), then logits and
+    sampling temporaries for ``num_logit_rows`` rows; measure the peak (CUDA only; blocks the caller)."""
+    import torch
+
+    from aioengine.gpu.loader import allocate_kv_caches
+    from aioengine.kernels.attention import AttentionMetadata
+
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    blocks = [-(-n // block_size) for n in lens]
+    with torch.inference_mode():
+        kv_caches = allocate_kv_caches(hf_config, sum(blocks) + 1, block_size, dtype, device)
+        kv_bytes = sum(t.numel() * t.element_size() for t in kv_caches)
+        table = torch.zeros(len(lens), max(blocks), dtype=torch.int32)
+        first = 1  # block 0 is the null block
+        for i, nb in enumerate(blocks):
+            table[i, :nb] = torch.arange(first, first + nb, dtype=torch.int32)
+            first += nb
+        meta = AttentionMetadata.build(lens, lens, table.to(device), block_size)
+        num_tokens = sum(lens)
+        positions = torch.cat([torch.arange(n) for n in lens]).to(device)
+        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
+        hidden = model(input_ids, positions, kv_caches, meta)
+        rows = torch.arange(num_logit_rows, device=device) % num_tokens
+        probs = model.compute_logits(hidden[rows]).softmax(-1)  # the sampler's [rows, vocab] temporaries
+        (probs / torch.rand_like(probs)).argmax(-1)
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - kv_bytes
+        del kv_caches, hidden, probs
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    non_torch = total - free - torch.cuda.memory_reserved(device)
+    return MemoryProfile(total_bytes=total, peak_torch_bytes=peak, non_torch_bytes=max(non_torch, 0))

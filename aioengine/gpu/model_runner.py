@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -9,7 +10,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from aioengine.gpu.async_output import AsyncOutput, host_signal_after
+from aioengine.gpu.cuda_graphs import DecodeGraphs, capture_sizes, capture_time_limit_s
 from aioengine.gpu.loader import allocate_kv_caches, load_model
+from aioengine.gpu.memory import kv_cache_blocks, profile_memory, warmup_lengths
 from aioengine.gpu.sampler import Sampler, SamplingMetadata, gather_logprobs
 from aioengine.gpu.states import RequestStates
 from aioengine.kernels.attention import AttentionMetadata
@@ -47,6 +51,14 @@ class ModelRunner:
         self._pending: tuple[InputBatch, torch.Tensor] | None = None
         self.fault_hook: Callable[[str, SchedulerOutput | None], None] | None = None  # tests inject faults
         self.num_steps = 0
+        # CUDA: sampled tokens go to pinned memory on a copy stream; events time the GPU's idle gaps.
+        self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.timeline = None
+        if device.type == "cuda":
+            from aioengine.gpu.timeline import GpuTimeline
+
+            self.timeline = GpuTimeline()
+        self.graphs: DecodeGraphs | None = None  # captured by capture_cuda_graphs()
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
@@ -60,6 +72,33 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = allocate_kv_caches(self.hf_config, num_blocks, self.block_size, self.dtype, self.device)
+
+    # ---- CUDA start-up: KV sizing from measured memory, then graph capture ----------------------
+    def profile_kv_blocks(self, max_num_batched_tokens: int, max_num_seqs: int,
+                          gpu_memory_utilization: float) -> int:
+        """KV blocks that fit ``gpu_memory_utilization`` after a warm-up forward at the full budget."""
+        lens = warmup_lengths(max_num_batched_tokens, self.max_model_len, max_num_seqs)
+        profile = profile_memory(self.model, self.hf_config, self.dtype, self.device, self.block_size, lens,
+                                 max_num_seqs)
+        num_blocks = kv_cache_blocks(profile, gpu_memory_utilization, self.kv_cache_bytes_per_block())
+        gib = 1 << 30
+        logger.info("GPU memory: %.1f GiB total x %.2f, peak %.2f GiB (weights and a %d-token step), %.2f GiB "
+                    "outside torch: %d KV blocks (%.1f GiB)", profile.total_bytes / gib, gpu_memory_utilization,
+                    profile.peak_torch_bytes / gib, sum(lens), profile.non_torch_bytes / gib, num_blocks,
+                    num_blocks * self.kv_cache_bytes_per_block() / gib)
+        return num_blocks
+
+    def capture_cuda_graphs(self, max_num_batched_tokens: int) -> list[int]:
+        """Capture decode graphs at the bucket sizes (after initialize_kv_cache); returns the sizes."""
+        sizes = capture_sizes(self.max_num_reqs, max_num_batched_tokens)
+        graphs = DecodeGraphs(self.model, self.kv_caches, sizes[-1], self.states.block_table.shape[1], self.device)
+        try:
+            with torch.inference_mode():
+                graphs.capture(sizes, capture_time_limit_s())
+        except Exception as e:
+            raise RuntimeError(f"CUDA graph capture failed ({e!r}); --enforce-eager runs without graphs") from e
+        self.graphs = graphs
+        return graphs.sizes
 
     # ---- stop 5: update states ----------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -149,13 +188,20 @@ class ModelRunner:
         if so.total_num_scheduled_tokens == 0:
             return
         batch = self._prepare_inputs(so)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_metadata)
+        if self.timeline is not None:
+            self.timeline.start()
+        hidden = None
+        if self.graphs is not None:  # a uniform decode batch replays a graph; None: run eagerly
+            hidden = self.graphs.run(batch.input_ids, batch.positions, batch.attn_metadata)
+        if hidden is None:
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_metadata)
         self._pending = (batch, hidden)
         self.num_steps += 1
 
     # ---- stop 9: logits for the sampled rows only, then the sampler ----------------------------
     @torch.inference_mode()
-    def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:
+    def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput | AsyncOutput:
+        """The step's output; on CUDA an AsyncOutput to await (its device-to-host copy is in flight)."""
         if self.fault_hook is not None:
             self.fault_hook("sample_tokens", None)
         if self._pending is None:
@@ -167,28 +213,44 @@ class ModelRunner:
         out = ModelRunnerOutput(batch.req_ids, sampled)
         if (states.num_prompt_logprobs[batch.rows] >= 0).any():
             out.prompt_logprobs = self._prompt_logprobs(batch, hidden)
-        if batch.logits_indices.numel():
-            logits = self.model.compute_logits(hidden[batch.logits_indices])
-            sample_idx = np.flatnonzero(batch.sample_mask)
-            sample_rows = batch.rows[sample_idx]
-            md = self._sampling_metadata(sample_rows)
-            if grammar_output is not None:
-                md.grammar = self._grammar_rows(batch, sample_idx, grammar_output)
-            result = self.sampler(logits, md)
-            states.update_after_sample(sample_rows, result.sampled)  # device state for step k+1
-            token_list = result.sampled.tolist()
-            for j, i in enumerate(sample_idx.tolist()):
-                sampled[i] = [token_list[j]]
-            if result.logprobs is not None:
-                ids, lps, ranks = (t.tolist() for t in result.logprobs)
-                num_logprobs = states.num_logprobs[sample_rows].tolist()
-                per_req: list = [None] * len(batch.req_ids)
-                for j, i in enumerate(sample_idx.tolist()):
-                    k = num_logprobs[j]
-                    if k >= 0:
-                        per_req[i] = (ids[j][:k + 1], lps[j][:k + 1], ranks[j])
-                out.logprobs = per_req
-        return out
+        if not batch.logits_indices.numel():
+            if self.timeline is not None:
+                self.timeline.end()
+            return out
+        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        sample_idx = np.flatnonzero(batch.sample_mask)
+        sample_rows = batch.rows[sample_idx]
+        md = self._sampling_metadata(sample_rows)
+        if grammar_output is not None:
+            md.grammar = self._grammar_rows(batch, sample_idx, grammar_output)
+        result = self.sampler(logits, md)
+        states.update_after_sample(sample_rows, result.sampled)  # device state for step k+1
+        tensors = [result.sampled]
+        num_logprobs = None
+        if result.logprobs is not None:
+            tensors += result.logprobs
+            num_logprobs = states.num_logprobs[sample_rows].tolist()
+        finish = functools.partial(_fill_output, out, sample_idx.tolist(), num_logprobs)
+        if self.timeline is not None:
+            self.timeline.end()
+        if self.copy_stream is not None:
+            return self._copy_to_host(tensors, finish)
+        return finish(*tensors)
+
+    def _copy_to_host(self, tensors: list[torch.Tensor], finish: Callable[..., ModelRunnerOutput]) -> AsyncOutput:
+        """Copy into pinned memory on the copy stream; an event (and a host function) marks the end."""
+        stream = self.copy_stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        host = []
+        with torch.cuda.stream(stream):
+            for t in tensors:
+                h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                h.copy_(t, non_blocking=True)
+                t.record_stream(stream)  # the allocator must not reuse t before the copy ran
+                host.append(h)
+            event = torch.cuda.Event()
+            event.record(stream)
+        return AsyncOutput(event, host_signal_after(stream), functools.partial(finish, *host))
 
     def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
         return self.states.sampling_metadata(rows)
@@ -236,3 +298,20 @@ class ModelRunner:
                 done[rid] = states.prompt_logprobs.pop(row)
                 states.num_prompt_logprobs[row] = -1
         return done or None
+
+
+def _fill_output(out: ModelRunnerOutput, sample_idx: list[int], num_logprobs: list[int] | None,
+                 sampled: torch.Tensor, *logprobs: torch.Tensor) -> ModelRunnerOutput:
+    """Put the sampled tokens (and logprobs), host tensors by now, into the output's per-request lists."""
+    tokens = sampled.tolist()
+    for j, i in enumerate(sample_idx):
+        out.sampled_token_ids[i] = [tokens[j]]
+    if num_logprobs is not None:
+        ids, lps, ranks = (t.tolist() for t in logprobs)
+        per_req: list = [None] * len(out.req_ids)
+        for j, i in enumerate(sample_idx):
+            k = num_logprobs[j]
+            if k >= 0:
+                per_req[i] = (ids[j][:k + 1], lps[j][:k + 1], ranks[j])
+        out.logprobs = per_req
+    return out
