@@ -37,7 +37,7 @@ _ENGINE_HELP = {
     "step_timeout_s": "watchdog: a step running longer marks the engine dead",
 }
 _CHOICES = {"dtype": ["auto", "float32", "bfloat16", "float16"], "device": ["auto", "cpu", "cuda"],
-            "scheduling_policy": ["fcfs", "priority"]}
+            "scheduling_policy": ["fcfs", "priority"], "quantization": ["int8", "int4"]}
 _BYTES = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 
 

@@ -27,6 +27,7 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"  # or "priority"
     num_threads: int | None = None  # torch intra-op threads on CPU (default: all cores)
     enforce_eager: bool = False
+    quantization: str | None = None  # CPU only: int8 | int4 weight-only (aioengine/gpu/quant.py)
     step_timeout_s: float = 300.0  # watchdog: a step running longer marks the engine dead
 
     def resolved_device(self) -> str:
@@ -49,6 +50,8 @@ class EngineArgs:
             raise ValueError(f"unsupported dtype {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if self.quantization not in (None, "int8", "int4"):
+            raise ValueError(f"quantization must be int8 or int4, got {self.quantization!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
 

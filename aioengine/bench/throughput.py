@@ -26,6 +26,7 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--no-enable-prefix-caching", action="store_true")
     ap.add_argument("--num-threads", type=int)
+    ap.add_argument("--quantization", choices=["int8", "int4"], help="CPU weight-only quantization")
 
 
 def engine_args_from(args) -> EngineArgs:
@@ -33,7 +34,7 @@ def engine_args_from(args) -> EngineArgs:
                       max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                       max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
                       block_size=args.block_size, enable_prefix_caching=not args.no_enable_prefix_caching,
-                      num_threads=args.num_threads)
+                      num_threads=args.num_threads, quantization=args.quantization)
 
 
 async def run_throughput(args) -> dict:

@@ -13,6 +13,7 @@ import torch
 from aioengine.gpu.async_output import AsyncOutput, host_signal_after
 from aioengine.gpu.cuda_graphs import DecodeGraphs, capture_sizes, capture_time_limit_s
 from aioengine.gpu.loader import allocate_kv_caches, load_model
+from aioengine.gpu.quant import quantize_model
 from aioengine.gpu.memory import kv_cache_blocks, profile_memory, warmup_lengths
 from aioengine.gpu.sampler import Sampler, SamplingMetadata, gather_logprobs
 from aioengine.gpu.states import RequestStates
@@ -37,13 +38,15 @@ class ModelRunner:
     """Runs on the device's worker (a thread on CPU): execute_model() then sample_tokens(), in order."""
 
     def __init__(self, model_path: str, dtype: torch.dtype, device: torch.device, max_num_reqs: int,
-                 max_model_len: int, block_size: int, seed: int) -> None:
+                 max_model_len: int, block_size: int, seed: int, quantization: str | None = None) -> None:
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.max_num_reqs = max_num_reqs
         self.model, self.hf_config = load_model(model_path, dtype=dtype, device=device)
+        if quantization is not None:
+            quantize_model(self.model, quantization)
         self.sampler = Sampler(seed, device)
         self.states = RequestStates(max_num_reqs, max_model_len, -(-max_model_len // block_size), device,
                                     vocab_size=self.hf_config.vocab_size)

@@ -190,7 +190,10 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden ``[N, hidden_size]`` -> float32 logits ``[N, vocab_size]``."""
-        return nn.functional.linear(hidden_states, self.lm_head.weight).float()
+        head = self.lm_head
+        if isinstance(head, nn.Embedding):  # tied
+            return nn.functional.linear(hidden_states, head.weight).float()
+        return head(hidden_states).float()  # nn.Linear or a quantized head
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the (fused) parameters, casting to their dtype and device."""

@@ -1,0 +1,141 @@
+"""Weight-only int8/int4 quantization of the linear layers, for CPU decoding bound by DRAM bandwidth.
+
+A decode step of a small batch reads every weight once and does little arithmetic with it, so its
+time is the weights' bytes over the memory bandwidth: 4-bit codes read 4x fewer bytes than bf16.
+torch's CPU kernels (``_weight_int4pack_mm_for_cpu``, ``_weight_int8pack_mm``) dequantize in
+registers, but their cost grows with every row of the batch; above ``max_rows_quantized`` rows a
+step is compute-bound and a plain GEMM on the dequantized weights is several times faster. So a
+quantized layer keeps both: the codes for small batches and their dequantized values (the same
+numbers, rounded to the model dtype) for large ones. Both paths compute with the quantized model.
+
+int4 is asymmetric round-to-nearest per group of 32 inputs, ``w = (q - 8) * scale + zero`` with
+``q`` in 0..15 (GGUF's Q4_1 and the default model's source format: it re-quantizes losslessly).
+int8 is symmetric per output channel, ``w = q * scale`` with ``q`` in -127..127.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+QUANTIZATION_METHODS = ("int8", "int4")
+INT4_GROUP_SIZE = 32
+# Measured crossover (docs/benchmarks.md): past this many rows the dequantized GEMM is faster.
+MAX_ROWS_QUANTIZED = 8
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE) -> tuple[torch.Tensor, ...]:
+    """``weight [N, K]`` -> (codes ``int32 [N, K]`` in 0..15, scale ``[N, K/g]``, zero ``[N, K/g]``), fp32."""
+    n, k = weight.shape
+    w = weight.float().view(n, k // group_size, group_size)
+    lo, hi = w.amin(-1), w.amax(-1)
+    scale = (hi - lo) / 15
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # a constant group: any scale works
+    q = ((w - lo[..., None]) / scale[..., None]).round_().clamp_(0, 15).to(torch.int32)
+    return q.view(n, k), scale, lo + 8 * scale
+
+
+def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """The fp32 weight the codes stand for."""
+    n, k = q.shape
+    g = k // scale.shape[1]
+    return ((q.view(n, -1, g).float() - 8) * scale[..., None] + zero[..., None]).view(n, k)
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight [N, K]`` -> (codes ``int8 [N, K]``, per-channel scale ``[N]`` fp32)."""
+    w = weight.float()
+    scale = w.abs().amax(-1) / 127
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return (w / scale[:, None]).round_().clamp_(-127, 127).to(torch.int8), scale
+
+
+class QuantizedLinear(nn.Module):
+    """``y = x W^T + b`` for a quantized ``W``: the packed kernel for a few rows, a GEMM for many."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, method: str,
+                 max_rows_quantized: int = MAX_ROWS_QUANTIZED) -> None:
+        super().__init__()
+        assert method in QUANTIZATION_METHODS, method
+        assert weight.device.type == "cpu", "the packed kernels are CPU kernels"
+        dtype = weight.dtype
+        self.method = method
+        self.out_features, self.in_features = weight.shape
+        self.max_rows_quantized = max_rows_quantized
+        if method == "int4":
+            q, scale, zero = quantize_int4(weight)
+            dequantized = dequantize_int4(q, scale, zero)
+            self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(q, 1), persistent=False)
+            # The kernel's layout: [K / group, N, (scale, zero)], in the activations' dtype.
+            scales_zeros = torch.stack((scale.t(), zero.t()), dim=-1).contiguous().to(dtype)
+            self.register_buffer("scales_zeros", scales_zeros, persistent=False)
+        else:
+            q, scale = quantize_int8(weight)
+            dequantized = q.float() * scale[:, None]
+            self.register_buffer("packed", q, persistent=False)
+            self.register_buffer("scales_zeros", scale.to(dtype), persistent=False)
+        self.weight = nn.Parameter(dequantized.to(dtype), requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        if rows > self.max_rows_quantized:
+            return F.linear(x, self.weight, self.bias)
+        flat = x.reshape(rows, self.in_features)
+        if self.method == "int4":
+            y = torch._weight_int4pack_mm_for_cpu(flat, self.packed, INT4_GROUP_SIZE, self.scales_zeros)
+        else:
+            y = torch._weight_int8pack_mm(flat, self.packed, self.scales_zeros)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features}, {self.out_features}, method={self.method}"
+
+
+def can_quantize(linear: nn.Linear, method: str) -> bool:
+    """The kernels' shape rules: int4 needs K a multiple of the group and N a multiple of 16."""
+    n, k = linear.weight.shape
+    if method == "int4":
+        return k % INT4_GROUP_SIZE == 0 and n % 16 == 0
+    return True
+
+
+def quantize_model(model: nn.Module, method: str) -> int:
+    """Replace the decoder's linear layers and the LM head in place; returns how many were quantized.
+
+    A tied head gets its own quantized copy: the embedding lookup keeps the original table.
+    """
+    if method not in QUANTIZATION_METHODS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}, got {method!r}")
+    if next(model.parameters()).device.type != "cpu":
+        raise ValueError(f"quantization={method!r} is a CPU option (its kernels are CPU kernels)")
+    done = skipped = 0
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is not nn.Linear:
+                continue
+            if not can_quantize(child, method):
+                skipped += 1
+                continue
+            setattr(module, name, QuantizedLinear(child.weight.data, child.bias, method))
+            done += 1
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, nn.Embedding):  # tied: quantize a copy for the logits
+        n = head.weight.shape[0]
+        probe = nn.Linear(head.weight.shape[1], n, bias=False, device="meta")
+        if can_quantize(probe, method):
+            model.lm_head = QuantizedLinear(head.weight.data, None, method)
+            done += 1
+        else:
+            skipped += 1
+    if skipped:
+        logger.warning("quantization %s: %d linear layers kept unquantized (shapes the kernel rejects)",
+                       method, skipped)
+    return done
