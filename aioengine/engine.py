@@ -25,6 +25,7 @@ from aioengine.tokenizer import IncrementalDetokenizer, apply_chat_template, loa
 logger = logging.getLogger(__name__)
 
 _DEFAULT_CPU_KV_BYTES = 2 << 30
+_RANDOM_PREFIX = "random:"  # aioengine.gpu.random_model.RANDOM_PREFIX (not imported here: it needs torch)
 
 
 @dataclass(slots=True, eq=False)
@@ -148,47 +149,56 @@ class AsyncEngine:
         args = self.args
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
-        self.model_path = str(await loop.run_in_executor(None, resolve_model, args.model))
+        if args.model.startswith(_RANDOM_PREFIX):  # random weights of a known shape: no files
+            self.model_path = args.model
+        else:
+            self.model_path = str(await loop.run_in_executor(None, resolve_model, args.model))
         if args.served_model_name is None and args.model != "default":
             self.model_name = args.model.rstrip("/")
         # transformers' lazy module is not safe to import from two threads at once: import it once here,
         # before the tokenizer thread and the model loader race for it.
         await loop.run_in_executor(None, _import_heavy_modules)
-        tokenizer_fut = loop.run_in_executor(None, load_tokenizer, args.tokenizer or self.model_path)
+        cfg_probe = await loop.run_in_executor(None, _read_config, self.model_path)
+        tokenizer_fut = loop.run_in_executor(None, _load_tokenizer, args.tokenizer, self.model_path,
+                                             cfg_probe["vocab_size"])
         device = args.resolved_device()
-        if device != "cpu":
-            raise NotImplementedError("the CUDA path is not built yet: use device='cpu'")
+        cuda = device == "cuda"
         import torch
 
-        from aioengine.gpu.device import CpuWorker
+        from aioengine.gpu.device import CpuWorker, CudaWorker
         from aioengine.gpu.model_runner import ModelRunner
 
         dtype = getattr(torch, resolve_dtype_name(args.dtype, device))
-        self._worker = CpuWorker(args.num_threads or default_num_threads())
-        cfg_probe = await loop.run_in_executor(None, _read_config, self.model_path)
+        self._worker = CudaWorker() if cuda else CpuWorker(args.num_threads or default_num_threads())
         max_model_len = args.max_model_len or cfg_probe["max_position_embeddings"]
-        max_num_seqs = args.max_num_seqs or 128
+        max_num_seqs = args.max_num_seqs or (1024 if cuda else 128)
+        max_batched = args.max_num_batched_tokens or (8192 if cuda else 512)
         self.runner = await asyncio.wrap_future(self._worker.submit(
             ModelRunner, self.model_path, dtype, torch.device(device), max_num_seqs, max_model_len,
-            args.block_size, args.seed))
+            args.block_size, args.seed, args.quantization))
         self.tokenizer = await tokenizer_fut
         bytes_per_block = self.runner.kv_cache_bytes_per_block()
         blocks_per_seq = -(-max_model_len // args.block_size)
         if args.num_kv_blocks is not None:
             num_blocks = args.num_kv_blocks
+        elif cuda and args.kv_cache_memory_bytes is None:  # what gpu_memory_utilization leaves after a warm-up
+            num_blocks = min(await asyncio.wrap_future(self._worker.submit(
+                self.runner.profile_kv_blocks, max_batched, max_num_seqs, args.gpu_memory_utilization)),
+                max_num_seqs * blocks_per_seq + 1)
         else:
             budget = args.kv_cache_memory_bytes or _DEFAULT_CPU_KV_BYTES
             num_blocks = min(budget // bytes_per_block, max_num_seqs * blocks_per_seq + 1)
         if num_blocks < 2:
             raise ValueError(f"the KV cache budget fits {num_blocks} blocks; at least 2 are needed")
         await asyncio.wrap_future(self._worker.submit(self.runner.initialize_kv_cache, num_blocks))
+        if cuda and not args.enforce_eager:
+            await asyncio.wrap_future(self._worker.submit(self.runner.capture_cuda_graphs, max_batched))
         self.max_model_len = max_model_len
         self.kv_capacity_tokens = (num_blocks - 1) * args.block_size
         self.vocab_size = cfg_probe["vocab_size"]
         self.eos_token_id = cfg_probe["eos_token_id"]
         if self.eos_token_id is None:
             self.eos_token_id = self.tokenizer.eos_token_id
-        max_batched = args.max_num_batched_tokens or 512
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_batched_tokens=max_batched, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
             num_blocks=num_blocks, block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
@@ -420,12 +430,25 @@ class AsyncEngine:
         return True
 
     async def _await_step(self, fut: concurrent.futures.Future) -> ModelRunnerOutput:
+        """The worker's result; on CUDA that is an awaitable whose device-to-host copy is in flight (an
+        AsyncOutput): awaiting it waits for a CUDA event without blocking the loop. One watchdog for both."""
+        deadline = asyncio.get_running_loop().time() + self.args.step_timeout_s
+        out = await self._until(asyncio.wrap_future(fut), deadline)
+        if hasattr(out, "__await__"):
+            out = await self._until(asyncio.ensure_future(out), deadline)
+        return out
+
+    async def _until(self, afut: asyncio.Future, deadline: float) -> Any:
         # asyncio.wait, not wait_for: wait_for can swallow a cancellation that races the result (3.11).
-        afut = asyncio.wrap_future(fut)
-        done, _ = await asyncio.wait((afut,), timeout=self.args.step_timeout_s)
+        done, _ = await asyncio.wait((afut,), timeout=max(0.0, deadline - asyncio.get_running_loop().time()))
         if not done:
+            afut.cancel()
             raise EngineDeadError(f"a step ran longer than the watchdog limit of {self.args.step_timeout_s} s")
         return afut.result()
+
+    def run_on_worker(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
+        """Run ``fn(*args)`` on the device worker, after the steps already submitted (e.g. runner stats)."""
+        return asyncio.wrap_future(self._worker.submit(fn, *args))
 
     def _process_outputs(self, outputs: list[EngineCoreOutput]) -> None:
         grouped: dict[int, tuple[_RequestState, list[CompletionOutput]]] = {}
@@ -506,10 +529,25 @@ def _import_heavy_modules() -> None:
     import aioengine.gpu.model_runner  # noqa: F401  (torch, the models, the loader)
 
 
+def _load_tokenizer(tokenizer: str | None, model_path: str, vocab_size: int) -> Any:
+    """The tokenizer directory's, else the model's; a random-weight model without one gets a NullTokenizer."""
+    if tokenizer is None and model_path.startswith(_RANDOM_PREFIX):
+        from aioengine.tokenizer import NullTokenizer
+
+        return NullTokenizer(vocab_size)
+    return load_tokenizer(tokenizer or model_path)
+
+
 def _read_config(path: str) -> dict:
     import json
     import os
 
+    if path.startswith(_RANDOM_PREFIX):
+        from aioengine.gpu.random_model import random_config
+
+        cfg = random_config(path)
+        return {"max_position_embeddings": cfg.max_position_embeddings, "vocab_size": cfg.vocab_size,
+                "eos_token_id": cfg.eos_token_id}
     with open(os.path.join(path, "config.json")) as f:
         cfg = json.load(f)
     eos = cfg.get("eos_token_id")
