@@ -1,10 +1,10 @@
-"""aioengine.bench: `aioengine bench throughput | latency | serve`, vLLM-style benchmarks."""
+"""aioengine.bench: `aioengine bench throughput | latency | serve | hf-peer`, vLLM-style benchmarks."""
 
 from __future__ import annotations
 
 import sys
 
-_MODES = ("throughput", "latency", "serve")
+_MODES = ("throughput", "latency", "serve", "hf-peer")
 
 
 def write_json(path: str | None, result: dict) -> None:
@@ -26,6 +26,8 @@ def main(argv: list[str] | None = None) -> int:
         from aioengine.bench.throughput import main as run
     elif mode == "latency":
         from aioengine.bench.latency import main as run
+    elif mode == "hf-peer":
+        from aioengine.bench.hf_peer import main as run
     else:
         from aioengine.bench.serve import main as run
     run(rest)

@@ -16,7 +16,9 @@ from aioengine.sampling_params import SamplingParams
 
 
 def add_engine_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--model", default="default")
+    ap.add_argument("--model", default="default", help="a checkpoint directory, 'default', or random:NAME "
+                    "(random weights of a known shape made on the device: random:llama-3.1-8b, random:tiny)")
+    ap.add_argument("--tokenizer", help="default: the model's (random:NAME has none: prompts are token ids)")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--max-num-batched-tokens", type=int)
@@ -26,11 +28,14 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--no-enable-prefix-caching", action="store_true")
     ap.add_argument("--num-threads", type=int)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     ap.add_argument("--quantization", choices=["int8", "int4"], help="CPU weight-only quantization")
 
 
 def engine_args_from(args) -> EngineArgs:
-    return EngineArgs(model=args.model, dtype=args.dtype, device=args.device,
+    return EngineArgs(model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
+                      gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
                       max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                       max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
                       block_size=args.block_size, enable_prefix_caching=not args.no_enable_prefix_caching,
@@ -49,13 +54,18 @@ async def run_throughput(args) -> dict:
         async def one(req):
             params = SamplingParams(temperature=0, max_tokens=req.output_len, ignore_eos=True)
             out = await engine.generate(req.prompt_token_ids, params)
+            out.metrics["finish_time"] = time.monotonic()
             bar.update(1)
             return out
 
+        timeline = engine.runner.timeline  # CUDA: events around each step
+        if timeline is not None:
+            await engine.run_on_worker(timeline.reset)
         t0 = time.perf_counter()
         outs = await asyncio.gather(*(one(r) for r in requests))
         elapsed = time.perf_counter() - t0
         bar.close()
+        gpu = (await engine.run_on_worker(timeline.stats)).as_dict() if timeline is not None else {}
         num_params = engine.runner.num_parameters()
         dtype_name = str(engine.runner.dtype).removeprefix("torch.")
     finally:
@@ -73,7 +83,22 @@ async def run_throughput(args) -> dict:
         "dtype": dtype_name, "num_parameters": num_params, "matmul_gflops": gflops,
         "roofline_tokens_per_s": roofline_tokens_per_s(gflops, num_params),
         "fraction_of_roofline": out_tokens / elapsed / roofline_tokens_per_s(gflops, num_params),
+        **latency_stats(outs), **gpu,
     }
+
+
+def latency_stats(outs) -> dict:
+    """Mean TTFT (arrival to first token) and TPOT (first to last token, per later token), in ms."""
+    ttft, tpot = [], []
+    for o in outs:
+        m = o.metrics
+        if m.get("first_token_time") is None:
+            continue
+        ttft.append(m["first_token_time"] - m["arrival_time"])
+        n = o.num_generated_tokens
+        if n > 1:
+            tpot.append((m["finish_time"] - m["first_token_time"]) / (n - 1))
+    return {"mean_ttft_ms": 1e3 * sum(ttft) / max(len(ttft), 1), "mean_tpot_ms": 1e3 * sum(tpot) / max(len(tpot), 1)}
 
 
 def main(argv: list[str]) -> dict:
@@ -91,5 +116,8 @@ def main(argv: list[str]) -> dict:
     print(f"Roofline ({result['dtype']}): matmul {result['matmul_gflops']:.0f} GFLOP/s / (2 x "
           f"{result['num_parameters'] / 1e6:.1f}M params) = {result['roofline_tokens_per_s']:.0f} tokens/s; "
           f"output tokens/s is {100 * result['fraction_of_roofline']:.1f}% of it")
+    print(f"Latency: mean TTFT {result['mean_ttft_ms']:.1f} ms, mean TPOT {result['mean_tpot_ms']:.2f} ms"
+          + (f"; GPU idle between steps {100 * result['gpu_idle_fraction']:.1f}% of {result['gpu_steps']} steps"
+             if "gpu_idle_fraction" in result else ""))
     write_json(args.output_json, result)
     return result
