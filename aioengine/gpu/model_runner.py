@@ -13,8 +13,8 @@ import torch
 from aioengine.gpu.async_output import AsyncOutput, host_signal_after
 from aioengine.gpu.cuda_graphs import DecodeGraphs, capture_sizes, capture_time_limit_s
 from aioengine.gpu.loader import allocate_kv_caches, load_model
-from aioengine.gpu.quant import quantize_model
 from aioengine.gpu.memory import kv_cache_blocks, profile_memory, warmup_lengths
+from aioengine.gpu.quant import quantize_model
 from aioengine.gpu.sampler import Sampler, SamplingMetadata, gather_logprobs
 from aioengine.gpu.states import RequestStates
 from aioengine.kernels.attention import AttentionMetadata
