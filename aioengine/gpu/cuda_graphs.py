@@ -68,6 +68,7 @@ class DecodeGraphs:
             self.block_table = torch.zeros(max_size, max_blocks_per_req, dtype=torch.int32, device=device)
         self.graphs: dict[int, tuple[Any, torch.Tensor]] = {}
         self.sizes: list[int] = []  # captured, ascending
+        self.num_replays = 0
 
     def metadata(self, size: int) -> AttentionMetadata:
         """Metadata over the static buffers: only device tensors and shape-derived host ints."""
@@ -138,6 +139,7 @@ class DecodeGraphs:
         self.load(size, input_ids, positions, meta)
         graph, out = self.graphs[size]
         graph.replay()
+        self.num_replays += 1
         return out[:n]
 
 

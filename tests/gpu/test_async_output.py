@@ -1,0 +1,214 @@
+"""Awaiting the device without blocking the loop, proven on CPU with fake events and a fake host-function
+launcher (the real cudaLaunchHostFunc path is in test_cuda_device.py, on a GPU)."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+
+import pytest
+
+from aioengine.config import EngineArgs
+from aioengine.engine import AsyncEngine
+from aioengine.errors import EngineDeadError
+from aioengine.gpu import async_output
+from aioengine.gpu.async_output import AsyncOutput, HostSignal, await_cuda_event, host_signal_after
+from aioengine.gpu.timeline import GpuTimeline
+
+
+class FakeEvent:
+    """query() turns True after ``ready_after`` seconds (or never, for None)."""
+
+    def __init__(self, ready_after: float | None) -> None:
+        self.t_ready = None if ready_after is None else time.monotonic() + ready_after
+        self.queries = 0
+
+    def query(self) -> bool:
+        self.queries += 1
+        return self.t_ready is not None and time.monotonic() >= self.t_ready
+
+
+async def _ticks_while(coro) -> tuple[object, int]:
+    """Run ``coro`` and count how often the loop got to run a ticker meanwhile (it must not block)."""
+    ticks = 0
+    stop = False
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while not stop:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    t = asyncio.create_task(ticker())
+    try:
+        return await coro, ticks
+    finally:
+        stop = True
+        await t
+
+
+def test_polling_fallback_resumes_when_the_event_completes_and_never_blocks():
+    ev = FakeEvent(0.05)
+    _, ticks = asyncio.run(_ticks_while(await_cuda_event(ev)))
+    assert ev.query() and ev.queries > 3 and ticks > 3
+
+
+def test_already_complete_event_returns_at_once():
+    ev = FakeEvent(0.0)
+    asyncio.run(await_cuda_event(ev))
+    assert ev.queries == 1
+
+
+@pytest.mark.parametrize("set_first", [True, False])
+def test_host_signal_set_from_another_thread(set_first):
+    sig = HostSignal()
+
+    async def main() -> None:
+        if set_first:
+            sig.set()
+        else:
+            threading.Timer(0.05, sig.set).start()
+        await asyncio.wait_for(await_cuda_event(FakeEvent(None), sig), 5)
+
+    asyncio.run(main())
+    assert sig.is_set()
+
+
+def test_host_function_pointer_sets_the_signal_it_was_armed_for():
+    """host_signal_after hands (stream, token) to the launcher; a CUDA driver thread would later call
+    the C function pointer with the token. Here a thread calls that pointer through ctypes."""
+    calls = []
+
+    def launcher(stream_handle: int, token: int) -> bool:
+        calls.append((stream_handle, token))
+        fn = async_output._HOST_FN_TYPE(async_output.HOST_FN_ADDRESS)
+        threading.Timer(0.05, fn, args=(token,)).start()
+        return True
+
+    class Stream:
+        cuda_stream = 1234
+
+    async def main() -> None:
+        sig = host_signal_after(Stream(), launcher)
+        assert sig is not None and not sig.is_set()
+        await asyncio.wait_for(await_cuda_event(FakeEvent(None), sig), 5)
+
+    asyncio.run(main())
+    assert calls and calls[0][0] == 1234
+    assert calls[0][1] not in async_output._signals  # popped by the callback
+
+
+def test_failed_launch_falls_back_to_polling():
+    class Stream:
+        cuda_stream = 0
+
+    assert host_signal_after(Stream(), lambda s, t: False) is None
+    assert not async_output._signals
+
+
+def test_async_output_finishes_after_the_event():
+    order = []
+    out = AsyncOutput(FakeEvent(0.02), None, lambda: order.append("finish") or "result")
+    assert asyncio.run(_await(out)) == "result" and order == ["finish"]
+
+
+async def _await(x):
+    return await x
+
+
+def _engine(step_timeout_s: float) -> AsyncEngine:
+    engine = AsyncEngine(EngineArgs(step_timeout_s=step_timeout_s))
+    return engine
+
+
+def test_engine_awaits_a_worker_future_then_an_async_output():
+    engine = _engine(5.0)
+
+    async def main():
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        fut.set_result(AsyncOutput(FakeEvent(0.02), None, lambda: "tokens"))
+        return await engine._await_step(fut)
+
+    assert asyncio.run(main()) == "tokens"
+
+
+def test_engine_plain_result_still_works():
+    engine = _engine(5.0)
+
+    async def main():
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        fut.set_result("cpu output")
+        return await engine._await_step(fut)
+
+    assert asyncio.run(main()) == "cpu output"
+
+
+def test_watchdog_covers_the_device_wait():
+    engine = _engine(0.1)
+
+    async def main():
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        fut.set_result(AsyncOutput(FakeEvent(None), None, lambda: "never"))
+        await engine._await_step(fut)
+
+    with pytest.raises(EngineDeadError, match="watchdog"):
+        asyncio.run(main())
+
+
+class TimedEvent:
+    """A fake timing event: ``record()`` stamps the next time from a script."""
+
+    clock: list[float] = []
+
+    def __init__(self) -> None:
+        self.t = None
+        self.done = True
+
+    def record(self) -> None:
+        self.t = TimedEvent.clock.pop(0)
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.done = True
+
+    def elapsed_time(self, other: TimedEvent) -> float:
+        return other.t - self.t
+
+
+def test_timeline_idle_fraction():
+    # Step 1 runs 0-10 ms, step 2 starts at 10 (queued in time: no gap), step 3 starts 5 ms late.
+    TimedEvent.clock = [0.0, 10.0, 10.0, 18.0, 23.0, 30.0]
+    tl = GpuTimeline(TimedEvent)
+    for _ in range(3):
+        tl.start()
+        tl.end()
+    s = tl.stats()
+    assert s.steps == 3 and s.busy_ms == pytest.approx(25.0) and s.idle_ms == pytest.approx(5.0)
+    assert s.idle_fraction == pytest.approx(5.0 / 30.0)
+    assert s.as_dict()["gpu_idle_fraction"] == pytest.approx(1 / 6)
+    TimedEvent.clock = [100.0, 101.0]
+    tl.reset()  # a new window: no gap from the last step before it
+    tl.start()
+    tl.end()
+    s = tl.stats()
+    assert (s.steps, s.busy_ms, s.idle_ms) == (1, 1.0, 0.0)
+
+
+def test_timeline_leaves_incomplete_steps_for_later():
+    TimedEvent.clock = [0.0, 4.0]
+    tl = GpuTimeline(TimedEvent)
+    tl.start()
+    tl._make_event = lambda: _pending_event()
+    tl.end()
+    assert tl.stats(wait=False).steps == 0
+    assert tl.stats(wait=True).steps == 1
+
+
+def _pending_event() -> TimedEvent:
+    ev = TimedEvent()
+    ev.done = False
+    return ev

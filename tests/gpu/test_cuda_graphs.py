@@ -1,0 +1,110 @@
+"""Decode CUDA graphs without a GPU: bucket sizes, padding into the static buffers, and the static-buffer
+forward (what a graph captures) against the eager forward, with the Triton kernels interpreted on CPU."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from aioengine.gpu.cuda_graphs import DecodeGraphs, bucket_for, capture_sizes  # noqa: E402
+from aioengine.gpu.loader import allocate_kv_caches  # noqa: E402
+from aioengine.gpu.random_model import build_random_model  # noqa: E402
+from aioengine.kernels.attention import AttentionMetadata  # noqa: E402
+
+
+def test_capture_sizes_follow_the_tour():
+    sizes = capture_sizes(max_num_seqs=1024, max_num_batched_tokens=8192)
+    assert sizes[:6] == [1, 2, 4, 8, 16, 24]
+    assert sizes[-1] == 512 and 248 in sizes and 256 in sizes and 272 in sizes and 264 not in sizes
+    assert sizes == sorted(set(sizes))
+
+
+@pytest.mark.parametrize(("seqs", "tokens", "last"), [(6, 8192, 6), (128, 64, 64), (1, 512, 1), (300, 8192, 300)])
+def test_capture_sizes_end_at_the_limit(seqs, tokens, last):
+    sizes = capture_sizes(seqs, tokens)
+    assert sizes[-1] == last and all(s <= last for s in sizes)
+    assert all(bucket_for(n, sizes) is not None for n in range(1, last + 1))
+
+
+def test_bucket_for_picks_the_smallest_that_fits():
+    sizes = [1, 2, 4, 8, 16]
+    assert [bucket_for(n, sizes) for n in (1, 3, 4, 5, 16, 17)] == [1, 4, 4, 8, 16, None]
+    assert bucket_for(1, []) is None
+
+
+BLOCK = 4
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model, config = build_random_model("random:tiny", torch.float32, "cpu", seed=3)
+    return model, config
+
+
+def _decode_meta(seq_lens: list[int], num_blocks: int) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
+    per_req = -(-max(seq_lens) // BLOCK)
+    ids = torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(1))[: len(seq_lens) * per_req] + 1
+    table = ids.view(len(seq_lens), per_req).int()
+    meta = AttentionMetadata.build([1] * len(seq_lens), seq_lens, table, BLOCK)
+    input_ids = torch.arange(len(seq_lens), dtype=torch.int64) * 7 + 3
+    positions = torch.tensor(seq_lens, dtype=torch.int64) - 1
+    return meta, input_ids, positions
+
+
+def test_load_pads_rows_past_the_batch(tiny):
+    model, config = tiny
+    kv = allocate_kv_caches(config, 40, BLOCK, torch.float32, "cpu")
+    graphs = DecodeGraphs(model, kv, max_size=8, max_blocks_per_req=16, device=torch.device("cpu"))
+    meta, input_ids, positions = _decode_meta([5, 9, 3], 40)
+    graphs.block_table.fill_(7)  # stale rows from an earlier step
+    graphs.load(8, input_ids, positions, meta)
+    assert graphs.input_ids[:3].tolist() == input_ids.tolist() and graphs.input_ids[3:].eq(0).all()
+    assert graphs.positions[:3].tolist() == [4, 8, 2]
+    assert graphs.slot_mapping[:3].tolist() == meta.slot_mapping.tolist() and graphs.slot_mapping[3:].eq(-1).all()
+    assert graphs.seq_lens[:3].tolist() == [5, 9, 3] and graphs.seq_lens[3:].eq(1).all()
+    width = meta.block_table.shape[1]
+    assert torch.equal(graphs.block_table[:3, :width], meta.block_table)
+    assert graphs.block_table[3:, 0].eq(0).all()  # padded rows read the null block
+    m = graphs.metadata(8)
+    assert m.num_reqs == m.num_decodes == m.num_actual_tokens == 8 and m.max_query_len == 1
+    assert m.query_start_loc.tolist() == list(range(9))
+
+
+def test_run_declines_batches_that_are_not_uniform_decodes(tiny):
+    model, config = tiny
+    graphs = DecodeGraphs(model, [], max_size=4, max_blocks_per_req=4, device=torch.device("cpu"))
+    graphs.sizes = [1, 2, 4]
+    prefill = AttentionMetadata.build([3, 1], [3, 5], torch.zeros(2, 2, dtype=torch.int32), BLOCK)
+    assert graphs.run(torch.zeros(4, dtype=torch.int64), torch.zeros(4, dtype=torch.int64), prefill) is None
+    big, ids, pos = _decode_meta([2] * 5, 40)
+    assert graphs.run(ids, pos, big) is None  # 5 rows: no bucket holds them
+
+
+def test_static_forward_matches_eager_with_the_triton_kernels(tiny, monkeypatch):
+    """What a graph captures, run eagerly: padded rows write nothing and the real rows match."""
+    from aioengine.gpu.models import llama
+    from aioengine.kernels.kv_store import store_kv_triton
+    from aioengine.kernels.triton_attention import paged_attention_triton
+
+    monkeypatch.setattr(llama, "store_kv", store_kv_triton)
+    monkeypatch.setattr(llama, "paged_attention", paged_attention_triton)
+    model, config = tiny
+    seq_lens = [6, 11, 3]
+    meta, input_ids, positions = _decode_meta(seq_lens, 24)
+    torch.manual_seed(0)
+    kv = [t.normal_() for t in allocate_kv_caches(config, 24, BLOCK, torch.float32, "cpu")]
+    kv_eager = [t.clone() for t in kv]
+    with torch.inference_mode():
+        expected = model(input_ids, positions, kv_eager, meta)
+        graphs = DecodeGraphs(model, kv, max_size=8, max_blocks_per_req=8, device=torch.device("cpu"))
+        graphs.load(4, input_ids, positions, meta)
+        got = graphs.forward(4)
+    assert got.shape[0] == 4
+    torch.testing.assert_close(got[:3], expected, atol=1e-4, rtol=1e-4)
+    for a, b in zip(kv, kv_eager, strict=True):
+        torch.testing.assert_close(a, b)  # same writes: the padded row stored nothing
