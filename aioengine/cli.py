@@ -18,6 +18,7 @@ logger = logging.getLogger("aioengine.serve")
 _ENGINE_HELP = {
     "model": "'default' (the embedded SmolLM2-135M-Instruct) or a Hugging Face checkpoint directory",
     "tokenizer": "tokenizer directory (default: the model's)",
+    "skip_tokenizer_init": "no tokenizer: prompts must be token ids and outputs carry no text",
     "served_model_name": "name(s) the API answers to; the first is reported (default: the model)",
     "dtype": "weights and activations dtype (auto: float32 on CPU, bfloat16 on CUDA)",
     "device": "where the model runs",

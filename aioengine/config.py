@@ -10,6 +10,7 @@ from dataclasses import dataclass
 class EngineArgs:
     model: str = "default"  # "default" (the embedded SmolLM2-135M-Instruct) or a checkpoint directory
     tokenizer: str | None = None  # defaults to the model directory
+    skip_tokenizer_init: bool = False  # no tokenizer: prompts are token ids, outputs carry no text
     served_model_name: str | None = None
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: bfloat16 on CUDA and on CPUs with
     # avx512_bf16/AMX, else float32)

@@ -159,8 +159,7 @@ class AsyncEngine:
         # before the tokenizer thread and the model loader race for it.
         await loop.run_in_executor(None, _import_heavy_modules)
         cfg_probe = await loop.run_in_executor(None, _read_config, self.model_path)
-        tokenizer_fut = loop.run_in_executor(None, _load_tokenizer, args.tokenizer, self.model_path,
-                                             cfg_probe["vocab_size"])
+        tokenizer_fut = loop.run_in_executor(None, _load_tokenizer, args, self.model_path, cfg_probe["vocab_size"])
         device = args.resolved_device()
         cuda = device == "cuda"
         import torch
@@ -529,13 +528,14 @@ def _import_heavy_modules() -> None:
     import aioengine.gpu.model_runner  # noqa: F401  (torch, the models, the loader)
 
 
-def _load_tokenizer(tokenizer: str | None, model_path: str, vocab_size: int) -> Any:
-    """The tokenizer directory's, else the model's; a random-weight model without one gets a NullTokenizer."""
-    if tokenizer is None and model_path.startswith(_RANDOM_PREFIX):
+def _load_tokenizer(args: EngineArgs, model_path: str, vocab_size: int) -> Any:
+    """The tokenizer directory's, else the model's; none (a NullTokenizer) with skip_tokenizer_init, or for
+    a random-weight model given no tokenizer."""
+    if args.skip_tokenizer_init or (args.tokenizer is None and model_path.startswith(_RANDOM_PREFIX)):
         from aioengine.tokenizer import NullTokenizer
 
         return NullTokenizer(vocab_size)
-    return load_tokenizer(tokenizer or model_path)
+    return load_tokenizer(args.tokenizer or model_path)
 
 
 def _read_config(path: str) -> dict:
