@@ -123,8 +123,14 @@ class RotaryEmbedding(nn.Module):
             )
         t = torch.arange(max_position, dtype=torch.float32, device=device)
         freqs = torch.outer(t, inv_freq)
-        cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype)
-        self.register_buffer("cos_sin_cache", cache, persistent=False)
+        cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
+        self.register_buffer("cos_sin_cache", torch.cat((cos, sin), dim=-1), persistent=False)
+        # CPU path: full-width tables, so a rotation is x * cos2 + roll(x) * sin2 (4 ops for q and k
+        # together instead of 8 each; the same roundings as HF's rotate_half, so the same bits).
+        on_cpu = torch.device(device or "cpu").type == "cpu"
+        self.register_buffer("cos2", torch.cat((cos, cos), dim=-1) if on_cpu else None, persistent=False)
+        self.register_buffer("sin2", torch.cat((-sin, sin), dim=-1) if on_cpu else None, persistent=False)
+        self._memo: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
@@ -132,13 +138,23 @@ class RotaryEmbedding(nn.Module):
         """Rotate query ``[T, Hq, D]`` and key ``[T, Hkv, D]`` by ``positions`` ``[T]``."""
         if query.is_cuda:
             return triton_ops().rotary(positions, query, key, self.cos_sin_cache)
-        cos, sin = self.cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
-        return apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
+        return self.rotate(positions, query), self.rotate(positions, key)
+
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """CPU: rotate ``x`` ``[T, H, D]`` (q and k heads side by side work too) by ``positions``."""
+        memo = self._memo
+        if memo is not None and memo[0] is positions:  # every layer of a step shares one lookup
+            cos2, sin2 = memo[1], memo[2]
+        else:
+            cos2 = self.cos2.index_select(0, positions).unsqueeze(1)
+            sin2 = self.sin2.index_select(0, positions).unsqueeze(1)
+            self._memo = (positions, cos2, sin2)
+        return x * cos2 + x.roll(self.head_dim // 2, -1) * sin2
 
 
 def get_rope(
     head_dim: int, max_position: int, config: Any, dtype: torch.dtype, device: Any = None
 ) -> RotaryEmbedding:
-    """The rotary embedding a HF config asks for."""
+    """The rotary embedding a HF config asks for (a model builds one and shares it across its layers)."""
     base, scaling = rope_parameters(config)
     return RotaryEmbedding(head_dim, max_position, base, scaling or None, dtype=dtype, device=device)

@@ -141,6 +141,7 @@ def _gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> tuple[torch.T
 class _DecodeGroup:
     indices: torch.Tensor | None  # int64 request rows in this group; None = all decodes in order
     max_seq_len: int
+    mask: torch.Tensor | None = None  # [B, 1, 1, S] padding mask: built by the first layer, reused
 
 
 # A decode group's padded gather stays under this many tokens (bounds the workspace).
@@ -175,20 +176,21 @@ def _decode_attention(
     kv_cache: torch.Tensor,
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
-    max_seq_len: int,
+    group: _DecodeGroup,
     scale: float,
 ) -> torch.Tensor:
     """One masked SDPA over a group of decodes: query ``[B, Hq, D]`` -> ``[B, Hq, D]``."""
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
-    num_blocks = -(-max_seq_len // block_size)
+    num_blocks = -(-group.max_seq_len // block_size)
     key, value = _gather_kv(kv_cache, block_table[:, :num_blocks])  # [B, S, Hkv, D]
     # One query token per request: fold the query heads of a KV group into SDPA's length axis,
     # so GQA costs no repeat of K/V and every row of a request shares one padding mask.
     b, hq, d = query.shape
     q = query.reshape(b, num_kv_heads, hq // num_kv_heads, d)
-    mask = torch.arange(key.shape[1], device=query.device) < seq_lens[:, None]
+    if group.mask is None:
+        group.mask = (torch.arange(key.shape[1], device=query.device) < seq_lens[:, None])[:, None, None, :]
     out = F.scaled_dot_product_attention(
-        q, key.transpose(1, 2), value.transpose(1, 2), attn_mask=mask[:, None, None, :], scale=scale
+        q, key.transpose(1, 2), value.transpose(1, 2), attn_mask=group.mask, scale=scale
     )
     return out.reshape(b, hq, d)
 
@@ -204,7 +206,7 @@ def _decodes(
     block_table, seq_lens = meta.block_table[:nd], meta.seq_lens[:nd]
     groups = meta.decode_groups
     if len(groups) == 1:
-        return _decode_attention(query, kv_cache, block_table, seq_lens, groups[0].max_seq_len, scale)
+        return _decode_attention(query, kv_cache, block_table, seq_lens, groups[0], scale)
     output = torch.empty_like(query)
     for g in groups:
         out = _decode_attention(
@@ -212,7 +214,7 @@ def _decodes(
             kv_cache,
             block_table.index_select(0, g.indices),
             seq_lens.index_select(0, g.indices),
-            g.max_seq_len,
+            g,
             scale,
         )
         output.index_copy_(0, g.indices, out)

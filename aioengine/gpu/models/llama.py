@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.nn.utils import skip_init
 
-from aioengine.gpu.layers import RMSNorm, SiluAndMul, get_rope
+from aioengine.gpu.layers import RMSNorm, RotaryEmbedding, SiluAndMul, get_rope
 from aioengine.kernels.attention import AttentionMetadata, paged_attention, store_kv
 
 
@@ -41,6 +41,7 @@ class LlamaAttention(nn.Module):
         qkv_bias: bool,
         o_bias: bool,
         qk_norm: bool,
+        rotary_emb: RotaryEmbedding,
     ) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
@@ -62,7 +63,7 @@ class LlamaAttention(nn.Module):
         if qk_norm:  # Qwen3: per-head RMSNorm on q and k before RoPE
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device)
-        self.rotary_emb = get_rope(self.head_dim, config.max_position_embeddings, config, dtype, device)
+        self.rotary_emb = rotary_emb  # shared by all layers
 
     def forward(
         self,
@@ -74,12 +75,17 @@ class LlamaAttention(nn.Module):
         num_tokens = hidden_states.shape[0]
         qkv = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+        if self.q_norm is None and not qkv.is_cuda:  # CPU: rotate q and k heads in one go
+            qk = self.rotary_emb.rotate(positions, qkv[:, : self.q_size + self.kv_size].view(
+                num_tokens, self.num_heads + self.num_kv_heads, self.head_dim))
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        else:
+            q = q.view(num_tokens, self.num_heads, self.head_dim)
+            k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.rotary_emb(positions, q, k)
         store_kv(k, v, kv_cache, meta.slot_mapping)
         out = paged_attention(q, kv_cache, meta, self.scaling)
         return self.o_proj(out.view(num_tokens, self.q_size))
@@ -101,7 +107,7 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, dtype: torch.dtype, device: Any, **attn_switches: bool) -> None:
+    def __init__(self, config: Any, dtype: torch.dtype, device: Any, **attn_switches: Any) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, dtype, device, **attn_switches)
         self.mlp = LlamaMLP(config, dtype, device)
@@ -133,8 +139,10 @@ class LlamaModel(nn.Module):
         self.embed_tokens = skip_init(
             nn.Embedding, config.vocab_size, config.hidden_size, dtype=dtype, device=device
         )
+        rope = get_rope(head_dim_of(config), config.max_position_embeddings, config, dtype, device)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, dtype, device, **attn_switches) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, dtype, device, rotary_emb=rope, **attn_switches)
+            for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
 
