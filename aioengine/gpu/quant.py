@@ -83,17 +83,16 @@ class QuantizedLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // self.in_features
-        if rows > self.max_rows_quantized:
+        flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # the runner's batches are 2-D
+        if flat.shape[0] > self.max_rows_quantized:
             return F.linear(x, self.weight, self.bias)
-        flat = x.reshape(rows, self.in_features)
         if self.method == "int4":
             y = torch._weight_int4pack_mm_for_cpu(flat, self.packed, INT4_GROUP_SIZE, self.scales_zeros)
         else:
             y = torch._weight_int8pack_mm(flat, self.packed, self.scales_zeros)
         if self.bias is not None:
             y = y + self.bias
-        return y.view(*x.shape[:-1], self.out_features)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, method={self.method}"

@@ -91,10 +91,30 @@ def store_kv(
 
         return store_kv_triton(key, value, kv_cache, slot_mapping)
     num_tokens = slot_mapping.shape[0]
-    num_kv_heads, head_size = kv_cache.shape[-2], kv_cache.shape[-1]
-    # Index the flattened [num_slots, Hkv, D] views; key/value may be padded past num_tokens.
-    kv_cache[0].view(-1, num_kv_heads, head_size).index_copy_(0, slot_mapping, key[:num_tokens])
-    kv_cache[1].view(-1, num_kv_heads, head_size).index_copy_(0, slot_mapping, value[:num_tokens])
+    if key.shape[0] != num_tokens:  # padded past num_tokens
+        key, value = key[:num_tokens], value[:num_tokens]
+    views = _views(kv_cache)
+    views.key_slots.index_copy_(0, slot_mapping, key)
+    views.value_slots.index_copy_(0, slot_mapping, value)
+
+
+@dataclass(slots=True)
+class _CacheViews:
+    key_blocks: torch.Tensor  # [num_blocks, block_size, Hkv, D]
+    value_blocks: torch.Tensor
+    key_slots: torch.Tensor  # [num_blocks * block_size, Hkv, D]
+    value_slots: torch.Tensor
+
+
+def _views(kv_cache: torch.Tensor) -> _CacheViews:
+    """The views of one layer's cache, made once and kept on the tensor (they live and die with it):
+    on CPU each view op costs as much as a small gather."""
+    views = getattr(kv_cache, "_aioengine_views", None)
+    if views is None:
+        k, v = kv_cache.unbind(0)
+        h, d = kv_cache.shape[-2], kv_cache.shape[-1]
+        views = kv_cache._aioengine_views = _CacheViews(k, v, k.view(-1, h, d), v.view(-1, h, d))
+    return views
 
 
 class _Workspace(threading.local):
@@ -118,22 +138,24 @@ class _Workspace(threading.local):
 _workspace = _Workspace()
 
 
-def _gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gather whole blocks: block_ids ``[..., nb]`` -> key, value ``[..., nb * block_size, Hkv, D]``.
+def _gather_kv(
+    kv_cache: torch.Tensor, flat_ids: torch.Tensor, lead: tuple[int, ...] = ()
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather whole blocks ``flat_ids`` -> key, value ``[*lead, nb * block_size, Hkv, D]``.
 
     The results are views of the thread's workspace, valid until the next gather.
     """
-    flat_ids = block_ids.reshape(-1)
-    block_shape = kv_cache.shape[2:]
-    block_numel = kv_cache[0, 0].numel()
+    views = _views(kv_cache)
+    block_shape = views.key_blocks.shape[1:]
     n = flat_ids.shape[0]
+    block_numel = views.key_blocks[0].numel()
     buf = _workspace.get(2 * n * block_numel, kv_cache)
     key = buf[: n * block_numel].view(n, *block_shape)
     value = buf[n * block_numel :].view(n, *block_shape)
     # index_select on the flat id list is several times faster on CPU than advanced indexing.
-    torch.index_select(kv_cache[0], 0, flat_ids, out=key)
-    torch.index_select(kv_cache[1], 0, flat_ids, out=value)
-    shape = (*block_ids.shape[:-1], -1, *block_shape[1:])
+    torch.index_select(views.key_blocks, 0, flat_ids, out=key)
+    torch.index_select(views.value_blocks, 0, flat_ids, out=value)
+    shape = (*lead, -1, *block_shape[1:])
     return key.view(shape), value.view(shape)
 
 
@@ -141,7 +163,9 @@ def _gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> tuple[torch.T
 class _DecodeGroup:
     indices: torch.Tensor | None  # int64 request rows in this group; None = all decodes in order
     max_seq_len: int
-    mask: torch.Tensor | None = None  # [B, 1, 1, S] padding mask: built by the first layer, reused
+    # Built by the first layer of a step, reused by the others:
+    block_ids: torch.Tensor | None = None  # [B * blocks] the blocks to gather, request by request
+    mask: torch.Tensor | None = None  # [B, 1, 1, S] padding mask
 
 
 # A decode group's padded gather stays under this many tokens (bounds the workspace).
@@ -172,23 +196,24 @@ def _plan_decode_groups(seq_lens: list[int], device: torch.device) -> list[_Deco
 
 
 def _decode_attention(
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    group: _DecodeGroup,
-    scale: float,
+    query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, group: _DecodeGroup, scale: float
 ) -> torch.Tensor:
     """One masked SDPA over a group of decodes: query ``[B, Hq, D]`` -> ``[B, Hq, D]``."""
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
-    num_blocks = -(-group.max_seq_len // block_size)
-    key, value = _gather_kv(kv_cache, block_table[:, :num_blocks])  # [B, S, Hkv, D]
+    b, hq, d = query.shape
+    if group.mask is None:
+        nd = meta.num_decodes
+        num_blocks = -(-group.max_seq_len // block_size)
+        table, seq_lens = meta.block_table[:nd, :num_blocks], meta.seq_lens[:nd]
+        if group.indices is not None:
+            table, seq_lens = table.index_select(0, group.indices), seq_lens.index_select(0, group.indices)
+        group.block_ids = table.reshape(-1)
+        positions = torch.arange(num_blocks * block_size, device=query.device)
+        group.mask = (positions < seq_lens[:, None])[:, None, None, :]
+    key, value = _gather_kv(kv_cache, group.block_ids, (b,))  # [B, S, Hkv, D]
     # One query token per request: fold the query heads of a KV group into SDPA's length axis,
     # so GQA costs no repeat of K/V and every row of a request shares one padding mask.
-    b, hq, d = query.shape
     q = query.reshape(b, num_kv_heads, hq // num_kv_heads, d)
-    if group.mask is None:
-        group.mask = (torch.arange(key.shape[1], device=query.device) < seq_lens[:, None])[:, None, None, :]
     out = F.scaled_dot_product_attention(
         q, key.transpose(1, 2), value.transpose(1, 2), attn_mask=group.mask, scale=scale
     )
@@ -202,22 +227,14 @@ def _decodes(
     nd = meta.num_decodes
     if meta.decode_groups is None:  # planned by the first layer, reused by the rest
         meta.decode_groups = _plan_decode_groups(meta.seq_lens_cpu[:nd], query.device)
-    query = query[:nd]
-    block_table, seq_lens = meta.block_table[:nd], meta.seq_lens[:nd]
+    if query.shape[0] != nd:
+        query = query[:nd]
     groups = meta.decode_groups
     if len(groups) == 1:
-        return _decode_attention(query, kv_cache, block_table, seq_lens, groups[0], scale)
+        return _decode_attention(query, kv_cache, meta, groups[0], scale)
     output = torch.empty_like(query)
     for g in groups:
-        out = _decode_attention(
-            query.index_select(0, g.indices),
-            kv_cache,
-            block_table.index_select(0, g.indices),
-            seq_lens.index_select(0, g.indices),
-            g,
-            scale,
-        )
-        output.index_copy_(0, g.indices, out)
+        output.index_copy_(0, g.indices, _decode_attention(query.index_select(0, g.indices), kv_cache, meta, g, scale))
     return output
 
 
@@ -227,7 +244,7 @@ def _prefill_attention(
     """One request's chunk: query ``[q_len, Hq, D]`` ending at position ``seq_len - 1``."""
     q_len, num_heads, _ = query.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
-    key, value = _gather_kv(kv_cache, block_ids[: -(-seq_len // block_size)])
+    key, value = _gather_kv(kv_cache, block_ids[: -(-seq_len // block_size)].reshape(-1))
     # 4-D [1, H, L, D] inputs: torch's CPU flash kernel takes only those (3-D falls back to the
     # math path, which materialises the whole score matrix).
     key = key[None, :seq_len].transpose(1, 2)  # [1, Hkv, S, D]

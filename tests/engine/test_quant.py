@@ -55,6 +55,7 @@ def test_quantized_linear_matches_its_dequantized_weight(method, dtype, rows):
     tol = 1e-4 if dtype == torch.float32 else 0.1
     torch.testing.assert_close(q(x).double(), ref, rtol=tol, atol=tol)
     assert q(x).shape == (rows, 48)
+    torch.testing.assert_close(q(x.view(1, rows, 64)).view(rows, 48), q(x))  # 3-D inputs too
 
 
 def test_quantize_model_rejects_unknown_methods_and_skips_odd_shapes(caplog):
