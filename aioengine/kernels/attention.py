@@ -146,17 +146,20 @@ def _gather_kv(
     The results are views of the thread's workspace, valid until the next gather.
     """
     views = _views(kv_cache)
-    block_shape = views.key_blocks.shape[1:]
-    n = flat_ids.shape[0]
-    block_numel = views.key_blocks[0].numel()
-    buf = _workspace.get(2 * n * block_numel, kv_cache)
-    key = buf[: n * block_numel].view(n, *block_shape)
-    value = buf[n * block_numel :].view(n, *block_shape)
+    key, value = _gather_buffers(views, flat_ids.shape[0])
     # index_select on the flat id list is several times faster on CPU than advanced indexing.
     torch.index_select(views.key_blocks, 0, flat_ids, out=key)
     torch.index_select(views.value_blocks, 0, flat_ids, out=value)
-    shape = (*lead, -1, *block_shape[1:])
+    shape = (*lead, -1, *views.key_blocks.shape[2:])
     return key.view(shape), value.view(shape)
+
+
+def _gather_buffers(views: _CacheViews, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Workspace views ``[n, block_size, Hkv, D]`` for the keys and the values of ``n`` blocks."""
+    block_shape = views.key_blocks.shape[1:]
+    block_numel = block_shape.numel()
+    buf = _workspace.get(2 * n * block_numel, views.key_blocks)
+    return buf[: n * block_numel].view(n, *block_shape), buf[n * block_numel :].view(n, *block_shape)
 
 
 @dataclass(slots=True)
@@ -166,6 +169,8 @@ class _DecodeGroup:
     # Built by the first layer of a step, reused by the others:
     block_ids: torch.Tensor | None = None  # [B * blocks] the blocks to gather, request by request
     mask: torch.Tensor | None = None  # [B, 1, 1, S] padding mask
+    key: torch.Tensor | None = None  # [B * blocks, block_size, Hkv, D] gathered keys (a workspace view)
+    value: torch.Tensor | None = None
 
 
 # A decode group's padded gather stays under this many tokens (bounds the workspace).
@@ -210,7 +215,14 @@ def _decode_attention(
         group.block_ids = table.reshape(-1)
         positions = torch.arange(num_blocks * block_size, device=query.device)
         group.mask = (positions < seq_lens[:, None])[:, None, None, :]
-    key, value = _gather_kv(kv_cache, group.block_ids, (b,))  # [B, S, Hkv, D]
+    views = _views(kv_cache)
+    if group.key is None or group.key.dtype != kv_cache.dtype:
+        # Workspace views for every layer: each layer gathers into them before it reads them (a prefill
+        # gathering in between may move the workspace; these views then keep the old buffer alive).
+        group.key, group.value = _gather_buffers(views, group.block_ids.shape[0])
+    torch.index_select(views.key_blocks, 0, group.block_ids, out=group.key)
+    torch.index_select(views.value_blocks, 0, group.block_ids, out=group.value)
+    key, value = group.key.view(b, -1, num_kv_heads, d), group.value.view(b, -1, num_kv_heads, d)  # [B, S, Hkv, D]
     # One query token per request: fold the query heads of a KV group into SDPA's length axis,
     # so GQA costs no repeat of K/V and every row of a request shares one padding mask.
     q = query.reshape(b, num_kv_heads, hq // num_kv_heads, d)
