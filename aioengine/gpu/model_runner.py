@@ -81,8 +81,13 @@ class ModelRunner:
                           gpu_memory_utilization: float) -> int:
         """KV blocks that fit ``gpu_memory_utilization`` after a warm-up forward at the full budget."""
         lens = warmup_lengths(max_num_batched_tokens, self.max_model_len, max_num_seqs)
-        profile = profile_memory(self.model, self.hf_config, self.dtype, self.device, self.block_size, lens,
-                                 max_num_seqs)
+        try:
+            profile = profile_memory(self.model, self.hf_config, self.dtype, self.device, self.block_size, lens,
+                                     max_num_seqs)
+        except torch.OutOfMemoryError as e:
+            raise RuntimeError(f"the warm-up step ({max_num_batched_tokens} tokens, logits for {max_num_seqs} "
+                               "rows) does not fit in GPU memory next to the weights: lower "
+                               "--max-num-batched-tokens or --max-num-seqs") from e
         num_blocks = kv_cache_blocks(profile, gpu_memory_utilization, self.kv_cache_bytes_per_block())
         gib = 1 << 30
         logger.info("GPU memory: %.1f GiB total x %.2f, peak %.2f GiB (weights and a %d-token step), %.2f GiB "
