@@ -52,6 +52,17 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * scale)
 
 
+def parse_request_limit(text: str) -> tuple[str, int]:
+    """'max_n=16' -> ("max_n", 16): one field of aioengine.http.protocol.RequestLimits."""
+    from aioengine.http.protocol import RequestLimits
+
+    name, _, value = text.partition("=")
+    names = [f.name for f in dataclasses.fields(RequestLimits)]
+    if name not in names or not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"expected NAME=N with N >= 1 and NAME one of {', '.join(names)}")
+    return name, int(value)
+
+
 def _field_type(f: dataclasses.Field) -> Callable[[str], Any]:
     ann = str(f.type)
     if f.name.endswith("_bytes"):
@@ -107,6 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="answer 503 + Retry-After while this many requests wait in the engine")
     srv.add_argument("--max-request-bytes", type=parse_bytes, default=4 << 20,
                      help="largest request body or websocket message (413 beyond)")
+    srv.add_argument("--request-limit", type=parse_request_limit, action="append", default=[], metavar="NAME=N",
+                     help="override one per-request cap (docs/api.md), e.g. max_n=16; repeatable")
     srv.add_argument("--log-requests", action="store_true", help="log every request and the access log")
     srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
     srv.add_argument("--disable-log-stats", action="store_true", help="no periodic stats line")
@@ -170,11 +183,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"aioengine serve: {e}", file=sys.stderr)
         return 2
+    from aioengine.http.protocol import RequestLimits
     from aioengine.http.server import ServerConfig
 
     config = ServerConfig(api_key=args.api_key or os.environ.get("AIOENGINE_API_KEY") or None, max_num_queued_reqs=args.max_num_queued_reqs,
                           client_max_size=args.max_request_bytes, served_model_names=args.served_model_name or [],
-                          log_requests=args.log_requests)
+                          log_requests=args.log_requests,
+                          limits=dataclasses.replace(RequestLimits(), **dict(args.request_limit)))
     return run_in_loop(_serve_main(args, engine_args, config))
 
 

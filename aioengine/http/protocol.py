@@ -14,9 +14,26 @@ import orjson
 from aioengine.errors import InvalidRequestError
 from aioengine.sampling_params import MAX_LOGPROBS, SamplingParams
 
-MAX_N = 128  # OpenAI's cap on n
-MAX_STOP = 32  # every stop string is searched after every token, on the event loop
-MAX_PROMPTS = 256  # prompts x n in one /v1/completions batch
+
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    """What one request may ask for (400 beyond): each cap bounds work done on the event loop.
+
+    Set through `ServerConfig.limits` (or `aioengine serve --request-limit NAME=VALUE`); docs/api.md.
+    """
+
+    max_json_depth: int = 64  # nesting of a body or websocket message (objects and arrays)
+    max_n: int = 128  # OpenAI's cap on n
+    max_prompts: int = 256  # prompts x n in one /v1/completions request
+    max_messages: int = 4096  # chat messages (the template renders each)
+    max_stop: int = 32  # stop strings: each is searched after every token, on the event loop
+    max_stop_chars: int = 1024  # per stop string: the stream holds back up to this much text
+    max_token_ids: int = 16384  # stop_token_ids, allowed_token_ids
+    max_logit_bias: int = 1024  # logit_bias entries
+    max_bad_words: int = 128  # bad_words (each is tokenized and matched after every token)
+
+
+DEFAULT_LIMITS = RequestLimits()
 
 _ERROR_TYPES = {
     400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError", 404: "NotFoundError",
@@ -60,16 +77,37 @@ def not_supported(param: str, what: str | None = None) -> APIError:
     return bad(f"{what or param} is not supported yet by aioengine.", param)
 
 
-def parse_json_body(raw: bytes) -> dict:
+def parse_json_body(raw: bytes | str, max_depth: int = DEFAULT_LIMITS.max_json_depth, what: str = "request body"
+                    ) -> dict:
     if not raw.strip():
-        raise bad("The request body is empty; expected a JSON object.")
+        raise bad(f"The {what} is empty; expected a JSON object.")
     try:
         data = orjson.loads(raw)
     except orjson.JSONDecodeError as e:
-        raise bad(f"The request body is not valid JSON: {e}") from None
+        if "depth" in str(e):  # orjson's own cap (1024) is above ours
+            raise _too_deep(what, max_depth) from None
+        raise bad(f"The {what} is not valid JSON: {e}") from None
     if not isinstance(data, dict):
-        raise bad(f"The request body must be a JSON object, got {type(data).__name__}.")
+        raise bad(f"The {what} must be a JSON object, got {type(data).__name__}.")
+    if _deeper_than(data, max_depth):
+        raise _too_deep(what, max_depth)
     return data
+
+
+def _too_deep(what: str, max_depth: int) -> APIError:
+    return bad(f"The {what} nests objects and arrays deeper than {max_depth} levels.")
+
+
+def _deeper_than(obj: Any, limit: int) -> bool:
+    """Whether JSON containers nest more than `limit` levels (the top object is level 1); iterative."""
+    stack = [(obj, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((c, depth + 1) for c in children if type(c) is dict or type(c) is list)
+    return False
 
 
 # ---- typed field access ---------------------------------------------------------------------------------
@@ -201,7 +239,13 @@ def _structured_outputs(f: Fields) -> dict | None:
     return dict(so)
 
 
-def _sampling_params(f: Fields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def _at_most(values: Any, limit: int, param: str, what: str) -> None:
+    if values is not None and len(values) > limit:
+        raise bad(f"{param} may hold at most {limit} {what}, got {len(values)}.", param)
+
+
+def _sampling_params(f: Fields, max_tokens: int | None, logprobs: int | None, limits: RequestLimits
+                     ) -> SamplingParams:
     stop = f.data.get("stop")
     if stop is None:
         stop = []
@@ -209,22 +253,28 @@ def _sampling_params(f: Fields, max_tokens: int | None, logprobs: int | None) ->
         stop = [stop]
     elif not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
         raise bad("stop must be a string or an array of strings.", "stop")
-    if len(stop) > MAX_STOP:
-        raise bad(f"stop may hold at most {MAX_STOP} strings, got {len(stop)}.", "stop")
+    _at_most(stop, limits.max_stop, "stop", "strings")
+    if any(len(s) > limits.max_stop_chars for s in stop):
+        raise bad(f"Each stop string may be at most {limits.max_stop_chars} characters long.", "stop")
     stop_token_ids = f.get("stop_token_ids", list, [])
+    _at_most(stop_token_ids, limits.max_token_ids, "stop_token_ids", "token ids")
     if not all(type(t) is int for t in stop_token_ids):
         raise bad("stop_token_ids must be an array of integers.", "stop_token_ids")
     bias = f.get("logit_bias", dict)
+    _at_most(bias, limits.max_logit_bias, "logit_bias", "entries")
     bad_words = f.data.get("bad_words")
     if bad_words is not None and not (isinstance(bad_words, str) or (
             isinstance(bad_words, list) and all(isinstance(w, str) for w in bad_words))):
         raise bad("bad_words must be a string or an array of strings.", "bad_words")
+    if isinstance(bad_words, list):
+        _at_most(bad_words, limits.max_bad_words, "bad_words", "words")
     allowed = f.get("allowed_token_ids", list)
+    _at_most(allowed, limits.max_token_ids, "allowed_token_ids", "token ids")
     if allowed is not None and not all(type(t) is int for t in allowed):
         raise bad("allowed_token_ids must be an array of integers.", "allowed_token_ids")
     try:
         return SamplingParams(
-            n=f.int("n", 1, lo=1, hi=MAX_N), temperature=f.float("temperature", 1.0),
+            n=f.int("n", 1, lo=1, hi=limits.max_n), temperature=f.float("temperature", 1.0),
             top_p=f.float("top_p", 1.0), top_k=f.int("top_k", 0), min_p=f.float("min_p", 0.0),
             seed=f.int("seed"), max_tokens=max_tokens, min_tokens=f.int("min_tokens", 0), stop=stop,
             stop_token_ids=stop_token_ids, ignore_eos=f.bool("ignore_eos", False),
@@ -237,7 +287,8 @@ def _sampling_params(f: Fields, max_tokens: int | None, logprobs: int | None) ->
         raise from_invalid(e) from None
 
 
-def _common(f: Fields, max_tokens: int | None, logprobs: int | None, allow_priority: bool) -> dict:
+def _common(f: Fields, max_tokens: int | None, logprobs: int | None, allow_priority: bool,
+            limits: RequestLimits) -> dict:
     stream = f.bool("stream", False)
     so = f.get("stream_options", dict)
     include_usage = continuous = False
@@ -253,16 +304,17 @@ def _common(f: Fields, max_tokens: int | None, logprobs: int | None, allow_prior
     request_id = f.str("request_id")
     if request_id is not None and not request_id:
         raise bad("request_id cannot be empty.", "request_id")
-    return dict(model=f.str("model"), params=_sampling_params(f, max_tokens, logprobs), stream=stream,
+    return dict(model=f.str("model"), params=_sampling_params(f, max_tokens, logprobs, limits), stream=stream,
                 include_usage=include_usage, continuous_usage_stats=continuous, request_id=request_id,
                 priority=priority, user=f.str("user"))
 
 
-def parse_chat_request(data: dict, allow_priority: bool = False) -> ChatRequest:
+def parse_chat_request(data: dict, allow_priority: bool = False, limits: RequestLimits = DEFAULT_LIMITS
+                       ) -> ChatRequest:
     f = Fields(data, CHAT_FIELDS)
     if "messages" not in data:
         raise bad("messages is required.", "messages")
-    messages = parse_messages(data["messages"])
+    messages = parse_messages(data["messages"], limits.max_messages)
     max_tokens = f.int("max_completion_tokens")
     if max_tokens is None:
         max_tokens = f.int("max_tokens")
@@ -285,7 +337,7 @@ def parse_chat_request(data: dict, allow_priority: bool = False) -> ChatRequest:
         raise not_supported("metadata", "metadata (only used with store=true)")
     if f.str("service_tier") not in (None, "auto", "default"):
         raise not_supported("service_tier")
-    kwargs = dict(f.get("chat_template_kwargs", dict, {}))
+    kwargs = template_kwargs(f)
     for name in ("add_generation_prompt", "continue_final_message"):
         value = f.bool(name)
         if value is not None:
@@ -298,15 +350,32 @@ def parse_chat_request(data: dict, allow_priority: bool = False) -> ChatRequest:
     if kwargs.get("continue_final_message") and messages[-1]["role"] != "assistant":
         raise bad("continue_final_message needs the last message to be from the assistant.", "messages")
     logprobs = (top_logprobs or 0) if want_logprobs else None
-    return ChatRequest(**_common(f, max_tokens, logprobs, allow_priority), messages=messages,
+    return ChatRequest(**_common(f, max_tokens, logprobs, allow_priority, limits), messages=messages,
                        chat_template_kwargs=kwargs)
 
 
-def parse_messages(raw: Any) -> list[dict]:
+# Arguments of the tokenizer's apply_chat_template that the server sets itself, or that would let a client
+# run a template of its own (Jinja, on the event loop).
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "messages", "conversation", "tokenize", "return_dict", "return_tensors", "tokenizer_kwargs", "chat_template",
+    "padding", "truncation", "max_length", "return_assistant_tokens_mask", "tokenizer",
+})
+
+
+def template_kwargs(f: Fields) -> dict:
+    kwargs = dict(f.get("chat_template_kwargs", dict, {}))
+    for key in kwargs:
+        if key in _RESERVED_TEMPLATE_KWARGS:
+            raise bad(f"chat_template_kwargs may not set {key!r}.", f"chat_template_kwargs.{key}")
+    return kwargs
+
+
+def parse_messages(raw: Any, max_messages: int = DEFAULT_LIMITS.max_messages) -> list[dict]:
     if not isinstance(raw, list):
         raise bad(f"messages must be an array, got {_json_type(raw)}.", "messages")
     if not raw:
         raise bad("messages must not be empty.", "messages")
+    _at_most(raw, max_messages, "messages", "messages")
     out = []
     for i, m in enumerate(raw):
         p = f"messages[{i}]"
@@ -357,7 +426,8 @@ def _content_text(content: Any, p: str) -> str | None:
     return "\n".join(texts)
 
 
-def parse_completion_request(data: dict, allow_priority: bool = False) -> CompletionRequest:
+def parse_completion_request(data: dict, allow_priority: bool = False, limits: RequestLimits = DEFAULT_LIMITS
+                             ) -> CompletionRequest:
     f = Fields(data, COMPLETION_FIELDS)
     prompts = parse_prompt(data.get("prompt"))
     logprobs = f.int("logprobs", lo=0, hi=MAX_LOGPROBS)
@@ -365,12 +435,12 @@ def parse_completion_request(data: dict, allow_priority: bool = False) -> Comple
         raise not_supported("echo", "echo with logprobs (prompt logprobs)")
     if f.str("suffix"):
         raise not_supported("suffix")
-    base = _common(f, f.int("max_tokens", 16), logprobs, allow_priority)
+    base = _common(f, f.int("max_tokens", 16), logprobs, allow_priority, limits)
     best_of = f.int("best_of", lo=1)
     if best_of is not None and best_of != base["params"].n:
         raise not_supported("best_of", "best_of other than n")
-    if len(prompts) * base["params"].n > MAX_PROMPTS:
-        raise bad(f"A request may ask for at most {MAX_PROMPTS} completions (prompts x n).", "prompt")
+    if len(prompts) * base["params"].n > limits.max_prompts:
+        raise bad(f"A request may ask for at most {limits.max_prompts} completions (prompts x n).", "prompt")
     return CompletionRequest(**base, prompts=prompts, echo=f.bool("echo", False))
 
 
@@ -411,7 +481,7 @@ class TokenizeRequest:
     chat_template_kwargs: dict = field(default_factory=dict)
 
 
-def parse_tokenize_request(data: dict) -> TokenizeRequest:
+def parse_tokenize_request(data: dict, limits: RequestLimits = DEFAULT_LIMITS) -> TokenizeRequest:
     f = Fields(data, frozenset({"model", "prompt", "messages", "add_special_tokens", "return_token_strs",
                                 "add_generation_prompt", "continue_final_message", "chat_template_kwargs"}))
     has_prompt, has_messages = "prompt" in data, "messages" in data
@@ -424,9 +494,9 @@ def parse_tokenize_request(data: dict) -> TokenizeRequest:
             raise bad("prompt must be a string.", "prompt")
         req.add_special_tokens = f.bool("add_special_tokens", True)
     else:
-        req.messages = parse_messages(data["messages"])
+        req.messages = parse_messages(data["messages"], limits.max_messages)
         req.add_special_tokens = f.bool("add_special_tokens", False)
-        kwargs = dict(f.get("chat_template_kwargs", dict, {}))
+        kwargs = template_kwargs(f)
         kwargs["add_generation_prompt"] = f.bool("add_generation_prompt", True)
         if f.bool("continue_final_message", False):
             kwargs.update(continue_final_message=True, add_generation_prompt=False)

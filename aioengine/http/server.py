@@ -17,6 +17,7 @@ from typing import Any
 
 import orjson
 from aiohttp import web
+from aiohttp.abc import AbstractAccessLogger
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import aioengine
@@ -26,7 +27,9 @@ from aioengine.http.metrics import EngineMetrics
 from aioengine.http.openapi import openapi_spec
 from aioengine.http.protocol import (
     APIError,
+    ChatRequest,
     GenerationRequest,
+    RequestLimits,
     bad,
     from_invalid,
     parse_chat_request,
@@ -41,6 +44,8 @@ logger = logging.getLogger("aioengine.http")
 
 STATIC_DIR = Path(__file__).with_name("static")
 DEFAULT_MAX_BODY = 4 << 20
+DEFAULT_BACKLOG = 2048  # a burst of connections beyond the listen backlog waits >= 1 s for a SYN retry
+LOG_PROMPT_CHARS = 256  # --log-requests: how much of a prompt is logged
 
 
 @dataclass(slots=True)
@@ -52,6 +57,7 @@ class ServerConfig:
     log_requests: bool = False
     loop_lag_interval: float = 0.05
     retry_after_s: int = 1
+    limits: RequestLimits = field(default_factory=RequestLimits)  # caps on one request's fields (400 beyond)
 
 
 @dataclass(slots=True, eq=False)
@@ -98,14 +104,26 @@ def build_app(engine: Any, config: ServerConfig | None = None, **kwargs: Any) ->
 
 
 async def start_server(app: web.Application, host: str = "127.0.0.1", port: int = 8000,
-                       shutdown_timeout: float = 5.0, access_log: logging.Logger | None = None
-                       ) -> web.AppRunner:
+                       shutdown_timeout: float = 5.0, access_log: logging.Logger | None = None,
+                       backlog: int = DEFAULT_BACKLOG) -> web.AppRunner:
     """Serve `app` on host:port in the running loop (port 0 picks a free one: see `bound_port`)."""
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=shutdown_timeout,
-                           access_log=access_log)
+                           access_log=access_log, access_log_class=AccessLogger)
     await runner.setup()
-    await web.TCPSite(runner, host, port).start()
+    await web.TCPSite(runner, host, port, backlog=backlog).start()
     return runner
+
+
+class AccessLogger(AbstractAccessLogger):
+    """One line per request, with a websocket's `?api_key=` redacted: the key never reaches the logs."""
+
+    def log(self, request: web.BaseRequest, response: web.StreamResponse, time: float) -> None:
+        url = request.rel_url
+        if "api_key" in url.query:
+            url = url.update_query(api_key="REDACTED")
+        self.logger.info('%s "%s %s HTTP/%d.%d" %d %d %.3fs', request.remote, request.method, url,
+                         request.version.major, request.version.minor, response.status, response.body_length,
+                         time)
 
 
 def bound_port(runner: web.AppRunner) -> int:
@@ -229,24 +247,27 @@ def _request_id(request: web.Request, req: GenerationRequest, prefix: str) -> st
 
 
 async def _read_json(request: web.Request) -> dict:
-    return parse_json_body(await request.read())
+    return parse_json_body(await request.read(), request.app[CONFIG].limits.max_json_depth)
 
 
-def _log_start(app: web.Application, rid: str, req: GenerationRequest, what: str) -> None:
+def log_start(app: web.Application, rid: str, req: GenerationRequest, what: str) -> None:
+    """With --log-requests only: prompts and parameters never reach the logs otherwise."""
     if app[CONFIG].log_requests:
-        logger.info("Received request %s (%s): params=%s stream=%s user=%s", rid, what, req.params, req.stream,
-                    req.user)
+        prompt = req.messages if isinstance(req, ChatRequest) else req.prompts
+        logger.info("Received request %s (%s): prompt=%.*s params=%s stream=%s user=%s", rid, what,
+                    LOG_PROMPT_CHARS, repr(prompt), req.params, req.stream, req.user)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     app = request.app
     admit(app)
     engine = app[ENGINE]
-    req = parse_chat_request(await _read_json(request), allow_priority(engine))
+    req = parse_chat_request(await _read_json(request), allow_priority(engine), app[CONFIG].limits)
     model = _check_model(app, req.model)
     rid = _request_id(request, req, "chatcmpl")
+    admit(app)  # again: other requests may have queued while this body was read
     handles = serving.start_chat(engine, req, rid)
-    _log_start(app, rid, req, f"chat, {len(req.messages)} messages")
+    log_start(app, rid, req, f"chat, {len(req.messages)} messages")
     if req.stream:
         return await serving.stream_chat(request, engine, req, handles, rid, model)
     outs = [await h for h in handles]
@@ -257,11 +278,12 @@ async def completions(request: web.Request) -> web.StreamResponse:
     app = request.app
     admit(app)
     engine = app[ENGINE]
-    req = parse_completion_request(await _read_json(request), allow_priority(engine))
+    req = parse_completion_request(await _read_json(request), allow_priority(engine), app[CONFIG].limits)
     model = _check_model(app, req.model)
     rid = _request_id(request, req, "cmpl")
+    admit(app)  # again: other requests may have queued while this body was read
     handles = await serving.start_completions(engine, req, rid)
-    _log_start(app, rid, req, f"completion, {len(req.prompts)} prompts")
+    log_start(app, rid, req, f"completion, {len(req.prompts)} prompts")
     if req.stream:
         return await serving.stream_completions(request, engine, req, handles, rid, model)
     outs = list(await asyncio.gather(*handles))
@@ -288,7 +310,7 @@ async def get_model(request: web.Request) -> web.Response:
 
 async def tokenize(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
-    req = parse_tokenize_request(await _read_json(request))
+    req = parse_tokenize_request(await _read_json(request), request.app[CONFIG].limits)
     _check_model(request.app, req.model)
     tok = engine.tokenizer
     if req.prompt is not None:

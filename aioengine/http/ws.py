@@ -2,7 +2,8 @@
 
 Protocol (docs/websocket.md): the client sends {"type": "chat" | "completion", "id", "body"},
 {"type": "cancel", "id"} or {"type": "ping"}; the server answers with "start", "delta" ... "done" (with
-usage) per generation, "error", and "pong". A closed socket aborts everything it started.
+usage) per generation, "error", and "pong". A closed socket aborts everything it started. A binary frame
+closes the socket with 1003, a message over --max-request-bytes with 1009.
 """
 
 from __future__ import annotations
@@ -12,13 +13,19 @@ from contextlib import aclosing, suppress
 from typing import Any
 
 import orjson
-from aiohttp import WSMsgType, web
+from aiohttp import WSCloseCode, WSMsgType, web
 
 from aioengine.errors import AioEngineError
 from aioengine.http import serving
 from aioengine.http.logprobs import chat_logprobs
-from aioengine.http.protocol import APIError, bad, parse_chat_request, parse_completion_request
-from aioengine.http.server import CONFIG, ENGINE, STATE, _check_model, admit, allow_priority
+from aioengine.http.protocol import (
+    APIError,
+    bad,
+    parse_chat_request,
+    parse_completion_request,
+    parse_json_body,
+)
+from aioengine.http.server import CONFIG, ENGINE, STATE, _check_model, admit, allow_priority, log_start
 
 MAX_ACTIVE_PER_SOCKET = 64
 _KINDS = ("chat", "completion")
@@ -35,8 +42,9 @@ async def websocket_handler(request: web.Request) -> web.WebSocketResponse:
             if msg.type == WSMsgType.TEXT:
                 await session.on_message(msg.data)
             elif msg.type == WSMsgType.BINARY:
-                await session.on_message(msg.data.decode("utf-8", "replace"))
-            elif msg.type == WSMsgType.ERROR:
+                await ws.close(code=WSCloseCode.UNSUPPORTED_DATA, message=b"send JSON text frames, not binary")
+                break
+            elif msg.type == WSMsgType.ERROR:  # aiohttp has closed it: 1009 (too big) or 1002/1007 (bad frame)
                 break
     finally:
         app[STATE].websockets.discard(ws)
@@ -67,12 +75,7 @@ class _Session:
     async def on_message(self, text: str) -> None:
         gen_id = None
         try:
-            try:
-                msg = orjson.loads(text)
-            except orjson.JSONDecodeError as e:
-                raise bad(f"The message is not valid JSON: {e}") from None
-            if not isinstance(msg, dict):
-                raise bad("A message must be a JSON object.")
+            msg = parse_json_body(text, self.app[CONFIG].limits.max_json_depth, "message")
             gen_id = msg.get("id")
             if isinstance(gen_id, bool) or (gen_id is not None and not isinstance(gen_id, str | int)):
                 gen_id = None
@@ -109,14 +112,16 @@ class _Session:
         if not isinstance(body, dict):
             raise bad("body must be a JSON object: the same body as the HTTP route takes.", "body")
         body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}  # always streamed
-        policy = allow_priority(self.engine)
-        req = parse_chat_request(body, policy) if kind == "chat" else parse_completion_request(body, policy)
+        policy, limits = allow_priority(self.engine), self.app[CONFIG].limits
+        req = (parse_chat_request(body, policy, limits) if kind == "chat"
+               else parse_completion_request(body, policy, limits))
         model = _check_model(self.app, req.model)
         rid = serving.new_request_id(req.request_id, "chatcmpl" if kind == "chat" else "cmpl")
         if kind == "chat":
             handles = serving.start_chat(self.engine, req, rid)
         else:
             handles = await serving.start_completions(self.engine, req, rid)
+        log_start(self.app, rid, req, f"websocket {kind}")
         task = asyncio.create_task(self.run(gen_id, kind, req, handles, rid, model))
         self.active[gen_id] = (task, handles)
         return gen_id

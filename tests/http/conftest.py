@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import http.client as httplib
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -22,7 +23,9 @@ from aioengine.http.server import bound_port, build_app, start_server
 
 API_KEY = "test-key-123"
 QUEUE_LIMIT = 2
+OVERLOAD_QUEUE_LIMIT = 128
 MAX_NUM_SEQS = 16
+ACCESS_LOGGED = ("keyed", "logged")  # apps started with an access log, as `serve --log-requests` does
 
 
 class LiveServer:
@@ -51,9 +54,11 @@ class LiveServer:
         await self.engine.start()
         apps = {"main": build_app(self.engine), "keyed": build_app(self.engine, api_key=API_KEY),
                 "limited": build_app(self.engine, max_num_queued_reqs=QUEUE_LIMIT),
-                "logged": build_app(self.engine, log_requests=True, served_model_names=["alias", "default"])}
+                "logged": build_app(self.engine, log_requests=True, served_model_names=["alias", "default"]),
+                "overload": build_app(self.engine, max_num_queued_reqs=OVERLOAD_QUEUE_LIMIT)}
         for name, app in apps.items():
-            runner = await start_server(app, "127.0.0.1", 0, shutdown_timeout=1.0)
+            access_log = logging.getLogger("aiohttp.access") if name in ACCESS_LOGGED else None
+            runner = await start_server(app, "127.0.0.1", 0, shutdown_timeout=1.0, access_log=access_log)
             self.runners[name] = runner
             self.ports[name] = bound_port(runner)
 

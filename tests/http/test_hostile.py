@@ -1,0 +1,220 @@
+"""Hostile input: oversized or absurd fields get a quick 400 within RequestLimits, websockets close cleanly
+on binary or oversized frames, and neither the API key nor prompts reach the logs (without --log-requests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+
+import aiohttp
+import orjson
+import pytest
+
+import aioengine.http.server as server_module
+from aioengine.http.protocol import APIError, RequestLimits, parse_chat_request, parse_completion_request
+from tests.http.conftest import API_KEY, Http
+
+CHAT, COMP = "/v1/chat/completions", "/v1/completions"
+MSG = [{"role": "user", "content": "Hi"}]
+LIMITS = RequestLimits()
+
+
+def chat(**kw) -> dict:
+    return {"messages": MSG, "max_tokens": 2, **kw}
+
+
+def comp(**kw) -> dict:
+    return {"prompt": "Hi", "max_tokens": 2, **kw}
+
+
+def raw(obj: dict) -> bytes:
+    return json.dumps(obj).encode()  # the stdlib writes integers beyond 64 bits, as a hostile client may
+
+
+def nested(depth: int) -> bytes:
+    return b'{"messages": ' + b"[" * (depth - 1) + b"]" * (depth - 1) + b"}"
+
+
+def deep_schema(levels: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+# (id, path, body, param, a word of the message)
+CASES = [
+    ("nested-100k", CHAT, nested(100_000), None, "deeper than 64"),
+    ("nested-65", CHAT, nested(65), None, "deeper than 64"),
+    ("nested-schema", CHAT, orjson.dumps(chat(response_format={"type": "json_schema", "json_schema": {
+        "schema": deep_schema(40)}})), None, "deeper than 64"),
+    ("utf8-in-string", CHAT, b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}', None, "UTF-8"),
+    ("lone-surrogate", CHAT, b'{"messages": [{"role": "user", "content": "\\ud800"}]}', None, "JSON"),
+    ("n-beyond-64-bits", CHAT, raw(chat(n=10**30)), "n", "integer"),
+    ("n-huge", COMP, raw(comp(n=2**62)), "n", "128"),
+    ("max-tokens-beyond-64-bits", CHAT, raw(chat(max_tokens=10**30)), "max_tokens", "integer"),
+    ("max-tokens-huge", COMP, raw(comp(max_tokens=2**63 - 1)), "max_tokens", "context length"),
+    ("max-completion-tokens-huge", CHAT, raw(chat(max_completion_tokens=2**62)), "max_tokens", "context length"),
+    ("logprobs-huge", COMP, raw(comp(logprobs=10**20)), "logprobs", "integer"),
+    ("top-logprobs-huge", CHAT, raw(chat(logprobs=True, top_logprobs=2**40)), "top_logprobs", "20"),
+    ("stop-100k", CHAT, orjson.dumps(chat(stop=["x"] * 100_000)), "stop", "32"),
+    ("stop-one-giant-string", CHAT, orjson.dumps(chat(stop=["x" * 100_000])), "stop", "1024"),
+    ("stop-token-ids-200k", CHAT, orjson.dumps(chat(stop_token_ids=[1] * 200_000)), "stop_token_ids", "16384"),
+    ("allowed-token-ids-200k", COMP, orjson.dumps(comp(allowed_token_ids=[1] * 200_000)), "allowed_token_ids",
+     "16384"),
+    ("logit-bias-40k", CHAT, orjson.dumps(chat(logit_bias={str(i): 1 for i in range(40_000)})), "logit_bias",
+     "1024"),
+    ("bad-words-10k", COMP, orjson.dumps(comp(bad_words=[f"w{i}" for i in range(10_000)])), "bad_words", "128"),
+    ("messages-100k", CHAT, orjson.dumps(chat(messages=MSG * 100_000)), "messages", "4096"),
+    ("prompts-1000", COMP, orjson.dumps(comp(prompt=["Hi"] * 1000)), "prompt", "256"),
+    ("template-kwargs-messages", CHAT, orjson.dumps(chat(chat_template_kwargs={"messages": 5})),
+     "chat_template_kwargs.messages", "may not set"),
+    ("template-kwargs-template", CHAT, orjson.dumps(chat(chat_template_kwargs={
+        "chat_template": "{% for i in range(10**9) %}x{% endfor %}"})), "chat_template_kwargs.chat_template",
+     "may not set"),
+    ("tokenize-template-kwargs", "/tokenize", orjson.dumps({"messages": MSG, "chat_template_kwargs": {
+        "tokenize": False}}), "chat_template_kwargs.tokenize", "may not set"),
+]
+
+
+@pytest.mark.parametrize(("name", "path", "body", "param", "word"), CASES, ids=[c[0] for c in CASES])
+def test_hostile_field_is_a_quick_400(http, name, path, body, param, word):
+    t0 = time.perf_counter()
+    r = http.request("POST", path, body=body)
+    elapsed = time.perf_counter() - t0
+    assert r.status == 400, r.body[:300]
+    err = r.json()["error"]
+    assert err["type"] == "BadRequestError" and err["param"] == param and err["code"] in (400, "context_length_exceeded")
+    assert word in err["message"], err["message"]
+    assert elapsed < 2.0, f"{name}: {elapsed:.2f} s"
+
+
+def test_limits_are_configurable():
+    limits = RequestLimits(max_n=2, max_stop=1, max_logit_bias=1, max_messages=1, max_token_ids=2)
+    for body, param in [(chat(n=3, temperature=1), "n"), (chat(stop=["a", "b"]), "stop"),
+                        (chat(logit_bias={"1": 1, "2": 1}), "logit_bias"), (chat(messages=MSG * 2), "messages"),
+                        (chat(stop_token_ids=[1, 2, 3]), "stop_token_ids")]:
+        parse_chat_request(dict(body), limits=LIMITS)  # the defaults allow it
+        with pytest.raises(APIError) as e:
+            parse_chat_request(dict(body), limits=limits)
+        assert e.value.status == 400 and e.value.param == param
+    with pytest.raises(APIError):
+        parse_completion_request(comp(prompt=["a", "b"], n=2, temperature=1), limits=RequestLimits(max_prompts=3))
+
+
+def test_a_normal_request_works_after_the_hostile_ones(http, server):
+    r = http.post(CHAT, json=chat(temperature=0, max_tokens=4))
+    assert r.status == 200 and r.json()["usage"]["completion_tokens"] >= 1
+    assert server.wait_idle()["unfinished"] == 0
+
+
+# ---- websocket: oversized and binary frames close the socket; nothing is left running ----------------------
+LONG = {"type": "completion", "id": "long", "body": {"prompt": "Once upon a time", "max_tokens": 1000,
+                                                     "ignore_eos": True}}
+
+
+async def _ws_close_code(server, frame: str | bytes) -> tuple[int | None, int, float]:
+    """Start a long generation, let it stream, send a hostile frame: (close code, requests before, seconds)."""
+    async with aiohttp.ClientSession() as s, s.ws_connect(server.url() + "/v1/ws", max_msg_size=0) as ws:
+        await ws.send_json(LONG)
+        while (await asyncio.wait_for(ws.receive_json(), 30))["type"] != "delta":
+            pass
+        busy = server.engine_state()["unfinished"]
+        t0 = time.perf_counter()
+        # The server closes while a big frame is still being written: send in the background, read here.
+        sender = asyncio.create_task(ws.send_str(frame) if isinstance(frame, str) else ws.send_bytes(frame))
+        try:
+            while (msg := await asyncio.wait_for(ws.receive(), 30)).type != aiohttp.WSMsgType.CLOSE:
+                assert msg.type in (aiohttp.WSMsgType.TEXT, aiohttp.WSMsgType.BINARY), msg
+        finally:
+            sender.cancel()
+            await asyncio.gather(sender, return_exceptions=True)
+        while server.engine_state()["unfinished"] and time.perf_counter() - t0 < 30:
+            await asyncio.sleep(0.01)
+        return msg.data, busy, time.perf_counter() - t0
+
+
+@pytest.mark.parametrize(("frame", "code"), [('{"type": "ping", "pad": "' + "x" * (4 << 20) + '"}', 1009),
+                                             (b'{"type": "ping"}', 1003)], ids=["oversized", "binary"])
+def test_websocket_hostile_frame_closes_and_aborts(server, frame, code):
+    close_code, busy, elapsed = asyncio.run(_ws_close_code(server, frame))
+    assert busy == 1 and close_code == code
+    assert elapsed < 2.0  # its generation was aborted at once
+    assert server.wait_idle(2.0) == {"running": 0, "waiting": 0, "kv_usage": 0.0, "unfinished": 0}
+
+
+def test_websocket_deep_or_malformed_message_is_an_error_not_a_close(server):
+    async def main():
+        async with aiohttp.ClientSession() as s, s.ws_connect(server.url() + "/v1/ws") as ws:
+            replies = []
+            for text in ('{"type": "ping", "x": ' + "[" * 500 + "]" * 500 + "}", '{"type": "ping",', "\u0000"):
+                await ws.send_str(text)
+                replies.append(await asyncio.wait_for(ws.receive_json(), 10))
+            await ws.send_json({"type": "ping", "id": 1})
+            return replies, await ws.receive_json()
+
+    replies, pong = asyncio.run(main())
+    assert [r["error"]["status"] for r in replies] == [400, 400, 400]
+    assert "deeper than 64" in replies[0]["error"]["message"]
+    assert pong == {"type": "pong", "id": "1"}
+
+
+# ---- logs: no API key, no prompt unless --log-requests -------------------------------------------------------
+def _logged_text(caplog) -> str:
+    return "\n".join(r.getMessage() for r in caplog.records)
+
+
+async def _ws_ping(url: str, **kw) -> int | None:
+    async with aiohttp.ClientSession() as s:
+        try:
+            async with s.ws_connect(url + "/v1/ws", **kw) as ws:
+                await ws.send_json({"type": "ping"})
+                await ws.receive_json()
+                return 101
+        except aiohttp.WSServerHandshakeError as e:
+            return e.status
+
+
+def test_api_key_is_compared_in_constant_time_and_never_logged(server, caplog, monkeypatch):
+    calls, real = [], hmac.compare_digest
+
+    def spy(a, b):
+        calls.append(b)
+        return real(a, b)
+
+    monkeypatch.setattr(server_module.hmac, "compare_digest", spy)
+    caplog.set_level(logging.DEBUG)
+    keyed = Http(server.url("keyed"))
+    wrong = "sk-wrong-key-5f1c9a"
+    statuses = []
+    for key in (API_KEY, wrong):
+        for method, path, body in (("GET", "/v1/models", None), ("POST", COMP, orjson.dumps(comp()))):
+            statuses.append(keyed.request(method, path, body=body, headers={"Authorization": f"Bearer {key}"}).status)
+        statuses.append(asyncio.run(_ws_ping(server.url("keyed"), params={"api_key": key})))
+        statuses.append(asyncio.run(_ws_ping(server.url("keyed"), headers={"Authorization": f"Bearer {key}"})))
+    assert statuses == [200, 200, 101, 101, 401, 401, 401, 401]
+    assert calls and set(calls) == {API_KEY.encode()}
+    text = _logged_text(caplog)
+    assert '"GET /v1/ws?api_key=REDACTED' in text  # the access log saw the websocket, without its key
+    assert API_KEY not in text and wrong not in text
+
+
+@pytest.mark.parametrize(("app", "logged"), [("main", False), ("logged", True)])
+def test_prompts_and_outputs_are_logged_only_with_log_requests(server, caplog, app, logged):
+    caplog.set_level(logging.DEBUG)
+    h = Http(server.url(app))
+    marker = f"zebra-quartz-{app}-7781"
+    r1 = h.post(CHAT, json={"messages": [{"role": "user", "content": f"Say {marker}."}], "max_tokens": 6,
+                            "temperature": 0, "user": f"user-{marker}"})
+    r2 = h.post(COMP, json={"prompt": f"{marker} is", "max_tokens": 6, "temperature": 0, "stream": True})
+    assert r1.status == 200 and r2.status == 200
+    output = r1.json()["choices"][0]["message"]["content"]
+    server.wait_idle()
+    text = _logged_text(caplog)
+    assert (marker in text) == logged
+    if len(output) >= 8:
+        assert output not in text
