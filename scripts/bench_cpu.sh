@@ -12,4 +12,6 @@ python -m aioengine.bench throughput --num-prompts 64 --output-len 128 --no-prog
     --output-json "$out/throughput.json" | tee "$out/throughput.txt"
 python -m aioengine.bench latency --batch-size 1 --output-len 128 --num-iters 3 \
     --output-json "$out/latency.json" | tee "$out/latency.txt"
+python -m aioengine.bench latency --batch-size 1 --output-len 128 --num-iters 3 --quantization int4 \
+    --output-json "$out/latency_int4.json" | tee "$out/latency_int4.txt"
 python ../shared/bench/hf_peer.py "$model_dir" cb 64 128 | tee "$out/hf_cb.txt"
