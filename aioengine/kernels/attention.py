@@ -16,6 +16,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from aioengine.kernels import cpu_kernels
+
+# The C decode kernel when it builds here (tests turn it off to exercise the torch path).
+use_cpu_kernel = True
+
 # enable_gqa appeared in torch 2.5; older torch gets explicit repeats on the prefill path.
 _HAS_ENABLE_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
 
@@ -237,6 +242,9 @@ def _decodes(
 ) -> torch.Tensor:
     """Attention for the first ``num_decodes`` requests, whose query rows are ``query[:num_decodes]``."""
     nd = meta.num_decodes
+    if use_cpu_kernel and cpu_kernels.supports(query, kv_cache) and cpu_kernels.load() is not None:
+        # Straight from the blocks: no gather, no padding (cpu_decode_attention.c).
+        return cpu_kernels.decode_attention(query[:nd], kv_cache, meta.block_table, meta.seq_lens, scale)
     if meta.decode_groups is None:  # planned by the first layer, reused by the rest
         meta.decode_groups = _plan_decode_groups(meta.seq_lens_cpu[:nd], query.device)
     if query.shape[0] != nd:

@@ -14,6 +14,15 @@ from aioengine.kernels.attention import (
 HEAD_SIZE = 8
 NUM_KV_HEADS = 2
 
+
+@pytest.fixture(autouse=True, params=["c-kernel", "torch"])
+def decode_path(request, monkeypatch):
+    """Every test runs the decodes through the C kernel and through the torch path."""
+    import aioengine.kernels.attention as attention
+
+    monkeypatch.setattr(attention, "use_cpu_kernel", request.param == "c-kernel")
+    return request.param
+
 # (query_len, seq_len) per request, decodes first: decodes, chunks from 0 and mid-sequence chunks.
 BATCHES = [
     [(1, 1), (1, 7), (1, 17), (5, 5), (4, 13), (9, 9), (3, 20)],
@@ -117,6 +126,8 @@ def test_low_precision_runs_close_to_fp32():
 def test_decodes_split_into_length_groups(monkeypatch):
     import aioengine.kernels.attention as attention
 
+    monkeypatch.setattr(attention, "use_cpu_kernel", False)  # groups are the torch path's plan
+
     monkeypatch.setattr(attention, "_MIN_SPLIT_TOKENS", 8)
     monkeypatch.setattr(attention, "_MAX_GROUP_TOKENS", 60)
     batch = [(1, s) for s in (3, 40, 7, 22, 1, 9, 33, 5, 14)] + [(3, 11)]
@@ -136,3 +147,28 @@ def test_workspace_made_under_inference_mode_works_outside_it(monkeypatch):
         expected = paged_attention(query, kv_cache, meta, 0.3)
     with torch.no_grad():
         torch.testing.assert_close(paged_attention(query, kv_cache, meta, 0.3), expected)
+
+
+def test_the_c_decode_kernel_builds_here():
+    from aioengine.kernels import cpu_kernels
+
+    assert cpu_kernels.load() is not None, "gcc should build cpu_decode_attention.c on this machine"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("block_size", "group", "head_dim"), [(16, 3, 64), (4, 1, 8), (32, 4, 128), (8, 8, 32)])
+def test_c_decode_kernel_matches_reference(dtype, block_size, group, head_dim):
+    from aioengine.kernels import cpu_kernels
+
+    gen = torch.Generator().manual_seed(block_size * group)
+    seq_lens = [1, block_size, block_size + 1, 3 * block_size - 1, 77]
+    max_blocks = -(-max(seq_lens) // block_size) + 1
+    num_blocks = len(seq_lens) * max_blocks + 1
+    kv_cache = torch.randn(2, num_blocks, block_size, 2, head_dim, generator=gen).to(dtype)
+    block_table = torch.randperm(num_blocks, generator=gen)[: len(seq_lens) * max_blocks]
+    meta = AttentionMetadata.build([1] * len(seq_lens), seq_lens, block_table.view(len(seq_lens), -1), block_size)
+    query = torch.randn(len(seq_lens), 2 * group, head_dim, generator=gen).to(dtype)
+    out = cpu_kernels.decode_attention(query, kv_cache, meta.block_table, meta.seq_lens, head_dim**-0.5)
+    ref = paged_attention_reference(query, kv_cache, meta, head_dim**-0.5)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)

@@ -1,0 +1,123 @@
+"""The CPU decode-attention kernel (cpu_decode_attention.c): built once per machine with the C compiler,
+loaded with ctypes, and called on the worker thread (ctypes releases the GIL for the call).
+
+Built with -march=native into ``$AIOENGINE_CACHE_DIR/kernels`` (default ``~/.cache/aioengine``) under
+a name that hashes the source, the compiler and the CPU flags. It links libgomp, which resolves to the
+copy torch has already loaded, so the kernel and torch's ops share one OpenMP thread pool. Without a
+compiler (or with ``AIOENGINE_CPU_KERNELS=0``) the torch path runs instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("cpu_decode_attention.c")
+_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_failed = False
+_FUNCS = {torch.float32: "decode_attention_f32", torch.bfloat16: "decode_attention_bf16"}
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("AIOENGINE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "aioengine")
+    return Path(root) / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def _build(compiler: str) -> Path:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256("\0".join([_SOURCE.read_text(), version, _cpu_flags(), *_FLAGS]).encode()).hexdigest()
+    target = _cache_dir() / f"cpu_decode_attention-{key[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
+                       check=True, timeout=120)
+        os.replace(tmp, target)  # atomic: a concurrent builder finds a whole file or none
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def load() -> ctypes.CDLL | None:
+    """The kernel library, building it on first use; None when it cannot be built here."""
+    global _lib, _failed
+    if _lib is not None or _failed:
+        return _lib
+    with _lock:
+        if _lib is not None or _failed:
+            return _lib
+        if os.environ.get("AIOENGINE_CPU_KERNELS", "1") == "0":
+            _failed = True
+            return None
+        compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+        try:
+            if compiler is None:
+                raise FileNotFoundError("no C compiler (gcc or cc) on PATH")
+            lib = ctypes.CDLL(str(_build(compiler)))
+        except (OSError, subprocess.SubprocessError) as e:
+            detail = getattr(e, "stderr", "") or ""
+            logger.warning("CPU decode-attention kernel unavailable (%s %s); using the torch path", e, detail[-500:])
+            _failed = True
+            return None
+        for name in _FUNCS.values():
+            fn = getattr(lib, name)
+            fn.restype = ctypes.c_int
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                           ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                           ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int]
+        _lib = lib
+        return lib
+
+
+def supports(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether the kernel takes these shapes and dtypes (else the caller runs the torch path)."""
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    return (query.dtype in _FUNCS and kv_cache.dtype == query.dtype and query.device.type == "cpu"
+            and head_dim <= 256 and num_heads // num_kv_heads <= 16 and block_size <= 64
+            and query.stride(2) == 1 and query.stride(1) == head_dim and kv_cache.is_contiguous())
+
+
+def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                     seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """query ``[B, Hq, D]`` (one token per request) -> ``[B, Hq, D]`` over each request's blocks."""
+    lib = load()
+    assert lib is not None and supports(query, kv_cache)
+    num_reqs, num_heads, head_dim = query.shape
+    _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
+    block_table = block_table if block_table.dtype == torch.int32 else block_table.to(torch.int32)
+    seq_lens = seq_lens if seq_lens.dtype == torch.int32 else seq_lens.to(torch.int32)
+    assert block_table.stride(1) == 1 and seq_lens.is_contiguous()
+    out = torch.empty((num_reqs, num_heads, head_dim), dtype=query.dtype)
+    value_offset = kv_cache.stride(0) * kv_cache.element_size()
+    status = getattr(lib, _FUNCS[query.dtype])(
+        query.data_ptr(), query.stride(0), kv_cache.data_ptr(), kv_cache.data_ptr() + value_offset,
+        block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(), out.data_ptr(), num_reqs,
+        num_heads, num_kv_heads, head_dim, block_size, scale, torch.get_num_threads())
+    assert status == 0, "kernel rejected the shapes"
+    return out
