@@ -1,76 +1,132 @@
-"""The OpenAPI 3.1 description of the server's routes, served at /openapi.json."""
+"""The OpenAPI 3.1 description of the server's routes, served at /openapi.json.
+
+The request schemas say what aioengine/http/protocol.py accepts: unknown fields are refused, null means the
+default, and the per-request caps are the server's RequestLimits. What a schema cannot say (`n > 1` needs
+a temperature above 0, `stream_options` needs `stream`, a grammar must compile) is in the descriptions.
+"""
 
 from __future__ import annotations
 
 from functools import cache
 
+from aioengine.http.protocol import DEFAULT_LIMITS, RESERVED_TEMPLATE_KWARGS, RequestLimits
+from aioengine.sampling_params import MAX_LOGPROBS
+
 _NUM, _INT, _BOOL, _STR = {"type": "number"}, {"type": "integer"}, {"type": "boolean"}, {"type": "string"}
-_STRS = {"oneOf": [_STR, {"type": "array", "items": _STR}]}
-_INTS = {"type": "array", "items": _INT}
 
 
-def _nullable(schema: dict) -> dict:
+def _opt(schema: dict) -> dict:
+    """Null means the default, for every field."""
     return {"anyOf": [schema, {"type": "null"}]}
 
 
-_SAMPLING = {
-    "model": _nullable(_STR), "n": {**_INT, "minimum": 1, "maximum": 128, "default": 1},
-    "temperature": {**_NUM, "minimum": 0, "default": 1.0}, "top_p": {**_NUM, "exclusiveMinimum": 0, "maximum": 1},
-    "top_k": {**_INT, "description": "0 or -1 disables"}, "min_p": {**_NUM, "minimum": 0, "maximum": 1},
-    "seed": _nullable(_INT), "min_tokens": {**_INT, "minimum": 0}, "stop": _nullable(_STRS),
-    "stop_token_ids": _INTS, "ignore_eos": _BOOL, "include_stop_str_in_output": _BOOL,
-    "skip_special_tokens": _BOOL, "stream": _BOOL,
-    "stream_options": {"type": "object", "properties": {"include_usage": _BOOL,
-                                                        "continuous_usage_stats": _BOOL}},
-    "user": _STR, "request_id": _STR, "priority": {**_INT, "description": "with --scheduling-policy priority"},
-    "presence_penalty": {**_NUM, "minimum": -2, "maximum": 2}, "frequency_penalty": {**_NUM, "minimum": -2, "maximum": 2},
-    "repetition_penalty": {**_NUM, "exclusiveMinimum": 0},
-    "logit_bias": {"type": "object", "additionalProperties": _NUM, "description": "token id -> bias in [-100, 100]"},
-    "allowed_token_ids": _INTS, "bad_words": _STRS,
-    "response_format": {"type": "object", "properties": {"type": {"enum": ["text", "json_object", "json_schema"]},
-                                                         "json_schema": {"type": "object"}}},
-    "structured_outputs": {"type": "object", "description": "one of json, regex, choice, grammar, json_object",
-                           "properties": {"json": {}, "regex": _STR, "choice": {"type": "array", "items": _STR},
-                                          "grammar": _STR, "json_object": _BOOL, "disable_any_whitespace": _BOOL}},
-}
-_MESSAGE = {"type": "object", "required": ["role"], "properties": {
-    "role": {"enum": ["system", "developer", "user", "assistant"]},
-    "content": {"oneOf": [_STR, {"type": "array", "items": {"type": "object", "properties": {
-        "type": {"const": "text"}, "text": _STR}}}]}, "name": _STR}}
-_CHAT = {"type": "object", "required": ["messages"], "properties": {
-    **_SAMPLING, "messages": {"type": "array", "items": _MESSAGE, "minItems": 1},
-    "max_tokens": _nullable({**_INT, "minimum": 1}), "max_completion_tokens": _nullable({**_INT, "minimum": 1}),
-    "logprobs": _BOOL, "top_logprobs": {**_INT, "minimum": 0, "maximum": 20},
-    "chat_template_kwargs": {"type": "object"}, "add_generation_prompt": _BOOL, "continue_final_message": _BOOL,
-    "tools": {"type": "array", "maxItems": 0}, "tool_choice": {"enum": ["none", "auto"]},
-    "parallel_tool_calls": _BOOL, "store": {"const": False}, "metadata": {"type": "object"},
-    "service_tier": {"enum": ["auto", "default"]}}}
-_COMPLETION = {"type": "object", "required": ["prompt"], "properties": {
-    **_SAMPLING, "prompt": {"oneOf": [_STR, {"type": "array", "items": _STR}, _INTS,
-                                      {"type": "array", "items": _INTS}]},
-    "max_tokens": {**_INT, "minimum": 1, "default": 16}, "echo": _BOOL,
-    "best_of": {**_INT, "description": "only equal to n"}, "suffix": {"type": "null"},
-    "logprobs": {**_INT, "minimum": 0, "maximum": 20, "description": "not with echo"}}}
-_TOKENIZE = {"type": "object", "properties": {
-    "model": _STR, "prompt": _STR, "messages": {"type": "array", "items": _MESSAGE}, "add_special_tokens": _BOOL,
-    "add_generation_prompt": _BOOL, "continue_final_message": _BOOL, "return_token_strs": _BOOL,
-    "chat_template_kwargs": {"type": "object"}}}
-_DETOKENIZE = {"type": "object", "required": ["tokens"], "properties": {"model": _STR, "tokens": _INTS}}
-_ERROR = {"type": "object", "properties": {"error": {"type": "object", "properties": {
-    "message": _STR, "type": _STR, "param": _nullable(_STR), "code": {"oneOf": [_STR, _INT]}}}}}
+def _obj(properties: dict, required: tuple[str, ...] = (), **extra: object) -> dict:
+    return {"type": "object", "properties": properties, "required": list(required), "additionalProperties": False,
+            **extra}
+
+
+def _schemas(limits: RequestLimits, vocab_size: int, priority: bool) -> dict:
+    token = {**_INT, "minimum": 0, "maximum": max(vocab_size - 1, 0)}
+    tokens = {"type": "array", "items": token}
+    text = {**_STR, "minLength": 1}
+    logprobs_k = {**_INT, "minimum": 0, "maximum": MAX_LOGPROBS}
+    template_kwargs = {"type": "object", "propertyNames": {"not": {"enum": sorted(RESERVED_TEMPLATE_KWARGS)}},
+                       "description": "extra variables for the chat template"}
+    sampling = {
+        "model": _opt(_STR),
+        "n": _opt({**_INT, "minimum": 1, "maximum": limits.max_n, "description": "above 1 needs temperature > 0"}),
+        "temperature": _opt({**_NUM, "minimum": 0, "description": "0 is greedy"}),
+        "top_p": _opt({**_NUM, "exclusiveMinimum": 0, "maximum": 1}),
+        "top_k": _opt({**_INT, "minimum": -1, "description": "0 or -1: off"}),
+        "min_p": _opt({**_NUM, "minimum": 0, "maximum": 1}),
+        "seed": _opt({**_INT, "minimum": -(2**63), "maximum": 2**63 - 1}),
+        "min_tokens": _opt({**_INT, "minimum": 0, "description": "at most max_tokens"}),
+        "stop": _opt({"anyOf": [{**text, "maxLength": limits.max_stop_chars}, {
+            "type": "array", "maxItems": limits.max_stop, "items": {**text, "maxLength": limits.max_stop_chars}}]}),
+        "stop_token_ids": _opt({**tokens, "maxItems": limits.max_token_ids}),
+        "ignore_eos": _opt(_BOOL), "include_stop_str_in_output": _opt(_BOOL), "skip_special_tokens": _opt(_BOOL),
+        "stream": _opt(_BOOL),
+        "stream_options": _opt({**_obj({"include_usage": _opt(_BOOL), "continuous_usage_stats": _opt(_BOOL)}),
+                                "description": "only with stream: true"}),
+        "user": _opt(_STR),
+        "request_id": _opt({**_STR, "pattern": "^[A-Za-z0-9._:-]{1,128}$"}),
+        "priority": _opt({**_INT, "description": "lower runs first"} if priority else
+                         {"const": 0, "description": "only 0 unless --scheduling-policy priority"}),
+        "presence_penalty": _opt({**_NUM, "minimum": -2, "maximum": 2}),
+        "frequency_penalty": _opt({**_NUM, "minimum": -2, "maximum": 2}),
+        "repetition_penalty": _opt({**_NUM, "exclusiveMinimum": 0}),
+        "logit_bias": _opt({"type": "object", "maxProperties": limits.max_logit_bias,
+                            "propertyNames": {"pattern": "^[0-9]{1,9}$"}, "additionalProperties": _NUM,
+                            "description": "token id -> bias, clamped to [-100, 100]"}),
+        "allowed_token_ids": _opt({**tokens, "minItems": 1, "maxItems": limits.max_token_ids}),
+        "bad_words": _opt({"anyOf": [_STR, {"type": "array", "items": _STR, "maxItems": limits.max_bad_words}]}),
+        "response_format": _opt({"oneOf": [
+            _obj({"type": {"enum": ["text", "json_object"]}}, ("type",)),
+            {"type": "object", "required": ["type", "json_schema"], "properties": {
+                "type": {"const": "json_schema"},
+                "json_schema": {"type": "object", "required": ["schema"], "properties": {
+                    "name": _STR, "schema": {"type": "object", "description": "a JSON schema"}}}}},
+        ]}),
+        "structured_outputs": _opt({**_obj({
+            "json": {"anyOf": [{"type": "object"}, _STR], "description": "a JSON schema, or its text"},
+            "regex": text, "choice": {"type": "array", "items": _STR, "minItems": 1}, "grammar": text,
+            "json_object": _BOOL, "disable_any_whitespace": _BOOL}),
+            "description": "exactly one of json, regex, choice, grammar, json_object; not with response_format"}),
+    }
+    content_part = _obj({"type": {"const": "text"}, "text": _STR}, ("type", "text"))
+    content = {"anyOf": [_STR, {"type": "array", "items": content_part}]}
+    message = {"oneOf": [
+        _obj({"role": {"enum": ["system", "developer", "user"]}, "content": content, "name": _opt(_STR)},
+             ("role", "content")),
+        _obj({"role": {"const": "assistant"}, "content": _opt(content), "name": _opt(_STR), "refusal": _opt(_STR)},
+             ("role",)),
+    ]}
+    messages = {"type": "array", "items": message, "minItems": 1, "maxItems": limits.max_messages}
+    max_tokens = _opt({**_INT, "minimum": 1, "description": "prompt + max_tokens must fit max_model_len"})
+    chat = _obj({
+        **sampling, "messages": messages, "max_tokens": max_tokens, "max_completion_tokens": max_tokens,
+        "logprobs": _opt(_BOOL), "top_logprobs": _opt({**logprobs_k, "description": "needs logprobs: true"}),
+        "chat_template_kwargs": _opt(template_kwargs), "add_generation_prompt": _opt(_BOOL),
+        "continue_final_message": _opt({**_BOOL, "description": "the last message must be the assistant's"}),
+        "tools": _opt({"type": "array", "maxItems": 0}), "tool_choice": _opt({"enum": ["none", "auto"]}),
+        "parallel_tool_calls": _opt(_BOOL), "store": _opt({"const": False}),
+        "metadata": _opt({"type": "object", "maxProperties": 0}), "service_tier": _opt({"enum": ["auto", "default"]}),
+    }, ("messages",))
+    prompt = {"anyOf": [text, {"type": "array", "items": text, "minItems": 1, "maxItems": limits.max_prompts},
+                        {**tokens, "minItems": 1},
+                        {"type": "array", "items": {**tokens, "minItems": 1}, "minItems": 1,
+                         "maxItems": limits.max_prompts}],
+              "description": f"at most {limits.max_prompts} completions (prompts x n) in one request"}
+    completion = _obj({
+        **sampling, "prompt": prompt, "max_tokens": _opt({**max_tokens["anyOf"][0], "default": 16}),
+        "echo": _opt(_BOOL), "best_of": _opt({**_INT, "minimum": 1, "description": "only equal to n"}),
+        "suffix": _opt({**_STR, "maxLength": 0}),
+        "logprobs": _opt({**logprobs_k, "description": "not with echo"}),
+    }, ("prompt",))
+    tokenize_fields = {"model": _opt(_STR), "add_special_tokens": _opt(_BOOL), "return_token_strs": _opt(_BOOL)}
+    tokenize = {"oneOf": [
+        _obj({**tokenize_fields, "prompt": _STR}, ("prompt",)),
+        _obj({**tokenize_fields, "messages": messages, "add_generation_prompt": _opt(_BOOL),
+              "continue_final_message": _opt(_BOOL), "chat_template_kwargs": _opt(template_kwargs)}, ("messages",)),
+    ]}
+    detokenize = _obj({"model": _opt(_STR), "tokens": tokens}, ("tokens",))
+    error = {"type": "object", "properties": {"error": {"type": "object", "properties": {
+        "message": _STR, "type": _STR, "param": _opt(_STR), "code": {"anyOf": [_STR, _INT]}}}}}
+    return {"ChatCompletionRequest": chat, "CompletionRequest": completion, "TokenizeRequest": tokenize,
+            "DetokenizeRequest": detokenize, "Error": error}
 
 
 def _op(summary: str, body: str | None = None, ok: str = "application/json", auth: bool = True) -> dict:
-    op: dict = {"summary": summary, "responses": {
-        "200": {"description": "OK", "content": {ok: {}}},
-        "400": {"description": "Bad request", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}},
-    }}
+    err = {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}
+    op: dict = {"summary": summary, "responses": {"200": {"description": "OK", "content": {ok: {}}}}}
     if body:
         op["requestBody"] = {"required": True, "content": {"application/json": {
             "schema": {"$ref": f"#/components/schemas/{body}"}}}}
+        op["responses"]["400"] = {"description": "Bad request", "content": err}
+        op["responses"]["413"] = {"description": "Body larger than --max-request-bytes", "content": err}
     if auth:
         op["security"] = [{"bearer": []}]
-        op["responses"]["401"] = {"description": "Missing or wrong API key (when the server has one)"}
+        op["responses"]["401"] = {"description": "Missing or wrong API key (when the server has one)", "content": err}
     return op
 
 
@@ -78,13 +134,19 @@ def _generate_op(summary: str, body: str) -> dict:
     op = _op(summary, body)
     op["responses"]["200"]["content"]["text/event-stream"] = {}
     op["responses"]["404"] = {"description": "Unknown model"}
-    op["responses"]["413"] = {"description": "Body larger than --max-request-bytes"}
     op["responses"]["503"] = {"description": "Queue full (Retry-After), shutting down, or engine dead"}
     return op
 
 
 @cache
-def openapi_spec(version: str) -> dict:
+def openapi_spec(version: str, limits: RequestLimits = DEFAULT_LIMITS, vocab_size: int = 1 << 31,
+                 priority: bool = False) -> dict:
+    """The document; `vocab_size` bounds token ids, `priority` says whether requests may set one."""
+    models_op = _op("One served model")
+    models_op["parameters"] = [{"name": "model", "in": "path", "required": True, "schema": _STR}]
+    models_op["responses"]["404"] = {"description": "Unknown model"}
+    ws_op = _op("Websocket: streamed generations, cancellable (docs/websocket.md); a plain GET gets 400")
+    ws_op["responses"]["400"] = {"description": "Not a websocket upgrade"}
     return {
         "openapi": "3.1.0",
         "info": {"title": "aioengine", "version": version,
@@ -93,8 +155,8 @@ def openapi_spec(version: str) -> dict:
             "/v1/chat/completions": {"post": _generate_op("Chat completion (JSON or SSE stream)", "ChatCompletionRequest")},
             "/v1/completions": {"post": _generate_op("Text completion (JSON or SSE stream)", "CompletionRequest")},
             "/v1/models": {"get": _op("List the served model names")},
-            "/v1/models/{model}": {"get": _op("One served model")},
-            "/v1/ws": {"get": _op("Websocket: streamed generations, cancellable (docs/websocket.md)")},
+            "/v1/models/{model}": {"get": models_op},
+            "/v1/ws": {"get": ws_op},
             "/tokenize": {"post": _op("Token ids of a prompt or a chat conversation", "TokenizeRequest")},
             "/detokenize": {"post": _op("Text of token ids", "DetokenizeRequest")},
             "/health": {"get": _op("200 while the engine is alive, 503 when it is dead", auth=False)},
@@ -104,8 +166,7 @@ def openapi_spec(version: str) -> dict:
             "/": {"get": _op("The chat page", ok="text/html", auth=False)},
         },
         "components": {
-            "schemas": {"ChatCompletionRequest": _CHAT, "CompletionRequest": _COMPLETION,
-                        "TokenizeRequest": _TOKENIZE, "DetokenizeRequest": _DETOKENIZE, "Error": _ERROR},
+            "schemas": _schemas(limits, vocab_size, priority),
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
         },
     }

@@ -129,6 +129,8 @@ class Fields:
         value = self.data.get(name)
         if value is None:
             return default
+        if kind is int and type(value) is float and value.is_integer():
+            value = int(value)  # JSON does not tell 4 from 4.0 (nor does vLLM)
         ok = isinstance(value, kind) and not (kind in (int, float) and isinstance(value, bool))
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
             value, ok = float(value), True
@@ -156,6 +158,18 @@ class Fields:
 
     def present(self, name: str) -> bool:
         return self.data.get(name) is not None
+
+
+def _ints(values: list) -> list[int] | None:
+    """The list with integral floats (4.0) as ints; None when an item is not an integer."""
+    out = []
+    for v in values:
+        if type(v) is float and v.is_integer():
+            v = int(v)
+        if type(v) is not int:
+            return None
+        out.append(v)
+    return out
 
 
 def _json_type(value: Any) -> str:
@@ -256,10 +270,10 @@ def _sampling_params(f: Fields, max_tokens: int | None, logprobs: int | None, li
     _at_most(stop, limits.max_stop, "stop", "strings")
     if any(len(s) > limits.max_stop_chars for s in stop):
         raise bad(f"Each stop string may be at most {limits.max_stop_chars} characters long.", "stop")
-    stop_token_ids = f.get("stop_token_ids", list, [])
-    _at_most(stop_token_ids, limits.max_token_ids, "stop_token_ids", "token ids")
-    if not all(type(t) is int for t in stop_token_ids):
+    stop_token_ids = _ints(f.get("stop_token_ids", list, []))
+    if stop_token_ids is None:
         raise bad("stop_token_ids must be an array of integers.", "stop_token_ids")
+    _at_most(stop_token_ids, limits.max_token_ids, "stop_token_ids", "token ids")
     bias = f.get("logit_bias", dict)
     _at_most(bias, limits.max_logit_bias, "logit_bias", "entries")
     bad_words = f.data.get("bad_words")
@@ -270,12 +284,12 @@ def _sampling_params(f: Fields, max_tokens: int | None, logprobs: int | None, li
         _at_most(bad_words, limits.max_bad_words, "bad_words", "words")
     allowed = f.get("allowed_token_ids", list)
     _at_most(allowed, limits.max_token_ids, "allowed_token_ids", "token ids")
-    if allowed is not None and not all(type(t) is int for t in allowed):
+    if allowed is not None and (allowed := _ints(allowed)) is None:
         raise bad("allowed_token_ids must be an array of integers.", "allowed_token_ids")
     try:
         return SamplingParams(
             n=f.int("n", 1, lo=1, hi=limits.max_n), temperature=f.float("temperature", 1.0),
-            top_p=f.float("top_p", 1.0), top_k=f.int("top_k", 0), min_p=f.float("min_p", 0.0),
+            top_p=f.float("top_p", 1.0), top_k=_top_k(f), min_p=f.float("min_p", 0.0),
             seed=f.int("seed"), max_tokens=max_tokens, min_tokens=f.int("min_tokens", 0), stop=stop,
             stop_token_ids=stop_token_ids, ignore_eos=f.bool("ignore_eos", False),
             include_stop_str_in_output=f.bool("include_stop_str_in_output", False),
@@ -285,6 +299,11 @@ def _sampling_params(f: Fields, max_tokens: int | None, logprobs: int | None, li
             allowed_token_ids=allowed, bad_words=bad_words, structured_outputs=_structured_outputs(f))
     except InvalidRequestError as e:
         raise from_invalid(e) from None
+
+
+def _top_k(f: Fields) -> int:
+    top_k = f.int("top_k", 0)
+    return 0 if top_k == -1 else top_k  # -1 is vLLM's (and OpenAI clients') "off", as 0 is
 
 
 def _common(f: Fields, max_tokens: int | None, logprobs: int | None, allow_priority: bool,
@@ -356,7 +375,7 @@ def parse_chat_request(data: dict, allow_priority: bool = False, limits: Request
 
 # Arguments of the tokenizer's apply_chat_template that the server sets itself, or that would let a client
 # run a template of its own (Jinja, on the event loop).
-_RESERVED_TEMPLATE_KWARGS = frozenset({
+RESERVED_TEMPLATE_KWARGS = frozenset({
     "messages", "conversation", "tokenize", "return_dict", "return_tensors", "tokenizer_kwargs", "chat_template",
     "padding", "truncation", "max_length", "return_assistant_tokens_mask", "tokenizer",
 })
@@ -365,7 +384,7 @@ _RESERVED_TEMPLATE_KWARGS = frozenset({
 def template_kwargs(f: Fields) -> dict:
     kwargs = dict(f.get("chat_template_kwargs", dict, {}))
     for key in kwargs:
-        if key in _RESERVED_TEMPLATE_KWARGS:
+        if key in RESERVED_TEMPLATE_KWARGS:
             raise bad(f"chat_template_kwargs may not set {key!r}.", f"chat_template_kwargs.{key}")
     return kwargs
 
@@ -458,13 +477,14 @@ def parse_prompt(prompt: Any) -> list[str | list[int]]:
         raise bad(_PROMPT_TYPES, "prompt")
     elif not prompt:
         raise bad("prompt must not be empty.", "prompt")
-    elif all(type(t) is int for t in prompt):
-        prompts = [prompt]
-    elif all(isinstance(p, str) for p in prompt) or all(
-            isinstance(p, list) and all(type(t) is int for t in p) for p in prompt):
+    elif (ids := _ints(prompt)) is not None:
+        prompts = [ids]
+    elif all(isinstance(p, str) for p in prompt):
         prompts = list(prompt)
     else:
-        raise bad(_PROMPT_TYPES, "prompt")
+        prompts = [_ints(p) if isinstance(p, list) else None for p in prompt]
+        if any(p is None for p in prompts):
+            raise bad(_PROMPT_TYPES, "prompt")
     for p in prompts:
         if not p:
             raise bad("The prompt cannot be empty.", "prompt")
@@ -509,6 +529,7 @@ def parse_detokenize_request(data: dict, vocab_size: int) -> tuple[str | None, l
     tokens = f.get("tokens", list)
     if tokens is None:
         raise bad("tokens is required.", "tokens")
-    if not all(type(t) is int and 0 <= t < vocab_size for t in tokens):
+    tokens = _ints(tokens)
+    if tokens is None or not all(0 <= t < vocab_size for t in tokens):
         raise bad(f"tokens must be an array of integers in [0, {vocab_size}).", "tokens")
     return f.str("model"), tokens

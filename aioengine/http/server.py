@@ -359,7 +359,10 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def openapi(request: web.Request) -> web.Response:
-    return json_response(openapi_spec(aioengine.__version__))
+    engine = request.app[ENGINE]
+    vocab = getattr(engine, "vocab_size", 0) or len(engine.tokenizer)
+    return json_response(openapi_spec(aioengine.__version__, request.app[CONFIG].limits, vocab,
+                                      allow_priority(engine)))
 
 
 async def index(request: web.Request) -> web.StreamResponse:
