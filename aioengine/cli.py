@@ -36,6 +36,7 @@ _ENGINE_HELP = {
     "num_threads": "torch intra-op threads on CPU (default: all cores)",
     "enforce_eager": "never capture CUDA graphs",
     "step_timeout_s": "watchdog: a step running longer marks the engine dead",
+    "quantization": "CPU weight-only quantization of the linear layers (int4: groups of 32, like GGUF Q4_1)",
 }
 _CHOICES = {"dtype": ["auto", "float32", "bfloat16", "float16"], "device": ["auto", "cpu", "cuda"],
             "scheduling_policy": ["fcfs", "priority"], "quantization": ["int8", "int4"]}
