@@ -202,12 +202,14 @@ class GenerationRequest:
 class ChatRequest(GenerationRequest):
     messages: list[dict] = field(default_factory=list)
     chat_template_kwargs: dict = field(default_factory=dict)
+    prompt_ids: list[int] | None = None  # the templated conversation, when tokenized off the loop
 
 
 @dataclass(slots=True)
 class CompletionRequest(GenerationRequest):
     prompts: list[str | list[int]] = field(default_factory=list)
     echo: bool = False
+    prompt_ids: dict[int, list[int]] = field(default_factory=dict)  # long prompts tokenized off the loop
 
 
 _SAMPLING_FIELDS = frozenset({

@@ -272,6 +272,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     req = parse_chat_request(await _read_json(request), allow_priority(engine), app[CONFIG].limits)
     model = _check_model(app, req.model)
     rid = _request_id(request, req, "chatcmpl")
+    await serving.tokenize_long_prompts(engine, req)
     admit(app)  # again: other requests may have queued while this body was read
     handles = serving.start_chat(engine, req, rid)
     log_start(app, rid, req, f"chat, {len(req.messages)} messages")
@@ -288,6 +289,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     req = parse_completion_request(await _read_json(request), allow_priority(engine), app[CONFIG].limits)
     model = _check_model(app, req.model)
     rid = _request_id(request, req, "cmpl")
+    await serving.tokenize_long_prompts(engine, req)
     admit(app)  # again: other requests may have queued while this body was read
     handles = await serving.start_completions(engine, req, rid)
     log_start(app, rid, req, f"completion, {len(req.prompts)} prompts")

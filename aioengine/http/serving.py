@@ -18,9 +18,13 @@ from aioengine.errors import AioEngineError, InvalidRequestError
 from aioengine.http.logprobs import CompletionLogprobs, chat_logprobs
 from aioengine.http.protocol import APIError, ChatRequest, CompletionRequest, bad, error_dict, from_invalid
 from aioengine.outputs import CompletionOutput, RequestOutput
+from aioengine.tokenizer import apply_chat_template
 
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# Prompts longer than this (in characters) are tokenized on a worker thread: on the loop, a 4 MiB prompt
+# stalled every stream for 1.4-2.2 s; the tokenizer releases the GIL, so the loop keeps serving.
+OFFLOAD_CHARS = 1 << 16
 
 
 def new_request_id(given: str | None, prefix: str) -> str:
@@ -38,8 +42,25 @@ def engine_error(e: AioEngineError) -> APIError:
     return APIError(503, f"The engine is not serving: {e}", code="engine_dead")
 
 
+async def tokenize_long_prompts(engine: Any, req: ChatRequest | CompletionRequest) -> None:
+    """Tokenize (chat: template) prompts over OFFLOAD_CHARS characters on a worker thread, into `prompt_ids`."""
+    try:
+        if isinstance(req, ChatRequest):
+            if sum(len(m["content"]) for m in req.messages) > OFFLOAD_CHARS:
+                req.prompt_ids = await asyncio.to_thread(apply_chat_template, engine.tokenizer, req.messages,
+                                                         **req.chat_template_kwargs)
+            return
+        for i, p in enumerate(req.prompts):
+            if isinstance(p, str) and len(p) > OFFLOAD_CHARS:
+                req.prompt_ids[i] = list(await asyncio.to_thread(engine.tokenizer.encode, p))
+    except AioEngineError as e:
+        raise engine_error(e) from None
+
+
 def start_chat(engine: Any, req: ChatRequest, request_id: str) -> list:
     try:
+        if req.prompt_ids is not None:
+            return [engine.generate(req.prompt_ids, req.params, request_id=request_id, priority=req.priority)]
         return [engine.chat(req.messages, req.params, request_id=request_id, priority=req.priority,
                             chat_template_kwargs=req.chat_template_kwargs or None)]
     except AioEngineError as e:
@@ -51,7 +72,8 @@ async def start_completions(engine: Any, req: CompletionRequest, request_id: str
     try:
         for i, prompt in enumerate(req.prompts):
             rid = request_id if len(req.prompts) == 1 else f"{request_id}-{i}"
-            handles.append(engine.generate(prompt, req.params, request_id=rid, priority=req.priority))
+            handles.append(engine.generate(req.prompt_ids.get(i, prompt), req.params, request_id=rid,
+                                           priority=req.priority))
     except AioEngineError as e:
         for h in handles:  # one bad prompt in a batch fails the whole batch
             await engine.abort(h.request_id)

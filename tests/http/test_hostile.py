@@ -15,6 +15,7 @@ import orjson
 import pytest
 
 import aioengine.http.server as server_module
+from aioengine.bench.loop_lag import LoopLagProbe
 from aioengine.http.protocol import APIError, RequestLimits, parse_chat_request, parse_completion_request
 from tests.http.conftest import API_KEY, Http
 
@@ -93,6 +94,21 @@ def test_hostile_field_is_a_quick_400(http, name, path, body, param, word):
     assert err["type"] == "BadRequestError" and err["param"] == param and err["code"] in (400, "context_length_exceeded")
     assert word in err["message"], err["message"]
     assert elapsed < 2.0, f"{name}: {elapsed:.2f} s"
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_a_huge_prompt_is_tokenized_off_the_loop(server, http, kind):
+    """~1.8 MB of prompt: tokenizing it on the loop stalled every stream for ~0.5 s (4 MiB: 1.4-2.2 s)."""
+    async def start_probe() -> LoopLagProbe:
+        return LoopLagProbe().start()
+
+    body = ({"prompt": "hello " * 300_000} if kind == "completion" else
+            {"messages": [{"role": "user", "content": "hello " * 150}] * 2000})
+    probe = server.run(start_probe())
+    r = http.post(CHAT if kind == "chat" else COMP, json={**body, "max_tokens": 2})
+    server.run(probe.stop())
+    assert r.status == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert max(probe.lags) < 0.2, f"the loop stalled {max(probe.lags) * 1000:.0f} ms"
 
 
 def test_limits_are_configurable():
