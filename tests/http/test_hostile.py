@@ -124,6 +124,17 @@ def test_limits_are_configurable():
         parse_completion_request(comp(prompt=["a", "b"], n=2, temperature=1), limits=RequestLimits(max_prompts=3))
 
 
+def test_request_limit_flag():
+    import argparse
+
+    from aioengine.cli import parse_request_limit
+
+    assert parse_request_limit("max_n=16") == ("max_n", 16)
+    for text in ("max_n=0", "max_n=x", "nope=3", "max_n"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_request_limit(text)
+
+
 def test_a_normal_request_works_after_the_hostile_ones(http, server):
     r = http.post(CHAT, json=chat(temperature=0, max_tokens=4))
     assert r.status == 200 and r.json()["usage"]["completion_tokens"] >= 1
