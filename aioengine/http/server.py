@@ -72,6 +72,7 @@ class AppState:
     created: int = field(default_factory=lambda: int(time.time()))
 
 
+_serving_apps = 0  # apps between startup and cleanup: the GC stays frozen while any serves
 ENGINE = web.AppKey("aioengine_engine", object)
 CONFIG = web.AppKey("aioengine_config", ServerConfig)
 STATE = web.AppKey("aioengine_state", AppState)
@@ -134,7 +135,9 @@ def bound_port(runner: web.AppRunner) -> int:
 async def _lifecycle(app: web.Application):
     # What is alive now (the loaded model, tokenizer, libraries) leaves the cyclic GC: a full collection over
     # it stalls the loop for ~0.2 s on a small CPU, a 503 burst or a token stream with it.
+    global _serving_apps
     gc.freeze()
+    _serving_apps += 1
     state, engine = app[STATE], app[ENGINE]
     state.metrics = EngineMetrics(engine, model_names(app)[0])
     state.lag_task = asyncio.create_task(state.metrics.watch_loop_lag(app[CONFIG].loop_lag_interval),
@@ -146,7 +149,9 @@ async def _lifecycle(app: web.Application):
     state.metrics.close()
     if _log_finished in engine.request_listeners:
         engine.request_listeners.remove(_log_finished)
-    gc.unfreeze()
+    _serving_apps -= 1
+    if not _serving_apps:  # the last one: at exit, a frozen heap would leak what needs collecting
+        gc.unfreeze()
 
 
 async def _close_websockets(app: web.Application) -> None:
