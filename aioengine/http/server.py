@@ -8,6 +8,7 @@ that a client that disconnects aborts its request at once.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import gc
 import hmac
 import logging
@@ -136,6 +137,8 @@ async def _lifecycle(app: web.Application):
     # What is alive now (the loaded model, tokenizer, libraries) leaves the cyclic GC: a full collection over
     # it stalls the loop for ~0.2 s on a small CPU, a 503 burst or a token stream with it.
     global _serving_apps
+    atexit.unregister(gc.unfreeze)  # registered once: if an app is never cleaned up, unfreeze at exit anyway
+    atexit.register(gc.unfreeze)
     gc.freeze()
     _serving_apps += 1
     state, engine = app[STATE], app[ENGINE]
