@@ -112,8 +112,9 @@ async def run_serve(args) -> dict:
 
         async def limited(req) -> RequestResult:
             payload = {"model": model, "prompt": tokenizer.decode(req.prompt_token_ids), "max_tokens": req.output_len,
-                       "temperature": args.temperature, "stream": True, "ignore_eos": args.ignore_eos,
-                       "stream_options": {"include_usage": True}}
+                       "temperature": args.temperature, "stream": True, "stream_options": {"include_usage": True}}
+            if args.ignore_eos:  # an extension (vLLM's): strict servers refuse unknown fields, so only when asked
+                payload["ignore_eos"] = True
             async with sem:
                 return await _one(session, args.base_url + "/v1/completions", payload, headers)
 
