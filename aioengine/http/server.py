@@ -273,15 +273,22 @@ def log_start(app: web.Application, rid: str, req: GenerationRequest, what: str)
                     LOG_PROMPT_CHARS, repr(prompt), req.params, req.stream, req.user)
 
 
-async def chat_completions(request: web.Request) -> web.StreamResponse:
+async def _admit_request(request: web.Request, parse: Any, id_prefix: str) -> tuple[Any, Any, str, str]:
+    """Admission, parsing and prompt tokenization shared by the generation routes: (engine, req, model, rid)."""
     app = request.app
     admit(app)
     engine = app[ENGINE]
-    req = parse_chat_request(await _read_json(request), allow_priority(engine), app[CONFIG].limits)
+    req = parse(await _read_json(request), allow_priority(engine), app[CONFIG].limits)
     model = _check_model(app, req.model)
-    rid = _request_id(request, req, "chatcmpl")
+    rid = _request_id(request, req, id_prefix)
     await serving.tokenize_long_prompts(engine, req)
     admit(app)  # again: other requests may have queued while this body was read
+    return engine, req, model, rid
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    app = request.app
+    engine, req, model, rid = await _admit_request(request, parse_chat_request, "chatcmpl")
     handles = serving.start_chat(engine, req, rid)
     log_start(app, rid, req, f"chat, {len(req.messages)} messages")
     if req.stream:
@@ -292,13 +299,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     app = request.app
-    admit(app)
-    engine = app[ENGINE]
-    req = parse_completion_request(await _read_json(request), allow_priority(engine), app[CONFIG].limits)
-    model = _check_model(app, req.model)
-    rid = _request_id(request, req, "cmpl")
-    await serving.tokenize_long_prompts(engine, req)
-    admit(app)  # again: other requests may have queued while this body was read
+    engine, req, model, rid = await _admit_request(request, parse_completion_request, "cmpl")
     handles = await serving.start_completions(engine, req, rid)
     log_start(app, rid, req, f"completion, {len(req.prompts)} prompts")
     if req.stream:
