@@ -87,12 +87,6 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
     return torch.where(is_medium, smoothed, scaled)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Neox / HF ``rotate_half`` rotation: x ``[T, H, D]``, cos/sin ``[T, 1, D/2]``."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
 class RotaryEmbedding(nn.Module):
     """Rotary embedding with a ``[max_position, head_dim]`` cos|sin cache built once."""
 

@@ -98,9 +98,9 @@ class QuantizedLinear(nn.Module):
         return f"{self.in_features}, {self.out_features}, method={self.method}"
 
 
-def can_quantize(linear: nn.Linear, method: str) -> bool:
-    """The kernels' shape rules: int4 needs K a multiple of the group and N a multiple of 16."""
-    n, k = linear.weight.shape
+def can_quantize(weight_shape: torch.Size, method: str) -> bool:
+    """The kernels' shape rules for a ``[N, K]`` weight: int4 needs K a multiple of the group, N of 16."""
+    n, k = weight_shape
     if method == "int4":
         return k % INT4_GROUP_SIZE == 0 and n % 16 == 0
     return True
@@ -120,16 +120,14 @@ def quantize_model(model: nn.Module, method: str) -> int:
         for name, child in list(module.named_children()):
             if type(child) is not nn.Linear:
                 continue
-            if not can_quantize(child, method):
+            if not can_quantize(child.weight.shape, method):
                 skipped += 1
                 continue
             setattr(module, name, QuantizedLinear(child.weight.data, child.bias, method))
             done += 1
     head = getattr(model, "lm_head", None)
     if isinstance(head, nn.Embedding):  # tied: quantize a copy for the logits
-        n = head.weight.shape[0]
-        probe = nn.Linear(head.weight.shape[1], n, bias=False, device="meta")
-        if can_quantize(probe, method):
+        if can_quantize(head.weight.shape, method):
             model.lm_head = QuantizedLinear(head.weight.data, None, method)
             done += 1
         else:
