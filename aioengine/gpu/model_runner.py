@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from aioengine.gpu.async_output import AsyncOutput, host_signal_after
+from aioengine.gpu.cpu_linear import pack_linears
 from aioengine.gpu.cuda_graphs import DecodeGraphs, capture_sizes, capture_time_limit_s
 from aioengine.gpu.loader import allocate_kv_caches, load_model
 from aioengine.gpu.memory import kv_cache_blocks, profile_memory, warmup_lengths
@@ -45,8 +46,11 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.max_num_reqs = max_num_reqs
         self.model, self.hf_config = load_model(model_path, dtype=dtype, device=device)
+        self._num_parameters = sum(p.numel() for p in self.model.parameters())  # before any repacking
         if quantization is not None:
             quantize_model(self.model, quantization)
+        if device.type == "cpu":
+            pack_linears(self.model)  # bf16: oneDNN's blocked layout, once
         self.sampler = Sampler(seed, device)
         self.states = RequestStates(max_num_reqs, max_model_len, -(-max_model_len // block_size), device,
                                     vocab_size=self.hf_config.vocab_size)
@@ -64,7 +68,8 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None  # captured by capture_cuda_graphs()
 
     def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.model.parameters())
+        """The checkpoint's parameter count (a tied head counted once, as in the checkpoint)."""
+        return self._num_parameters
 
     def kv_cache_bytes_per_block(self) -> int:
         cfg = self.hf_config

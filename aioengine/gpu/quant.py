@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from aioengine.gpu.cpu_linear import PackedLinear, packing_enabled
+
 logger = logging.getLogger(__name__)
 
 QUANTIZATION_METHODS = ("int8", "int4")
@@ -81,11 +83,13 @@ class QuantizedLinear(nn.Module):
             self.register_buffer("scales_zeros", scale.to(dtype), persistent=False)
         self.weight = nn.Parameter(dequantized.to(dtype), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        # Large batches: the same dequantized values, prepacked for oneDNN when bf16 (same bits, faster).
+        self.gemm = PackedLinear(self.weight, self.bias) if packing_enabled(self.weight) else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # the runner's batches are 2-D
         if flat.shape[0] > self.max_rows_quantized:
-            return F.linear(x, self.weight, self.bias)
+            return self.gemm(x) if self.gemm is not None else F.linear(x, self.weight, self.bias)
         if self.method == "int4":
             y = torch._weight_int4pack_mm_for_cpu(flat, self.packed, INT4_GROUP_SIZE, self.scales_zeros)
         else:

@@ -84,7 +84,7 @@ def load() -> ctypes.CDLL | None:
             logger.warning("CPU decode-attention kernel unavailable (%s %s); using the torch path", e, detail[-500:])
             _failed = True
             return None
-        for name in _FUNCS.values():
+        for name in (*_FUNCS.values(), "decode_attention_bf16_generic"):
             fn = getattr(lib, name)
             fn.restype = ctypes.c_int
             fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,

@@ -172,3 +172,25 @@ def test_c_decode_kernel_matches_reference(dtype, block_size, group, head_dim):
     ref = paged_attention_reference(query, kv_cache, meta, head_dim**-0.5)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("block_size", [16, 32, 8])
+def test_c_decode_kernel_ignores_stale_slots_holding_nan(block_size):
+    """Slots past a request's length (freed by another request, never written) may hold any bits."""
+    from aioengine.kernels import cpu_kernels
+
+    gen = torch.Generator().manual_seed(7)
+    seq_lens = [1, 5, block_size + 3, 2 * block_size - 1]
+    max_blocks = -(-max(seq_lens) // block_size)
+    num_blocks = len(seq_lens) * max_blocks
+    kv_cache = torch.full((2, num_blocks, block_size, 2, 64), float("nan"), dtype=torch.bfloat16)
+    block_table = torch.arange(num_blocks).view(len(seq_lens), max_blocks)
+    for i, n in enumerate(seq_lens):
+        for p in range(n):
+            kv_cache[:, block_table[i, p // block_size], p % block_size] = torch.randn(2, 2, 64, generator=gen)
+    meta = AttentionMetadata.build([1] * len(seq_lens), seq_lens, block_table, block_size)
+    query = torch.randn(len(seq_lens), 6, 64, generator=gen).to(torch.bfloat16)
+    out = cpu_kernels.decode_attention(query, kv_cache, meta.block_table, meta.seq_lens, 0.125)
+    ref = paged_attention_reference(query, kv_cache, meta, 0.125)
+    assert torch.isfinite(out.float()).all()
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
