@@ -138,6 +138,9 @@ async def run_serve(args) -> dict:
         "ttft_s": _stats([r.ttft for r in ok]), "tpot_s": _stats(tpot),
         "itl_s": _stats([x for r in ok for x in r.itl]), "e2el_s": _stats([r.e2e for r in ok]),
     }
+    if getattr(args, "save_detailed", False):  # vLLM's --save-detailed: every request's own timings
+        summary["requests"] = [{"start_s": r.start - t0, "ttft_s": r.ttft, "itl_s": r.itl, "e2el_s": r.e2e,
+                                "output_tokens": r.output_tokens, "error": r.error} for r in results]
     summary["_results"] = (ok, t0)  # for --plot, dropped before saving
     return summary
 
@@ -187,6 +190,8 @@ def main(argv: list[str]) -> dict:
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--save-result", help="write the summary as JSON here")
+    ap.add_argument("--save-detailed", action="store_true",
+                    help="with --save-result: each request's start, TTFT, inter-token gaps and end-to-end latency")
     ap.add_argument("--plot", help="write a PNG of latency percentiles and tokens/s over time")
     add_dataset_args(ap)
     args = ap.parse_args(argv)

@@ -64,7 +64,7 @@ def profile_memory(model: Any, hf_config: Any, dtype: Any, device: Any, block_si
         input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
         hidden = model(input_ids, positions, kv_caches, meta)
         rows = torch.arange(num_logit_rows, device=device) % num_tokens
-        probs = model.compute_logits(hidden[rows]).softmax(-1)  # the sampler's [rows, vocab] temporaries
+        probs = model.compute_logits(hidden[rows]).float().softmax(-1)  # the sampler's [rows, vocab] temporaries
         (probs / torch.rand_like(probs)).argmax(-1)
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device) - kv_bytes

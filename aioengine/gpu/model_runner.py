@@ -18,6 +18,7 @@ from aioengine.gpu.memory import kv_cache_blocks, profile_memory, warmup_lengths
 from aioengine.gpu.quant import quantize_model
 from aioengine.gpu.sampler import Sampler, SamplingMetadata, gather_logprobs
 from aioengine.gpu.states import RequestStates
+from aioengine.kernels import cpu_kernels
 from aioengine.kernels.attention import AttentionMetadata
 from aioengine.sched.output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 
@@ -51,6 +52,7 @@ class ModelRunner:
             quantize_model(self.model, quantization)
         if device.type == "cpu":
             pack_linears(self.model)  # bf16: oneDNN's blocked layout, once
+            cpu_kernels.load()  # build the C attention kernel now (seconds), not inside the first step
         self.sampler = Sampler(seed, device)
         self.states = RequestStates(max_num_reqs, max_model_len, -(-max_model_len // block_size), device,
                                     vocab_size=self.hf_config.vocab_size)

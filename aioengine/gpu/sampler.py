@@ -60,6 +60,13 @@ class SamplingMetadata:
     grammar: tuple[list[int], torch.Tensor] | None = None  # (rows, int32 bitmask [B, ceil(V / 32)])
 
     @property
+    def plain_greedy(self) -> bool:
+        """Every row greedy, with nothing that changes the logits and no logprobs."""
+        return (self.all_greedy and self.max_num_logprobs is None and self.grammar is None
+                and self.penalties is None and self.banned is None and self.logit_bias is None
+                and self.allowed is None and self.bad_words is None)
+
+    @property
     def may_dead_end(self) -> bool:
         """Whether some row may have every token masked. A grammar alone always allows a token (xgrammar
         never leaves a live matcher without one); with other masks (min_tokens hiding the EOS a complete
@@ -180,6 +187,8 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         """logits [B, V] (modified in place) -> sampled token ids int64 [B] and, if asked, logprobs."""
+        if md.plain_greedy:  # argmax needs no float32 copy: widening bf16 is exact, so the same winner
+            return SamplerOutput(logits.argmax(-1))
         if logits.dtype != torch.float32:
             logits = logits.float()
         # A greedy batch without logprobs checks its argmax against the bitmask first and masks only the

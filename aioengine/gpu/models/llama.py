@@ -197,11 +197,12 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """hidden ``[N, hidden_size]`` -> float32 logits ``[N, vocab_size]``."""
+        """hidden ``[N, hidden_size]`` -> logits ``[N, vocab_size]`` in the model's dtype (the sampler
+        widens them to float32 when it does more than an argmax)."""
         head = self.lm_head
         if isinstance(head, nn.Embedding):  # tied
-            return nn.functional.linear(hidden_states, head.weight).float()
-        return head(hidden_states).float()  # nn.Linear or a quantized head
+            return nn.functional.linear(hidden_states, head.weight)
+        return head(hidden_states)  # nn.Linear, a packed or a quantized head
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the (fused) parameters, casting to their dtype and device."""
