@@ -15,6 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from aioengine.kernels import cpu_kernels
+
+# CPU bf16: the fused C kernels of cpu_elementwise.c (False: the torch ops, the reference; tests flip it).
+use_cpu_kernels = True
+
 
 @functools.cache
 def triton_ops() -> SimpleNamespace:
@@ -45,6 +50,10 @@ class RMSNorm(nn.Module):
         """``norm(x)``; with ``residual``: ``(norm(x + residual), x + residual)`` like vLLM's fused op."""
         if x.is_cuda:
             return triton_ops().rms_norm(x, self.weight, self.variance_epsilon, residual)
+        if use_cpu_kernels and x.dim() == 2 and cpu_kernels.elementwise_ok(x):  # bf16: one fused pass
+            if residual is None:
+                return cpu_kernels.add_rms_norm(None, x, self.weight, self.variance_epsilon)[0]
+            return cpu_kernels.add_rms_norm(x, residual, self.weight, self.variance_epsilon)
         if residual is None:
             return rms_norm(x, self.weight, self.variance_epsilon)
         residual = x + residual
@@ -134,6 +143,9 @@ class RotaryEmbedding(nn.Module):
 
     def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """CPU: rotate ``x`` ``[T, H, D]`` (q and k heads side by side work too) by ``positions``."""
+        if (use_cpu_kernels and self.cos2.dtype == x.dtype and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+                and positions.dtype == torch.int64 and positions.is_contiguous() and cpu_kernels.elementwise_ok(x)):
+            return cpu_kernels.rotary(x, positions, self.cos2, self.sin2)  # bf16: one pass, the same roundings
         memo = self._memo
         if memo is not None and memo[0] is positions:  # every layer of a step shares one lookup
             cos2, sin2 = memo[1], memo[2]

@@ -1,5 +1,5 @@
-"""The CPU decode-attention kernel (cpu_decode_attention.c): built once per machine with the C compiler,
-loaded with ctypes, and called on the worker thread (ctypes releases the GIL for the call).
+"""The CPU's C kernels (cpu_decode_attention.c, cpu_elementwise.c): built once per machine with the C
+compiler into one library, loaded with ctypes, and called on the worker thread (ctypes releases the GIL).
 
 Built with -march=native into ``$AIOENGINE_CACHE_DIR/kernels`` (default ``~/.cache/aioengine``) under
 a name that hashes the source, the compiler and the CPU flags. It links libgomp, which resolves to the
@@ -23,7 +23,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("cpu_decode_attention.c")
+_SOURCES = [Path(__file__).with_name(n) for n in ("cpu_decode_attention.c", "cpu_elementwise.c")]
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -46,15 +46,15 @@ def _cpu_flags() -> str:
 
 def _build(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256("\0".join([_SOURCE.read_text(), version, _cpu_flags(), *_FLAGS]).encode()).hexdigest()
-    target = _cache_dir() / f"cpu_decode_attention-{key[:16]}.so"
+    key = hashlib.sha256("\0".join([*(p.read_text() for p in _SOURCES), version, _cpu_flags(), *_FLAGS]).encode()).hexdigest()
+    target = _cache_dir() / f"cpu_kernels-{key[:16]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
+        subprocess.run([compiler, *_FLAGS, *map(str, _SOURCES), "-o", tmp, "-lm"], capture_output=True, text=True,
                        check=True, timeout=120)
         os.replace(tmp, target)  # atomic: a concurrent builder finds a whole file or none
     finally:
@@ -90,8 +90,51 @@ def load() -> ctypes.CDLL | None:
             fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                            ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
                            ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int]
+        for name, argtypes in _ELEMENTWISE.items():
+            fn = getattr(lib, name)
+            fn.restype = None
+            fn.argtypes = argtypes
         _lib = lib
         return lib
+
+
+_P, _I64, _F, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+_ELEMENTWISE = {
+    "add_rms_norm_bf16": [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _F, _I],
+    "rotary_bf16": [_P, _I64, _P, _P, _P, _P, _I64, _I64, _I64, _I],
+}
+
+
+def elementwise_ok(x: torch.Tensor) -> bool:
+    """Whether the fused elementwise kernels take ``x`` (bf16 on the CPU, rows with unit inner stride)."""
+    return (x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() >= 2 and x.stride(-1) == 1
+            and load() is not None)
+
+
+def add_rms_norm(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(x + residual) * weight, x + residual)``; with ``x`` None, ``(rms_norm(residual) * weight,
+    residual)``. 2-D bf16 ``[rows, hidden]``, rows may be strided."""
+    rows, hidden = residual.shape
+    out = torch.empty((rows, hidden), dtype=residual.dtype)
+    new_residual = residual if x is None else torch.empty((rows, hidden), dtype=residual.dtype)
+    weight = weight.contiguous()
+    _lib.add_rms_norm_bf16(0 if x is None else x.data_ptr(), 0 if x is None else x.stride(0),
+                           residual.data_ptr(), residual.stride(0), new_residual.data_ptr(), weight.data_ptr(),
+                           out.data_ptr(), rows, hidden, eps, torch.get_num_threads())
+    return out, new_residual
+
+
+def rotary(x: torch.Tensor, positions: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [T, H, D]`` (heads contiguous within a token, any token stride) by ``positions`` with the
+    full-width tables ``[max_position, D]``; returns a contiguous ``[T, H, D]``."""
+    tokens, heads, head_dim = x.shape
+    assert x.stride(2) == 1 and x.stride(1) == head_dim and cos2.is_contiguous() and sin2.is_contiguous()
+    assert positions.dtype == torch.int64 and positions.is_contiguous()
+    out = torch.empty((tokens, heads, head_dim), dtype=x.dtype)
+    _lib.rotary_bf16(x.data_ptr(), x.stride(0), positions.data_ptr(), cos2.data_ptr(), sin2.data_ptr(),
+                     out.data_ptr(), tokens, heads, head_dim, torch.get_num_threads())
+    return out
 
 
 def supports(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:

@@ -1,0 +1,65 @@
+"""The fused bf16 C kernels (cpu_elementwise.c) against the torch ops they replace (aioengine/gpu/layers.py)."""
+
+import pytest
+import torch
+
+import aioengine.gpu.layers as layers
+from aioengine.kernels import cpu_kernels
+
+pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler here")
+
+
+def _both(fn):
+    """fn() with the C kernels, then with the torch ops."""
+    try:
+        layers.use_cpu_kernels = True
+        fused = fn()
+        layers.use_cpu_kernels = False
+        return fused, fn()
+    finally:
+        layers.use_cpu_kernels = True
+
+
+def _ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+@pytest.mark.parametrize("hidden", [64, 576, 2048])
+def test_add_rms_norm_matches_the_torch_ops(rows, hidden):
+    gen = torch.Generator().manual_seed(rows * hidden)
+    norm = layers.RMSNorm(hidden, 1e-5, torch.bfloat16)
+    norm.weight.data = torch.randn(hidden, generator=gen).to(torch.bfloat16)
+    x = (3 * torch.randn(rows, hidden, generator=gen)).to(torch.bfloat16)
+    residual = torch.randn(rows, 2 * hidden, generator=gen).to(torch.bfloat16)[:, :hidden]  # strided rows
+    (out_c, res_c), (out_t, res_t) = _both(lambda: norm(x, residual))
+    assert torch.equal(res_c, res_t)  # the residual add rounds once either way
+    # The mean of squares is summed in another order: a normalized value may move by one bf16 ulp, which
+    # the weight's product can round to two.
+    assert _ulps_apart(out_c, out_t).max() <= 2
+    assert (out_c == out_t).float().mean() > 0.99
+    alone_c, alone_t = _both(lambda: norm(x))
+    assert _ulps_apart(alone_c, alone_t).max() <= 2
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 64])
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+def test_rotary_matches_the_torch_ops_bit_for_bit(tokens, head_dim):
+    gen = torch.Generator().manual_seed(tokens + head_dim)
+    rope = layers.RotaryEmbedding(head_dim, 4096, 10000.0, dtype=torch.bfloat16)
+    qkv = (4 * torch.randn(tokens, 7 * head_dim, generator=gen)).to(torch.bfloat16)
+    qk = qkv[:, : 5 * head_dim].view(tokens, 5, head_dim)  # q and k heads of a fused projection
+    positions = torch.randint(0, 4096, (tokens,), generator=gen)
+
+    def rotate():
+        rope._memo = None
+        return rope.rotate(positions, qk)
+
+    fused, reference = _both(rotate)
+    assert fused.is_contiguous() and torch.equal(fused, reference)
+
+
+def test_float32_keeps_the_torch_ops():
+    assert not cpu_kernels.elementwise_ok(torch.zeros(2, 4))
+    assert cpu_kernels.elementwise_ok(torch.zeros(2, 4, dtype=torch.bfloat16))
+    assert not cpu_kernels.elementwise_ok(torch.zeros(4, 2, dtype=torch.bfloat16).t())
