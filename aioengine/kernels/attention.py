@@ -20,6 +20,7 @@ from aioengine.kernels import cpu_kernels
 
 # The C decode kernel when it builds here (tests turn it off to exercise the torch path).
 use_cpu_kernel = True
+use_cpu_prefill = True  # prefill chunks through the same kernel, one row per query token
 
 # enable_gqa appeared in torch 2.5; older torch gets explicit repeats on the prefill path.
 _HAS_ENABLE_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
@@ -40,6 +41,22 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     # Torch path only: decode grouping planned by the first layer of a step, reused by the others.
     decode_groups: list[_DecodeGroup] | None = None
+    # C path: every query token as its own row (its seq_len, its request's block table), built by the
+    # first layer of a step that has prefill chunks, reused by the others.
+    token_rows: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def per_token_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block table ``[T, max_blocks]``, seq_lens ``[T]``), both int32: token j of request i sees
+        cache positions ``0..seq_lens[i] - q_len_i + j``, i.e. a decode of that length."""
+        if self.token_rows is None:
+            starts = self.query_start_loc_cpu
+            q_lens = torch.tensor(starts[1:], dtype=torch.int64) - torch.tensor(starts[:-1], dtype=torch.int64)
+            owner = torch.repeat_interleave(torch.arange(self.num_reqs), q_lens)
+            ends = torch.tensor(self.seq_lens_cpu, dtype=torch.int64)
+            start_of_owner = torch.tensor(starts[:-1], dtype=torch.int64)[owner]
+            seq = ends[owner] - (q_lens[owner] - 1) + (torch.arange(len(owner)) - start_of_owner)
+            self.token_rows = (self.block_table.index_select(0, owner), seq.to(torch.int32))
+        return self.token_rows
 
     @classmethod
     def build(
@@ -303,6 +320,17 @@ def paged_attention(
     num_decodes = meta.num_decodes
     if meta.num_reqs == num_decodes and query.shape[0] == num_decodes:
         return _decodes(query, kv_cache, meta, scale)  # pure decode: no extra copy
+    if use_cpu_kernel and use_cpu_prefill and cpu_kernels.fast_prefill(query, kv_cache):
+        # Every query token is a decode of its own length (the C kernel streams the request's blocks,
+        # which stay in cache across its tokens): no gather, no mask, one call for the whole batch.
+        table, seq_lens = meta.per_token_rows()
+        n = meta.num_actual_tokens
+        out = cpu_kernels.decode_attention(query[:n], kv_cache, table, seq_lens, scale)
+        if query.shape[0] == n:
+            return out
+        padded = torch.zeros_like(query)
+        padded[:n] = out
+        return padded
     output = torch.zeros_like(query) if query.shape[0] > meta.num_actual_tokens else torch.empty_like(query)
     if num_decodes > 0:
         output[:num_decodes] = _decodes(query, kv_cache, meta, scale)

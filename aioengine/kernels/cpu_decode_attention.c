@@ -324,3 +324,12 @@ int decode_attention_bf16(const uint16_t *query, int64_t query_stride, const uin
                                          seq_lens, out, num_reqs, num_heads, num_kv_heads, head_dim, block_size,
                                          scale, num_threads);
 }
+
+/* Whether decode_attention_bf16 has its AVX512-BF16 loop (the caller routes prefill through it only then). */
+int decode_attention_bf16_vectorized(void) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}

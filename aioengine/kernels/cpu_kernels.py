@@ -90,6 +90,8 @@ def load() -> ctypes.CDLL | None:
             fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                            ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
                            ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int]
+        lib.decode_attention_bf16_vectorized.restype = ctypes.c_int
+        lib.decode_attention_bf16_vectorized.argtypes = []
         for name, argtypes in _ELEMENTWISE.items():
             fn = getattr(lib, name)
             fn.restype = None
@@ -144,6 +146,15 @@ def supports(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     return (query.dtype in _FUNCS and kv_cache.dtype == query.dtype and query.device.type == "cpu"
             and head_dim <= 256 and num_heads // num_kv_heads <= 16 and block_size <= 64
             and query.stride(2) == 1 and query.stride(1) == head_dim and kv_cache.is_contiguous())
+
+
+def fast_prefill(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether prefill chunks should run through the decode kernel, one row per query token: measured
+    faster than gather + SDPA for bf16 on the AVX512-BF16 loop (2.4x at 3 x 170 tokens, 1.2x at 512 tokens
+    over 2048), slower for float32 (the generic loop), where SDPA's GEMMs win."""
+    lib = load()
+    return (lib is not None and query.dtype == torch.bfloat16 and query.shape[2] % 32 == 0
+            and bool(lib.decode_attention_bf16_vectorized()) and supports(query, kv_cache))
 
 
 def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
