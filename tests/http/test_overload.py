@@ -2,9 +2,9 @@
 the others get a quick 503 + Retry-After, the engine's queue never passes the limit, memory stays bounded,
 and the server serves normally afterwards.
 
-The 1,000 requests reach the server within ~30 ms, while torch computes on the same two cores: the last
-refusal waits for the loop to answer the ones before it. docs/reliability.md has the measured figures (the
-HTTP path alone answers the whole burst within ~50 ms).
+The load generator opens its 1,000 connections first, then writes every request at once (pre-encoded bytes,
+so its own CPU time barely delays the responses it times), while torch computes on the same two cores: the
+last refusal waits for the loop to answer the ones before it. docs/reliability.md has the measured figures.
 """
 
 from __future__ import annotations
@@ -24,8 +24,7 @@ from tests.http.conftest import OVERLOAD_QUEUE_LIMIT, Http
 
 N_REQUESTS = 1000
 MAX_TOKENS = 4
-REFUSAL_P50_S = 0.15  # from the moment a request was sent to its 503 (p50 ~0.09 s on 2 busy cores)
-REFUSAL_MAX_S = 0.25  # every one: a refusal never waits for an engine step or the queue (seconds)
+REFUSAL_MAX_S = 0.1  # issue 7: every 503 within 100 ms of its request (measured max 55-70 ms on 2 busy cores)
 RSS_GROWTH_MB = 300
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -94,7 +93,7 @@ def test_1000_concurrent_requests_against_a_queue_of_128(server, tmp_path):
         assert retry_after == "1" and data["error"]["code"] == "queue_full"
     refusals = sorted(r[1] for r in refused)
     p50 = refusals[len(refusals) // 2]
-    assert p50 < REFUSAL_P50_S and refusals[-1] < REFUSAL_MAX_S, f"503 p50 {p50 * 1000:.0f} ms, max {refusals[-1] * 1000:.0f} ms"
+    assert refusals[-1] < REFUSAL_MAX_S, f"503 p50 {p50 * 1000:.0f} ms, max {refusals[-1] * 1000:.0f} ms"
     assert stats["max_waiting"] <= OVERLOAD_QUEUE_LIMIT
     assert stats["rss_growth"] < RSS_GROWTH_MB
     assert server.wait_idle(5.0)["unfinished"] == 0
