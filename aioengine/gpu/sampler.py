@@ -187,8 +187,9 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         """logits [B, V] (modified in place) -> sampled token ids int64 [B] and, if asked, logprobs."""
-        if md.plain_greedy:  # argmax needs no float32 copy: widening bf16 is exact, so the same winner
-            return SamplerOutput(logits.argmax(-1))
+        if md.plain_greedy:  # nothing to apply: skip the sampler's float32 temporaries
+            # (widening is exact, so the same winner; on the CPU torch's bf16 argmax is 5x slower than this)
+            return SamplerOutput(logits.float().argmax(-1) if logits.dtype != torch.float32 else logits.argmax(-1))
         if logits.dtype != torch.float32:
             logits = logits.float()
         # A greedy batch without logprobs checks its argmax against the bitmask first and masks only the
