@@ -135,7 +135,8 @@ class AsyncEngine:
         self._task: asyncio.Task | None = None
         self._dead: EngineDeadError | None = None
         self._stopping = False
-        self._structured: Any = None  # StructuredOutputManager, made at the first structured request
+        self._structured: Any = None  # StructuredOutputManager, built off the loop after start()
+        self._structured_build: concurrent.futures.Future | None = None
         self._token_text: dict[int, str] = {}  # decoded single tokens, for logprobs
         self.stat_listeners: list[Callable[[SchedulerStats, list[EngineCoreOutput]], None]] = []
         self.request_listeners: list[Callable[[RequestOutput, _RequestState], None]] = []
@@ -203,6 +204,11 @@ class AsyncEngine:
             num_blocks=num_blocks, block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
             long_prefill_token_threshold=args.long_prefill_token_threshold, policy=args.scheduling_policy))
         self._task = asyncio.create_task(self._run(), name="aioengine-step-loop")
+        # xgrammar's tokenizer tables take ~0.1 s to build: on a thread now (it releases the GIL), not on the
+        # loop inside the first structured request.
+        builder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="aioengine-grammar")
+        self._structured_build = builder.submit(self._new_structured_output_manager)
+        builder.shutdown(wait=False)
         logger.info("engine started in %.1f s: model=%s device=%s dtype=%s max_model_len=%d kv_blocks=%d "
                     "(%d tokens) max_num_batched_tokens=%d max_num_seqs=%d", time.perf_counter() - t0,
                     self.model_path, device, dtype, max_model_len, num_blocks, self.kv_capacity_tokens,
@@ -253,6 +259,7 @@ class AsyncEngine:
         elif isinstance(prompt, list | tuple):
             prompt_text = None
             prompt_ids = list(prompt)
+            self._check_prompt_length(len(prompt_ids))  # before scanning millions of ids on the loop
             if not all(type(t) is int and 0 <= t < self.vocab_size for t in prompt_ids):
                 raise InvalidRequestError(f"prompt token ids must be integers in [0, {self.vocab_size}).",
                                           param="prompt")
@@ -276,12 +283,7 @@ class AsyncEngine:
     def _add(self, prompt: str | None, prompt_ids: list[int], params: SamplingParams, request_id: str | None,
              priority: int, cache_salt: str | None) -> GenerateHandle:
         num_prompt = len(prompt_ids)
-        if num_prompt == 0:
-            raise InvalidRequestError("The prompt cannot be empty.", param="prompt")
-        if num_prompt >= self.max_model_len:
-            raise InvalidRequestError(
-                f"The prompt is {num_prompt} tokens long, which is not shorter than this model's maximum "
-                f"context length of {self.max_model_len} tokens.", param="prompt", code="context_length_exceeded")
+        self._check_prompt_length(num_prompt)
         max_tokens = params.max_tokens
         if max_tokens is None:
             max_tokens = self.max_model_len - num_prompt
@@ -328,11 +330,27 @@ class AsyncEngine:
         self._wakeup.set()
         return GenerateHandle(self, state)
 
+    def _new_structured_output_manager(self) -> Any:
+        from aioengine.structured import StructuredOutputManager
+
+        return StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_id)
+
+    def _check_prompt_length(self, num_prompt: int) -> None:
+        if num_prompt == 0:
+            raise InvalidRequestError("The prompt cannot be empty.", param="prompt")
+        if num_prompt >= self.max_model_len:
+            raise InvalidRequestError(
+                f"The prompt is {num_prompt} tokens long, which is not shorter than this model's maximum "
+                f"context length of {self.max_model_len} tokens.", param="prompt", code="context_length_exceeded")
+
     def _structured_output_manager(self) -> Any:
         if self._structured is None:
-            from aioengine.structured import StructuredOutputManager
-
-            self._structured = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_id)
+            build = self._structured_build
+            try:  # normally long done; a structured request in the first ~0.1 s waits for it
+                manager = build.result() if build is not None else None
+            except Exception:  # e.g. xgrammar missing: build again here, so the request gets the error
+                manager = None
+            self._structured = manager or self._new_structured_output_manager()
             self.scheduler.structured_output_manager = self._structured
         return self._structured
 
