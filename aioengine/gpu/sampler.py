@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from aioengine.kernels import cpu_kernels
+
 _EPS = 1e-5
 _NEG_INF = float("-inf")
 
@@ -188,8 +190,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         """logits [B, V] (modified in place) -> sampled token ids int64 [B] and, if asked, logprobs."""
         if md.plain_greedy:  # nothing to apply: skip the sampler's float32 temporaries
-            # (widening is exact, so the same winner; on the CPU torch's bf16 argmax is 5x slower than this)
-            return SamplerOutput(logits.float().argmax(-1) if logits.dtype != torch.float32 else logits.argmax(-1))
+            return SamplerOutput(_greedy(logits))
         if logits.dtype != torch.float32:
             logits = logits.float()
         # A greedy batch without logprobs checks its argmax against the bitmask first and masks only the
@@ -283,6 +284,16 @@ class Sampler:
                 noise[row] = torch.rand(vocab_size, generator=gen, device=probs.device)[token_ids[row]]
         noise.log_().neg_()
         return (probs / noise).argmax(-1)
+
+
+def _greedy(logits: torch.Tensor) -> torch.Tensor:
+    """argmax of each row. Widening bf16 is exact (the same winner), and torch's CPU argmax is 5x faster on
+    float32 than on bf16; the C kernel skips the widened copy altogether."""
+    if logits.dtype == torch.float32:
+        return logits.argmax(-1)
+    if logits.dtype == torch.bfloat16 and logits.dim() == 2 and logits.stride(-1) == 1 and cpu_kernels.elementwise_ok(logits):
+        return cpu_kernels.argmax(logits)
+    return logits.float().argmax(-1)
 
 
 def _rows(t: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:

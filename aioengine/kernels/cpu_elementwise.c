@@ -83,3 +83,60 @@ void rotary_bf16(const uint16_t *x, int64_t token_stride, const int64_t *positio
         }
     }
 }
+
+/* A key whose unsigned order is the float order of a bf16: -0 counts as +0 (torch's ties pick the first of
+ * either), and every NaN is the largest (torch's argmax returns the first NaN). Integer ops only, so
+ * -ffast-math cannot reorder or drop them. */
+static inline uint16_t bf16_order_key(uint16_t h) {
+    if ((h & 0x7fffu) > 0x7f80u) return 0xffffu; /* NaN */
+    if (h == 0x8000u) h = 0;                     /* -0 */
+    return (uint16_t)((h & 0x8000u) ? ~h : (h | 0x8000u));
+}
+
+#if defined(__AVX512BW__)
+#include <immintrin.h>
+
+static inline __m512i bf16_order_keys(__m512i v) { /* bf16_order_key on 32 lanes */
+    const __mmask32 nan = _mm512_cmpgt_epu16_mask(_mm512_and_si512(v, _mm512_set1_epi16(0x7fff)),
+                                                  _mm512_set1_epi16(0x7f80));
+    v = _mm512_mask_mov_epi16(v, _mm512_cmpeq_epi16_mask(v, _mm512_set1_epi16((short)0x8000)), _mm512_setzero_si512());
+    const __mmask32 neg = _mm512_test_epi16_mask(v, _mm512_set1_epi16((short)0x8000));
+    __m512i k = _mm512_mask_mov_epi16(_mm512_or_si512(v, _mm512_set1_epi16((short)0x8000)), neg,
+                                      _mm512_xor_si512(v, _mm512_set1_epi16(-1)));
+    return _mm512_mask_mov_epi16(k, nan, _mm512_set1_epi16(-1));
+}
+
+static int64_t argmax_row(const uint16_t *row, int64_t cols) {
+    __m512i best = _mm512_setzero_si512();
+    int64_t j = 0;
+    for (; j + 32 <= cols; j += 32) best = _mm512_max_epu16(best, bf16_order_keys(_mm512_loadu_si512(row + j)));
+    uint16_t lanes[32], top = 0;
+    _mm512_storeu_si512(lanes, best);
+    for (int l = 0; l < 32; l++) top = lanes[l] > top ? lanes[l] : top;
+    for (int64_t t = j; t < cols; t++) top = bf16_order_key(row[t]) > top ? bf16_order_key(row[t]) : top;
+    const __m512i want = _mm512_set1_epi16((short)top);
+    for (j = 0; j + 32 <= cols; j += 32) {
+        const __mmask32 hit = _mm512_cmpeq_epi16_mask(bf16_order_keys(_mm512_loadu_si512(row + j)), want);
+        if (hit) return j + __builtin_ctz(hit);
+    }
+    for (; j < cols; j++)
+        if (bf16_order_key(row[j]) == top) return j;
+    return 0;
+}
+#else
+static int64_t argmax_row(const uint16_t *row, int64_t cols) {
+    uint16_t top = 0;
+    for (int64_t j = 0; j < cols; j++) top = bf16_order_key(row[j]) > top ? bf16_order_key(row[j]) : top;
+    for (int64_t j = 0; j < cols; j++)
+        if (bf16_order_key(row[j]) == top) return j;
+    return 0;
+}
+#endif
+
+/* out[i] = the first index of row i's largest value (torch.argmax's answer), for bf16 logits: widening them
+ * to float32 first (what torch needs for a fast argmax on the CPU) writes and reads the rows twice more. */
+void argmax_bf16(const uint16_t *x, int64_t row_stride, int64_t rows, int64_t cols, int64_t *out,
+                 int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows * cols >= PARALLEL_MIN_ELEMS)
+    for (int64_t i = 0; i < rows; i++) out[i] = argmax_row(x + i * row_stride, cols);
+}

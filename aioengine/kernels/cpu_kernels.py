@@ -24,7 +24,10 @@ import torch
 logger = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).with_name(n) for n in ("cpu_decode_attention.c", "cpu_elementwise.c")]
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]  # compile only
+# Linked without -ffast-math: with it, gcc < 13 adds crtfastmath.o even to a shared library, whose
+# constructor turns on flush-to-zero for the thread that loads it (a process-wide change of float results).
+_LINK_FLAGS = ["-shared", "-fopenmp"]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _failed = False
@@ -46,20 +49,21 @@ def _cpu_flags() -> str:
 
 def _build(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256("\0".join([*(p.read_text() for p in _SOURCES), version, _cpu_flags(), *_FLAGS]).encode()).hexdigest()
+    key = hashlib.sha256("\0".join([*(p.read_text() for p in _SOURCES), version, _cpu_flags(), *_FLAGS,
+                                    *_LINK_FLAGS]).encode()).hexdigest()
     target = _cache_dir() / f"cpu_kernels-{key[:16]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        subprocess.run([compiler, *_FLAGS, *map(str, _SOURCES), "-o", tmp, "-lm"], capture_output=True, text=True,
+    with tempfile.TemporaryDirectory(dir=target.parent) as work:
+        objects = [str(Path(work) / f"{src.stem}.o") for src in _SOURCES]
+        for src, obj in zip(_SOURCES, objects, strict=True):
+            subprocess.run([compiler, *_FLAGS, "-c", str(src), "-o", obj], capture_output=True, text=True,
+                           check=True, timeout=120)
+        tmp = str(Path(work) / "lib.so")
+        subprocess.run([compiler, *_LINK_FLAGS, *objects, "-o", tmp, "-lm"], capture_output=True, text=True,
                        check=True, timeout=120)
         os.replace(tmp, target)  # atomic: a concurrent builder finds a whole file or none
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
     return target
 
 
@@ -104,6 +108,7 @@ _P, _I64, _F, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _ELEMENTWISE = {
     "add_rms_norm_bf16": [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _F, _I],
     "rotary_bf16": [_P, _I64, _P, _P, _P, _P, _I64, _I64, _I64, _I],
+    "argmax_bf16": [_P, _I64, _I64, _I64, _P, _I],
 }
 
 
@@ -146,6 +151,15 @@ def supports(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     return (query.dtype in _FUNCS and kv_cache.dtype == query.dtype and query.device.type == "cpu"
             and head_dim <= 256 and num_heads // num_kv_heads <= 16 and block_size <= 64
             and query.stride(2) == 1 and query.stride(1) == head_dim and kv_cache.is_contiguous())
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(-1)`` (int64) for 2-D bf16 ``x`` with unit inner stride, the same indices (ties and NaNs
+    included) without widening the rows to float32."""
+    rows, cols = x.shape
+    out = torch.empty(rows, dtype=torch.int64)
+    _lib.argmax_bf16(x.data_ptr(), x.stride(0), rows, cols, out.data_ptr(), torch.get_num_threads())
+    return out
 
 
 def fast_prefill(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:

@@ -1,5 +1,6 @@
 """paged_attention against the per-token reference and against dense causal attention."""
 
+import subprocess
 import sys
 
 import pytest
@@ -155,6 +156,15 @@ def test_the_c_decode_kernel_builds_here():
     from aioengine.kernels import cpu_kernels
 
     assert cpu_kernels.load() is not None, "gcc should build cpu_decode_attention.c on this machine"
+
+
+def test_loading_the_c_kernels_keeps_subnormal_floats():
+    """gcc < 13 links -ffast-math's crtfastmath.o into shared libraries too: loading one would turn on
+    flush-to-zero in the loading thread (hypothesis, numpy and torch then see subnormals vanish)."""
+    code = ("from aioengine.kernels import cpu_kernels; import torch\n"
+            "assert cpu_kernels.load() is not None\n"
+            "assert 5e-324 * 1.0 > 0 and (torch.tensor([1e-40]) * 1.0).item() > 0, 'flush-to-zero is on'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

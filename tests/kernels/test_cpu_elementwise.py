@@ -63,3 +63,22 @@ def test_float32_keeps_the_torch_ops():
     assert not cpu_kernels.elementwise_ok(torch.zeros(2, 4))
     assert cpu_kernels.elementwise_ok(torch.zeros(2, 4, dtype=torch.bfloat16))
     assert not cpu_kernels.elementwise_ok(torch.zeros(4, 2, dtype=torch.bfloat16).t())
+
+
+@pytest.mark.parametrize("cols", [1, 31, 32, 1000, 49157])
+def test_argmax_matches_torch_with_ties_nans_and_signed_zeros(cols):
+    gen = torch.Generator().manual_seed(cols)
+    x = torch.randint(-3, 4, (9, cols), generator=gen).float()  # many ties: the first index must win
+    x[1] = -x[1].abs() - 1
+    x[1, cols // 2] = -0.5  # largest in an all-negative row
+    x[2] = -0.0
+    x[2, cols - 1] = 0.0  # -0 and +0 tie: the first
+    x[3, cols // 3] = float("nan")  # torch's argmax returns the first NaN
+    x[4] = float("-inf")
+    x[5] = float("nan")
+    x[6, -1] = 100.0  # the tail past the last full vector
+    bf = x.bfloat16()
+    assert torch.equal(cpu_kernels.argmax(bf), bf.float().argmax(-1))
+    strided = torch.zeros(9, cols + 7, dtype=torch.bfloat16)[:, :cols]
+    strided.copy_(bf)
+    assert torch.equal(cpu_kernels.argmax(strided), bf.float().argmax(-1))
