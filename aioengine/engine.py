@@ -7,6 +7,7 @@ import collections
 import concurrent.futures
 import contextlib
 import logging
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -150,6 +151,10 @@ class AsyncEngine:
         args = self.args
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
+        if args.resolved_device() == "cpu":  # gcc builds the C kernels (~3 s cold) while the model loads
+            from aioengine.kernels import cpu_kernels
+
+            threading.Thread(target=cpu_kernels.load, name="aioengine-cpu-kernels", daemon=True).start()
         if args.model.startswith(_RANDOM_PREFIX):  # random weights of a known shape: no files
             self.model_path = args.model
         else:
