@@ -1,7 +1,9 @@
 """Paged attention over a block-structured KV cache: metadata, KV store and the torch (CPU) path.
 
 Layout (vLLM's): ``kv_cache[layer]`` is ``[2, num_blocks, block_size, num_kv_heads, head_size]``;
-index 0 holds keys, 1 values. A token's slot is ``block_id * block_size + offset``.
+index 0 holds keys, 1 values. A token's slot is ``block_id * block_size + offset``. On the CPU the same
+shape is a view of head-major memory (``[2, num_blocks, num_kv_heads, block_size, head_size]``,
+``gpu/loader.py``); every function here takes either.
 
 The flat batch is sorted decodes first: requests ``0..num_decodes-1`` have exactly one query token.
 The j-th query token of request i sits at position ``seq_lens[i] - q_len_i + j`` and attends
@@ -115,17 +117,26 @@ def store_kv(
     num_tokens = slot_mapping.shape[0]
     if key.shape[0] != num_tokens:  # padded past num_tokens
         key, value = key[:num_tokens], value[:num_tokens]
+    if use_cpu_kernel and cpu_kernels.store_ok(key, kv_cache):
+        cpu_kernels.store_kv(key, value, kv_cache, slot_mapping)
+        return
     views = _views(kv_cache)
-    views.key_slots.index_copy_(0, slot_mapping, key)
-    views.value_slots.index_copy_(0, slot_mapping, value)
+    if views.key_slots is not None:
+        views.key_slots.index_copy_(0, slot_mapping, key)
+        views.value_slots.index_copy_(0, slot_mapping, value)
+    else:  # a head-major cache (the CPU's layout): slots are not one flat dimension
+        block_size = kv_cache.shape[2]
+        blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+        views.key_blocks[blocks, offsets] = key
+        views.value_blocks[blocks, offsets] = value
 
 
 @dataclass(slots=True)
 class _CacheViews:
     key_blocks: torch.Tensor  # [num_blocks, block_size, Hkv, D]
     value_blocks: torch.Tensor
-    key_slots: torch.Tensor  # [num_blocks * block_size, Hkv, D]
-    value_slots: torch.Tensor
+    key_slots: torch.Tensor | None  # [num_blocks * block_size, Hkv, D]; None when the layout has no such view
+    value_slots: torch.Tensor | None
 
 
 def _views(kv_cache: torch.Tensor) -> _CacheViews:
@@ -135,7 +146,9 @@ def _views(kv_cache: torch.Tensor) -> _CacheViews:
     if views is None:
         k, v = kv_cache.unbind(0)
         h, d = kv_cache.shape[-2], kv_cache.shape[-1]
-        views = kv_cache._aioengine_views = _CacheViews(k, v, k.view(-1, h, d), v.view(-1, h, d))
+        flat = k.is_contiguous()  # token-major; the CPU's head-major cache is a transposed view
+        views = kv_cache._aioengine_views = _CacheViews(k, v, k.view(-1, h, d) if flat else None,
+                                                        v.view(-1, h, d) if flat else None)
     return views
 
 

@@ -5,7 +5,8 @@
  * once, scores the query heads of its GQA group against each key, and keeps a running softmax
  * (flash-decoding's rescaling per block), so there is no gather, no padding and no mask.
  *
- * Layouts (aioengine/kernels/attention.py): key/value caches [num_blocks, block_size, Hkv, D];
+ * Layouts (aioengine/kernels/attention.py): key/value caches [num_blocks, block_size, Hkv, D] with any
+ * block, token and head strides (elements; D contiguous): token-major, or the CPU's head-major memory;
  * query [B, Hq, D] with a token stride; block_table [B, table_stride] int32; seq_lens [B] int32.
  * Accumulation is in float32; bf16 inputs are widened exactly and the output rounded to nearest even.
  *
@@ -42,11 +43,9 @@ static inline uint16_t float_to_bf16(float f) {
     int NAME(const T *query, int64_t query_stride, const T *key_cache, const T *value_cache,            \
              const int32_t *block_table, int64_t table_stride, const int32_t *seq_lens, T *out,           \
              int num_reqs, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,    \
-             int num_threads) {                                                                          \
+             int64_t block_stride, int64_t token_stride, int64_t head_stride, int num_threads) {         \
         const int group = num_heads / num_kv_heads;                                                      \
         if (head_dim > MAX_HEAD_DIM || group > MAX_GROUP || block_size > MAX_BLOCK) return -1;           \
-        const int64_t token_stride = (int64_t)num_kv_heads * head_dim;                                   \
-        const int64_t block_stride = token_stride * block_size;                                          \
         _Pragma("omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)")            \
         for (int r = 0; r < num_reqs; r++) {                                                             \
             for (int kvh = 0; kvh < num_kv_heads; kvh++) {                                               \
@@ -67,7 +66,7 @@ static inline uint16_t float_to_bf16(float f) {
                 for (int start = 0; start < seq_len; start += block_size) {                              \
                     const int n = seq_len - start < block_size ? seq_len - start : block_size;           \
                     const int64_t base = (int64_t)blocks[start / block_size] * block_stride               \
-                                         + (int64_t)kvh * head_dim;                                      \
+                                         + (int64_t)kvh * head_stride;                                   \
                     for (int t = 0; t < n; t++) {                                                        \
                         const T *kp = key_cache + base + t * token_stride;                               \
                         for (int d = 0; d < head_dim; d++) row[d] = LOAD(kp[d]);                         \
@@ -228,11 +227,10 @@ static int decode_attention_bf16_avx512(const uint16_t *query, int64_t query_str
                                         const uint16_t *value_cache, const int32_t *block_table,
                                         int64_t table_stride, const int32_t *seq_lens, uint16_t *out, int num_reqs,
                                         int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
+                                        int64_t block_stride, int64_t token_stride, int64_t head_stride,
                                         int num_threads) {
     const int group = num_heads / num_kv_heads;
     const int halves = head_dim / 32;
-    const int64_t token_stride = (int64_t)num_kv_heads * head_dim;
-    const int64_t block_stride = token_stride * block_size;
 #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)
     for (int r = 0; r < num_reqs; r++) {
         for (int kvh = 0; kvh < num_kv_heads; kvh++) {
@@ -246,7 +244,7 @@ static int decode_attention_bf16_avx512(const uint16_t *query, int64_t query_str
             const int seq_len = seq_lens[r];
             const int32_t *blocks = block_table + (int64_t)r * table_stride;
             const int last = (seq_len - 1) / block_size;
-            const uint16_t *k_head = key_cache + (int64_t)kvh * head_dim, *v_head = value_cache + (int64_t)kvh * head_dim;
+            const uint16_t *k_head = key_cache + (int64_t)kvh * head_stride, *v_head = value_cache + (int64_t)kvh * head_stride;
             for (int pos = 0; pos < seq_len;) {
                 const int in_block = pos % block_size, j = pos / block_size;
                 if (in_block == 0) /* this head's rows of the block after next: scattered blocks defeat the
@@ -312,17 +310,18 @@ static int decode_attention_bf16_avx512(const uint16_t *query, int64_t query_str
 int decode_attention_bf16(const uint16_t *query, int64_t query_stride, const uint16_t *key_cache,
                           const uint16_t *value_cache, const int32_t *block_table, int64_t table_stride,
                           const int32_t *seq_lens, uint16_t *out, int num_reqs, int num_heads, int num_kv_heads,
-                          int head_dim, int block_size, float scale, int num_threads) {
+                          int head_dim, int block_size, float scale, int64_t block_stride, int64_t token_stride,
+                          int64_t head_stride, int num_threads) {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
     if (head_dim % 32 == 0 && head_dim <= MAX_HEAD_DIM && num_heads / num_kv_heads <= MAX_GROUP
         && block_size <= MAX_BLOCK)
         return decode_attention_bf16_avx512(query, query_stride, key_cache, value_cache, block_table, table_stride,
                                             seq_lens, out, num_reqs, num_heads, num_kv_heads, head_dim, block_size,
-                                            scale, num_threads);
+                                            scale, block_stride, token_stride, head_stride, num_threads);
 #endif
     return decode_attention_bf16_generic(query, query_stride, key_cache, value_cache, block_table, table_stride,
                                          seq_lens, out, num_reqs, num_heads, num_kv_heads, head_dim, block_size,
-                                         scale, num_threads);
+                                         scale, block_stride, token_stride, head_stride, num_threads);
 }
 
 /* Whether decode_attention_bf16 has its AVX512-BF16 loop (the caller routes prefill through it only then). */
@@ -332,4 +331,21 @@ int decode_attention_bf16_vectorized(void) {
 #else
     return 0;
 #endif
+}
+
+/* Write T tokens' keys and values ([T, Hkv, D] with token strides, any element size) into their cache slots
+ * (slot = block * block_size + offset) of a cache with the given strides (elements). */
+void store_kv_cpu(const char *key, int64_t key_stride, const char *value, int64_t value_stride, char *key_cache,
+                  char *value_cache, const int64_t *slots, int64_t num_tokens, int num_kv_heads, int head_dim,
+                  int block_size, int64_t block_stride, int64_t token_stride, int64_t head_stride, int elem) {
+    const size_t row = (size_t)head_dim * elem;
+    for (int64_t t = 0; t < num_tokens; t++) {
+        const int64_t slot = slots[t];
+        const int64_t base = (slot / block_size) * block_stride + (slot % block_size) * token_stride;
+        for (int h = 0; h < num_kv_heads; h++) {
+            const int64_t at = (base + h * head_stride) * elem;
+            memcpy(key_cache + at, key + (t * key_stride + (int64_t)h * head_dim) * elem, row);
+            memcpy(value_cache + at, value + (t * value_stride + (int64_t)h * head_dim) * elem, row);
+        }
+    }
 }

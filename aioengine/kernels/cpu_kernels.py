@@ -93,7 +93,8 @@ def load() -> ctypes.CDLL | None:
             fn.restype = ctypes.c_int
             fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                            ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
-                           ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int]
+                           ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int64,
+                           ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
         lib.decode_attention_bf16_vectorized.restype = ctypes.c_int
         lib.decode_attention_bf16_vectorized.argtypes = []
         for name, argtypes in _ELEMENTWISE.items():
@@ -109,6 +110,7 @@ _ELEMENTWISE = {
     "add_rms_norm_bf16": [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _F, _I],
     "rotary_bf16": [_P, _I64, _P, _P, _P, _P, _I64, _I64, _I64, _I],
     "argmax_bf16": [_P, _I64, _I64, _I64, _P, _I],
+    "store_kv_cpu": [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I, _I, _I, _I64, _I64, _I64, _I],
 }
 
 
@@ -150,7 +152,7 @@ def supports(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     return (query.dtype in _FUNCS and kv_cache.dtype == query.dtype and query.device.type == "cpu"
             and head_dim <= 256 and num_heads // num_kv_heads <= 16 and block_size <= 64
-            and query.stride(2) == 1 and query.stride(1) == head_dim and kv_cache.is_contiguous())
+            and query.stride(2) == 1 and query.stride(1) == head_dim and kv_cache.stride(4) == 1)
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
@@ -160,6 +162,24 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows, dtype=torch.int64)
     _lib.argmax_bf16(x.data_ptr(), x.stride(0), rows, cols, out.data_ptr(), torch.get_num_threads())
     return out
+
+
+def store_ok(key: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether store_kv takes these (CPU tensors of one dtype, rows of D contiguous elements)."""
+    return (kv_cache.device.type == "cpu" and key.dtype == kv_cache.dtype and key.stride(-1) == 1
+            and key.stride(-2) == key.shape[-1] and kv_cache.stride(4) == 1 and load() is not None)
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write ``key``/``value`` ``[T, Hkv, D]`` into the cache slots ``slot_mapping`` ``[T]`` (int64)."""
+    assert value.stride(-1) == 1 and value.stride(-2) == value.shape[-1] and value.dtype == key.dtype
+    slots = slot_mapping if slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous() \
+        else slot_mapping.to(torch.int64).contiguous()
+    value_offset = kv_cache.stride(0) * kv_cache.element_size()
+    _lib.store_kv_cpu(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), kv_cache.data_ptr(),
+                      kv_cache.data_ptr() + value_offset, slots.data_ptr(), slots.shape[0], kv_cache.shape[3],
+                      kv_cache.shape[4], kv_cache.shape[2], kv_cache.stride(1), kv_cache.stride(2),
+                      kv_cache.stride(3), kv_cache.element_size())
 
 
 def fast_prefill(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
@@ -186,6 +206,7 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     status = getattr(lib, _FUNCS[query.dtype])(
         query.data_ptr(), query.stride(0), kv_cache.data_ptr(), kv_cache.data_ptr() + value_offset,
         block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(), out.data_ptr(), num_reqs,
-        num_heads, num_kv_heads, head_dim, block_size, scale, torch.get_num_threads())
+        num_heads, num_kv_heads, head_dim, block_size, scale, kv_cache.stride(1), kv_cache.stride(2),
+        kv_cache.stride(3), torch.get_num_threads())
     assert status == 0, "kernel rejected the shapes"
     return out

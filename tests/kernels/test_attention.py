@@ -26,6 +26,27 @@ def decode_path(request, monkeypatch):
     monkeypatch.setattr(attention, "use_cpu_kernel", request.param == "c-kernel")
     return request.param
 
+
+@pytest.fixture(autouse=True, params=["token-major", "head-major"])
+def cache_layout(request, monkeypatch):
+    """Every cache _setup builds comes token-major and head-major (the CPU's layout, gpu/loader.py)."""
+    monkeypatch.setattr(sys.modules[__name__], "LAYOUT", request.param)
+    return request.param
+
+
+LAYOUT = "token-major"
+
+
+def _in_layout(kv_cache: torch.Tensor) -> torch.Tensor:
+    """The same cache contents, laid out as LAYOUT says (the shape is the same either way)."""
+    if LAYOUT == "token-major":
+        return kv_cache
+    two, blocks, size, heads, dim = kv_cache.shape
+    head_major = torch.empty(two, blocks, heads, size, dim, dtype=kv_cache.dtype).transpose(2, 3)
+    head_major.copy_(kv_cache)
+    assert head_major.stride(3) == size * dim
+    return head_major
+
 # (query_len, seq_len) per request, decodes first: decodes, chunks from 0 and mid-sequence chunks.
 BATCHES = [
     [(1, 1), (1, 7), (1, 17), (5, 5), (4, 13), (9, 9), (3, 20)],
@@ -49,7 +70,7 @@ def _setup(batch, block_size, group, seed=0):
     for i, n in enumerate(blocks_per_req):
         block_table[i, :n] = torch.tensor(perm[cursor : cursor + n])
         cursor += n
-    kv_cache = torch.randn(2, num_blocks, block_size, NUM_KV_HEADS, HEAD_SIZE, generator=gen)
+    kv_cache = _in_layout(torch.randn(2, num_blocks, block_size, NUM_KV_HEADS, HEAD_SIZE, generator=gen))
     dense = []
     for _, seq_len in batch:
         q = torch.randn(seq_len, num_heads, HEAD_SIZE, generator=gen)
@@ -101,7 +122,7 @@ def test_metadata_and_store_kv_slots():
     assert meta.query_start_loc_cpu == [0, 1, 4] and meta.max_seq_len == 7
     # req 0 position 5 -> block 0 offset 1; req 1 positions 4..6 -> block 2 offsets 0..2.
     assert meta.slot_mapping.tolist() == [1, 8, 9, 10]
-    kv_cache = torch.zeros(2, 4, 4, 1, 2)
+    kv_cache = _in_layout(torch.zeros(2, 4, 4, 1, 2))
     key = torch.arange(8.0).view(4, 1, 2)
     store_kv(key, -key, kv_cache, meta.slot_mapping)
     assert torch.equal(kv_cache[0, 2, :3], key[1:])
@@ -176,7 +197,7 @@ def test_c_decode_kernel_matches_reference(dtype, block_size, group, head_dim):
     seq_lens = [1, block_size, block_size + 1, 3 * block_size - 1, 77]
     max_blocks = -(-max(seq_lens) // block_size) + 1
     num_blocks = len(seq_lens) * max_blocks + 1
-    kv_cache = torch.randn(2, num_blocks, block_size, 2, head_dim, generator=gen).to(dtype)
+    kv_cache = _in_layout(torch.randn(2, num_blocks, block_size, 2, head_dim, generator=gen).to(dtype))
     block_table = torch.randperm(num_blocks, generator=gen)[: len(seq_lens) * max_blocks]
     meta = AttentionMetadata.build([1] * len(seq_lens), seq_lens, block_table.view(len(seq_lens), -1), block_size)
     query = torch.randn(len(seq_lens), 2 * group, head_dim, generator=gen).to(dtype)
@@ -195,7 +216,7 @@ def test_c_decode_kernel_ignores_stale_slots_holding_nan(block_size):
     seq_lens = [1, 5, block_size + 3, 2 * block_size - 1]
     max_blocks = -(-max(seq_lens) // block_size)
     num_blocks = len(seq_lens) * max_blocks
-    kv_cache = torch.full((2, num_blocks, block_size, 2, 64), float("nan"), dtype=torch.bfloat16)
+    kv_cache = _in_layout(torch.full((2, num_blocks, block_size, 2, 64), float("nan"), dtype=torch.bfloat16))
     block_table = torch.arange(num_blocks).view(len(seq_lens), max_blocks)
     for i, n in enumerate(seq_lens):
         for p in range(n):
@@ -216,6 +237,7 @@ def test_bf16_mixed_batches_match_the_reference(batch, block_size, group, monkey
     monkeypatch.setattr(sys.modules[__name__], "HEAD_SIZE", 64)
     query, kv_cache, meta, _ = _setup(batch, block_size, group)
     query, kv_cache = query.bfloat16(), kv_cache.bfloat16()
+    assert kv_cache.stride() == _in_layout(kv_cache).stride()  # the cast kept the layout
     padded = torch.cat([query, torch.randn(2, *query.shape[1:]).bfloat16()])
     out = paged_attention(padded, kv_cache, meta, 0.125)
     assert torch.count_nonzero(out[-2:]) == 0
