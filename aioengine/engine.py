@@ -10,12 +10,13 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from aioengine.config import EngineArgs, default_num_threads, resolve_dtype_name
 from aioengine.errors import EngineDeadError, EngineNotStartedError, InvalidRequestError
+from aioengine.handle import GenerateHandle, RequestState
 from aioengine.outputs import CompletionOutput, Logprob, RequestOutput
 from aioengine.sampling_params import SamplingParams
 from aioengine.sched.output import EngineCoreOutput, ModelRunnerOutput, SchedulerStats, TokenLogprobs
@@ -27,92 +28,6 @@ logger = logging.getLogger(__name__)
 
 _DEFAULT_CPU_KV_BYTES = 2 << 30
 _RANDOM_PREFIX = "random:"  # aioengine.gpu.random_model.RANDOM_PREFIX (not imported here: it needs torch)
-
-
-@dataclass(slots=True, eq=False)
-class _RequestState:
-    """One generate() call: its n completions, their detokenizers, and the stream to its consumer."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    child_ids: list[str]
-    detokenizers: list[IncrementalDetokenizer]
-    queue: asyncio.Queue
-    child_done: list[bool]
-    num_cached_tokens: int = 0
-    arrival_time: float = field(default_factory=time.monotonic)
-    first_token_time: float | None = None
-    finished: bool = False
-    prompt_logprobs: list | None = None  # set once, from the first completion that delivers them
-    pending_prompt_logprobs: list | None = None  # to attach to the next output
-
-
-class GenerateHandle:
-    """What generate() returns: `await` it for the final output, or `async for` over its deltas.
-
-    Leaving an `async for` early, or cancelling the await, aborts the request.
-    """
-
-    def __init__(self, engine: AsyncEngine, state: _RequestState) -> None:
-        self._engine = engine
-        self._state = state
-        self._consumed = False
-
-    @property
-    def request_id(self) -> str:
-        return self._state.request_id
-
-    def abort(self) -> None:
-        """Abort this request now (its stream ends with finish_reason 'abort'); a no-op once finished."""
-        self._engine._abort_state(self._state)
-
-    def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        return self._iterate()
-
-    def __await__(self):
-        return self._final().__await__()
-
-    async def _iterate(self) -> AsyncIterator[RequestOutput]:
-        assert not self._consumed, "a generate() result can be consumed once"
-        self._consumed = True
-        state = self._state
-        try:
-            while True:
-                item = await state.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finished:
-                    return
-        finally:
-            if not state.finished:
-                self._engine._abort_state(state)
-
-    async def _final(self) -> RequestOutput:
-        s = self._state
-        texts = [""] * s.params.n
-        ids: list[list[int]] = [[] for _ in range(s.params.n)]
-        reasons: list[tuple[str | None, int | str | None]] = [(None, None)] * s.params.n
-        logprobs: list[list | None] = [[] if s.params.logprobs is not None else None for _ in range(s.params.n)]
-        prompt_logprobs = None
-        last: RequestOutput | None = None
-        async for delta in self._iterate():
-            last = delta
-            if delta.prompt_logprobs is not None:
-                prompt_logprobs = delta.prompt_logprobs
-            for c in delta.outputs:
-                texts[c.index] += c.text
-                ids[c.index].extend(c.token_ids)
-                if c.finish_reason is not None:
-                    reasons[c.index] = (c.finish_reason, c.stop_reason)
-                if c.logprobs and logprobs[c.index] is not None:
-                    logprobs[c.index].extend(c.logprobs)
-        assert last is not None
-        outputs = [CompletionOutput(i, texts[i], ids[i], *reasons[i], logprobs[i]) for i in range(s.params.n)]
-        return RequestOutput(s.request_id, s.prompt, s.prompt_token_ids, outputs, True, s.num_cached_tokens,
-                             last.metrics, prompt_logprobs)
 
 
 class AsyncEngine:
@@ -129,8 +44,8 @@ class AsyncEngine:
         self.eos_token_id: int | None = None
         self.kv_capacity_tokens = 0
         self._worker: Any = None
-        self._states: dict[str, _RequestState] = {}
-        self._children: dict[str, tuple[_RequestState, int]] = {}
+        self._states: dict[str, RequestState] = {}
+        self._children: dict[str, tuple[RequestState, int]] = {}
         self._batch_queue: collections.deque = collections.deque()
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -140,7 +55,7 @@ class AsyncEngine:
         self._structured_build: concurrent.futures.Future | None = None
         self._token_text: dict[int, str] = {}  # decoded single tokens, for logprobs
         self.stat_listeners: list[Callable[[SchedulerStats, list[EngineCoreOutput]], None]] = []
-        self.request_listeners: list[Callable[[RequestOutput, _RequestState], None]] = []
+        self.request_listeners: list[Callable[[RequestOutput, RequestState], None]] = []
 
     # ---- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> AsyncEngine:
@@ -315,7 +230,7 @@ class AsyncEngine:
             raise InvalidRequestError(f"request id {rid!r} is already in use", param="request_id")
         n = params.n
         child_ids = [rid] if n == 1 else [f"{i}_{rid}" for i in range(n)]
-        state = _RequestState(
+        state = RequestState(
             rid, prompt, prompt_ids, params, child_ids,
             [IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop, params.include_stop_str_in_output,
                                     params.skip_special_tokens) for _ in range(n)],
@@ -367,7 +282,7 @@ class AsyncEngine:
         self._abort_state(state)
         return True
 
-    def _abort_state(self, state: _RequestState) -> None:
+    def _abort_state(self, state: RequestState) -> None:
         if state.finished:
             return
         live = [cid for cid, done in zip(state.child_ids, state.child_done, strict=True) if not done]
@@ -379,12 +294,12 @@ class AsyncEngine:
         state.child_done = [True] * len(state.child_ids)
         self._finish_state(state, completions)
 
-    def _finish_state(self, state: _RequestState, completions: list[CompletionOutput]) -> None:
+    def _finish_state(self, state: RequestState, completions: list[CompletionOutput]) -> None:
         state.finished = True
         self._states.pop(state.request_id, None)
         state.queue.put_nowait(self._make_output(state, completions))
 
-    def _make_output(self, state: _RequestState, completions: list[CompletionOutput]) -> RequestOutput:
+    def _make_output(self, state: RequestState, completions: list[CompletionOutput]) -> RequestOutput:
         out = RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions, state.finished,
                             state.num_cached_tokens, {"arrival_time": state.arrival_time,
                                                       "first_token_time": state.first_token_time})
@@ -473,7 +388,7 @@ class AsyncEngine:
         return asyncio.wrap_future(self._worker.submit(fn, *args))
 
     def _process_outputs(self, outputs: list[EngineCoreOutput]) -> None:
-        grouped: dict[int, tuple[_RequestState, list[CompletionOutput]]] = {}
+        grouped: dict[int, tuple[RequestState, list[CompletionOutput]]] = {}
         now = time.monotonic()
         for o in outputs:
             entry = self._children.get(o.request_id)
