@@ -91,8 +91,11 @@ def test_bench_serve_reports_against_a_live_server(tiny, tmp_path):
         out, png = tmp_path / "s.json", tmp_path / "s.png"
         assert bench_main(["serve", "--base-url", f"http://127.0.0.1:{port}", "--max-concurrency", "3",
                            "--num-prompts", "6", "--output-len", "5", "--ignore-eos",
-                           "--save-result", str(out), "--plot", str(png)]) == 0
+                           "--save-result", str(out), "--save-detailed", "--plot", str(png)]) == 0
         r = json.loads(out.read_text())
+        detail = r["requests"]  # --save-detailed: every request's own timings
+        assert len(detail) == 6 and all(d["output_tokens"] == 5 and len(d["itl_s"]) == 4 for d in detail)
+        assert all(0 <= d["start_s"] and 0 < d["ttft_s"] <= d["e2el_s"] and not d["error"] for d in detail)
         assert r["completed"] == 6 and r["failed"] == 0 and r["output_tokens"] == 30
         for key in ("ttft_s", "tpot_s", "itl_s", "e2el_s"):
             assert set(r[key]) == {"mean", "p50", "p90", "p99"}
