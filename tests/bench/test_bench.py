@@ -95,7 +95,7 @@ def test_bench_serve_reports_against_a_live_server(tiny, tmp_path):
         r = json.loads(out.read_text())
         detail = r["requests"]  # --save-detailed: every request's own timings
         assert len(detail) == 6 and all(d["output_tokens"] == 5 and len(d["itl_s"]) == 4 for d in detail)
-        assert all(0 <= d["start_s"] and 0 < d["ttft_s"] <= d["e2el_s"] and not d["error"] for d in detail)
+        assert all(d["start_s"] >= 0 and 0 < d["ttft_s"] <= d["e2el_s"] and not d["error"] for d in detail)
         assert r["completed"] == 6 and r["failed"] == 0 and r["output_tokens"] == 30
         for key in ("ttft_s", "tpot_s", "itl_s", "e2el_s"):
             assert set(r[key]) == {"mean", "p50", "p90", "p99"}
