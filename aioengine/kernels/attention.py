@@ -120,6 +120,10 @@ def store_kv(
     if use_cpu_kernel and cpu_kernels.store_ok(key, kv_cache):
         cpu_kernels.store_kv(key, value, kv_cache, slot_mapping)
         return
+    num_slots = kv_cache.shape[1] * kv_cache.shape[2]
+    valid = (slot_mapping >= 0) & (slot_mapping < num_slots)  # -1: a padded row, as the kernels skip it
+    if not bool(valid.all()):
+        key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
     views = _views(kv_cache)
     if views.key_slots is not None:
         views.key_slots.index_copy_(0, slot_mapping, key)

@@ -334,13 +334,16 @@ int decode_attention_bf16_vectorized(void) {
 }
 
 /* Write T tokens' keys and values ([T, Hkv, D] with token strides, any element size) into their cache slots
- * (slot = block * block_size + offset) of a cache with the given strides (elements). */
+ * (slot = block * block_size + offset) of a cache with the given strides (elements). A slot outside the
+ * cache (-1 marks a padded row, as in vLLM) writes nothing. */
 void store_kv_cpu(const char *key, int64_t key_stride, const char *value, int64_t value_stride, char *key_cache,
                   char *value_cache, const int64_t *slots, int64_t num_tokens, int num_kv_heads, int head_dim,
-                  int block_size, int64_t block_stride, int64_t token_stride, int64_t head_stride, int elem) {
+                  int block_size, int64_t block_stride, int64_t token_stride, int64_t head_stride, int elem,
+                  int64_t num_slots) {
     const size_t row = (size_t)head_dim * elem;
     for (int64_t t = 0; t < num_tokens; t++) {
         const int64_t slot = slots[t];
+        if (slot < 0 || slot >= num_slots) continue;
         const int64_t base = (slot / block_size) * block_stride + (slot % block_size) * token_stride;
         for (int h = 0; h < num_kv_heads; h++) {
             const int64_t at = (base + h * head_stride) * elem;

@@ -2,7 +2,8 @@
 compiler into one library, loaded with ctypes, and called on the worker thread (ctypes releases the GIL).
 
 Built with -march=native into ``$AIOENGINE_CACHE_DIR/kernels`` (default ``~/.cache/aioengine``) under
-a name that hashes the source, the compiler and the CPU flags. It links libgomp, which resolves to the
+a name that hashes the sources, the compiler and the CPU flags; the engine starts the build on a thread
+at the top of ``start()``. It links libgomp, which resolves to the
 copy torch has already loaded, so the kernel and torch's ops share one OpenMP thread pool. Without a
 compiler (or with ``AIOENGINE_CPU_KERNELS=0``) the torch path runs instead.
 """
@@ -110,7 +111,7 @@ _ELEMENTWISE = {
     "add_rms_norm_bf16": [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _F, _I],
     "rotary_bf16": [_P, _I64, _P, _P, _P, _P, _I64, _I64, _I64, _I],
     "argmax_bf16": [_P, _I64, _I64, _I64, _P, _I],
-    "store_kv_cpu": [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I, _I, _I, _I64, _I64, _I64, _I],
+    "store_kv_cpu": [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I, _I, _I, _I64, _I64, _I64, _I, _I64],
 }
 
 
@@ -171,7 +172,8 @@ def store_ok(key: torch.Tensor, kv_cache: torch.Tensor) -> bool:
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Write ``key``/``value`` ``[T, Hkv, D]`` into the cache slots ``slot_mapping`` ``[T]`` (int64)."""
+    """Write ``key``/``value`` ``[T, Hkv, D]`` into the cache slots ``slot_mapping`` ``[T]``; a slot outside the
+    cache (-1: a padded row) is skipped, never written out of bounds."""
     assert value.stride(-1) == 1 and value.stride(-2) == value.shape[-1] and value.dtype == key.dtype
     slots = slot_mapping if slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous() \
         else slot_mapping.to(torch.int64).contiguous()
@@ -179,7 +181,7 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
     _lib.store_kv_cpu(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), kv_cache.data_ptr(),
                       kv_cache.data_ptr() + value_offset, slots.data_ptr(), slots.shape[0], kv_cache.shape[3],
                       kv_cache.shape[4], kv_cache.shape[2], kv_cache.stride(1), kv_cache.stride(2),
-                      kv_cache.stride(3), kv_cache.element_size())
+                      kv_cache.stride(3), kv_cache.element_size(), kv_cache.shape[1] * kv_cache.shape[2])
 
 
 def fast_prefill(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:

@@ -243,3 +243,12 @@ def test_bf16_mixed_batches_match_the_reference(batch, block_size, group, monkey
     assert torch.count_nonzero(out[-2:]) == 0
     ref = paged_attention_reference(query, kv_cache, meta, 0.125)
     torch.testing.assert_close(out[:-2].float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_store_kv_skips_padded_and_out_of_range_slots():
+    """-1 marks a padded row (CUDA graphs pad with it); nothing outside the cache is ever written."""
+    kv_cache = _in_layout(torch.zeros(2, 3, 4, 2, 8))
+    key = torch.arange(4 * 2 * 8, dtype=torch.float32).view(4, 2, 8) + 1
+    store_kv(key, -key, kv_cache, torch.tensor([5, -1, 12, 0]))
+    assert torch.equal(kv_cache[0, 1, 1], key[0]) and torch.equal(kv_cache[1, 0, 0], -key[3])
+    assert torch.count_nonzero(kv_cache[0]) == 2 * 2 * 8  # only the two in-range slots
