@@ -159,9 +159,9 @@ typedef struct {
 /* One tile (m <= 16 tokens of one block, one token per lane) for the query heads st[0..group) of one KV
  * head. Scores: the tile's keys are transposed in registers (a key's bf16 pairs become one lane of 16
  * vectors), so q.k for 16 tokens is head_dim/2 vdpbf16ps (exact products, float32 sums) with no
- * horizontal reductions; the softmax runs on whole vectors. p.V: the probabilities are rounded to bf16
- * (as torch's CPU flash attention does for its second GEMM) and each pair of value rows is interleaved,
- * so one vdpbf16ps adds two tokens' contributions to 16 outputs. Inlined with constant group and
+ * horizontal reductions; the softmax runs on whole vectors. p.V: each pair of value rows is interleaved,
+ * so one vdpbf16ps adds two tokens' contributions to 16 outputs; the probabilities go in as two bf16
+ * parts (hi + lo), which keeps them as exact as float32 would for this sum. Inlined with constant group and
  * halves, the accumulators live in registers for the tile as independent dependency chains. */
 static inline __attribute__((always_inline)) void tile_bf16_avx512(
     head_state *st, const uint16_t *k_rows, const uint16_t *v_rows, int m, const int group, const int halves,
@@ -182,7 +182,9 @@ static inline __attribute__((always_inline)) void tile_bf16_avx512(
             }
     }
     const __mmask16 live = (__mmask16)((1u << m) - 1);
-    int32_t pd[MAX_GROUP][8]; /* probabilities of token pairs (2c, 2c + 1) as bf16 pairs */
+    /* probabilities of token pairs (2c, 2c + 1) as bf16 pairs, split in two: p = hi + lo to ~16 bits, so
+     * p.V loses nothing a float32 p.V would keep (one bf16 p costs logits ~0.1 nat against float32) */
+    int32_t pd_hi[MAX_GROUP][8], pd_lo[MAX_GROUP][8];
     __m512 acc_lo[MAX_GROUP][MAX_HEAD_DIM / 32], acc_hi[MAX_GROUP][MAX_HEAD_DIM / 32];
     for (int g = 0; g < group; g++) {
         const __m512 x = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), live, _mm512_add_ps(s_even[g], s_odd[g]),
@@ -198,7 +200,9 @@ static inline __attribute__((always_inline)) void tile_bf16_avx512(
             acc_lo[g][h] = _mm512_mul_ps(st[g].acc_lo[h], cv);
             acc_hi[g][h] = _mm512_mul_ps(st[g].acc_hi[h], cv);
         }
-        _mm256_storeu_si256((__m256i *)pd[g], (__m256i)_mm512_cvtneps_pbh(p));
+        const __m256bh hi = _mm512_cvtneps_pbh(p);
+        _mm256_storeu_si256((__m256i *)pd_hi[g], (__m256i)hi);
+        _mm256_storeu_si256((__m256i *)pd_lo[g], (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(p, _mm512_cvtpbh_ps(hi))));
     }
     for (int c = 0; 2 * c < m; c++) {
         const uint16_t *v0 = v_rows + (int64_t)(2 * c) * token_stride;
@@ -209,9 +213,10 @@ static inline __attribute__((always_inline)) void tile_bf16_avx512(
             const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(a, b);
             const __m512bh hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
             for (int g = 0; g < group; g++) {
-                const __m512bh pp = (__m512bh)_mm512_set1_epi32(pd[g][c]);
-                acc_lo[g][h] = _mm512_dpbf16_ps(acc_lo[g][h], lo, pp);
-                acc_hi[g][h] = _mm512_dpbf16_ps(acc_hi[g][h], hi, pp);
+                const __m512bh p_hi = (__m512bh)_mm512_set1_epi32(pd_hi[g][c]);
+                const __m512bh p_lo = (__m512bh)_mm512_set1_epi32(pd_lo[g][c]);
+                acc_lo[g][h] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc_lo[g][h], lo, p_hi), lo, p_lo);
+                acc_hi[g][h] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc_hi[g][h], hi, p_hi), hi, p_lo);
             }
         }
     }

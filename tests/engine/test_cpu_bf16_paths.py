@@ -68,7 +68,7 @@ def test_bf16_fast_paths_match_the_torch_paths(tmp_path, head_dim, heads, kv_hea
         got = _run(fast, cfg, fast=True)
     for w, g in zip(want, got, strict=True):
         scale = w.abs().max()
-        # bf16 paths that round differently (p.V's probabilities, the norm's sum): close, not equal. Measured:
+        # bf16 paths that round differently (the attention's sums, the norm's sum): close, not equal. Measured:
         # at most 1.3% of the largest logit; a sign flip in the rotary or a swapped p.V half fails every case.
         assert (g - w).abs().max() <= 0.05 * scale, ((g - w).abs().max(), scale)
         agree = (g.argmax(-1) == w.argmax(-1)).float().mean()
