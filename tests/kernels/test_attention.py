@@ -252,3 +252,23 @@ def test_store_kv_skips_padded_and_out_of_range_slots():
     store_kv(key, -key, kv_cache, torch.tensor([5, -1, 12, 0]))
     assert torch.equal(kv_cache[0, 1, 1], key[0]) and torch.equal(kv_cache[1, 0, 0], -key[3])
     assert torch.count_nonzero(kv_cache[0]) == 2 * 2 * 8  # only the two in-range slots
+
+
+@pytest.mark.parametrize("spread", [1.0, 3.0])
+def test_bf16_c_kernel_is_within_one_ulp_of_the_exact_answer(spread):
+    """The C kernel sums in float32 (p.V with the probabilities as two bf16 parts), so its bf16 outputs sit
+    within one ulp of the float64 answer; one bf16 rounding of p alone misses that."""
+    from aioengine.kernels import cpu_kernels
+
+    if cpu_kernels.load() is None or not cpu_kernels.load().decode_attention_bf16_vectorized():
+        pytest.skip("the AVX512-BF16 loop is not built here")
+    gen = torch.Generator().manual_seed(3)
+    kv_cache = _in_layout((torch.randn(2, 27, 16, 3, 64, generator=gen) * spread).bfloat16())
+    seq_lens = [40, 130, 7]
+    table = torch.randperm(27, generator=gen)[:27].view(3, 9).int()  # 9 blocks a row: room for 130 tokens
+    meta = AttentionMetadata.build([1, 1, 1], seq_lens, table, 16)
+    query = (torch.randn(3, 9, 64, generator=gen) * spread).bfloat16()
+    out = cpu_kernels.decode_attention(query, kv_cache, meta.block_table, meta.seq_lens, 0.125)
+    exact = paged_attention_reference(query, kv_cache, meta, 0.125)  # float64 inside, one final rounding
+    ulps = (out.view(torch.int16).int() - exact.view(torch.int16).int()).abs()
+    assert ulps.max() <= 1, ulps.max()
