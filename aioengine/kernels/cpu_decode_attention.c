@@ -20,24 +20,11 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "cpu_bf16.h"
+
 #define MAX_HEAD_DIM 256
 #define MAX_GROUP 16
 #define MAX_BLOCK 64
-
-static inline float bf16_to_float(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t float_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 #define DEFINE_KERNEL(NAME, T, LOAD, STORE)                                                              \
     int NAME(const T *query, int64_t query_stride, const T *key_cache, const T *value_cache,            \

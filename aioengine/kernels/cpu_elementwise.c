@@ -11,20 +11,7 @@
 #include <stdint.h>
 #include <string.h>
 
-static inline float bf16_to_float(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t float_to_bf16(float f) { /* round to nearest even; NaN stays NaN */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
+#include "cpu_bf16.h"
 
 static inline float round_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
 

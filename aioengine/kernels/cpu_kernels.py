@@ -25,6 +25,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).with_name(n) for n in ("cpu_decode_attention.c", "cpu_elementwise.c")]
+_HEADERS = [Path(__file__).with_name("cpu_bf16.h")]  # included by the sources: part of the build's hash
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]  # compile only
 # Linked without -ffast-math: with it, gcc < 13 adds crtfastmath.o even to a shared library, whose
 # constructor turns on flush-to-zero for the thread that loads it (a process-wide change of float results).
@@ -50,7 +51,7 @@ def _cpu_flags() -> str:
 
 def _build(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256("\0".join([*(p.read_text() for p in _SOURCES), version, _cpu_flags(), *_FLAGS,
+    key = hashlib.sha256("\0".join([*(p.read_text() for p in _SOURCES + _HEADERS), version, _cpu_flags(), *_FLAGS,
                                     *_LINK_FLAGS]).encode()).hexdigest()
     target = _cache_dir() / f"cpu_kernels-{key[:16]}.so"
     if target.exists():
