@@ -66,7 +66,8 @@ class AsyncEngine:
         args = self.args
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
-        if args.resolved_device() == "cpu":  # gcc builds the C kernels (~3 s cold) while the model loads
+        device = args.resolved_device()
+        if device == "cpu":  # gcc builds the C kernels (~3 s cold) while the model loads
             from aioengine.kernels import cpu_kernels
 
             threading.Thread(target=cpu_kernels.load, name="aioengine-cpu-kernels", daemon=True).start()
@@ -81,7 +82,6 @@ class AsyncEngine:
         await loop.run_in_executor(None, _import_heavy_modules)
         cfg_probe = await loop.run_in_executor(None, _read_config, self.model_path)
         tokenizer_fut = loop.run_in_executor(None, _load_tokenizer, args, self.model_path, cfg_probe["vocab_size"])
-        device = args.resolved_device()
         cuda = device == "cuda"
         import torch
 

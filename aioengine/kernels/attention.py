@@ -51,12 +51,11 @@ class AttentionMetadata:
         """(block table ``[T, max_blocks]``, seq_lens ``[T]``), both int32: token j of request i sees
         cache positions ``0..seq_lens[i] - q_len_i + j``, i.e. a decode of that length."""
         if self.token_rows is None:
-            starts = self.query_start_loc_cpu
-            q_lens = torch.tensor(starts[1:], dtype=torch.int64) - torch.tensor(starts[:-1], dtype=torch.int64)
-            owner = torch.repeat_interleave(torch.arange(self.num_reqs), q_lens)
-            ends = torch.tensor(self.seq_lens_cpu, dtype=torch.int64)
-            start_of_owner = torch.tensor(starts[:-1], dtype=torch.int64)[owner]
-            seq = ends[owner] - (q_lens[owner] - 1) + (torch.arange(len(owner)) - start_of_owner)
+            starts = torch.tensor(self.query_start_loc_cpu, dtype=torch.int64)
+            owner = torch.repeat_interleave(torch.arange(self.num_reqs), starts.diff())
+            # The chunk's last token sees seq_len positions; each earlier one, one fewer.
+            last = starts[1:][owner] - 1
+            seq = torch.tensor(self.seq_lens_cpu, dtype=torch.int64)[owner] - (last - torch.arange(len(owner)))
             self.token_rows = (self.block_table.index_select(0, owner), seq.to(torch.int32))
         return self.token_rows
 
