@@ -90,7 +90,9 @@ class StructuredOutputManager:
                 return self.compiler.compile_json_schema(json.dumps(schema),
                                                          any_whitespace=not p.disable_any_whitespace)
             if kind == "json_object":
-                return self.compiler.compile_builtin_json_grammar()
+                # OpenAI's JSON mode: an object, not any JSON value; compact, because free whitespace let
+                # a small model emit newlines until max_tokens (SmolLM2-135M did).
+                return self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
             if kind == "regex":
                 return self.compiler.compile_regex(p.regex)
             if kind == "choice":

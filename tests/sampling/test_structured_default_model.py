@@ -81,10 +81,13 @@ def results():
                 temperature=0, max_tokens=20, structured_outputs=StructuredOutputsParams(regex=r"\(\d{3}\) \d{3}-\d{4}")))
             choice = eng.chat(ask("Is Paris in France? Answer yes or no."), SamplingParams(
                 temperature=0, max_tokens=5, structured_outputs=StructuredOutputsParams(choice=["yes", "no"])))
+            # JSON mode (OpenAI's json_object) means an object: "Say hi" once gave `[null]`.
+            json_object = eng.chat(ask("Say hi"), SamplingParams(
+                temperature=0, max_tokens=60, structured_outputs=StructuredOutputsParams(json_object=True)))
             plain = [eng.chat(ask(q), SamplingParams(temperature=0.7, seed=i, max_tokens=40))
                      for i, q in enumerate(["Tell me a joke.", "What is 2+2?", "Name a colour.",
                                             "Write a haiku about rain.", "Say hello.", "List three animals."])]
-            outs = await asyncio.gather(*json_handles, regex, choice, *plain)
+            outs = await asyncio.gather(*json_handles, regex, choice, json_object, *plain)
             assert eng._structured is prebuilt
             assert eng.kv_cache_usage() == 0.0
             return outs
@@ -105,7 +108,13 @@ def test_regex_and_choice(results):
     assert choice.text in ("yes", "no") and choice.finish_reason == "stop"
 
 
+def test_json_object_is_an_object(results):
+    c = results[22].outputs[0]
+    assert c.finish_reason == "stop", c.text
+    assert isinstance(json.loads(c.text), dict), c.text
+
+
 def test_unconstrained_requests_alongside(results):
-    for out in results[22:]:
+    for out in results[23:]:
         c = out.outputs[0]
         assert c.finish_reason in ("stop", "length") and c.text
