@@ -75,12 +75,24 @@ def _schemas(limits: RequestLimits, vocab_size: int, priority: bool) -> dict:
     }
     content_part = _obj({"type": {"const": "text"}, "text": _STR}, ("type", "text"))
     content = {"anyOf": [_STR, {"type": "array", "items": content_part}]}
+    tool_call = _obj({"id": _STR, "type": {"const": "function"},
+                      "function": _obj({"name": _STR, "arguments": _STR}, ("name", "arguments"))}, ("function",))
     message = {"oneOf": [
         _obj({"role": {"enum": ["system", "developer", "user"]}, "content": content, "name": _opt(_STR)},
              ("role", "content")),
-        _obj({"role": {"const": "assistant"}, "content": _opt(content), "name": _opt(_STR), "refusal": _opt(_STR)},
-             ("role",)),
+        _obj({"role": {"const": "assistant"}, "content": _opt(content), "name": _opt(_STR), "refusal": _opt(_STR),
+              "tool_calls": _opt({"type": "array", "items": tool_call})}, ("role",)),
+        _obj({"role": {"const": "tool"}, "content": content, "tool_call_id": _STR}, ("role", "content", "tool_call_id")),
     ]}
+    name = {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$"}
+    tool = _obj({"type": {"const": "function"}, "function": _obj({
+        "name": name, "description": _opt(_STR), "strict": _opt(_BOOL),
+        "parameters": _opt({"type": "object", "description": "a JSON schema (forced calls are constrained to it)"}),
+    }, ("name",))}, ("type", "function"))
+    tool_choice = {"anyOf": [{"enum": ["none", "auto", "required"]},
+                             _obj({"type": {"const": "function"}, "function": _obj({"name": name}, ("name",))},
+                                  ("type", "function"))],
+                   "description": "needs tools; a named function must be one of them (docs/api.md, Tool calling)"}
     messages = {"type": "array", "items": message, "minItems": 1, "maxItems": limits.max_messages}
     max_tokens = _opt({**_INT, "minimum": 1, "description": "prompt + max_tokens must fit max_model_len"})
     chat = _obj({
@@ -88,9 +100,11 @@ def _schemas(limits: RequestLimits, vocab_size: int, priority: bool) -> dict:
         "logprobs": _opt(_BOOL), "top_logprobs": _opt({**logprobs_k, "description": "needs logprobs: true"}),
         "chat_template_kwargs": _opt(template_kwargs), "add_generation_prompt": _opt(_BOOL),
         "continue_final_message": _opt({**_BOOL, "description": "the last message must be the assistant's"}),
-        "tools": _opt({"type": "array", "maxItems": 0}), "tool_choice": _opt({"enum": ["none", "auto"]}),
+        "tools": _opt({"type": "array", "items": tool, "maxItems": 128}), "tool_choice": _opt(tool_choice),
         "parallel_tool_calls": _opt(_BOOL), "store": _opt({"const": False}),
-        "metadata": _opt({"type": "object", "maxProperties": 0}), "service_tier": _opt({"enum": ["auto", "default"]}),
+        "metadata": _opt({"type": "object", "maxProperties": 16, "additionalProperties": _STR}),
+        "reasoning_effort": _opt({"enum": ["none", "minimal", "low", "medium", "high"]}),
+        "service_tier": _opt({"enum": ["auto", "default"]}),
     }, ("messages",))
     prompt = {"anyOf": [text, {"type": "array", "items": text, "minItems": 1, "maxItems": limits.max_prompts},
                         {**tokens, "minItems": 1},

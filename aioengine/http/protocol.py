@@ -12,7 +12,8 @@ from typing import Any
 import orjson
 
 from aioengine.errors import InvalidRequestError
-from aioengine.sampling_params import MAX_LOGPROBS, SamplingParams
+from aioengine.http.tools import ToolError, ToolSpec, parse_tools, template_tool_calls
+from aioengine.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,6 +204,7 @@ class ChatRequest(GenerationRequest):
     messages: list[dict] = field(default_factory=list)
     chat_template_kwargs: dict = field(default_factory=dict)
     prompt_ids: list[int] | None = None  # the templated conversation, when tokenized off the loop
+    tools: ToolSpec | None = None  # tools and tool_choice (aioengine/http/tools.py)
 
 
 @dataclass(slots=True)
@@ -222,11 +224,13 @@ _SAMPLING_FIELDS = frozenset({
 CHAT_FIELDS = _SAMPLING_FIELDS | {
     "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
     "chat_template_kwargs", "add_generation_prompt", "continue_final_message", "store", "metadata",
-    "service_tier",
+    "service_tier", "reasoning_effort",
 }
+_REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
 COMPLETION_FIELDS = _SAMPLING_FIELDS | {"prompt", "echo", "best_of", "suffix"}
-_ROLES = frozenset({"system", "developer", "user", "assistant"})
-_MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "function_call", "refusal", "audio"})
+_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+_MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id", "function_call", "refusal",
+                             "audio"})
 
 
 _STRUCTURED_FIELDS = frozenset({"json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace"})
@@ -345,20 +349,24 @@ def parse_chat_request(data: dict, allow_priority: bool = False, limits: Request
     top_logprobs = f.int("top_logprobs", lo=0, hi=MAX_LOGPROBS)
     if top_logprobs and not want_logprobs:
         raise bad("top_logprobs requires logprobs to be true.", "top_logprobs")
-    if f.get("tools", list):
-        raise not_supported("tools", "Tool calling")
-    tool_choice = f.data.get("tool_choice")
-    if tool_choice not in (None, "none", "auto"):
-        raise not_supported("tool_choice", "Tool calling")
-    f.bool("parallel_tool_calls")
+    try:
+        tools = parse_tools(f.data.get("tools"), f.data.get("tool_choice"), f.bool("parallel_tool_calls"))
+    except ToolError as e:
+        raise bad(e.message, e.param) from None
     if f.bool("store", False):
         raise not_supported("store", "Storing completions (store=true)")
-    metadata = f.get("metadata", dict)
-    if metadata:
-        raise not_supported("metadata", "metadata (only used with store=true)")
+    metadata = f.get("metadata", dict)  # tags for stored completions: checked, then unused (nothing is stored)
+    if metadata and (len(metadata) > 16 or not all(isinstance(v, str) for v in metadata.values())):
+        raise bad("metadata may hold at most 16 string values.", "metadata")
+    effort = f.str("reasoning_effort")
+    if effort is not None and effort not in _REASONING_EFFORTS:
+        raise bad(f"reasoning_effort must be one of {', '.join(_REASONING_EFFORTS)}; got {effort!r}.",
+                  "reasoning_effort")
     if f.str("service_tier") not in (None, "auto", "default"):
         raise not_supported("service_tier")
     kwargs = template_kwargs(f)
+    if effort is not None:
+        kwargs["reasoning_effort"] = effort  # for templates that read it (vLLM passes it the same way)
     for name in ("add_generation_prompt", "continue_final_message"):
         value = f.bool(name)
         if value is not None:
@@ -371,8 +379,17 @@ def parse_chat_request(data: dict, allow_priority: bool = False, limits: Request
     if kwargs.get("continue_final_message") and messages[-1]["role"] != "assistant":
         raise bad("continue_final_message needs the last message to be from the assistant.", "messages")
     logprobs = (top_logprobs or 0) if want_logprobs else None
-    return ChatRequest(**_common(f, max_tokens, logprobs, allow_priority, limits), messages=messages,
-                       chat_template_kwargs=kwargs)
+    req = ChatRequest(**_common(f, max_tokens, logprobs, allow_priority, limits), messages=messages,
+                      chat_template_kwargs=kwargs, tools=tools)
+    if tools is not None:
+        kwargs["tools"] = tools.tools  # the template describes them to the model (vLLM passes them too)
+        forced = tools.structured_outputs()
+        if forced is not None:
+            if req.params.structured_outputs is not None:
+                raise bad("tool_choice 'required' or a named function cannot be combined with response_format "
+                          "or structured_outputs.", "tool_choice")
+            req.params.structured_outputs = StructuredOutputsParams(**forced)
+    return req
 
 
 # Arguments of the tokenizer's apply_chat_template that the server sets itself, or that would let a client
@@ -406,10 +423,11 @@ def parse_messages(raw: Any, max_messages: int = DEFAULT_LIMITS.max_messages) ->
         role = mf.str("role")
         if role is None:
             raise bad(f"{p}.role is required.", f"{p}.role")
-        if role == "tool" or mf.present("tool_calls") or mf.present("function_call"):
-            raise not_supported(f"{p}.role", "Tool calling")
+        if mf.present("function_call"):
+            raise not_supported(f"{p}.function_call", "The deprecated function_call (use tool_calls)")
         if role not in _ROLES:
-            raise bad(f"{p}.role must be one of system, developer, user, assistant; got {role!r}.", f"{p}.role")
+            raise bad(f"{p}.role must be one of system, developer, user, assistant, tool; got {role!r}.",
+                      f"{p}.role")
         if mf.present("audio"):
             raise not_supported(f"{p}.audio", "Audio input")
         content = _content_text(m.get("content"), p)
@@ -421,6 +439,20 @@ def parse_messages(raw: Any, max_messages: int = DEFAULT_LIMITS.max_messages) ->
         name = mf.str("name")
         if name is not None:
             msg["name"] = name
+        if role == "tool":
+            call_id = mf.str("tool_call_id")
+            if call_id is None:
+                raise bad(f"{p}.tool_call_id is required for a tool message.", f"{p}.tool_call_id")
+            msg["tool_call_id"] = call_id
+        elif mf.present("tool_call_id"):
+            raise bad(f"{p}.tool_call_id belongs to tool messages only.", f"{p}.tool_call_id")
+        if mf.present("tool_calls"):
+            if role != "assistant":
+                raise bad(f"{p}.tool_calls belongs to assistant messages only.", f"{p}.tool_calls")
+            try:
+                msg["tool_calls"] = template_tool_calls(m["tool_calls"], p)
+            except ToolError as e:
+                raise bad(e.message, e.param) from None
         out.append(msg)
     return out
 

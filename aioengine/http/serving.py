@@ -17,6 +17,7 @@ from aiohttp import web
 from aioengine.errors import AioEngineError, InvalidRequestError
 from aioengine.http.logprobs import CompletionLogprobs, chat_logprobs
 from aioengine.http.protocol import APIError, ChatRequest, CompletionRequest, bad, error_dict, from_invalid
+from aioengine.http.tools import StreamParser, extract
 from aioengine.outputs import CompletionOutput, RequestOutput
 from aioengine.tokenizer import apply_chat_template
 
@@ -165,10 +166,17 @@ def chat_response(engine: Any, req: ChatRequest, request_id: str, model: str, ou
     k = req.params.logprobs
     tally = Tally([len(out.prompt_token_ids)], [out.num_cached_tokens])
     tally.completion_tokens = out.num_generated_tokens
-    choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                "logprobs": None if k is None else chat_logprobs(engine, c.token_ids, c.logprobs, k),
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-               for c in out.outputs]
+    choices = []
+    for c in out.outputs:
+        message: dict[str, Any] = {"role": "assistant", "content": c.text}
+        finish_reason = c.finish_reason
+        if req.tools is not None and req.tools.choice != "none":
+            message["content"], calls, finish_reason = extract(req.tools, c.text, c.finish_reason)
+            if calls:
+                message["tool_calls"] = calls
+        choices.append({"index": c.index, "message": message,
+                        "logprobs": None if k is None else chat_logprobs(engine, c.token_ids, c.logprobs, k),
+                        "finish_reason": finish_reason, "stop_reason": c.stop_reason})
     return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": choices, "usage": tally.usage()}
 
@@ -179,11 +187,24 @@ async def stream_chat(request: web.Request, engine: Any, req: ChatRequest, handl
     base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
     k = req.params.logprobs
 
-    def choice(_i: int, c: CompletionOutput) -> dict:
-        d = {"index": c.index, "delta": {"content": c.text} if c.text else {},
+    tools = req.tools if req.tools is not None and req.tools.choice != "none" else None
+    parsers: dict[int, StreamParser] = {}
+
+    def choice(_i: int, c: CompletionOutput) -> dict | None:
+        delta, finish_reason = ({"content": c.text} if c.text else {}), c.finish_reason
+        if tools is not None:  # the text may be (part of) a tool call: the parser decides what goes out
+            parser = parsers.setdefault(c.index, StreamParser(tools))
+            delta = parser.delta(c.text) or {}
+            if c.finish_reason:
+                last, finish_reason = parser.finish(c.finish_reason)
+                for key, value in (last or {}).items():
+                    delta[key] = delta.get(key, "") + value if key == "content" else value
+            elif not delta and (k is None or not c.token_ids):
+                return None
+        d = {"index": c.index, "delta": delta,
              "logprobs": None if k is None else chat_logprobs(engine, c.token_ids, c.logprobs, k),
-             "finish_reason": c.finish_reason}
-        if c.finish_reason:
+             "finish_reason": finish_reason}
+        if finish_reason:
             d["stop_reason"] = c.stop_reason
         return d
 
@@ -237,8 +258,8 @@ async def stream_completions(request: web.Request, engine: Any, req: CompletionR
 
 
 async def _stream(request: web.Request, engine: Any, req: ChatRequest | CompletionRequest, handles: list,
-                  request_id: str, base: dict, first: list[dict], make_choice: Callable[[int, CompletionOutput], dict]
-                  ) -> web.StreamResponse:
+                  request_id: str, base: dict, first: list[dict],
+                  make_choice: Callable[[int, CompletionOutput], dict | None]) -> web.StreamResponse:
     """One SSE stream for both endpoints: one chunk per changed choice, usage last, then [DONE]."""
     tally = Tally([0] * len(handles), [0] * len(handles))
     try:
@@ -255,7 +276,10 @@ async def _stream(request: web.Request, engine: Any, req: ChatRequest | Completi
                 for c in out.outputs:
                     if not c.text and c.finish_reason is None and (req.params.logprobs is None or not c.token_ids):
                         continue  # the detokenizer is holding text back: nothing to say yet
-                    chunk = {**base, "choices": [make_choice(i, c)]}
+                    choice = make_choice(i, c)
+                    if choice is None:
+                        continue
+                    chunk = {**base, "choices": [choice]}
                     if req.continuous_usage_stats:
                         chunk["usage"] = tally.usage()
                     await sse.send(chunk)

@@ -26,6 +26,7 @@ from aioengine.http.protocol import (
     parse_json_body,
 )
 from aioengine.http.server import CONFIG, ENGINE, STATE, _check_model, admit, allow_priority, log_start
+from aioengine.http.tools import extract
 
 MAX_ACTIVE_PER_SOCKET = 64
 _KINDS = ("chat", "completion")
@@ -132,6 +133,9 @@ class _Session:
         n = req.params.n
         tally = serving.Tally([0] * len(handles), [0] * len(handles))
         finish: dict[int, dict] = {}
+        tools = getattr(req, "tools", None)
+        tools = tools if tools is not None and tools.choice != "none" else None
+        texts: dict[int, str] = {}  # with tools: each choice's text, parsed into calls when it finishes
         try:
             await self.send({"type": "start", "id": gen_id, "request_id": rid, "model": model})
             async with aclosing(serving.merged(handles)) as deltas:
@@ -151,9 +155,15 @@ class _Session:
                                 delta["logprobs"] = chat_logprobs(self.engine, c.token_ids, c.logprobs,
                                                                   req.params.logprobs)["content"]
                             await self.send(delta)
+                        if tools is not None:
+                            texts[index] = texts.get(index, "") + c.text
                         if c.finish_reason is not None:
                             finish[index] = {"index": index, "finish_reason": c.finish_reason,
                                              "stop_reason": c.stop_reason}
+                            if tools is not None:
+                                content, calls, finish[index]["finish_reason"] = extract(
+                                    tools, texts.get(index, ""), c.finish_reason)
+                                finish[index].update(content=content, tool_calls=calls)
             await self.send({"type": "done", "id": gen_id, "choices": [finish[k] for k in sorted(finish)],
                              "usage": tally.usage()})
         except AioEngineError as e:
