@@ -43,18 +43,20 @@ class CompletionLogprobs:
         self.k = k
         self.offset = offset
 
-    def render(self, token_ids: list[int], logprobs: list[dict] | None) -> dict:
+    def render(self, token_ids: list[int], logprobs: list[dict | None] | None) -> dict:
+        """Entries for these tokens; a token without logprobs (None: the first prompt token, when `echo`
+        shows the prompt) gets null, as in OpenAI's and vLLM's answers."""
         tokens: list[str] = []
-        token_logprobs: list[float] = []
+        token_logprobs: list[float | None] = []
         top: list[dict | None] = []
         text_offset: list[int] = []
         for tid, d in zip(token_ids, logprobs or [], strict=False):
-            lp = _chosen(d, tid)
-            text = _text(self.engine, tid, lp)
+            lp = _chosen(d, tid) if d else None
+            text = _text(self.engine, tid, lp) if lp is not None else self.engine.tokenizer.decode([tid])
             tokens.append(text)
-            token_logprobs.append(max(lp.logprob, _FLOOR))
+            token_logprobs.append(None if lp is None else max(lp.logprob, _FLOOR))
             top.append({_text(self.engine, i, p): max(p.logprob, _FLOOR) for i, p in _top(d, self.k)}
-                       if self.k else None)
+                       if self.k and d else None)
             text_offset.append(self.offset)
             self.offset += len(text)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,

@@ -115,7 +115,7 @@ def _schemas(limits: RequestLimits, vocab_size: int, priority: bool) -> dict:
         **sampling, "prompt": prompt, "max_tokens": _opt({**max_tokens["anyOf"][0], "default": 16}),
         "echo": _opt(_BOOL), "best_of": _opt({**_INT, "minimum": 1, "description": "only equal to n"}),
         "suffix": _opt({**_STR, "maxLength": 0}),
-        "logprobs": _opt({**logprobs_k, "description": "not with echo"}),
+        "logprobs": _opt({**logprobs_k, "description": "with echo, the prompt tokens get logprobs too"}),
     }, ("prompt",))
     tokenize_fields = {"model": _opt(_STR), "add_special_tokens": _opt(_BOOL), "return_token_strs": _opt(_BOOL)}
     tokenize = {"oneOf": [

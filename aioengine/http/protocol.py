@@ -484,17 +484,18 @@ def parse_completion_request(data: dict, allow_priority: bool = False, limits: R
     f = Fields(data, COMPLETION_FIELDS)
     prompts = parse_prompt(data.get("prompt"))
     logprobs = f.int("logprobs", lo=0, hi=MAX_LOGPROBS)
-    if logprobs is not None and f.bool("echo", False):
-        raise not_supported("echo", "echo with logprobs (prompt logprobs)")
+    echo = f.bool("echo", False)
     if f.str("suffix"):
         raise not_supported("suffix")
     base = _common(f, f.int("max_tokens", 16), logprobs, allow_priority, limits)
+    if echo and logprobs is not None:  # the echoed prompt carries its own logprobs
+        base["params"].prompt_logprobs = logprobs
     best_of = f.int("best_of", lo=1)
     if best_of is not None and best_of != base["params"].n:
         raise not_supported("best_of", "best_of other than n")
     if len(prompts) * base["params"].n > limits.max_prompts:
         raise bad(f"A request may ask for at most {limits.max_prompts} completions (prompts x n).", "prompt")
-    return CompletionRequest(**base, prompts=prompts, echo=f.bool("echo", False))
+    return CompletionRequest(**base, prompts=prompts, echo=echo)
 
 
 _PROMPT_TYPES = ("prompt must be a string, an array of strings, an array of token ids, or an array of arrays "

@@ -190,7 +190,7 @@ async def stream_chat(request: web.Request, engine: Any, req: ChatRequest, handl
     tools = req.tools if req.tools is not None and req.tools.choice != "none" else None
     parsers: dict[int, StreamParser] = {}
 
-    def choice(_i: int, c: CompletionOutput) -> dict | None:
+    def choice(_i: int, c: CompletionOutput, _out: RequestOutput) -> dict | None:
         delta, finish_reason = ({"content": c.text} if c.text else {}), c.finish_reason
         if tools is not None:  # the text may be (part of) a tool call: the parser decides what goes out
             parser = parsers.setdefault(c.index, StreamParser(tools))
@@ -226,10 +226,14 @@ def completion_response(engine: Any, req: CompletionRequest, request_id: str, mo
     for i, out in enumerate(outs):
         echo = prompt_text(engine, req.prompts[i]) if req.echo else ""
         tally.completion_tokens += out.num_generated_tokens
-        choices.extend({"index": i * n + c.index, "text": echo + c.text,
-                        "logprobs": None if k is None else CompletionLogprobs(engine, k).render(c.token_ids,
-                                                                                               c.logprobs),
-                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs)
+        for c in out.outputs:
+            lp = None
+            if k is not None:
+                renderer = CompletionLogprobs(engine, k)
+                lp = _joined(renderer.render(out.prompt_token_ids, out.prompt_logprobs) if req.echo else None,
+                             renderer.render(c.token_ids, c.logprobs))
+            choices.append({"index": i * n + c.index, "text": echo + c.text, "logprobs": lp,
+                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
     return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
             "choices": choices, "usage": tally.usage()}
 
@@ -239,27 +243,43 @@ async def stream_completions(request: web.Request, engine: Any, req: CompletionR
     n, k = req.params.n, req.params.logprobs
     base = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model}
     renderers: dict[int, CompletionLogprobs] = {}
+    prompt_logprobs: dict[int, list] = {}  # per prompt, from its first output
 
-    def choice(i: int, c: CompletionOutput) -> dict:
+    def choice(i: int, c: CompletionOutput, out: RequestOutput) -> dict:
         index = i * n + c.index
-        lp = None
+        lp, text = None, c.text
         if k is not None:
-            lp = renderers.setdefault(index, CompletionLogprobs(engine, k)).render(c.token_ids, c.logprobs)
-        d = {"index": index, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason}
+            echoed = None
+            if index not in renderers:
+                renderers[index] = CompletionLogprobs(engine, k)
+                if req.echo:  # the prompt goes out with this choice's first chunk, with its logprobs
+                    text = prompt_text(engine, req.prompts[i]) + text
+                    echoed = renderers[index].render(out.prompt_token_ids, prompt_logprobs.get(i))
+            lp = _joined(echoed, renderers[index].render(c.token_ids, c.logprobs))
+        d = {"index": index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason}
         if c.finish_reason:
             d["stop_reason"] = c.stop_reason
         return d
 
+    def on_output(i: int, out: RequestOutput) -> None:
+        if out.prompt_logprobs is not None:
+            prompt_logprobs[i] = out.prompt_logprobs
+
     first = []
-    if req.echo:
+    if req.echo and k is None:
         first = [{"index": i * n + j, "text": prompt_text(engine, p), "logprobs": None, "finish_reason": None}
                  for i, p in enumerate(req.prompts) for j in range(n)]
-    return await _stream(request, engine, req, handles, request_id, base, first, choice)
+    return await _stream(request, engine, req, handles, request_id, base, first, choice, on_output)
+
+
+def _joined(a: dict | None, b: dict) -> dict:
+    return b if a is None else {key: a[key] + b[key] for key in a}
 
 
 async def _stream(request: web.Request, engine: Any, req: ChatRequest | CompletionRequest, handles: list,
                   request_id: str, base: dict, first: list[dict],
-                  make_choice: Callable[[int, CompletionOutput], dict | None]) -> web.StreamResponse:
+                  make_choice: Callable[[int, CompletionOutput, RequestOutput], dict | None],
+                  on_output: Callable[[int, RequestOutput], None] | None = None) -> web.StreamResponse:
     """One SSE stream for both endpoints: one chunk per changed choice, usage last, then [DONE]."""
     tally = Tally([0] * len(handles), [0] * len(handles))
     try:
@@ -273,10 +293,12 @@ async def _stream(request: web.Request, engine: Any, req: ChatRequest | Completi
                 await sse.send({**base, "choices": [c]})
             async for i, out in deltas:
                 tally.add(i, out)
+                if on_output is not None:
+                    on_output(i, out)
                 for c in out.outputs:
                     if not c.text and c.finish_reason is None and (req.params.logprobs is None or not c.token_ids):
                         continue  # the detokenizer is holding text back: nothing to say yet
-                    choice = make_choice(i, c)
+                    choice = make_choice(i, c, out)
                     if choice is None:
                         continue
                     chunk = {**base, "choices": [choice]}

@@ -98,7 +98,7 @@ CASES = [
     ("prompt-mixed-list", "POST", COMP, comp(prompt=["a", 1]), 400, "prompt"),
     ("prompt-token-out-of-vocab", "POST", COMP, comp(prompt=[99999999]), 400, "prompt"),
     ("completions-logprobs-too-many", "POST", COMP, comp(logprobs=50), 400, "logprobs"),
-    ("echo-with-logprobs", "POST", COMP, comp(echo=True, logprobs=1), 400, "echo"),
+    ("echo-logprobs-too-many", "POST", COMP, comp(echo=True, logprobs=21), 400, "logprobs"),
     ("completions-suffix", "POST", COMP, comp(suffix="x"), 400, "suffix"),
     ("best-of-not-n", "POST", COMP, comp(best_of=3), 400, "best_of"),
     ("echo-string", "POST", COMP, comp(echo="x"), 400, "echo"),

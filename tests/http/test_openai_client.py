@@ -181,3 +181,23 @@ def test_structured_output(client):
     r = client.completions.create(model="default", prompt="Is Paris in France? Answer:", max_tokens=5,
                                   extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
     assert r.choices[0].text in ("yes", "no")
+
+
+def test_completion_echo_with_logprobs_covers_the_prompt(client):
+    prompt = "The capital of France is Paris. The capital of Spain is"
+    kw = dict(model="default", prompt=prompt, max_tokens=4, echo=True, logprobs=2, temperature=0)
+    for _ in range(2):  # the second run would hit the prefix cache: prompt logprobs must still be complete
+        r = client.completions.create(**kw)
+        c = r.choices[0]
+        lp = c.logprobs
+        assert c.text.startswith(prompt)
+        assert len(lp.tokens) == r.usage.prompt_tokens + r.usage.completion_tokens
+        assert "".join(lp.tokens) == c.text
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # nothing predicts the first token
+        assert all(x is not None and x <= 0 for x in lp.token_logprobs[1:])
+        assert all(len(t) >= 1 for t in lp.top_logprobs[1:])
+        assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(lp.tokens))]
+    chunks = [ch for ch in client.completions.create(stream=True, **kw) if ch.choices]
+    assert "".join(ch.choices[0].text for ch in chunks) == c.text
+    assert sum((ch.choices[0].logprobs.token_logprobs for ch in chunks if ch.choices[0].logprobs), []) == \
+        lp.token_logprobs
