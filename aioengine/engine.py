@@ -194,6 +194,14 @@ class AsyncEngine:
         ids = apply_chat_template(self.tokenizer, messages, **(chat_template_kwargs or {}))
         return self._add(None, ids, sampling_params or SamplingParams(), request_id, priority, None)
 
+    async def precompile(self, params: SamplingParams) -> None:
+        """Compile ``params``' grammar on a thread, into the cache that ``generate`` then reads: a large JSON
+        schema compiles for seconds, which would stall every stream if done on the loop inside generate.
+        Raises InvalidRequestError as generate would."""
+        if params.structured_outputs is not None:
+            manager = self._structured_output_manager()
+            await asyncio.get_running_loop().run_in_executor(None, manager.compile, params.structured_outputs)
+
     def _check_alive(self) -> None:
         if self._dead is not None:
             raise self._dead

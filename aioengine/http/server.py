@@ -281,7 +281,7 @@ async def _admit_request(request: web.Request, parse: Any, id_prefix: str) -> tu
     req = parse(await _read_json(request), allow_priority(engine), app[CONFIG].limits)
     model = _check_model(app, req.model)
     rid = _request_id(request, req, id_prefix)
-    await serving.tokenize_long_prompts(engine, req)
+    await serving.prepare(engine, req)
     admit(app)  # again: other requests may have queued while this body was read
     return engine, req, model, rid
 

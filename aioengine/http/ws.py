@@ -118,7 +118,7 @@ class _Session:
                else parse_completion_request(body, policy, limits))
         model = _check_model(self.app, req.model)
         rid = serving.new_request_id(req.request_id, "chatcmpl" if kind == "chat" else "cmpl")
-        await serving.tokenize_long_prompts(self.engine, req)
+        await serving.prepare(self.engine, req)
         admit(self.app)  # again, after that wait
         if kind == "chat":
             handles = serving.start_chat(self.engine, req, rid)

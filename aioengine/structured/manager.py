@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import threading
 from collections import OrderedDict
 from typing import Any
 
@@ -54,6 +55,7 @@ class StructuredOutputManager:
         self._batch = xgr.BatchGrammarMatcher(max_threads)
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._cache_size = cache_size
+        self._lock = threading.Lock()
         self.cache_hits = 0
         self.cache_misses = 0
 
@@ -61,16 +63,18 @@ class StructuredOutputManager:
     def compile(self, params: StructuredOutputsParams) -> Any:
         """The compiled grammar of a constraint; InvalidRequestError when it does not compile."""
         key = params.cache_key()
-        compiled = self._cache.get(key)
-        if compiled is not None:
-            self._cache.move_to_end(key)
-            self.cache_hits += 1
-            return compiled
-        self.cache_misses += 1
+        with self._lock:  # the loop and precompile's threads share the cache (the compile itself is unlocked)
+            compiled = self._cache.get(key)
+            if compiled is not None:
+                self._cache.move_to_end(key)
+                self.cache_hits += 1
+                return compiled
+            self.cache_misses += 1
         compiled = self._compile(params)
-        self._cache[key] = compiled
-        if len(self._cache) > self._cache_size:
-            self._cache.popitem(last=False)
+        with self._lock:
+            self._cache[key] = compiled
+            if len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
         return compiled
 
     def _compile(self, p: StructuredOutputsParams) -> Any:

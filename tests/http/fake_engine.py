@@ -73,6 +73,9 @@ class FakeEngine:
     def chat(self, messages, params=None, request_id=None, priority=0, chat_template_kwargs=None) -> FakeHandle:
         return self.generate("", params, request_id, priority)
 
+    async def precompile(self, params) -> None:
+        pass  # no grammars here
+
     async def abort(self, request_id: str) -> bool:
         h = self.live.pop(request_id, None)
         if h is not None:

@@ -111,6 +111,23 @@ def test_a_huge_prompt_is_tokenized_off_the_loop(server, http, kind):
     assert max(probe.lags) < 0.2, f"the loop stalled {max(probe.lags) * 1000:.0f} ms"
 
 
+def test_a_huge_json_schema_compiles_off_the_loop(server, http):
+    """A 0.2 MB schema (3,000 patterned properties): compiling it on the loop stalled every stream ~1.5 s."""
+    async def start_probe() -> LoopLagProbe:
+        return LoopLagProbe().start()
+
+    props = {f"p{j}": {"type": "string", "pattern": "[a-z]{1,8}[0-9]{2,4}"} for j in range(3000)}
+    schema = {"type": "object", "properties": props, "required": list(props)}
+    probe = server.run(start_probe())
+    t0 = time.perf_counter()
+    r = http.post(COMP, json=comp(structured_outputs={"json": schema}))
+    elapsed = time.perf_counter() - t0
+    server.run(probe.stop())
+    assert r.status == 200 and r.json()["usage"]["completion_tokens"] == 2
+    assert elapsed > 0.3, "the schema compiled too fast to show anything: make it bigger"
+    assert max(probe.lags) < 0.2, f"the loop stalled {max(probe.lags) * 1000:.0f} ms"
+
+
 def test_limits_are_configurable():
     limits = RequestLimits(max_n=2, max_stop=1, max_logit_bias=1, max_messages=1, max_token_ids=2)
     for body, param in [(chat(n=3, temperature=1), "n"), (chat(stop=["a", "b"]), "stop"),
