@@ -51,7 +51,10 @@ async def prepare(engine: Any, req: ChatRequest | CompletionRequest) -> None:
         if req.params.structured_outputs is not None:
             await engine.precompile(req.params)
         if isinstance(req, ChatRequest):
-            if sum(len(m["content"]) for m in req.messages) > OFFLOAD_CHARS:
+            size = sum(len(m["content"]) for m in req.messages)
+            if req.tools is not None:  # the template renders them too (Qwen's writes each as JSON)
+                size += len(orjson.dumps(req.tools.tools))
+            if size > OFFLOAD_CHARS:
                 req.prompt_ids = await asyncio.to_thread(apply_chat_template, engine.tokenizer, req.messages,
                                                          **req.chat_template_kwargs)
             return
