@@ -107,24 +107,29 @@ class RotaryEmbedding(nn.Module):
         rope_scaling: dict[str, Any] | None = None,
         dtype: torch.dtype = torch.float32,
         device: Any = None,
+        inv_freq: torch.Tensor | None = None,
+        attention_scaling: float = 1.0,
     ) -> None:
+        """``inv_freq``/``attention_scaling``: given by transformers for the scaled types it computes
+        (see ``get_rope``); otherwise the default frequencies, or llama3's."""
         super().__init__()
         rope_type = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
         assert head_dim % 2 == 0
         self.head_dim = head_dim
-        # HF computes frequencies in fp32 and casts cos/sin to the activation dtype.
-        inv_freq = 1.0 / (
-            base ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim)
-        )
-        if rope_type == "llama3":
-            inv_freq = _llama3_inv_freq(inv_freq, rope_scaling)
-        elif rope_type != "default":
-            raise NotImplementedError(
-                f"rope_scaling type {rope_type!r} is not supported (supported: default, llama3)"
+        if inv_freq is None:
+            # HF computes frequencies in fp32 and casts cos/sin to the activation dtype.
+            inv_freq = 1.0 / (
+                base ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim)
             )
+            if rope_type == "llama3":
+                inv_freq = _llama3_inv_freq(inv_freq, rope_scaling)
+            elif rope_type != "default":
+                raise NotImplementedError(f"rope_scaling type {rope_type!r} is not supported "
+                                          f"(supported: default, {', '.join(('llama3', *_STATIC_HF_ROPE))})")
         t = torch.arange(max_position, dtype=torch.float32, device=device)
-        freqs = torch.outer(t, inv_freq)
-        cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
+        freqs = torch.outer(t, inv_freq.to(device=device, dtype=torch.float32))
+        cos, sin = freqs.cos() * attention_scaling, freqs.sin() * attention_scaling  # as HF: scale, then cast
+        cos, sin = cos.to(dtype), sin.to(dtype)
         self.register_buffer("cos_sin_cache", torch.cat((cos, sin), dim=-1), persistent=False)
         # CPU path: full-width tables, so a rotation is x * cos2 + roll(x) * sin2 (4 ops for q and k
         # together instead of 8 each; the same roundings as HF's rotate_half, so the same bits).
@@ -156,9 +161,23 @@ class RotaryEmbedding(nn.Module):
         return x * cos2 + x.roll(self.head_dim // 2, -1) * sin2
 
 
+# Scalings whose frequencies do not depend on the sequence length: transformers' own functions compute
+# them (dynamic NTK and longrope change with the length of each forward, which a cached table cannot).
+_STATIC_HF_ROPE = ("linear", "yarn")
+
+
 def get_rope(
     head_dim: int, max_position: int, config: Any, dtype: torch.dtype, device: Any = None
 ) -> RotaryEmbedding:
     """The rotary embedding a HF config asks for (a model builds one and shares it across its layers)."""
     base, scaling = rope_parameters(config)
+    if float(getattr(config, "partial_rotary_factor", None) or 1.0) != 1.0:
+        raise NotImplementedError("partial rotary embeddings (partial_rotary_factor < 1) are not supported")
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type in _STATIC_HF_ROPE:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+        return RotaryEmbedding(head_dim, max_position, base, scaling, dtype=dtype, device=device,
+                               inv_freq=inv_freq, attention_scaling=float(attention_scaling))
     return RotaryEmbedding(head_dim, max_position, base, scaling or None, dtype=dtype, device=device)

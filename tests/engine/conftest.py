@@ -22,10 +22,11 @@ TINY = {
 }
 
 
-def make_tiny_checkpoint(kind: str, path) -> transformers.PreTrainedModel:
+def make_tiny_checkpoint(kind: str, path, **overrides) -> transformers.PreTrainedModel:
+    """A tiny random checkpoint of ``kind``; ``overrides`` replace config fields (e.g. rope_scaling)."""
     config_cls, model_cls, extra = TINY[kind]
     torch.manual_seed(0)
-    model = model_cls(config_cls(**SMALL, **extra)).float().eval()
+    model = model_cls(config_cls(**{**SMALL, **extra, **overrides})).float().eval()
     with torch.no_grad():  # HF initialises norms to 1 and biases to 0: randomise so they are tested too
         for name, p in model.named_parameters():
             p.copy_(torch.randn_like(p) * (0.1 if "norm" in name else 0.3) + (1.0 if "norm" in name else 0.0))

@@ -136,8 +136,8 @@ def test_registry_and_cache_sizing():
 def test_unsupported_rope_scaling_is_refused():
     from aioengine.gpu.models.llama import LlamaForCausalLM
 
-    config = transformers.LlamaConfig(**SMALL, rope_scaling={"rope_type": "yarn", "factor": 2.0})
-    with pytest.raises(NotImplementedError, match="yarn"):
+    config = transformers.LlamaConfig(**SMALL, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    with pytest.raises(NotImplementedError, match="dynamic"):
         LlamaForCausalLM(config)
 
 
