@@ -91,6 +91,13 @@ class AsyncEngine:
         dtype = getattr(torch, resolve_dtype_name(args.dtype, device))
         self._worker = CudaWorker() if cuda else CpuWorker(args.num_threads or default_num_threads())
         max_model_len = args.max_model_len or cfg_probe["max_position_embeddings"]
+        window = cfg_probe.get("sliding_window")
+        if window is not None and max_model_len > window:  # no sliding-window kernels: stay inside the window
+            if args.max_model_len:
+                raise ValueError(f"max_model_len {max_model_len} exceeds the model's sliding window ({window}); "
+                                 "sliding-window attention is not supported, so the context is capped there")
+            logger.warning("max_model_len capped at the model's sliding window, %d tokens", window)
+            max_model_len = window
         max_num_seqs = args.max_num_seqs or (1024 if cuda else 128)
         max_batched = args.max_num_batched_tokens or (8192 if cuda else 512)
         self.runner = await asyncio.wrap_future(self._worker.submit(
@@ -503,6 +510,9 @@ def _read_config(path: str) -> dict:
             eos = json.load(f).get("eos_token_id", eos)
     if isinstance(eos, list):
         eos = eos[0] if eos else None
+    from aioengine.gpu.models import sliding_window
+
     text_cfg = cfg.get("text_config", cfg)
     return {"max_position_embeddings": text_cfg.get("max_position_embeddings", 2048),
-            "vocab_size": text_cfg["vocab_size"], "eos_token_id": eos}
+            "vocab_size": text_cfg["vocab_size"], "eos_token_id": eos, "sliding_window": sliding_window(text_cfg)}
+

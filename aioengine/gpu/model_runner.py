@@ -15,6 +15,7 @@ from aioengine.gpu.cpu_linear import pack_linears
 from aioengine.gpu.cuda_graphs import DecodeGraphs, capture_sizes, capture_time_limit_s
 from aioengine.gpu.loader import allocate_kv_caches, load_model
 from aioengine.gpu.memory import kv_cache_blocks, profile_memory, warmup_lengths
+from aioengine.gpu.models import sliding_window
 from aioengine.gpu.quant import quantize_model
 from aioengine.gpu.sampler import Sampler, SamplingMetadata, gather_logprobs
 from aioengine.gpu.states import RequestStates
@@ -47,6 +48,10 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.max_num_reqs = max_num_reqs
         self.model, self.hf_config = load_model(model_path, dtype=dtype, device=device)
+        window = sliding_window(self.hf_config)
+        if window is not None and max_model_len > window:
+            raise ValueError(f"max_model_len {max_model_len} exceeds the sliding window ({window}), which is "
+                             "not supported")
         self._num_parameters = sum(p.numel() for p in self.model.parameters())  # before any repacking
         if quantization is not None:
             quantize_model(self.model, quantization)

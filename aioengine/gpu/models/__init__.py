@@ -27,4 +27,12 @@ def get_model_class(config: Any) -> type[LlamaForCausalLM]:
     )
 
 
-__all__ = ["MODEL_REGISTRY", "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "get_model_class"]
+def sliding_window(cfg: Any) -> int | None:
+    """The attention window a config asks for (Mistral: `sliding_window`; Qwen: only with
+    `use_sliding_window`), or None. Within it, windowed attention is full attention."""
+    get = cfg.get if isinstance(cfg, dict) else lambda k, d=None: getattr(cfg, k, d)
+    window = get("sliding_window")
+    return int(window) if window and get("use_sliding_window", True) else None
+
+
+__all__ = ["MODEL_REGISTRY", "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "get_model_class", "sliding_window"]

@@ -175,8 +175,6 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, config: Any, dtype: torch.dtype = torch.float32, device: Any = "cpu") -> None:
         super().__init__()
-        if getattr(config, "use_sliding_window", False):
-            raise NotImplementedError("sliding-window attention is not supported")
         self.config = config
         qkv_bias, o_bias = self.attention_biases(config)
         self.model = LlamaModel(config, dtype, device, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=self.qk_norm)
