@@ -49,7 +49,13 @@ async def prepare(engine: Any, req: ChatRequest | CompletionRequest) -> None:
     the loop; xgrammar releases the GIL, so the loop keeps serving while it compiles on a thread)."""
     try:
         if req.params.structured_outputs is not None:
-            await engine.precompile(req.params)
+            try:
+                await engine.precompile(req.params)
+            except InvalidRequestError as e:
+                forced = isinstance(req, ChatRequest) and req.tools is not None and req.tools.structured_outputs()
+                if forced:
+                    raise bad(f"A tool's parameters schema cannot force the call: {e.message}", "tools") from None
+                raise
         if isinstance(req, ChatRequest):
             size = sum(len(m["content"]) for m in req.messages)
             if req.tools is not None:  # the template renders them too (Qwen's writes each as JSON)

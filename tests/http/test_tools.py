@@ -115,6 +115,8 @@ def test_tool_results_in_the_history(client):
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"type": "string", "pattern": "(unclosed"}}}}}], "tool_choice": "required"}, "tools"),
     ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages[0].tool_calls"),
 ])
 def test_bad_tool_fields_are_400s(client, kw, param):
