@@ -22,7 +22,12 @@ from aioengine.sampling_params import SamplingParams
 from aioengine.sched.output import EngineCoreOutput, ModelRunnerOutput, SchedulerStats, TokenLogprobs
 from aioengine.sched.request import Request, RequestStatus
 from aioengine.sched.scheduler import Scheduler, SchedulerConfig
-from aioengine.tokenizer import IncrementalDetokenizer, apply_chat_template, load_tokenizer
+from aioengine.tokenizer import (
+    IncrementalDetokenizer,
+    apply_chat_template,
+    load_tokenizer,
+    read_chat_template,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -488,7 +493,10 @@ def _load_tokenizer(args: EngineArgs, model_path: str, vocab_size: int) -> Any:
         from aioengine.tokenizer import NullTokenizer
 
         return NullTokenizer(vocab_size)
-    return load_tokenizer(args.tokenizer or model_path)
+    tokenizer = load_tokenizer(args.tokenizer or model_path)
+    if args.chat_template is not None:
+        tokenizer.chat_template = read_chat_template(args.chat_template)
+    return tokenizer
 
 
 def _read_config(path: str) -> dict:

@@ -18,6 +18,24 @@ def load_tokenizer(path: str) -> Any:
     return AutoTokenizer.from_pretrained(path)
 
 
+def read_chat_template(value: str) -> str:
+    """``--chat-template``: a file's contents, else the text itself; a template Jinja cannot parse is refused
+    now (ValueError) rather than failing every chat request later."""
+    template = value
+    if "{" not in value and os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            template = f.read()
+    elif "{" not in value:
+        raise ValueError(f"chat_template {value!r} is neither a file nor a Jinja template")
+    import jinja2
+
+    try:
+        jinja2.Environment().parse(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"chat_template is not a valid Jinja template: {e}") from None
+    return template
+
+
 class NullTokenizer:
     """For a model without a tokenizer (``random:NAME``): prompts are token ids, outputs have no text."""
 

@@ -280,3 +280,23 @@ def test_handle_abort_and_stats_count_every_scheduled_token(tiny_llama):
             assert engine.num_unfinished_requests() == 0
 
     run(main())
+
+
+def test_chat_template_flag_replaces_the_tokenizers(tiny_llama, tmp_path):
+    from aioengine.tokenizer import read_chat_template
+
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant]"
+    path = tmp_path / "template.jinja"
+    path.write_text(template)
+    assert read_chat_template(str(path)) == template == read_chat_template(template)
+    for bad in ("{% for m in messages %}", str(tmp_path / "missing.jinja")):
+        with pytest.raises(ValueError, match="chat_template"):
+            read_chat_template(bad)
+
+    async def main():
+        async with AsyncEngine(EngineArgs(model=str(tiny_llama[0]), dtype="float32", chat_template=str(path))) as eng:
+            out = await eng.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=1))
+            return out.prompt_token_ids, eng.tokenizer
+
+    ids, tok = asyncio.run(main())
+    assert ids == tok("[user] hi\n[assistant]", add_special_tokens=False)["input_ids"]
