@@ -21,6 +21,8 @@ _ENGINE_HELP = {
     "skip_tokenizer_init": "no tokenizer: prompts must be token ids and outputs carry no text",
     "served_model_name": "name(s) the API answers to; the first is reported (default: the model)",
     "chat_template": "a Jinja chat template file, or the template itself (default: the tokenizer's)",
+    "generation_config": "default sampling parameters: auto (the model's generation_config.json), vllm (none), "
+                         "or a directory with a generation_config.json",
     "dtype": "weights and activations dtype (auto: float32 on CPU, bfloat16 on CUDA)",
     "device": "where the model runs",
     "seed": "seed of the sampler's generator",

@@ -13,6 +13,9 @@ class EngineArgs:
     skip_tokenizer_init: bool = False  # no tokenizer: prompts are token ids, outputs carry no text
     served_model_name: str | None = None
     chat_template: str | None = None  # a Jinja chat template, or a file holding one (replaces the tokenizer's)
+    # Where default sampling parameters come from (vLLM's --generation-config): "auto" = the model's
+    # generation_config.json, "vllm" = none (OpenAI's defaults), or a directory holding such a file.
+    generation_config: str = "auto"
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: bfloat16 on CUDA and on CPUs with
     # avx512_bf16/AMX, else float32)
     device: str = "auto"  # auto | cpu | cuda

@@ -45,6 +45,7 @@ class AsyncEngine:
         self.model_path: str | None = None
         self.model_name = self.args.served_model_name or self.args.model
         self.max_model_len = 0
+        self.default_sampling_params: dict = {}  # from the generation config (EngineArgs.generation_config)
         self.vocab_size = 0
         self.eos_token_id: int | None = None
         self.kv_capacity_tokens = 0
@@ -129,6 +130,10 @@ class AsyncEngine:
         self.kv_capacity_tokens = (num_blocks - 1) * args.block_size
         self.vocab_size = cfg_probe["vocab_size"]
         self.eos_token_id = cfg_probe["eos_token_id"]
+        self.default_sampling_params = generation_defaults(args.generation_config, self.model_path)
+        SamplingParams(**self.default_sampling_params)  # a bad value in the file stops the start, not each request
+        if self.default_sampling_params:
+            logger.info("default sampling parameters from the generation config: %s", self.default_sampling_params)
         if self.eos_token_id is None:
             self.eos_token_id = self.tokenizer.eos_token_id
         self.scheduler = Scheduler(SchedulerConfig(
@@ -182,7 +187,7 @@ class AsyncEngine:
                  cache_salt: str | None = None) -> GenerateHandle:
         """Start a request; raises InvalidRequestError (bad input) or EngineDeadError at once."""
         self._check_alive()
-        params = sampling_params or SamplingParams()
+        params = sampling_params or SamplingParams(**self.default_sampling_params)
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("The prompt cannot be empty.", param="prompt")
@@ -204,7 +209,8 @@ class AsyncEngine:
              chat_template_kwargs: dict | None = None) -> GenerateHandle:
         self._check_alive()
         ids = apply_chat_template(self.tokenizer, messages, **(chat_template_kwargs or {}))
-        return self._add(None, ids, sampling_params or SamplingParams(), request_id, priority, None)
+        params = sampling_params or SamplingParams(**self.default_sampling_params)
+        return self._add(None, ids, params, request_id, priority, None)
 
     async def precompile(self, params: SamplingParams) -> None:
         """Compile ``params``' grammar on a thread, into the cache that ``generate`` then reads: a large JSON
@@ -497,6 +503,31 @@ def _load_tokenizer(args: EngineArgs, model_path: str, vocab_size: int) -> Any:
     if args.chat_template is not None:
         tokenizer.chat_template = read_chat_template(args.chat_template)
     return tokenizer
+
+
+# The sampling fields vLLM takes from a generation_config.json (its "auto" default).
+_GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def generation_defaults(source: str, model_path: str) -> dict:
+    """Default sampling parameters from a generation_config.json: the model's ("auto"), none ("vllm"), or
+    the file in the directory ``source``. Only the fields the file sets."""
+    import json
+    import os
+
+    if source == "vllm":
+        return {}
+    directory = model_path if source == "auto" else source
+    if source != "auto" and not os.path.isfile(os.path.join(directory, "generation_config.json")):
+        raise ValueError(f"generation_config must be auto, vllm or a directory with a generation_config.json; "
+                         f"got {source!r}")
+    path = os.path.join(directory, "generation_config.json")
+    if directory.startswith(_RANDOM_PREFIX) or not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        config = json.load(f)
+    return {k: config[k] for k in _GENERATION_DEFAULTS if isinstance(config.get(k), int | float)
+            and not isinstance(config.get(k), bool)}
 
 
 def _read_config(path: str) -> dict:

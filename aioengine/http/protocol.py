@@ -264,8 +264,9 @@ def _at_most(values: Any, limit: int, param: str, what: str) -> None:
         raise bad(f"{param} may hold at most {limit} {what}, got {len(values)}.", param)
 
 
-def _sampling_params(f: Fields, max_tokens: int | None, logprobs: int | None, limits: RequestLimits
-                     ) -> SamplingParams:
+def _sampling_params(f: Fields, max_tokens: int | None, logprobs: int | None, limits: RequestLimits,
+                     defaults: dict) -> SamplingParams:
+    """``defaults``: the model's generation-config defaults for fields the request leaves out."""
     stop = f.data.get("stop")
     if stop is None:
         stop = []
@@ -294,26 +295,28 @@ def _sampling_params(f: Fields, max_tokens: int | None, logprobs: int | None, li
         raise bad("allowed_token_ids must be an array of integers.", "allowed_token_ids")
     try:
         return SamplingParams(
-            n=f.int("n", 1, lo=1, hi=limits.max_n), temperature=f.float("temperature", 1.0),
-            top_p=f.float("top_p", 1.0), top_k=_top_k(f), min_p=f.float("min_p", 0.0),
+            n=f.int("n", 1, lo=1, hi=limits.max_n), temperature=f.float("temperature", defaults.get("temperature", 1.0)),
+            top_p=f.float("top_p", defaults.get("top_p", 1.0)), top_k=_top_k(f, defaults.get("top_k", 0)),
+            min_p=f.float("min_p", defaults.get("min_p", 0.0)),
             seed=f.int("seed"), max_tokens=max_tokens, min_tokens=f.int("min_tokens", 0), stop=stop,
             stop_token_ids=stop_token_ids, ignore_eos=f.bool("ignore_eos", False),
             include_stop_str_in_output=f.bool("include_stop_str_in_output", False),
             skip_special_tokens=f.bool("skip_special_tokens", True), logprobs=logprobs,
             presence_penalty=f.float("presence_penalty", 0.0), frequency_penalty=f.float("frequency_penalty", 0.0),
-            repetition_penalty=f.float("repetition_penalty", 1.0), logit_bias=bias or None,
+            repetition_penalty=f.float("repetition_penalty", defaults.get("repetition_penalty", 1.0)),
+            logit_bias=bias or None,
             allowed_token_ids=allowed, bad_words=bad_words, structured_outputs=_structured_outputs(f))
     except InvalidRequestError as e:
         raise from_invalid(e) from None
 
 
-def _top_k(f: Fields) -> int:
-    top_k = f.int("top_k", 0)
+def _top_k(f: Fields, default: int) -> int:
+    top_k = f.int("top_k", default)
     return 0 if top_k == -1 else top_k  # -1 is vLLM's (and OpenAI clients') "off", as 0 is
 
 
 def _common(f: Fields, max_tokens: int | None, logprobs: int | None, allow_priority: bool,
-            limits: RequestLimits) -> dict:
+            limits: RequestLimits, defaults: dict) -> dict:
     stream = f.bool("stream", False)
     so = f.get("stream_options", dict)
     include_usage = continuous = False
@@ -329,13 +332,13 @@ def _common(f: Fields, max_tokens: int | None, logprobs: int | None, allow_prior
     request_id = f.str("request_id")
     if request_id is not None and not request_id:
         raise bad("request_id cannot be empty.", "request_id")
-    return dict(model=f.str("model"), params=_sampling_params(f, max_tokens, logprobs, limits), stream=stream,
+    return dict(model=f.str("model"), params=_sampling_params(f, max_tokens, logprobs, limits, defaults), stream=stream,
                 include_usage=include_usage, continuous_usage_stats=continuous, request_id=request_id,
                 priority=priority, user=f.str("user"))
 
 
-def parse_chat_request(data: dict, allow_priority: bool = False, limits: RequestLimits = DEFAULT_LIMITS
-                       ) -> ChatRequest:
+def parse_chat_request(data: dict, allow_priority: bool = False, limits: RequestLimits = DEFAULT_LIMITS,
+                       defaults: dict | None = None) -> ChatRequest:
     f = Fields(data, CHAT_FIELDS)
     if "messages" not in data:
         raise bad("messages is required.", "messages")
@@ -379,7 +382,7 @@ def parse_chat_request(data: dict, allow_priority: bool = False, limits: Request
     if kwargs.get("continue_final_message") and messages[-1]["role"] != "assistant":
         raise bad("continue_final_message needs the last message to be from the assistant.", "messages")
     logprobs = (top_logprobs or 0) if want_logprobs else None
-    req = ChatRequest(**_common(f, max_tokens, logprobs, allow_priority, limits), messages=messages,
+    req = ChatRequest(**_common(f, max_tokens, logprobs, allow_priority, limits, defaults or {}), messages=messages,
                       chat_template_kwargs=kwargs, tools=tools)
     if tools is not None:
         kwargs["tools"] = tools.tools  # the template describes them to the model (vLLM passes them too)
@@ -479,15 +482,15 @@ def _content_text(content: Any, p: str) -> str | None:
     return "\n".join(texts)
 
 
-def parse_completion_request(data: dict, allow_priority: bool = False, limits: RequestLimits = DEFAULT_LIMITS
-                             ) -> CompletionRequest:
+def parse_completion_request(data: dict, allow_priority: bool = False, limits: RequestLimits = DEFAULT_LIMITS,
+                             defaults: dict | None = None) -> CompletionRequest:
     f = Fields(data, COMPLETION_FIELDS)
     prompts = parse_prompt(data.get("prompt"))
     logprobs = f.int("logprobs", lo=0, hi=MAX_LOGPROBS)
     echo = f.bool("echo", False)
     if f.str("suffix"):
         raise not_supported("suffix")
-    base = _common(f, f.int("max_tokens", 16), logprobs, allow_priority, limits)
+    base = _common(f, f.int("max_tokens", 16), logprobs, allow_priority, limits, defaults or {})
     if echo and logprobs is not None:  # the echoed prompt carries its own logprobs
         base["params"].prompt_logprobs = logprobs
     best_of = f.int("best_of", lo=1)

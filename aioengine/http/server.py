@@ -278,7 +278,8 @@ async def _admit_request(request: web.Request, parse: Any, id_prefix: str) -> tu
     app = request.app
     admit(app)
     engine = app[ENGINE]
-    req = parse(await _read_json(request), allow_priority(engine), app[CONFIG].limits)
+    req = parse(await _read_json(request), allow_priority(engine), app[CONFIG].limits,
+                engine.default_sampling_params)
     model = _check_model(app, req.model)
     rid = _request_id(request, req, id_prefix)
     await serving.prepare(engine, req)

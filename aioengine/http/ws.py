@@ -114,8 +114,9 @@ class _Session:
             raise bad("body must be a JSON object: the same body as the HTTP route takes.", "body")
         body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}  # always streamed
         policy, limits = allow_priority(self.engine), self.app[CONFIG].limits
-        req = (parse_chat_request(body, policy, limits) if kind == "chat"
-               else parse_completion_request(body, policy, limits))
+        defaults = self.engine.default_sampling_params
+        req = (parse_chat_request(body, policy, limits, defaults) if kind == "chat"
+               else parse_completion_request(body, policy, limits, defaults))
         model = _check_model(self.app, req.model)
         rid = serving.new_request_id(req.request_id, "chatcmpl" if kind == "chat" else "cmpl")
         await serving.prepare(self.engine, req)

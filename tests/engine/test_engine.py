@@ -300,3 +300,34 @@ def test_chat_template_flag_replaces_the_tokenizers(tiny_llama, tmp_path):
 
     ids, tok = asyncio.run(main())
     assert ids == tok("[user] hi\n[assistant]", add_special_tokens=False)["input_ids"]
+
+
+def test_generation_config_supplies_default_sampling_parameters(tiny_llama, tmp_path):
+    """vLLM's --generation-config auto: the model's sampling defaults fill what a request leaves out."""
+    import json
+    import shutil
+
+    from aioengine.http.protocol import parse_chat_request, parse_completion_request
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama[0], model)
+    gen = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps({**gen, "temperature": 0.0, "top_k": 7,
+                                                              "do_sample": True, "max_length": 99}))
+
+    async def main(source: str):
+        async with AsyncEngine(EngineArgs(model=str(model), dtype="float32", generation_config=source)) as eng:
+            prompt = list(range(5, 25))
+            outs = [await eng.generate(prompt, None) for _ in range(2)]
+            return eng.default_sampling_params, [o.outputs[0].token_ids for o in outs]
+
+    defaults, (a, b) = asyncio.run(main("auto"))
+    assert defaults == {"temperature": 0.0, "top_k": 7}
+    assert a == b  # greedy by default now
+    assert asyncio.run(main("vllm"))[0] == {}
+    chat = parse_chat_request({"messages": [{"role": "user", "content": "x"}], "top_p": 0.5}, defaults=defaults)
+    assert (chat.params.temperature, chat.params.top_k, chat.params.top_p) == (0.0, 7, 0.5)
+    comp = parse_completion_request({"prompt": "x", "temperature": 0.8}, defaults=defaults)
+    assert (comp.params.temperature, comp.params.top_k) == (0.8, 7)  # the request's own values win
+    with pytest.raises(ValueError, match="generation_config"):
+        asyncio.run(main(str(tmp_path / "nowhere")))

@@ -53,6 +53,7 @@ class FakeEngine:
         self.request_listeners: list = []
         self.live: dict[str, FakeHandle] = {}
         self.shut_down = False
+        self.default_sampling_params: dict = {}
 
     @property
     def is_running(self) -> bool:
