@@ -321,6 +321,35 @@ def _prefill_attention(
     return out[0].transpose(0, 1)  # [q_len, Hq, D]
 
 
+def _cpu_mixed(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """bf16 on AVX512-BF16: long prefill chunks through the packed prefill kernel, every other query token as
+    a decode of its own length (the decode kernel streams the request's blocks, which stay in cache across
+    its tokens): no gather, no mask."""
+    n, starts = meta.num_actual_tokens, meta.query_start_loc_cpu
+    packed = [i for i in range(meta.num_decodes, meta.num_reqs)
+              if cpu_kernels.packed_prefill(query, kv_cache, starts[i + 1] - starts[i])]
+    output = torch.zeros_like(query) if query.shape[0] > n or packed else None
+    rows = n - sum(starts[i + 1] - starts[i] for i in packed)  # tokens left for the decode kernel
+    if rows:
+        table, seq_lens = meta.per_token_rows()
+        if not packed:
+            out = cpu_kernels.decode_attention(query[:n], kv_cache, table, seq_lens, scale)
+            if output is None:
+                return out
+            output[:n] = out
+            return output
+        skip = torch.zeros(n, dtype=torch.bool)
+        for i in packed:
+            skip[starts[i]:starts[i + 1]] = True
+        idx = torch.nonzero(~skip).flatten()
+        output[idx] = cpu_kernels.decode_attention(query.index_select(0, idx), kv_cache, table.index_select(0, idx),
+                                                   seq_lens.index_select(0, idx), scale)
+    for i in packed:
+        output[starts[i]:starts[i + 1]] = cpu_kernels.prefill_attention(
+            query[starts[i]:starts[i + 1]], kv_cache, meta.block_table[i], meta.seq_lens_cpu[i], scale)
+    return output
+
+
 def paged_attention(
     query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
@@ -337,16 +366,7 @@ def paged_attention(
     if meta.num_reqs == num_decodes and query.shape[0] == num_decodes:
         return _decodes(query, kv_cache, meta, scale)  # pure decode: no extra copy
     if use_cpu_kernel and use_cpu_prefill and cpu_kernels.fast_prefill(query, kv_cache):
-        # Every query token is a decode of its own length (the C kernel streams the request's blocks,
-        # which stay in cache across its tokens): no gather, no mask, one call for the whole batch.
-        table, seq_lens = meta.per_token_rows()
-        n = meta.num_actual_tokens
-        out = cpu_kernels.decode_attention(query[:n], kv_cache, table, seq_lens, scale)
-        if query.shape[0] == n:
-            return out
-        padded = torch.zeros_like(query)
-        padded[:n] = out
-        return padded
+        return _cpu_mixed(query, kv_cache, meta, scale)
     output = torch.zeros_like(query) if query.shape[0] > meta.num_actual_tokens else torch.empty_like(query)
     if num_decodes > 0:
         output[:num_decodes] = _decodes(query, kv_cache, meta, scale)

@@ -100,39 +100,7 @@ DEFINE_KERNEL(decode_attention_f32, float, LOAD_F32, STORE_F32)
 DEFINE_KERNEL(decode_attention_bf16_generic, uint16_t, bf16_to_float, float_to_bf16)
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-#include <immintrin.h>
-
-/* In place: r[i] dword j <- r[j] dword i (a 16x16 transpose of 32-bit elements, 64 shuffles). */
-static inline void transpose16x16(__m512i r[16]) {
-    __m512i t[16], u[16];
-    for (int i = 0; i < 8; i++) {
-        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++) { /* u[4i + j], 128-bit lane L: rows 4i..4i+3 of column 4L + j */
-        u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-    }
-    for (int j = 0; j < 4; j++) { /* gather lane L of u[j], u[4+j], u[8+j], u[12+j] into column 4L + j */
-        const __m512i y0 = _mm512_shuffle_i32x4(u[j], u[4 + j], _MM_SHUFFLE(1, 0, 1, 0));
-        const __m512i y1 = _mm512_shuffle_i32x4(u[j], u[4 + j], _MM_SHUFFLE(3, 2, 3, 2));
-        const __m512i y2 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], _MM_SHUFFLE(1, 0, 1, 0));
-        const __m512i y3 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], _MM_SHUFFLE(3, 2, 3, 2));
-        r[j] = _mm512_shuffle_i32x4(y0, y2, _MM_SHUFFLE(2, 0, 2, 0));
-        r[4 + j] = _mm512_shuffle_i32x4(y0, y2, _MM_SHUFFLE(3, 1, 3, 1));
-        r[8 + j] = _mm512_shuffle_i32x4(y1, y3, _MM_SHUFFLE(2, 0, 2, 0));
-        r[12 + j] = _mm512_shuffle_i32x4(y1, y3, _MM_SHUFFLE(3, 1, 3, 1));
-    }
-}
-
-static inline __m512 exp16(__m512 x) { /* gcc vectorizes this loop into libmvec's 16-wide expf */
-    float v[16] __attribute__((aligned(64)));
-    _mm512_store_ps(v, x);
-    for (int i = 0; i < 16; i++) v[i] = expf(v[i]);
-    return _mm512_load_ps(v);
-}
+#include "cpu_avx512.h"
 
 /* The running state of one query head: its bf16 pairs, the softmax's max and sum, and the output
  * accumulators. acc_lo/acc_hi[h] dword 4L + i hold output dims 32h + 8L + i and 32h + 8L + 4 + i (the

@@ -1,4 +1,5 @@
-"""The CPU's C kernels (cpu_decode_attention.c, cpu_elementwise.c): built once per machine with the C
+"""The CPU's C kernels (cpu_decode_attention.c, cpu_prefill_attention.c, cpu_elementwise.c): built once per
+machine with the C
 compiler into one library, loaded with ctypes, and called on the worker thread (ctypes releases the GIL).
 
 Built with -march=native into ``$AIOENGINE_CACHE_DIR/kernels`` (default ``~/.cache/aioengine``) under
@@ -24,8 +25,10 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name(n) for n in ("cpu_decode_attention.c", "cpu_elementwise.c")]
-_HEADERS = [Path(__file__).with_name("cpu_bf16.h")]  # included by the sources: part of the build's hash
+_SOURCES = [Path(__file__).with_name(n) for n in ("cpu_decode_attention.c", "cpu_prefill_attention.c",
+                                                  "cpu_elementwise.c")]
+# Included by the sources: part of the build's hash.
+_HEADERS = [Path(__file__).with_name(n) for n in ("cpu_bf16.h", "cpu_avx512.h")]
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]  # compile only
 # Linked without -ffast-math: with it, gcc < 13 adds crtfastmath.o even to a shared library, whose
 # constructor turns on flush-to-zero for the thread that loads it (a process-wide change of float results).
@@ -103,6 +106,8 @@ def load() -> ctypes.CDLL | None:
             fn = getattr(lib, name)
             fn.restype = None
             fn.argtypes = argtypes
+        lib.prefill_attention_bf16.restype = ctypes.c_int
+        lib.prefill_attention_bf16.argtypes = _PREFILL_ARGS
         _lib = lib
         return lib
 
@@ -114,6 +119,7 @@ _ELEMENTWISE = {
     "argmax_bf16": [_P, _I64, _I64, _I64, _P, _I],
     "store_kv_cpu": [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I, _I, _I, _I64, _I64, _I64, _I, _I64],
 }
+_PREFILL_ARGS = [_P, _I64, _P, _P, _P, _I, _I, _P, _I, _I, _I, _I, _F, _I64, _I64, _I64, _I]
 
 
 def elementwise_ok(x: torch.Tensor) -> bool:
@@ -212,4 +218,38 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
         num_heads, num_kv_heads, head_dim, block_size, scale, kv_cache.stride(1), kv_cache.stride(2),
         kv_cache.stride(3), torch.get_num_threads())
     assert status == 0, "kernel rejected the shapes"
+    return out
+
+
+# Query tokens from which a bf16 prefill chunk takes the packed kernel (cpu_prefill_attention.c) instead of one
+# decode row per token: measured faster from here (docs/benchmarks.md); below it, packing the keys costs more
+# than it saves.
+PREFILL_MIN_TOKENS = 16
+
+
+def packed_prefill(query: torch.Tensor, kv_cache: torch.Tensor, q_len: int) -> bool:
+    """Whether a chunk of ``q_len`` query tokens runs through prefill_attention (the AVX512-BF16 build, bf16,
+    head_dim a multiple of 32 up to 256, at most 32 query heads per KV head)."""
+    head_dim, group = query.shape[2], query.shape[1] // kv_cache.shape[3]
+    return (q_len >= PREFILL_MIN_TOKENS and query.dtype == torch.bfloat16 and head_dim % 32 == 0
+            and head_dim <= 256 and group <= 32 and fast_prefill(query, kv_cache))  # fast_prefill: group <= 16
+
+
+def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, blocks: torch.Tensor, seq_len: int,
+                      scale: float) -> torch.Tensor:
+    """One request's chunk: query ``[q_len, Hq, D]`` (its last token at position ``seq_len - 1``) over the
+    blocks ``blocks`` (int32, the request's block-table row) -> ``[q_len, Hq, D]``."""
+    q_len, num_heads, head_dim = query.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    assert query.stride(2) == 1 and query.stride(1) == head_dim and kv_cache.stride(4) == 1
+    blocks = blocks if blocks.dtype == torch.int32 and blocks.is_contiguous() else blocks.to(torch.int32).contiguous()
+    out = torch.empty((q_len, num_heads, head_dim), dtype=query.dtype)
+    value_offset = kv_cache.stride(0) * kv_cache.element_size()
+    status = load().prefill_attention_bf16(
+        query.data_ptr(), query.stride(0), kv_cache.data_ptr(), kv_cache.data_ptr() + value_offset,
+        blocks.data_ptr(), q_len, seq_len, out.data_ptr(), num_heads, num_kv_heads, head_dim, block_size, scale,
+        kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), torch.get_num_threads())
+    if status == -2:
+        raise MemoryError("prefill attention: no memory for the packed keys and values")
+    assert status == 0, f"prefill kernel rejected the shapes ({status})"
     return out

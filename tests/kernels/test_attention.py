@@ -272,3 +272,58 @@ def test_bf16_c_kernel_is_within_one_ulp_of_the_exact_answer(spread):
     exact = paged_attention_reference(query, kv_cache, meta, 0.125)  # float64 inside, one final rounding
     ulps = (out.view(torch.int16).int() - exact.view(torch.int16).int()).abs()
     assert ulps.max() <= 1, ulps.max()
+
+
+@pytest.mark.parametrize(("q_len", "seq_len", "group", "head_dim", "block_size"), [
+    (100, 250, 3, 64, 16),  # a chunk after a cached prefix
+    (70, 70, 1, 128, 32),  # a prompt from position 0, one query head per KV head
+    (33, 97, 8, 96, 16),  # head_dim 96; tokens beyond a 16-token tile
+    (40, 41, 16, 32, 8),  # 16 query heads per KV head: two tokens a task
+    (32, 300, 2, 256, 64),  # the widest head
+])
+def test_packed_prefill_kernel_is_within_one_ulp_of_the_exact_answer(q_len, seq_len, group, head_dim, block_size):
+    """cpu_prefill_attention.c: keys and values packed once per chunk, 64-key softmax updates; still float32
+    sums and p.V in two bf16 parts, so outputs are within one ulp of the float64 answer (outputs near zero,
+    where float32 sums of +-1 terms cancel, within 1e-5: the decode kernel's rows do the same)."""
+    from aioengine.kernels import cpu_kernels
+
+    if cpu_kernels.load() is None or not cpu_kernels.load().decode_attention_bf16_vectorized():
+        pytest.skip("the AVX512-BF16 loop is not built here")
+    gen = torch.Generator().manual_seed(q_len)
+    num_blocks = -(-seq_len // block_size) + 5
+    kv_cache = _in_layout(torch.randn(2, num_blocks, block_size, 2, head_dim, generator=gen).bfloat16())
+    table = torch.randperm(num_blocks, generator=gen)[None].int()
+    meta = AttentionMetadata.build([q_len], [seq_len], table, block_size)
+    query = torch.randn(q_len, 2 * group, head_dim, generator=gen).bfloat16()
+    assert cpu_kernels.packed_prefill(query, kv_cache, q_len)
+    out = cpu_kernels.prefill_attention(query, kv_cache, table[0], seq_len, head_dim**-0.5)
+    exact = paged_attention_reference(query, kv_cache, meta, head_dim**-0.5)
+    _assert_within_one_ulp(out, exact)
+
+
+def _assert_within_one_ulp(out: torch.Tensor, exact: torch.Tensor) -> None:
+    ulps = (out.view(torch.int16).int() - exact.view(torch.int16).int()).abs()
+    large = exact.float().abs() >= 1e-3
+    assert ulps[large].max() <= 1, ulps[large].max()
+    assert (out.float() - exact.float())[~large].abs().max() <= 1e-5
+
+
+def test_long_and_short_chunks_share_one_batch(decode_path):
+    """Decodes, a short chunk (per-token rows) and two long chunks (packed kernel) in one bf16 step."""
+    from aioengine.kernels import cpu_kernels
+
+    batch = [(1, 50), (1, 9), (40, 40), (5, 60), (64, 130)]
+    sys.modules[__name__].HEAD_SIZE, saved = 64, HEAD_SIZE
+    try:
+        query, kv_cache, meta, _ = _setup(batch, 16, 3)
+    finally:
+        sys.modules[__name__].HEAD_SIZE = saved
+    query, kv_cache = query.bfloat16(), kv_cache.bfloat16()
+    if decode_path == "c-kernel":
+        assert cpu_kernels.packed_prefill(query, kv_cache, 40) == cpu_kernels.fast_prefill(query, kv_cache)
+    out = paged_attention(query, kv_cache, meta, 0.125)
+    exact = paged_attention_reference(query, kv_cache, meta, 0.125)
+    if decode_path == "c-kernel" and cpu_kernels.fast_prefill(query, kv_cache):
+        _assert_within_one_ulp(out, exact)
+    else:  # the torch path: SDPA in bf16
+        torch.testing.assert_close(out.float(), exact.float(), atol=2e-2, rtol=2e-2)
