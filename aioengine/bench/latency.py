@@ -54,6 +54,10 @@ def main(argv: list[str]) -> dict:
     ap.add_argument("--num-iters-warmup", type=int, default=1)
     ap.add_argument("--output-json")
     args = ap.parse_args(argv)
+    if args.output_len < 3:  # the first gap includes the prefill: two decode gaps need three tokens
+        ap.error("--output-len must be at least 3 to time a decode step")
+    if args.num_iters < 1:
+        ap.error("--num-iters must be at least 1")
     r = asyncio.run(run_latency(args))
     print(f"Latency: batch {r['batch_size']}, decode step {r['decode_step_ms_median']:.2f} ms median "
           f"({r['decode_step_ms_p99']:.2f} ms p99) = {r['decode_tokens_per_s']:.1f} tokens/s; "

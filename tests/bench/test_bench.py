@@ -66,6 +66,9 @@ def test_datasets_have_the_promised_shapes():
 def test_bench_usage_errors():
     assert bench_main([]) == 2
     assert bench_main(["nonsense"]) == 2
+    with pytest.raises(SystemExit) as e:  # a usage error, not a StatisticsError after loading the model
+        bench_main(["latency", "--output-len", "2"])
+    assert e.value.code == 2
 
 
 def test_bench_serve_reports_against_a_live_server(tiny, tmp_path):
