@@ -142,11 +142,15 @@ class ModelRunner:
         computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
         ids = list(so.num_scheduled_tokens)
         n = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=len(ids))
-        order = np.argsort(n != 1, kind="stable")  # decodes first
+        rows = np.fromiter((states.row_of[r] for r in ids), dtype=np.int64, count=len(ids))
+        start = np.fromiter((computed[r] for r in ids), dtype=np.int64, count=len(ids))
+        # Decodes first: one token past the prompt. A one-token prompt chunk (a prefix-cache hit recomputing
+        # the last prompt token) is a prefill: prompt tokens share one attention path, whatever the chunking.
+        is_decode = (n == 1) & (start >= states.prefill_len[rows])
+        order = np.argsort(~is_decode, kind="stable")
         req_ids = [ids[i] for i in order]
-        n = n[order]
-        rows = np.fromiter((states.row_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
-        start = np.fromiter((computed[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+        n, rows, start = n[order], rows[order], start[order]
+        num_decodes = int(np.count_nonzero(is_decode))
         num_reqs = len(req_ids)
         num_tokens = int(n.sum())
         cu = np.zeros(num_reqs + 1, dtype=np.int64)
@@ -172,7 +176,6 @@ class ModelRunner:
             # Decode inputs: the token each request sampled last step, still on the device.
             src = torch.from_numpy(rows_tok[from_last]).to(dev, non_blocking=True)
             input_ids[torch.from_numpy(from_last).to(dev, non_blocking=True)] = states.last_sampled_tokens[src]
-        num_decodes = int(np.count_nonzero(n == 1))
         seq_lens_list = seq_lens.tolist()
         cu_list = cu.tolist()
         meta = AttentionMetadata(

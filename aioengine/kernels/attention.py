@@ -22,7 +22,7 @@ from aioengine.kernels import cpu_kernels
 
 # The C decode kernel when it builds here (tests turn it off to exercise the torch path).
 use_cpu_kernel = True
-use_cpu_prefill = True  # prefill chunks through the same kernel, one row per query token
+use_cpu_prefill = True  # bf16 prompt chunks through the packed prefill kernel (cpu_prefill_attention.c)
 
 # enable_gqa appeared in torch 2.5; older torch gets explicit repeats on the prefill path.
 _HAS_ENABLE_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
@@ -31,7 +31,7 @@ _HAS_ENABLE_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2,
 @dataclass(slots=True)
 class AttentionMetadata:
     num_reqs: int
-    num_decodes: int  # the first num_decodes requests have exactly 1 query token each
+    num_decodes: int  # the first num_decodes requests are decodes: 1 query token each, past the prompt
     num_actual_tokens: int
     max_query_len: int
     max_seq_len: int
@@ -43,21 +43,6 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     # Torch path only: decode grouping planned by the first layer of a step, reused by the others.
     decode_groups: list[_DecodeGroup] | None = None
-    # C path: every query token as its own row (its seq_len, its request's block table), built by the
-    # first layer of a step that has prefill chunks, reused by the others.
-    token_rows: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    def per_token_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(block table ``[T, max_blocks]``, seq_lens ``[T]``), both int32: token j of request i sees
-        cache positions ``0..seq_lens[i] - q_len_i + j``, i.e. a decode of that length."""
-        if self.token_rows is None:
-            starts = torch.tensor(self.query_start_loc_cpu, dtype=torch.int64)
-            owner = torch.repeat_interleave(torch.arange(self.num_reqs), starts.diff())
-            # The chunk's last token sees seq_len positions; each earlier one, one fewer.
-            last = starts[1:][owner] - 1
-            seq = torch.tensor(self.seq_lens_cpu, dtype=torch.int64)[owner] - (last - torch.arange(len(owner)))
-            self.token_rows = (self.block_table.index_select(0, owner), seq.to(torch.int32))
-        return self.token_rows
 
     @classmethod
     def build(
@@ -322,29 +307,15 @@ def _prefill_attention(
 
 
 def _cpu_mixed(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """bf16 on AVX512-BF16: long prefill chunks through the packed prefill kernel, every other query token as
-    a decode of its own length (the decode kernel streams the request's blocks, which stay in cache across
-    its tokens): no gather, no mask."""
-    n, starts = meta.num_actual_tokens, meta.query_start_loc_cpu
-    packed = [i for i in range(meta.num_decodes, meta.num_reqs)
-              if cpu_kernels.packed_prefill(query, kv_cache, starts[i + 1] - starts[i])]
-    output = torch.zeros_like(query) if query.shape[0] > n or packed else None
-    rows = n - sum(starts[i + 1] - starts[i] for i in packed)  # tokens left for the decode kernel
-    if rows:
-        table, seq_lens = meta.per_token_rows()
-        if not packed:
-            out = cpu_kernels.decode_attention(query[:n], kv_cache, table, seq_lens, scale)
-            if output is None:
-                return out
-            output[:n] = out
-            return output
-        skip = torch.zeros(n, dtype=torch.bool)
-        for i in packed:
-            skip[starts[i]:starts[i + 1]] = True
-        idx = torch.nonzero(~skip).flatten()
-        output[idx] = cpu_kernels.decode_attention(query.index_select(0, idx), kv_cache, table.index_select(0, idx),
-                                                   seq_lens.index_select(0, idx), scale)
-    for i in packed:
+    """bf16 on AVX512-BF16 (cpu_kernels.fast_prefill): decodes through the decode kernel, every prompt chunk
+    (one token or thousands) through the packed prefill kernel, whose per-row arithmetic ignores how the
+    prompt was chunked: a prefix-cache hit gives the same bits as computing the prompt afresh."""
+    n, starts, nd = meta.num_actual_tokens, meta.query_start_loc_cpu, meta.num_decodes
+    output = torch.zeros_like(query) if query.shape[0] > n else torch.empty_like(query)
+    if nd:
+        output[:nd] = cpu_kernels.decode_attention(query[:nd], kv_cache, meta.block_table[:nd], meta.seq_lens[:nd],
+                                                   scale)
+    for i in range(nd, meta.num_reqs):
         output[starts[i]:starts[i + 1]] = cpu_kernels.prefill_attention(
             query[starts[i]:starts[i + 1]], kv_cache, meta.block_table[i], meta.seq_lens_cpu[i], scale)
     return output

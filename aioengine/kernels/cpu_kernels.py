@@ -221,20 +221,6 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     return out
 
 
-# Query tokens from which a bf16 prefill chunk takes the packed kernel (cpu_prefill_attention.c) instead of one
-# decode row per token: measured faster from here (docs/benchmarks.md); below it, packing the keys costs more
-# than it saves.
-PREFILL_MIN_TOKENS = 16
-
-
-def packed_prefill(query: torch.Tensor, kv_cache: torch.Tensor, q_len: int) -> bool:
-    """Whether a chunk of ``q_len`` query tokens runs through prefill_attention (the AVX512-BF16 build, bf16,
-    head_dim a multiple of 32 up to 256, at most 32 query heads per KV head)."""
-    head_dim, group = query.shape[2], query.shape[1] // kv_cache.shape[3]
-    return (q_len >= PREFILL_MIN_TOKENS and query.dtype == torch.bfloat16 and head_dim % 32 == 0
-            and head_dim <= 256 and group <= 32 and fast_prefill(query, kv_cache))  # fast_prefill: group <= 16
-
-
 def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, blocks: torch.Tensor, seq_len: int,
                       scale: float) -> torch.Tensor:
     """One request's chunk: query ``[q_len, Hq, D]`` (its last token at position ``seq_len - 1``) over the

@@ -1,14 +1,18 @@
-/* Causal attention for one long prefill chunk on the CPU (AVX512-BF16): many query tokens over the same keys.
+/* Causal attention for a prefill chunk on the CPU (AVX512-BF16): the prompt tokens of one request.
  *
- * The decode kernel (cpu_decode_attention.c) serves a chunk as one row per query token, and every row
- * transposes each 16-token key tile again (64 shuffles a tile, for the 1-8 query heads of one KV head).
- * Here the request's keys and values are packed once per call into the layouts vdpbf16ps wants:
+ * The request's keys and values are packed once per call into the layouts vdpbf16ps wants:
  *   keys   [Hkv][tile][pair c][16 tokens]  (a token's dims 2c, 2c+1 as one dword: one lane per token),
- *   values [Hkv][tile][token pair][D]      (tokens 2p, 2p+1 of dim d as one dword: one lane per dim),
- * and each task (a KV head and a run of query tokens) walks the keys in chunks of 64 tokens: four score
- * vectors from pair-by-pair dot products, one online-softmax update per chunk, and p.V with the
- * probabilities as two bf16 parts (hi + lo), as exact as float32 for this sum, as in the decode kernel.
- * A chunk's packed keys and values (16 KiB at D = 64) stay in L1 while every row of the task uses them.
+ *   values [Hkv][tile][token pair][D]      (tokens 2p, 2p+1 of a dim as one dword: one lane per dim, in
+ *                                           vpunpck{l,h}wd's order within each 32 dims; store_row undoes it),
+ * and each task (a KV head and a run of query tokens) walks them in chunks of 64 keys: the tiles' score
+ * chains interleaved, one online-softmax update per chunk, and p.V with the probabilities as two bf16 parts
+ * (hi + lo, as exact as float32 for this sum) in four chains. A chunk's packed keys and values (16 KiB at
+ * D = 64) stay in L1 while every row of the task uses them.
+ *
+ * A row's arithmetic depends only on its position and the keys it sees, never on the chunk it came in:
+ * a prompt computed whole, in budget-sized chunks, or after a prefix-cache hit gets the same bits (so a
+ * cached prefix cannot change a greedy answer). Every prompt token comes here, one-token chunks too; the
+ * decode kernel (cpu_decode_attention.c) serves decodes only.
  *
  * Layouts (aioengine/kernels/attention.py): caches [num_blocks, block_size, Hkv, D] with any block, token and
  * head strides (elements, D contiguous); query [q_len, Hq, D] with a token stride; out [q_len, Hq, D]
@@ -20,12 +24,13 @@
 
 #include "cpu_bf16.h"
 
-#define PF_MAX_HEAD_DIM 256
 #define PF_MAX_ROWS 32 /* query rows (tokens x heads of a KV group) one task carries */
-#define PF_CHUNK 64    /* keys per online-softmax update */
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include "cpu_avx512.h"
+
+#define PF_MAX_HEAD_DIM 256
+#define PF_CHUNK 64 /* keys per online-softmax update */
 
 /* Scores of one row against the chunk's tiles: pair-by-pair dot products with the tiles interleaved, so NT x 2
  * chains of vdpbf16ps are in flight at once (one tile at a time left the loop waiting on each's latency). */
@@ -49,6 +54,7 @@ static inline __attribute__((always_inline)) void chunk_scores(__m512 *s, const 
 static inline __attribute__((always_inline)) void row_chunk(
     float *acc, float *run_max, float *run_sum, const int32_t *qd, const int32_t *kt, const int32_t *vt,
     int nt, int valid, int pairs, int head_dim, float scale, const int NV) {
+    if (nt > (valid + 15) / 16) nt = (valid + 15) / 16; /* only the tiles this row sees: the same work whoever calls */
     __m512 s[PF_CHUNK / 16] = {0};
     switch (nt) { /* constant tile counts: the interleaved chains stay in registers */
     case 4: chunk_scores(s, qd, kt, pairs, 4); break;
@@ -107,19 +113,23 @@ static inline __attribute__((always_inline)) void row_chunk(
 }
 
 /* Pack one KV head's keys and values of tile `tile` (16 positions from 16 * tile; zeros past seq_len). */
-static void pack_tile(const uint16_t *k_head, const uint16_t *v_head, const int32_t *blocks, int tile, int seq_len,
+static inline void pack_tile(const uint16_t *k_head, const uint16_t *v_head, const int32_t *blocks, int tile, int seq_len,
                       int head_dim, int block_size, int64_t block_stride, int64_t token_stride, int32_t *kt,
                       int32_t *vt) {
     const int pairs = head_dim / 2;
     const uint16_t *krow[16], *vrow[16];
+    int b = 16 * tile / block_size, off = 16 * tile % block_size; /* one division a tile, not two a token */
     for (int t = 0; t < 16; t++) {
-        const int pos = 16 * tile + t;
-        if (pos < seq_len) {
-            const int64_t at = (int64_t)blocks[pos / block_size] * block_stride + (int64_t)(pos % block_size) * token_stride;
+        if (16 * tile + t < seq_len) {
+            const int64_t at = (int64_t)blocks[b] * block_stride + (int64_t)off * token_stride;
             krow[t] = k_head + at;
             vrow[t] = v_head + at;
         } else {
             krow[t] = vrow[t] = NULL;
+        }
+        if (++off == block_size) {
+            off = 0;
+            b++;
         }
     }
     for (int c0 = 0; c0 < pairs; c0 += 16) { /* keys: 16 pairs x 16 tokens, transposed in registers */
@@ -129,15 +139,25 @@ static void pack_tile(const uint16_t *k_head, const uint16_t *v_head, const int3
         transpose16x16(r); /* r[c] lane t: pair c0 + c of token t */
         for (int c = 0; c < 16; c++) _mm512_store_si512(kt + (int64_t)(c0 + c) * 16, r[c]);
     }
-    for (int p = 0; p < 8; p++) /* values: tokens 2p, 2p + 1 interleaved per dim */
-        for (int d = 0; d < head_dim; d += 16) {
-            const __m512i lo = vrow[2 * p] ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vrow[2 * p] + d)))
-                                           : _mm512_setzero_si512();
-            const __m512i hi = vrow[2 * p + 1]
-                                   ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vrow[2 * p + 1] + d)))
-                                   : _mm512_setzero_si512();
-            _mm512_store_si512(vt + (int64_t)p * head_dim + d, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    for (int p = 0; p < 8; p++) /* values: tokens 2p, 2p + 1 interleaved per dim, in vpunpck{l,h}wd's order */
+        for (int d = 0; d < head_dim; d += 32) {
+            const __m512i a = vrow[2 * p] ? _mm512_loadu_si512(vrow[2 * p] + d) : _mm512_setzero_si512();
+            const __m512i b = vrow[2 * p + 1] ? _mm512_loadu_si512(vrow[2 * p + 1] + d) : _mm512_setzero_si512();
+            _mm512_store_si512(vt + (int64_t)p * head_dim + d, _mm512_unpacklo_epi16(a, b));
+            _mm512_store_si512(vt + (int64_t)p * head_dim + d + 16, _mm512_unpackhi_epi16(a, b));
         }
+}
+
+/* A row's output: acc / run_sum in bf16. acc's vectors 2h and 2h + 1 hold dims 32h..32h + 31 in the order the
+ * value packing left them (lane 4L + i: dim 32h + 8L + i, then 32h + 8L + 4 + i). */
+static inline void store_row(uint16_t *op, const float *acc, float run_sum, int head_dim) {
+    const float inv = run_sum > 0.0f ? 1.0f / run_sum : 0.0f;
+    for (int h = 0; h < head_dim; h += 32)
+        for (int L = 0; L < 4; L++)
+            for (int i = 0; i < 4; i++) {
+                op[h + 8 * L + i] = float_to_bf16(acc[h + 4 * L + i] * inv);
+                op[h + 8 * L + 4 + i] = float_to_bf16(acc[h + 16 + 4 * L + i] * inv);
+            }
 }
 
 int prefill_attention_bf16(const uint16_t *query, int64_t query_stride, const uint16_t *key_cache,
@@ -201,9 +221,7 @@ int prefill_attention_bf16(const uint16_t *query, int64_t query_stride, const ui
             }
             for (int r = 0; r < rows; r++) {
                 const int i = first + r / group, head = kvh * group + r % group;
-                uint16_t *op = out + ((int64_t)i * num_heads + head) * head_dim;
-                const float inv = 1.0f / run_sum[r];
-                for (int d = 0; d < head_dim; d++) op[d] = float_to_bf16(acc[r][d] * inv);
+                store_row(out + ((int64_t)i * num_heads + head) * head_dim, acc[r], run_sum[r], head_dim);
             }
         }
     free(kp);

@@ -331,3 +331,26 @@ def test_generation_config_supplies_default_sampling_parameters(tiny_llama, tmp_
     assert (comp.params.temperature, comp.params.top_k) == (0.8, 7)  # the request's own values win
     with pytest.raises(ValueError, match="generation_config"):
         asyncio.run(main(str(tmp_path / "nowhere")))
+
+
+def test_a_prefix_cache_hit_gives_the_same_bits_in_bfloat16():
+    """The same prompts twice on the default model in bf16: the second run reads the first's cached blocks and
+    recomputes only the tail (for the 33-token prompt, its last token alone), yet every logprob is equal."""
+    from aioengine.tokenizer import load_tokenizer
+
+    async def main():
+        async with AsyncEngine(EngineArgs(model="default", dtype="bfloat16", max_model_len=512)) as eng:
+            tok = load_tokenizer(eng.model_path)
+            text = "The history of computing is a story of abstraction layers, from relays to transistors. " * 4
+            prompts = [tok.encode(text)[:33], tok.encode(text)[:45], tok.encode(text)[3:70]]
+            params = SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True)
+            runs = []
+            for _ in range(2):
+                outs = await asyncio.gather(*(eng.generate(p, params) for p in prompts))
+                runs.append([(o.num_cached_tokens, o.outputs[0].token_ids,
+                              [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs]) for o in outs])
+            return runs
+
+    first, second = asyncio.run(main())
+    assert first[0][0] == 0 and second[0][0] == 32 and all(c > 0 for c, _, _ in second)
+    assert [(ids, lps) for _, ids, lps in first] == [(ids, lps) for _, ids, lps in second]

@@ -295,7 +295,7 @@ def test_packed_prefill_kernel_is_within_one_ulp_of_the_exact_answer(q_len, seq_
     table = torch.randperm(num_blocks, generator=gen)[None].int()
     meta = AttentionMetadata.build([q_len], [seq_len], table, block_size)
     query = torch.randn(q_len, 2 * group, head_dim, generator=gen).bfloat16()
-    assert cpu_kernels.packed_prefill(query, kv_cache, q_len)
+    assert cpu_kernels.fast_prefill(query, kv_cache)
     out = cpu_kernels.prefill_attention(query, kv_cache, table[0], seq_len, head_dim**-0.5)
     exact = paged_attention_reference(query, kv_cache, meta, head_dim**-0.5)
     _assert_within_one_ulp(out, exact)
@@ -308,8 +308,8 @@ def _assert_within_one_ulp(out: torch.Tensor, exact: torch.Tensor) -> None:
     assert (out.float() - exact.float())[~large].abs().max() <= 1e-5
 
 
-def test_long_and_short_chunks_share_one_batch(decode_path):
-    """Decodes, a short chunk (per-token rows) and two long chunks (packed kernel) in one bf16 step."""
+def test_decodes_and_prompt_chunks_share_one_batch(decode_path):
+    """Decodes (decode kernel) and prompt chunks of 40, 5 and 64 tokens (packed kernel) in one bf16 step."""
     from aioengine.kernels import cpu_kernels
 
     batch = [(1, 50), (1, 9), (40, 40), (5, 60), (64, 130)]
@@ -319,11 +319,33 @@ def test_long_and_short_chunks_share_one_batch(decode_path):
     finally:
         sys.modules[__name__].HEAD_SIZE = saved
     query, kv_cache = query.bfloat16(), kv_cache.bfloat16()
-    if decode_path == "c-kernel":
-        assert cpu_kernels.packed_prefill(query, kv_cache, 40) == cpu_kernels.fast_prefill(query, kv_cache)
     out = paged_attention(query, kv_cache, meta, 0.125)
     exact = paged_attention_reference(query, kv_cache, meta, 0.125)
     if decode_path == "c-kernel" and cpu_kernels.fast_prefill(query, kv_cache):
         _assert_within_one_ulp(out, exact)
     else:  # the torch path: SDPA in bf16
         torch.testing.assert_close(out.float(), exact.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("block_size", [16, 8])
+def test_a_prompts_bits_do_not_depend_on_its_chunking(block_size):
+    """The packed prefill kernel gives every prompt token the same bits whether the prompt comes whole, in
+    budget-sized chunks, or as the one-token tail a prefix-cache hit recomputes: a cached prefix must not
+    change a greedy answer."""
+    from aioengine.kernels import cpu_kernels
+
+    if cpu_kernels.load() is None or not cpu_kernels.load().decode_attention_bf16_vectorized():
+        pytest.skip("the AVX512-BF16 loop is not built here")
+    gen = torch.Generator().manual_seed(5)
+    seq_len = 300
+    num_blocks = -(-seq_len // block_size) + 3
+    kv_cache = _in_layout(torch.randn(2, num_blocks, block_size, 3, 64, generator=gen).bfloat16())
+    table = torch.randperm(num_blocks, generator=gen).int()
+    query = torch.randn(seq_len, 9, 64, generator=gen).bfloat16()
+    whole = cpu_kernels.prefill_attention(query, kv_cache, table, seq_len, 0.125)
+    for cuts in ([1, 15, 16, 17, 64, 100], [299], [63, 64, 65], list(range(250, 300))):
+        parts, start = [], 0
+        for end in [*cuts, seq_len]:
+            parts.append(cpu_kernels.prefill_attention(query[start:end], kv_cache, table, end, 0.125))
+            start = end
+        assert torch.equal(torch.cat(parts).view(torch.int16), whole.view(torch.int16)), cuts
