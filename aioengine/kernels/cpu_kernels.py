@@ -192,9 +192,10 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
 
 
 def fast_prefill(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-    """Whether prefill chunks should run through the decode kernel, one row per query token: measured
-    faster than gather + SDPA for bf16 on the AVX512-BF16 loop (2.4x at 3 x 170 tokens, 1.2x at 512 tokens
-    over 2048), slower for float32 (the generic loop), where SDPA's GEMMs win."""
+    """Whether a batch with prompt chunks takes the C kernels (prompt chunks through prefill_attention, decodes
+    through decode_attention): bf16 on the AVX512-BF16 build, head_dim a multiple of 32, shapes `supports`
+    takes. Even one row per query token beat gather + SDPA for bf16 (2.4x at 3 x 170 tokens, 1.2x at 512
+    over 2048); for float32 SDPA's GEMMs win, so float32 keeps them."""
     lib = load()
     return (lib is not None and query.dtype == torch.bfloat16 and query.shape[2] % 32 == 0
             and bool(lib.decode_attention_bf16_vectorized()) and supports(query, kv_cache))
