@@ -9,6 +9,8 @@ from typing import Any
 from aioengine.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
+_FLOAT32_MAX = 3.4028234663852886e38
+_INT32_MAX = 2**31 - 1
 MAX_LOGIT_BIAS = 100.0
 _SAMPLING_EPS = 1e-5
 
@@ -135,6 +137,11 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
                 raise bad(name, f"{name} must be a number, got {value!r}.")
+            if abs(value) > _FLOAT32_MAX:  # the device keeps them as float32: beyond, they would become inf
+                raise bad(name, f"{name} must be a finite float32, got {value!r}.")
+        for name in ("top_k", "min_tokens"):  # kept as 64-bit ints: a bigger int kills the step that stores it
+            if getattr(self, name) > _INT32_MAX:
+                raise bad(name, f"{name} must be at most {_INT32_MAX}, got {getattr(self, name)}.")
         if self.n < 1:
             raise bad("n", f"n must be at least 1, got {self.n}.")
         if self.temperature < 0.0:

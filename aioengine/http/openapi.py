@@ -126,7 +126,20 @@ def _schemas(limits: RequestLimits, vocab_size: int, priority: bool) -> dict:
     detokenize = _obj({"model": _opt(_STR), "tokens": tokens}, ("tokens",))
     error = {"type": "object", "properties": {"error": {"type": "object", "properties": {
         "message": _STR, "type": _STR, "param": _opt(_STR), "code": {"anyOf": [_STR, _INT]}}}}}
-    return {"ChatCompletionRequest": chat, "CompletionRequest": completion, "TokenizeRequest": tokenize,
+    text_part = _obj({"type": {"enum": ["input_text", "output_text"]}, "text": _STR}, ("type", "text"))
+    item = _obj({"type": _opt({"const": "message"}), "role": {"enum": ["user", "assistant", "system", "developer"]},
+                 "content": {"anyOf": [_STR, {"type": "array", "items": text_part}]}}, ("role", "content"))
+    response = _obj({
+        "model": _opt(_STR), "input": {"anyOf": [_STR, {"type": "array", "items": item, "minItems": 1,
+                                                         "maxItems": limits.max_messages}]},
+        "instructions": _opt(_STR), "max_output_tokens": max_tokens, "temperature": sampling["temperature"],
+        "top_p": sampling["top_p"], "stream": _opt(_BOOL), "user": _opt(_STR), "store": _opt(_BOOL),
+        "metadata": _opt({"type": "object", "maxProperties": 16, "additionalProperties": _STR}),
+        "text": _opt(_obj({"format": _obj({"type": {"enum": ["text", "json_object"]}}, ("type",))})),
+        "truncation": _opt({"enum": ["disabled", "auto"]}),
+    }, ("input",))
+    return {"ResponsesRequest": response, "ChatCompletionRequest": chat, "CompletionRequest": completion,
+            "TokenizeRequest": tokenize,
             "DetokenizeRequest": detokenize, "Error": error}
 
 
@@ -168,6 +181,7 @@ def openapi_spec(version: str, limits: RequestLimits = DEFAULT_LIMITS, vocab_siz
         "paths": {
             "/v1/chat/completions": {"post": _generate_op("Chat completion (JSON or SSE stream)", "ChatCompletionRequest")},
             "/v1/completions": {"post": _generate_op("Text completion (JSON or SSE stream)", "CompletionRequest")},
+            "/v1/responses": {"post": _generate_op("Responses API, text only (JSON or SSE events)", "ResponsesRequest")},
             "/v1/models": {"get": _op("List the served model names")},
             "/v1/models/{model}": {"get": models_op},
             "/v1/ws": {"get": ws_op},

@@ -40,6 +40,7 @@ from aioengine.http.protocol import (
     parse_json_body,
     parse_tokenize_request,
 )
+from aioengine.http.responses import ResponseBuilder, to_chat_body
 from aioengine.tokenizer import apply_chat_template
 
 logger = logging.getLogger("aioengine.http")
@@ -93,6 +94,7 @@ def build_app(engine: Any, config: ServerConfig | None = None, **kwargs: Any) ->
     r = app.router
     r.add_post("/v1/chat/completions", chat_completions)
     r.add_post("/v1/completions", completions)
+    r.add_post("/v1/responses", responses)
     r.add_get("/v1/models", list_models)
     r.add_get("/v1/models/{model:.+}", get_model)
     r.add_get("/v1/ws", websocket_handler)
@@ -308,6 +310,24 @@ async def completions(request: web.Request) -> web.StreamResponse:
     outs = list(await asyncio.gather(*handles))
     return json_response(serving.completion_response(engine, req, rid, model, outs),
                          headers={"X-Request-Id": rid})
+
+
+async def responses(request: web.Request) -> web.StreamResponse:
+    """OpenAI's Responses API for text (aioengine/http/responses.py): a chat request underneath."""
+    seen: dict = {}
+
+    def parse(data: dict, *args: Any) -> Any:
+        seen["data"] = data
+        return parse_chat_request(to_chat_body(data), *args)
+
+    engine, req, model, rid = await _admit_request(request, parse, "resp")
+    handles = serving.start_chat(engine, req, rid)
+    log_start(request.app, rid, req, f"response, {len(req.messages)} messages")
+    builder = ResponseBuilder(seen["data"], rid, model)
+    if req.stream:
+        return await serving.stream_response(request, engine, handles, rid, builder)
+    out = await handles[0]
+    return json_response(serving.response_object(req, builder, out), headers={"X-Request-Id": rid})
 
 
 # ---- other routes ------------------------------------------------------------------------------------

@@ -162,6 +162,10 @@ class SSEWriter:
     async def send(self, obj: dict) -> None:
         await self.resp.write(b"data: " + orjson.dumps(obj) + b"\n\n")
 
+    async def send_event(self, obj: dict) -> None:
+        """A named event (`event: <type>`), as the Responses API streams them."""
+        await self.resp.write(b"event: " + obj["type"].encode() + b"\ndata: " + orjson.dumps(obj) + b"\n\n")
+
     async def done(self) -> None:
         await self.resp.write(b"data: [DONE]\n\n")
         await self.resp.write_eof()
@@ -339,3 +343,56 @@ async def abort_all(engine: Any, handles: list) -> None:
     """Abort whatever is still running (a no-op for finished requests), also when never iterated."""
     for h in handles:
         await engine.abort(h.request_id)
+
+
+# ---- responses (/v1/responses) ------------------------------------------------------------------------
+def response_object(req: ChatRequest, builder: Any, out: RequestOutput) -> dict:
+    tally = Tally([len(out.prompt_token_ids)], [out.num_cached_tokens], out.num_generated_tokens)
+    c = out.outputs[0]
+    return builder.response("completed", c.text, c.finish_reason, tally.usage())
+
+
+async def stream_response(request: web.Request, engine: Any, handles: list, request_id: str, builder: Any
+                          ) -> web.StreamResponse:
+    """The Responses API's events: created, the message item and its text part opening, one text delta per
+    engine delta, then the closing events and `response.completed` (or `response.incomplete`) with usage."""
+    tally = Tally([0], [0])
+    try:
+        sse = await open_sse(request, request_id)
+    except BaseException:
+        await abort_all(engine, handles)
+        raise
+    text, finish = "", None
+    try:
+        await sse.send_event(builder.event("response.created", response=builder.response("in_progress")))
+        await sse.send_event(builder.event("response.in_progress", response=builder.response("in_progress")))
+        await sse.send_event(builder.event("response.output_item.added", output_index=0,
+                                           item=builder.message(None, "in_progress")))
+        await sse.send_event(builder.text_event("response.content_part.added", part=builder.part("")))
+        async with aclosing(merged(handles)) as deltas:
+            async for i, out in deltas:
+                tally.add(i, out)
+                c = out.outputs[0]
+                finish = c.finish_reason or finish
+                if c.text:
+                    text += c.text
+                    await sse.send_event(builder.text_event("response.output_text.delta", delta=c.text, logprobs=[]))
+        await sse.send_event(builder.text_event("response.output_text.done", text=text, logprobs=[]))
+        await sse.send_event(builder.text_event("response.content_part.done", part=builder.part(text)))
+        final = builder.response("completed", text, finish, tally.usage())
+        await sse.send_event(builder.event("response.output_item.done", output_index=0, item=final["output"][0]))
+        kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
+        await sse.send_event(builder.event(kind, response=final))
+        await sse.resp.write_eof()
+    except ConnectionResetError:
+        pass  # the client left; its request is aborted below
+    except AioEngineError as e:
+        err = engine_error(e)
+        try:
+            await sse.send_event(builder.event("error", code=err.code, message=err.message, param=None))
+            await sse.resp.write_eof()
+        except ConnectionResetError:
+            pass
+    finally:
+        await abort_all(engine, handles)
+    return sse.resp

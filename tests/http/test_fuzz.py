@@ -20,9 +20,9 @@ from aioengine.http.openapi import openapi_spec
 
 OPERATIONS = [(method.upper(), path) for path, ops in openapi_spec(aioengine.__version__)["paths"].items()
               for method in ops]
-GENERATION = {"/v1/chat/completions", "/v1/completions"}
+GENERATION = {"/v1/chat/completions", "/v1/completions", "/v1/responses"}
 EXAMPLES = {True: 30, False: 6}  # per mode, for generation routes / the others
-CAPS = {"max_tokens": 4, "max_completion_tokens": 4, "n": 3}
+CAPS = {"max_tokens": 4, "max_completion_tokens": 4, "max_output_tokens": 4, "n": 3}
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +40,8 @@ def cap(body: Any, path: str) -> None:
             body[key] = limit
     if path == "/v1/chat/completions" and body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
         body["max_tokens"] = CAPS["max_tokens"]
+    if path == "/v1/responses" and body.get("max_output_tokens") is None:
+        body["max_output_tokens"] = CAPS["max_output_tokens"]
 
 
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE], ids=["valid", "invalid"])

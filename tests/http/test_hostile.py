@@ -63,6 +63,13 @@ CASES = [
     ("max-tokens-huge", COMP, raw(comp(max_tokens=2**63 - 1)), "max_tokens", "context length"),
     ("max-completion-tokens-huge", CHAT, raw(chat(max_completion_tokens=2**62)), "max_tokens", "context length"),
     ("logprobs-huge", COMP, raw(comp(logprobs=10**20)), "logprobs", "20"),
+    # These reached the worker before: a top_k past 64 bits raised OverflowError in the step and killed the
+    # engine for everyone.
+    ("top-k-beyond-64-bits", CHAT, raw(chat(top_k=10**30)), "top_k", "at most"),
+    ("min-tokens-beyond-64-bits", COMP, raw(comp(min_tokens=10**30, max_tokens=4)), "min_tokens", "at most"),
+    ("temperature-past-float32", CHAT, raw(chat(temperature=1e300)), "temperature", "float32"),
+    ("repetition-penalty-past-float32", COMP, raw(comp(repetition_penalty=1e300)), "repetition_penalty",
+     "float32"),
     ("top-logprobs-huge", CHAT, raw(chat(logprobs=True, top_logprobs=2**40)), "top_logprobs", "20"),
     ("stop-100k", CHAT, orjson.dumps(chat(stop=["x"] * 100_000)), "stop", "32"),
     ("stop-one-giant-string", CHAT, orjson.dumps(chat(stop=["x" * 100_000])), "stop", "1024"),

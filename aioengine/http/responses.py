@@ -1,0 +1,172 @@
+"""OpenAI's Responses API (`POST /v1/responses`) for text: a request becomes a chat request, its output a
+`response` object, or a stream of `response.*` events.
+
+Supported: `input` (a string, or message items whose content is text), `instructions`, `max_output_tokens`,
+`temperature`, `top_p`, `stream`, `text.format` (text, json_object, json_schema), `reasoning.effort`,
+`user`, `metadata`. Nothing is stored, so `previous_response_id` and `background` are refused; so are
+tools (use /v1/chat/completions for tool calling) and non-text input items. `store` is accepted and unused.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from aioengine.http.protocol import Fields, bad, not_supported
+
+RESPONSE_FIELDS = frozenset({
+    "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream", "text", "reasoning",
+    "user", "metadata", "store", "tools", "tool_choice", "parallel_tool_calls", "truncation", "include",
+    "previous_response_id", "background", "service_tier", "top_logprobs", "safety_identifier", "prompt_cache_key",
+})
+_ROLES = frozenset({"user", "assistant", "system", "developer"})
+_TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
+
+
+def to_chat_body(data: dict) -> dict:
+    """The chat-completions body this Responses request asks for (then parsed by parse_chat_request)."""
+    f = Fields(data, RESPONSE_FIELDS)
+    for name, what in (("previous_response_id", "previous_response_id (nothing is stored)"),
+                       ("background", "background responses")):
+        if f.data.get(name) not in (None, False):
+            raise not_supported(name, what)
+    if f.get("tools", list):
+        raise not_supported("tools", "Tools on /v1/responses (use /v1/chat/completions)")
+    if f.data.get("tool_choice") not in (None, "none", "auto"):
+        raise not_supported("tool_choice", "tool_choice on /v1/responses")
+    if f.get("include", list):
+        raise not_supported("include")
+    if f.str("truncation") not in (None, "disabled", "auto"):
+        raise bad("truncation must be 'disabled' or 'auto'.", "truncation")
+    if f.int("top_logprobs", 0):
+        raise not_supported("top_logprobs", "top_logprobs on /v1/responses")
+    f.bool("store")
+    f.bool("parallel_tool_calls")
+    messages = _messages(data.get("input"))
+    instructions = f.str("instructions")
+    if instructions:
+        messages.insert(0, {"role": "system", "content": instructions})
+    body: dict[str, Any] = {"messages": messages}
+    for src, dst in (("model", "model"), ("max_output_tokens", "max_completion_tokens"), ("temperature", "temperature"),
+                     ("top_p", "top_p"), ("stream", "stream"), ("user", "user"), ("metadata", "metadata"),
+                     ("service_tier", "service_tier")):
+        if data.get(src) is not None:
+            body[dst] = data[src]
+    text = f.get("text", dict)
+    if text is not None:
+        Fields(text, frozenset({"format", "verbosity"}), "text.")
+        fmt = text.get("format")
+        if fmt is not None:
+            body["response_format"] = _response_format(fmt)
+    reasoning = f.get("reasoning", dict)
+    if reasoning is not None:
+        rf = Fields(reasoning, frozenset({"effort", "summary", "generate_summary"}), "reasoning.")
+        if rf.str("effort") is not None:
+            body["reasoning_effort"] = rf.str("effort")
+    return body
+
+
+def _messages(raw: Any) -> list[dict]:
+    if raw is None:
+        raise bad("input is required.", "input")
+    if isinstance(raw, str):
+        return [{"role": "user", "content": raw}]
+    if not isinstance(raw, list) or not raw:
+        raise bad("input must be a string or a non-empty array of message items.", "input")
+    out = []
+    for i, item in enumerate(raw):
+        p = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise bad(f"{p} must be an object.", p)
+        kind = item.get("type", "message")
+        if kind != "message":
+            raise not_supported(f"{p}.type", f"Input items of type {kind!r}")
+        f = Fields(item, frozenset({"type", "role", "content", "id", "status"}), p + ".")
+        role = f.str("role")
+        if role not in _ROLES:
+            raise bad(f"{p}.role must be one of user, assistant, system, developer.", f"{p}.role")
+        out.append({"role": role, "content": _text(item.get("content"), p)})
+    return out
+
+
+def _text(content: Any, p: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad(f"{p}.content must be a string or an array of content parts.", f"{p}.content")
+    texts = []
+    for j, part in enumerate(content):
+        q = f"{p}.content[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in _TEXT_PARTS:
+            raise not_supported(q, f"Content parts of type {kind!r}")
+        if not isinstance(part.get("text"), str):
+            raise bad(f"{q}.text must be a string.", f"{q}.text")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _response_format(fmt: Any) -> dict:
+    if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
+        raise bad("text.format.type must be text, json_object or json_schema.", "text.format")
+    if fmt["type"] != "json_schema":
+        return {"type": fmt["type"]}
+    if not isinstance(fmt.get("schema"), dict):
+        raise bad("text.format.schema must be a JSON schema object.", "text.format.schema")
+    return {"type": "json_schema", "json_schema": {"name": fmt.get("name") or "response", "schema": fmt["schema"]}}
+
+
+# ---- the response object ---------------------------------------------------------------------------------
+class ResponseBuilder:
+    """One response's ids and settings; renders it in progress, finished, and the stream's events."""
+
+    def __init__(self, data: dict, request_id: str, model: str) -> None:
+        self.id = "resp_" + request_id.split("-", 1)[-1]
+        self.item_id = "msg_" + uuid.uuid4().hex
+        self.created_at = int(time.time())
+        self.model = model
+        self.data = data
+        self.sequence = 0
+
+    def response(self, status: str, text: str | None = None, finish_reason: str | None = None,
+                 usage: dict | None = None) -> dict:
+        """The response object; ``usage`` as serving.Tally.usage() counts it."""
+        d = self.data
+        fmt = (d.get("text") or {}).get("format") or {"type": "text"}
+        obj: dict[str, Any] = {
+            "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
+            "model": self.model, "output": [], "error": None, "incomplete_details": None,
+            "instructions": d.get("instructions"), "max_output_tokens": d.get("max_output_tokens"),
+            "metadata": d.get("metadata") or {}, "parallel_tool_calls": d.get("parallel_tool_calls", True),
+            "previous_response_id": None, "reasoning": d.get("reasoning"), "store": False,
+            "temperature": d.get("temperature", 1.0), "top_p": d.get("top_p", 1.0), "text": {"format": fmt},
+            "tool_choice": d.get("tool_choice", "auto"), "tools": [], "truncation": d.get("truncation", "disabled"),
+            "user": d.get("user"), "usage": None,
+        }
+        if text is not None:
+            obj["output"] = [self.message(text, "completed" if finish_reason != "length" else "incomplete")]
+        if finish_reason == "length":
+            obj["status"], obj["incomplete_details"] = "incomplete", {"reason": "max_output_tokens"}
+        if usage is not None:
+            obj["usage"] = {"input_tokens": usage["prompt_tokens"], "input_tokens_details": usage["prompt_tokens_details"],
+                            "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+                            "total_tokens": usage["total_tokens"]}
+        if status == "completed":
+            obj["completed_at"] = int(time.time())
+        return obj
+
+    def message(self, text: str | None, status: str) -> dict:
+        content = [] if text is None else [self.part(text)]
+        return {"type": "message", "id": self.item_id, "status": status, "role": "assistant", "content": content}
+
+    @staticmethod
+    def part(text: str) -> dict:
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+    def event(self, kind: str, **fields: Any) -> dict:
+        self.sequence += 1
+        return {"type": kind, "sequence_number": self.sequence - 1, **fields}
+
+    def text_event(self, kind: str, **fields: Any) -> dict:
+        return self.event(kind, item_id=self.item_id, output_index=0, content_index=0, **fields)
