@@ -129,6 +129,9 @@ class SamplingParams:
         def bad(param: str, message: str) -> InvalidRequestError:
             return InvalidRequestError(message, param=param)
 
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if type(getattr(self, name)) is not bool:
+                raise bad(name, f"{name} must be a boolean, got {getattr(self, name)!r}.")
         for name in ("n", "top_k", "min_tokens"):
             if type(getattr(self, name)) is not int:
                 raise bad(name, f"{name} must be an integer, got {getattr(self, name)!r}.")
@@ -172,11 +175,12 @@ class SamplingParams:
                                     f"got {self.min_tokens}.")
         if self.seed is not None and (type(self.seed) is not int or not -(2**63) <= self.seed < 2**63):
             raise bad("seed", f"seed must be a 64-bit integer, got {self.seed!r}.")
-        if not all(isinstance(s, str) for s in self.stop):
+        if not isinstance(self.stop, list | tuple) or not all(isinstance(s, str) for s in self.stop):
             raise bad("stop", "stop must be a string or a list of strings.")
         if any(s == "" for s in self.stop):
             raise bad("stop", "stop cannot contain an empty string.")
-        if not all(type(t) is int and t >= 0 for t in self.stop_token_ids):
+        if not isinstance(self.stop_token_ids, list | tuple) or not all(
+                type(t) is int and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "stop_token_ids must be a list of non-negative integers.")
         for name, what in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
             value = getattr(self, name)

@@ -86,3 +86,16 @@ def test_bad_words_become_token_sequences_with_and_without_a_leading_space():
     # "bad" -> [1]; " bad" -> [2] (same length, other first token: kept); "worse" -> [5]; " worse" -> [6, 7]
     # has another length: dropped, as vLLM does
     assert ids == [[1], [2], [5]]
+
+
+@pytest.mark.parametrize("kw, param", [
+    ({"stop": 123}, "stop"), ({"stop_token_ids": 5}, "stop_token_ids"), ({"ignore_eos": 1}, "ignore_eos"),
+    ({"include_stop_str_in_output": "yes"}, "include_stop_str_in_output"),
+    ({"skip_special_tokens": None}, "skip_special_tokens"),
+    ({"top_k": 10**30}, "top_k"), ({"temperature": 1e300}, "temperature"),
+])
+def test_wrong_types_and_sizes_are_typed_errors(kw, param):
+    """Not a TypeError from deep inside, nor an overflow in the engine's step: InvalidRequestError, naming it."""
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(**kw)
+    assert e.value.param == param
