@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from aioengine.checkpoint import RANDOM_PREFIX, generation_defaults, load_engine_tokenizer, read_config
 from aioengine.config import EngineArgs, default_num_threads, resolve_dtype_name
 from aioengine.errors import EngineDeadError, EngineNotStartedError, InvalidRequestError
 from aioengine.handle import GenerateHandle, RequestState
@@ -22,17 +23,11 @@ from aioengine.sampling_params import SamplingParams
 from aioengine.sched.output import EngineCoreOutput, ModelRunnerOutput, SchedulerStats, TokenLogprobs
 from aioengine.sched.request import Request, RequestStatus
 from aioengine.sched.scheduler import Scheduler, SchedulerConfig
-from aioengine.tokenizer import (
-    IncrementalDetokenizer,
-    apply_chat_template,
-    load_tokenizer,
-    read_chat_template,
-)
+from aioengine.tokenizer import IncrementalDetokenizer, apply_chat_template
 
 logger = logging.getLogger(__name__)
 
 _DEFAULT_CPU_KV_BYTES = 2 << 30
-_RANDOM_PREFIX = "random:"  # aioengine.gpu.random_model.RANDOM_PREFIX (not imported here: it needs torch)
 
 
 class AsyncEngine:
@@ -77,7 +72,7 @@ class AsyncEngine:
             from aioengine.kernels import cpu_kernels
 
             threading.Thread(target=cpu_kernels.load, name="aioengine-cpu-kernels", daemon=True).start()
-        if args.model.startswith(_RANDOM_PREFIX):  # random weights of a known shape: no files
+        if args.model.startswith(RANDOM_PREFIX):  # random weights of a known shape: no files
             self.model_path = args.model
         else:
             self.model_path = str(await loop.run_in_executor(None, resolve_model, args.model))
@@ -86,8 +81,8 @@ class AsyncEngine:
         # transformers' lazy module is not safe to import from two threads at once: import it once here,
         # before the tokenizer thread and the model loader race for it.
         await loop.run_in_executor(None, _import_heavy_modules)
-        cfg_probe = await loop.run_in_executor(None, _read_config, self.model_path)
-        tokenizer_fut = loop.run_in_executor(None, _load_tokenizer, args, self.model_path, cfg_probe["vocab_size"])
+        cfg_probe = await loop.run_in_executor(None, read_config, self.model_path)
+        tokenizer_fut = loop.run_in_executor(None, load_engine_tokenizer, args, self.model_path, cfg_probe["vocab_size"])
         cuda = device == "cuda"
         import torch
 
@@ -490,68 +485,3 @@ def _import_heavy_modules() -> None:
     from transformers import AutoConfig, AutoTokenizer  # noqa: F401  (resolves the lazy attributes)
 
     import aioengine.gpu.model_runner  # noqa: F401  (torch, the models, the loader)
-
-
-def _load_tokenizer(args: EngineArgs, model_path: str, vocab_size: int) -> Any:
-    """The tokenizer directory's, else the model's; none (a NullTokenizer) with skip_tokenizer_init, or for
-    a random-weight model given no tokenizer."""
-    if args.skip_tokenizer_init or (args.tokenizer is None and model_path.startswith(_RANDOM_PREFIX)):
-        from aioengine.tokenizer import NullTokenizer
-
-        return NullTokenizer(vocab_size)
-    tokenizer = load_tokenizer(args.tokenizer or model_path)
-    if args.chat_template is not None:
-        tokenizer.chat_template = read_chat_template(args.chat_template)
-    return tokenizer
-
-
-# The sampling fields vLLM takes from a generation_config.json (its "auto" default).
-_GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-
-
-def generation_defaults(source: str, model_path: str) -> dict:
-    """Default sampling parameters from a generation_config.json: the model's ("auto"), none ("vllm"), or
-    the file in the directory ``source``. Only the fields the file sets."""
-    import json
-    import os
-
-    if source == "vllm":
-        return {}
-    directory = model_path if source == "auto" else source
-    if source != "auto" and not os.path.isfile(os.path.join(directory, "generation_config.json")):
-        raise ValueError(f"generation_config must be auto, vllm or a directory with a generation_config.json; "
-                         f"got {source!r}")
-    path = os.path.join(directory, "generation_config.json")
-    if directory.startswith(_RANDOM_PREFIX) or not os.path.isfile(path):
-        return {}
-    with open(path) as f:
-        config = json.load(f)
-    return {k: config[k] for k in _GENERATION_DEFAULTS if isinstance(config.get(k), int | float)
-            and not isinstance(config.get(k), bool)}
-
-
-def _read_config(path: str) -> dict:
-    import json
-    import os
-
-    if path.startswith(_RANDOM_PREFIX):
-        from aioengine.gpu.random_model import random_config
-
-        cfg = random_config(path)
-        return {"max_position_embeddings": cfg.max_position_embeddings, "vocab_size": cfg.vocab_size,
-                "eos_token_id": cfg.eos_token_id}
-    with open(os.path.join(path, "config.json")) as f:
-        cfg = json.load(f)
-    eos = cfg.get("eos_token_id")
-    gen_path = os.path.join(path, "generation_config.json")
-    if os.path.exists(gen_path):
-        with open(gen_path) as f:
-            eos = json.load(f).get("eos_token_id", eos)
-    if isinstance(eos, list):
-        eos = eos[0] if eos else None
-    from aioengine.gpu.models import sliding_window
-
-    text_cfg = cfg.get("text_config", cfg)
-    return {"max_position_embeddings": text_cfg.get("max_position_embeddings", 2048),
-            "vocab_size": text_cfg["vocab_size"], "eos_token_id": eos, "sliding_window": sliding_window(text_cfg)}
-

@@ -1,0 +1,74 @@
+"""What the engine reads from a checkpoint around loading it: the config probe (context length, vocabulary,
+EOS, sliding window), the default sampling parameters of its generation config, and its tokenizer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aioengine.config import EngineArgs
+from aioengine.tokenizer import NullTokenizer, load_tokenizer, read_chat_template
+
+RANDOM_PREFIX = "random:"  # aioengine.gpu.random_model.RANDOM_PREFIX (not imported here: it needs torch)
+
+
+def load_engine_tokenizer(args: EngineArgs, model_path: str, vocab_size: int) -> Any:
+    """The tokenizer directory's, else the model's; none (a NullTokenizer) with skip_tokenizer_init, or for
+    a random-weight model given no tokenizer."""
+    if args.skip_tokenizer_init or (args.tokenizer is None and model_path.startswith(RANDOM_PREFIX)):
+        return NullTokenizer(vocab_size)
+    tokenizer = load_tokenizer(args.tokenizer or model_path)
+    if args.chat_template is not None:
+        tokenizer.chat_template = read_chat_template(args.chat_template)
+    return tokenizer
+
+
+# The sampling fields vLLM takes from a generation_config.json (its "auto" default).
+_GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def generation_defaults(source: str, model_path: str) -> dict:
+    """Default sampling parameters from a generation_config.json: the model's ("auto"), none ("vllm"), or
+    the file in the directory ``source``. Only the fields the file sets."""
+    import json
+    import os
+
+    if source == "vllm":
+        return {}
+    directory = model_path if source == "auto" else source
+    if source != "auto" and not os.path.isfile(os.path.join(directory, "generation_config.json")):
+        raise ValueError(f"generation_config must be auto, vllm or a directory with a generation_config.json; "
+                         f"got {source!r}")
+    path = os.path.join(directory, "generation_config.json")
+    if directory.startswith(RANDOM_PREFIX) or not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        config = json.load(f)
+    return {k: config[k] for k in _GENERATION_DEFAULTS if isinstance(config.get(k), int | float)
+            and not isinstance(config.get(k), bool)}
+
+
+def read_config(path: str) -> dict:
+    import json
+    import os
+
+    if path.startswith(RANDOM_PREFIX):
+        from aioengine.gpu.random_model import random_config
+
+        cfg = random_config(path)
+        return {"max_position_embeddings": cfg.max_position_embeddings, "vocab_size": cfg.vocab_size,
+                "eos_token_id": cfg.eos_token_id}
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    eos = cfg.get("eos_token_id")
+    gen_path = os.path.join(path, "generation_config.json")
+    if os.path.exists(gen_path):
+        with open(gen_path) as f:
+            eos = json.load(f).get("eos_token_id", eos)
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    from aioengine.gpu.models import sliding_window
+
+    text_cfg = cfg.get("text_config", cfg)
+    return {"max_position_embeddings": text_cfg.get("max_position_embeddings", 2048),
+            "vocab_size": text_cfg["vocab_size"], "eos_token_id": eos, "sliding_window": sliding_window(text_cfg)}
+
