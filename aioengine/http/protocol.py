@@ -1,4 +1,4 @@
-"""OpenAI request parsing: JSON bodies -> typed requests with SamplingParams, and OpenAI error JSON.
+"""OpenAI request parsing: chat, completion and tokenize bodies -> typed requests with SamplingParams.
 
 Every field a client may send is either used, validated and rejected when it asks for something the
 engine cannot do yet, or refused as unknown: nothing is ignored silently.
@@ -9,179 +9,29 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
-
 from aioengine.errors import InvalidRequestError
-from aioengine.http.tools import ToolError, ToolSpec, parse_tools, template_tool_calls
+from aioengine.http.fields import (
+    DEFAULT_LIMITS,
+    APIError,
+    Fields,
+    RequestLimits,
+    _at_most,
+    _ints,
+    bad,
+    error_dict,
+    from_invalid,
+    not_supported,
+    parse_json_body,
+)
+from aioengine.http.messages import RESERVED_TEMPLATE_KWARGS, parse_messages, template_kwargs
+from aioengine.http.tools import ToolError, ToolSpec, parse_tools
 from aioengine.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
-
-@dataclass(frozen=True, slots=True)
-class RequestLimits:
-    """What one request may ask for (400 beyond): each cap bounds work done on the event loop.
-
-    Set through `ServerConfig.limits` (or `aioengine serve --request-limit NAME=VALUE`); docs/api.md.
-    """
-
-    max_json_depth: int = 64  # nesting of a body or websocket message (objects and arrays)
-    max_n: int = 128  # OpenAI's cap on n
-    max_prompts: int = 256  # prompts x n in one /v1/completions request
-    max_messages: int = 4096  # chat messages (the template renders each)
-    max_stop: int = 32  # stop strings: each is searched after every token, on the event loop
-    max_stop_chars: int = 1024  # per stop string: the stream holds back up to this much text
-    max_token_ids: int = 16384  # stop_token_ids, allowed_token_ids
-    max_logit_bias: int = 1024  # logit_bias entries
-    max_bad_words: int = 128  # bad_words (each is tokenized and matched after every token)
-
-
-DEFAULT_LIMITS = RequestLimits()
-
-_ERROR_TYPES = {
-    400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError", 404: "NotFoundError",
-    405: "MethodNotAllowedError", 408: "RequestTimeoutError", 413: "RequestEntityTooLargeError",
-    415: "UnsupportedMediaTypeError", 429: "RateLimitError", 500: "InternalServerError",
-    503: "ServiceUnavailableError",
-}
-
-
-class APIError(Exception):
-    """An error with an HTTP status, rendered as OpenAI's {"error": {...}} JSON."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | int | None = None,
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-        self.headers = headers
-
-    def to_dict(self) -> dict:
-        return error_dict(self.status, self.message, self.param, self.code)
-
-
-def error_dict(status: int, message: str, param: str | None = None, code: str | int | None = None) -> dict:
-    """OpenAI's error object. `code` is a specific string code when there is one, else the HTTP status."""
-    return {"error": {"message": message, "type": _ERROR_TYPES.get(status, "APIError"), "param": param,
-                      "code": code if code is not None else status}}
-
-
-def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
-    return APIError(400, message, param, code)
-
-
-def from_invalid(e: InvalidRequestError) -> APIError:
-    return APIError(400, e.message, e.param, e.code)
-
-
-def not_supported(param: str, what: str | None = None) -> APIError:
-    return bad(f"{what or param} is not supported yet by aioengine.", param)
-
-
-def parse_json_body(raw: bytes | str, max_depth: int = DEFAULT_LIMITS.max_json_depth, what: str = "request body"
-                    ) -> dict:
-    if not raw.strip():
-        raise bad(f"The {what} is empty; expected a JSON object.")
-    try:
-        data = orjson.loads(raw)
-    except orjson.JSONDecodeError as e:
-        if "depth" in str(e):  # orjson's own cap (1024) is above ours
-            raise _too_deep(what, max_depth) from None
-        raise bad(f"The {what} is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise bad(f"The {what} must be a JSON object, got {type(data).__name__}.")
-    if _deeper_than(data, max_depth):
-        raise _too_deep(what, max_depth)
-    return data
-
-
-def _too_deep(what: str, max_depth: int) -> APIError:
-    return bad(f"The {what} nests objects and arrays deeper than {max_depth} levels.")
-
-
-def _deeper_than(obj: Any, limit: int) -> bool:
-    """Whether JSON containers nest more than `limit` levels (the top object is level 1); iterative."""
-    stack = [(obj, 1)]
-    while stack:
-        node, depth = stack.pop()
-        if depth > limit:
-            return True
-        children = node.values() if isinstance(node, dict) else node
-        stack.extend((c, depth + 1) for c in children if type(c) is dict or type(c) is list)
-    return False
-
-
-# ---- typed field access ---------------------------------------------------------------------------------
-_TYPE_NAMES = {int: "an integer", float: "a number", bool: "a boolean", str: "a string", list: "an array",
-               dict: "an object"}
-
-
-class Fields:
-    """Reads fields of a JSON object with strict types; null means "use the default" as in OpenAI's API."""
-
-    def __init__(self, data: dict, allowed: frozenset[str], prefix: str = "") -> None:
-        for key in data:
-            if key not in allowed:
-                raise bad(f"Unrecognized request argument supplied: {prefix}{key}", f"{prefix}{key}")
-        self.data = data
-        self.prefix = prefix
-
-    def get(self, name: str, kind: type, default: Any = None) -> Any:
-        value = self.data.get(name)
-        if value is None:
-            return default
-        if kind is int and type(value) is float and value.is_integer():
-            value = int(value)  # JSON does not tell 4 from 4.0 (nor does vLLM)
-        ok = isinstance(value, kind) and not (kind in (int, float) and isinstance(value, bool))
-        if kind is float and isinstance(value, int) and not isinstance(value, bool):
-            value, ok = float(value), True
-        if not ok:
-            raise bad(f"{self.prefix}{name} must be {_TYPE_NAMES[kind]}, got {_json_type(value)}.",
-                      f"{self.prefix}{name}")
-        return value
-
-    def int(self, name: str, default: int | None = None, lo: int | None = None, hi: int | None = None
-            ) -> int | None:
-        value = self.get(name, int, default)
-        if value is not None and ((lo is not None and value < lo) or (hi is not None and value > hi)):
-            rng = f"at least {lo}" if hi is None else f"between {lo} and {hi}" if lo is not None else f"at most {hi}"
-            raise bad(f"{self.prefix}{name} must be {rng}, got {value}.", f"{self.prefix}{name}")
-        return value
-
-    def float(self, name: str, default: float | None = None) -> float | None:
-        return self.get(name, float, default)
-
-    def bool(self, name: str, default: bool | None = None) -> bool | None:
-        return self.get(name, bool, default)
-
-    def str(self, name: str, default: str | None = None) -> str | None:
-        return self.get(name, str, default)
-
-    def present(self, name: str) -> bool:
-        return self.data.get(name) is not None
-
-
-def _ints(values: list) -> list[int] | None:
-    """The list with integral floats (4.0) as ints; None when an item is not an integer."""
-    out = []
-    for v in values:
-        if type(v) is float and v.is_integer():
-            v = int(v)
-        if type(v) is not int:
-            return None
-        out.append(v)
-    return out
-
-
-def _json_type(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    for kind, name in _TYPE_NAMES.items():
-        if isinstance(value, kind):
-            return name
-    return type(value).__name__
+# Re-exported: the routes import the wire basics from here.
+__all__ = ["DEFAULT_LIMITS", "RESERVED_TEMPLATE_KWARGS", "APIError", "ChatRequest", "CompletionRequest", "Fields",
+           "GenerationRequest", "RequestLimits", "bad", "error_dict", "from_invalid", "not_supported",
+           "parse_chat_request", "parse_completion_request", "parse_detokenize_request", "parse_json_body",
+           "parse_messages", "parse_prompt", "parse_tokenize_request"]
 
 
 # ---- requests -------------------------------------------------------------------------------------------
@@ -228,9 +78,6 @@ CHAT_FIELDS = _SAMPLING_FIELDS | {
 }
 _REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
 COMPLETION_FIELDS = _SAMPLING_FIELDS | {"prompt", "echo", "best_of", "suffix"}
-_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
-_MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id", "function_call", "refusal",
-                             "audio"})
 
 
 _STRUCTURED_FIELDS = frozenset({"json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace"})
@@ -257,11 +104,6 @@ def _structured_outputs(f: Fields) -> dict | None:
         return None
     Fields(so, _STRUCTURED_FIELDS, "structured_outputs.")
     return dict(so)
-
-
-def _at_most(values: Any, limit: int, param: str, what: str) -> None:
-    if values is not None and len(values) > limit:
-        raise bad(f"{param} may hold at most {limit} {what}, got {len(values)}.", param)
 
 
 def _sampling_params(f: Fields, max_tokens: int | None, logprobs: int | None, limits: RequestLimits,
@@ -393,93 +235,6 @@ def parse_chat_request(data: dict, allow_priority: bool = False, limits: Request
                           "or structured_outputs.", "tool_choice")
             req.params.structured_outputs = StructuredOutputsParams(**forced)
     return req
-
-
-# Arguments of the tokenizer's apply_chat_template that the server sets itself, or that would let a client
-# run a template of its own (Jinja, on the event loop).
-RESERVED_TEMPLATE_KWARGS = frozenset({
-    "messages", "conversation", "tokenize", "return_dict", "return_tensors", "tokenizer_kwargs", "chat_template",
-    "padding", "truncation", "max_length", "return_assistant_tokens_mask", "tokenizer",
-})
-
-
-def template_kwargs(f: Fields) -> dict:
-    kwargs = dict(f.get("chat_template_kwargs", dict, {}))
-    for key in kwargs:
-        if key in RESERVED_TEMPLATE_KWARGS:
-            raise bad(f"chat_template_kwargs may not set {key!r}.", f"chat_template_kwargs.{key}")
-    return kwargs
-
-
-def parse_messages(raw: Any, max_messages: int = DEFAULT_LIMITS.max_messages) -> list[dict]:
-    if not isinstance(raw, list):
-        raise bad(f"messages must be an array, got {_json_type(raw)}.", "messages")
-    if not raw:
-        raise bad("messages must not be empty.", "messages")
-    _at_most(raw, max_messages, "messages", "messages")
-    out = []
-    for i, m in enumerate(raw):
-        p = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise bad(f"{p} must be an object, got {_json_type(m)}.", p)
-        mf = Fields(m, _MESSAGE_FIELDS, p + ".")
-        role = mf.str("role")
-        if role is None:
-            raise bad(f"{p}.role is required.", f"{p}.role")
-        if mf.present("function_call"):
-            raise not_supported(f"{p}.function_call", "The deprecated function_call (use tool_calls)")
-        if role not in _ROLES:
-            raise bad(f"{p}.role must be one of system, developer, user, assistant, tool; got {role!r}.",
-                      f"{p}.role")
-        if mf.present("audio"):
-            raise not_supported(f"{p}.audio", "Audio input")
-        content = _content_text(m.get("content"), p)
-        if content is None:
-            if role != "assistant":
-                raise bad(f"{p}.content is required.", f"{p}.content")
-            content = mf.str("refusal") or ""
-        msg = {"role": "system" if role == "developer" else role, "content": content}
-        name = mf.str("name")
-        if name is not None:
-            msg["name"] = name
-        if role == "tool":
-            call_id = mf.str("tool_call_id")
-            if call_id is None:
-                raise bad(f"{p}.tool_call_id is required for a tool message.", f"{p}.tool_call_id")
-            msg["tool_call_id"] = call_id
-        elif mf.present("tool_call_id"):
-            raise bad(f"{p}.tool_call_id belongs to tool messages only.", f"{p}.tool_call_id")
-        if mf.present("tool_calls"):
-            if role != "assistant":
-                raise bad(f"{p}.tool_calls belongs to assistant messages only.", f"{p}.tool_calls")
-            try:
-                msg["tool_calls"] = template_tool_calls(m["tool_calls"], p)
-            except ToolError as e:
-                raise bad(e.message, e.param) from None
-        out.append(msg)
-    return out
-
-
-def _content_text(content: Any, p: str) -> str | None:
-    if content is None or isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise bad(f"{p}.content must be a string or an array of content parts, got {_json_type(content)}.",
-                  f"{p}.content")
-    texts = []
-    for j, part in enumerate(content):
-        q = f"{p}.content[{j}]"
-        if not isinstance(part, dict):
-            raise bad(f"{q} must be an object.", q)
-        kind = part.get("type")
-        if kind != "text":
-            raise not_supported(q, f"Content parts of type {kind!r}")
-        pf = Fields(part, frozenset({"type", "text"}), q + ".")
-        text = pf.str("text")
-        if text is None:
-            raise bad(f"{q}.text is required.", f"{q}.text")
-        texts.append(text)
-    return "\n".join(texts)
 
 
 def parse_completion_request(data: dict, allow_priority: bool = False, limits: RequestLimits = DEFAULT_LIMITS,

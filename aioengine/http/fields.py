@@ -1,0 +1,184 @@
+"""The OpenAI wire basics every route shares: per-request limits, error JSON (APIError), the JSON body
+reader with its depth cap, and strictly typed field access (Fields)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from aioengine.errors import InvalidRequestError
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    """What one request may ask for (400 beyond): each cap bounds work done on the event loop.
+
+    Set through `ServerConfig.limits` (or `aioengine serve --request-limit NAME=VALUE`); docs/api.md.
+    """
+
+    max_json_depth: int = 64  # nesting of a body or websocket message (objects and arrays)
+    max_n: int = 128  # OpenAI's cap on n
+    max_prompts: int = 256  # prompts x n in one /v1/completions request
+    max_messages: int = 4096  # chat messages (the template renders each)
+    max_stop: int = 32  # stop strings: each is searched after every token, on the event loop
+    max_stop_chars: int = 1024  # per stop string: the stream holds back up to this much text
+    max_token_ids: int = 16384  # stop_token_ids, allowed_token_ids
+    max_logit_bias: int = 1024  # logit_bias entries
+    max_bad_words: int = 128  # bad_words (each is tokenized and matched after every token)
+
+
+DEFAULT_LIMITS = RequestLimits()
+
+_ERROR_TYPES = {
+    400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError", 404: "NotFoundError",
+    405: "MethodNotAllowedError", 408: "RequestTimeoutError", 413: "RequestEntityTooLargeError",
+    415: "UnsupportedMediaTypeError", 429: "RateLimitError", 500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+
+class APIError(Exception):
+    """An error with an HTTP status, rendered as OpenAI's {"error": {...}} JSON."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | int | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def to_dict(self) -> dict:
+        return error_dict(self.status, self.message, self.param, self.code)
+
+
+def error_dict(status: int, message: str, param: str | None = None, code: str | int | None = None) -> dict:
+    """OpenAI's error object. `code` is a specific string code when there is one, else the HTTP status."""
+    return {"error": {"message": message, "type": _ERROR_TYPES.get(status, "APIError"), "param": param,
+                      "code": code if code is not None else status}}
+
+
+def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param, code)
+
+
+def from_invalid(e: InvalidRequestError) -> APIError:
+    return APIError(400, e.message, e.param, e.code)
+
+
+def not_supported(param: str, what: str | None = None) -> APIError:
+    return bad(f"{what or param} is not supported yet by aioengine.", param)
+
+
+def parse_json_body(raw: bytes | str, max_depth: int = DEFAULT_LIMITS.max_json_depth, what: str = "request body"
+                    ) -> dict:
+    if not raw.strip():
+        raise bad(f"The {what} is empty; expected a JSON object.")
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        if "depth" in str(e):  # orjson's own cap (1024) is above ours
+            raise _too_deep(what, max_depth) from None
+        raise bad(f"The {what} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise bad(f"The {what} must be a JSON object, got {type(data).__name__}.")
+    if _deeper_than(data, max_depth):
+        raise _too_deep(what, max_depth)
+    return data
+
+
+def _too_deep(what: str, max_depth: int) -> APIError:
+    return bad(f"The {what} nests objects and arrays deeper than {max_depth} levels.")
+
+
+def _deeper_than(obj: Any, limit: int) -> bool:
+    """Whether JSON containers nest more than `limit` levels (the top object is level 1); iterative."""
+    stack = [(obj, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((c, depth + 1) for c in children if type(c) is dict or type(c) is list)
+    return False
+
+
+# ---- typed field access ---------------------------------------------------------------------------------
+_TYPE_NAMES = {int: "an integer", float: "a number", bool: "a boolean", str: "a string", list: "an array",
+               dict: "an object"}
+
+
+class Fields:
+    """Reads fields of a JSON object with strict types; null means "use the default" as in OpenAI's API."""
+
+    def __init__(self, data: dict, allowed: frozenset[str], prefix: str = "") -> None:
+        for key in data:
+            if key not in allowed:
+                raise bad(f"Unrecognized request argument supplied: {prefix}{key}", f"{prefix}{key}")
+        self.data = data
+        self.prefix = prefix
+
+    def get(self, name: str, kind: type, default: Any = None) -> Any:
+        value = self.data.get(name)
+        if value is None:
+            return default
+        if kind is int and type(value) is float and value.is_integer():
+            value = int(value)  # JSON does not tell 4 from 4.0 (nor does vLLM)
+        ok = isinstance(value, kind) and not (kind in (int, float) and isinstance(value, bool))
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value, ok = float(value), True
+        if not ok:
+            raise bad(f"{self.prefix}{name} must be {_TYPE_NAMES[kind]}, got {_json_type(value)}.",
+                      f"{self.prefix}{name}")
+        return value
+
+    def int(self, name: str, default: int | None = None, lo: int | None = None, hi: int | None = None
+            ) -> int | None:
+        value = self.get(name, int, default)
+        if value is not None and ((lo is not None and value < lo) or (hi is not None and value > hi)):
+            rng = f"at least {lo}" if hi is None else f"between {lo} and {hi}" if lo is not None else f"at most {hi}"
+            raise bad(f"{self.prefix}{name} must be {rng}, got {value}.", f"{self.prefix}{name}")
+        return value
+
+    def float(self, name: str, default: float | None = None) -> float | None:
+        return self.get(name, float, default)
+
+    def bool(self, name: str, default: bool | None = None) -> bool | None:
+        return self.get(name, bool, default)
+
+    def str(self, name: str, default: str | None = None) -> str | None:
+        return self.get(name, str, default)
+
+    def present(self, name: str) -> bool:
+        return self.data.get(name) is not None
+
+
+def _ints(values: list) -> list[int] | None:
+    """The list with integral floats (4.0) as ints; None when an item is not an integer."""
+    out = []
+    for v in values:
+        if type(v) is float and v.is_integer():
+            v = int(v)
+        if type(v) is not int:
+            return None
+        out.append(v)
+    return out
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    for kind, name in _TYPE_NAMES.items():
+        if isinstance(value, kind):
+            return name
+    return type(value).__name__
+
+
+def _at_most(values: Any, limit: int, param: str, what: str) -> None:
+    if values is not None and len(values) > limit:
+        raise bad(f"{param} may hold at most {limit} {what}, got {len(values)}.", param)
