@@ -8,8 +8,9 @@ that turns a completion's text into OpenAI `tool_calls`.
   one item at most when `parallel_tool_calls` is false (vLLM's schema); finish_reason "tool_calls".
 - `tool_choice` "auto" (the default with tools): free generation; `<tool_call>{"name": ..., "arguments":
   ...}</tool_call>` blocks (the Hermes format of Qwen2.5/Qwen3/Hermes templates) become calls, the text before
-  them stays content. Text that is not such a block stays content, so a model that never calls a tool
-  answers as usual.
+  them stays content; so does a whole output in Mistral's (`[TOOL_CALLS] [...]`) or Llama 3's (`{"name",
+  "parameters"}`) format naming one of the tools. Anything else stays content, so a model that never calls a
+  tool answers as usual.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 MAX_TOOLS = 128
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+_WHOLE_PREFIXES = ("[TOOL_CALLS]", "<|python_tag|>")  # Mistral's and Llama 3's call markers
 _BLOCK_RE = re.compile(re.escape(_OPEN) + r"\s*(.*?)\s*(?:" + re.escape(_CLOSE) + r"|$)", re.DOTALL)
 
 
@@ -177,7 +179,40 @@ def extract(spec: ToolSpec, text: str, finish_reason: str | None) -> tuple[str |
             calls.append(_call(obj["name"], obj.get("arguments", obj.get("parameters", {}))))
         content = text[: text.index(_OPEN)].strip() or None
         return content, calls, "tool_calls" if finish_reason == "stop" else finish_reason
+    if spec.choice == "auto":
+        calls = _whole_output_calls(spec, text)
+        if calls:
+            return None, calls, "tool_calls" if finish_reason == "stop" else finish_reason
     return text, [], finish_reason
+
+
+def _whole_output_calls(spec: ToolSpec, text: str) -> list[dict]:
+    """Calls when the whole output is one in another family's format: Mistral's `[TOOL_CALLS] [{"name",
+    "arguments"}]`, or Llama 3's JSON `{"name", "parameters"}` (one object, or several as a list or split by
+    `;`), after an optional `<|python_tag|>`. Only names among the request's tools count, so an ordinary
+    JSON answer stays content."""
+    body = text.strip()
+    for prefix in _WHOLE_PREFIXES:
+        if body.startswith(prefix):
+            body = body[len(prefix):].strip()
+            break
+    if not body.startswith(("{", "[")):
+        return []
+    try:
+        parsed = json.loads(body)
+        items = parsed if isinstance(parsed, list) else [parsed]
+    except ValueError:
+        try:
+            items = [json.loads(part) for part in body.split(";") if part.strip()]
+        except ValueError:
+            return []
+    calls = []
+    for it in items:
+        args = it.get("arguments", it.get("parameters")) if isinstance(it, dict) else None
+        if not isinstance(it, dict) or it.get("name") not in spec.schemas or not isinstance(args, dict | str):
+            return []
+        calls.append(_call(it["name"], args))
+    return calls
 
 
 class StreamParser:
@@ -213,7 +248,12 @@ class StreamParser:
         return {"content": out} if out else None
 
     def _releasable(self) -> str:
-        """Content up to where a `<tool_call>` tag is (or could be) beginning."""
+        """Content up to where a `<tool_call>` tag is (or could be) beginning; nothing while the output so far
+        could still be a whole-output call (a JSON object or array, or Mistral's or Llama 3's marker)."""
+        if self.sent == 0:
+            head = self.text.lstrip()
+            if not head or head[0] in "{[" or any(p.startswith(head[:len(p)]) for p in _WHOLE_PREFIXES):
+                return ""
         at = self.text.find(_OPEN, self.sent)
         if at < 0 and self.text.find(_OPEN) >= 0:
             return ""  # a call began earlier: hold everything from there

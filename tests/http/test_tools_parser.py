@@ -81,6 +81,12 @@ AUTO_TEXTS = [
     "No tools needed: 2 < 3 and <b>bold</b> <tool_ is not a tag.",
     "Broken <tool_call>{not json}</tool_call> stays text.",
     '<tool_call>{"name": "get_time", "arguments": {}}',  # cut short before the closing tag: still a call
+    '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Oslo"}}]',  # Mistral
+    '<|python_tag|>{"name": "get_time", "parameters": {}}',  # Llama 3
+    '{"name": "get_weather", "parameters": {"city": "Rome"}}; {"name": "get_time", "parameters": {}}',
+    '{"name": "unknown_tool", "parameters": {}}',  # not one of the tools: content
+    ' {"answer": 42}',  # an ordinary JSON answer: content
+    "[1, 2, 3] are numbers",
 ]
 
 
@@ -120,3 +126,19 @@ def test_history_tool_calls_reach_the_template_with_object_arguments():
                                                                    "arguments": {"city": "Oslo"}}}]
     with pytest.raises(ToolError):
         template_tool_calls([{"id": "c1"}], "messages[1]")
+
+
+@pytest.mark.parametrize(("text", "calls"), [
+    ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Oslo"}}]', [("get_weather", {"city": "Oslo"})]),
+    ('<|python_tag|>{"name": "get_time", "parameters": {}}', [("get_time", {})]),
+    ('{"name": "get_weather", "parameters": {"city": "Rome"}}; {"name": "get_time", "parameters": {}}',
+     [("get_weather", {"city": "Rome"}), ("get_time", {})]),
+    ('{"name": "unknown_tool", "parameters": {}}', []),
+    ('{"name": "get_time"}', []),  # no arguments: not a call
+    ('{"answer": 42}', []),
+])
+def test_auto_knows_mistral_and_llama3_whole_output_calls(text, calls):
+    spec = parse_tools([WEATHER, TIME], "auto", None)
+    content, got, reason = extract(spec, text, "stop")
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got] == calls
+    assert (content, reason) == ((None, "tool_calls") if calls else (text, "stop"))
