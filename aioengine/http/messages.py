@@ -51,7 +51,7 @@ def parse_messages(raw: Any, max_messages: int = DEFAULT_LIMITS.max_messages) ->
                       f"{p}.role")
         if mf.present("audio"):
             raise not_supported(f"{p}.audio", "Audio input")
-        content = _content_text(m.get("content"), p)
+        content = content_text(m.get("content"), p)
         if content is None:
             if role != "assistant":
                 raise bad(f"{p}.content is required.", f"{p}.content")
@@ -78,7 +78,14 @@ def parse_messages(raw: Any, max_messages: int = DEFAULT_LIMITS.max_messages) ->
     return out
 
 
-def _content_text(content: Any, p: str) -> str | None:
+_TEXT_PART = frozenset({"text"})
+_TEXT_PART_FIELDS = frozenset({"type", "text"})
+
+
+def content_text(content: Any, p: str, kinds: frozenset[str] = _TEXT_PART,
+                 part_fields: frozenset[str] | None = _TEXT_PART_FIELDS) -> str | None:
+    """A message's content as one string: a string as it is, text parts (of the types ``kinds``) joined by
+    newlines; None stays None. ``part_fields``: the keys a part may have (None: any)."""
     if content is None or isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -90,9 +97,9 @@ def _content_text(content: Any, p: str) -> str | None:
         if not isinstance(part, dict):
             raise bad(f"{q} must be an object.", q)
         kind = part.get("type")
-        if kind != "text":
+        if kind not in kinds:
             raise not_supported(q, f"Content parts of type {kind!r}")
-        pf = Fields(part, frozenset({"type", "text"}), q + ".")
+        pf = Fields(part, frozenset(part) if part_fields is None else part_fields, q + ".")
         text = pf.str("text")
         if text is None:
             raise bad(f"{q}.text is required.", f"{q}.text")

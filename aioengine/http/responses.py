@@ -13,6 +13,7 @@ import time
 import uuid
 from typing import Any
 
+from aioengine.http.messages import content_text
 from aioengine.http.protocol import Fields, bad, not_supported
 
 RESPONSE_FIELDS = frozenset({
@@ -86,25 +87,12 @@ def _messages(raw: Any) -> list[dict]:
         role = f.str("role")
         if role not in _ROLES:
             raise bad(f"{p}.role must be one of user, assistant, system, developer.", f"{p}.role")
-        out.append({"role": role, "content": _text(item.get("content"), p)})
+        # Parts echoed back from an earlier output carry annotations and logprobs: any keys are fine.
+        text = content_text(item.get("content"), p, _TEXT_PARTS, part_fields=None)
+        if text is None:
+            raise bad(f"{p}.content is required.", f"{p}.content")
+        out.append({"role": role, "content": text})
     return out
-
-
-def _text(content: Any, p: str) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise bad(f"{p}.content must be a string or an array of content parts.", f"{p}.content")
-    texts = []
-    for j, part in enumerate(content):
-        q = f"{p}.content[{j}]"
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in _TEXT_PARTS:
-            raise not_supported(q, f"Content parts of type {kind!r}")
-        if not isinstance(part.get("text"), str):
-            raise bad(f"{q}.text must be a string.", f"{q}.text")
-        texts.append(part["text"])
-    return "\n".join(texts)
 
 
 def _response_format(fmt: Any) -> dict:
