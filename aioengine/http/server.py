@@ -327,7 +327,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
     if req.stream:
         return await serving.stream_response(request, engine, handles, rid, builder)
     out = await handles[0]
-    return json_response(serving.response_object(req, builder, out), headers={"X-Request-Id": rid})
+    return json_response(serving.response_object(builder, out), headers={"X-Request-Id": rid})
 
 
 # ---- other routes ------------------------------------------------------------------------------------

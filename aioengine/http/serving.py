@@ -6,8 +6,8 @@ import asyncio
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from contextlib import aclosing
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing, suppress
 from dataclasses import dataclass
 from typing import Any
 
@@ -299,12 +299,8 @@ async def _stream(request: web.Request, engine: Any, req: ChatRequest | Completi
                   on_output: Callable[[int, RequestOutput], None] | None = None) -> web.StreamResponse:
     """One SSE stream for both endpoints: one chunk per changed choice, usage last, then [DONE]."""
     tally = Tally([0] * len(handles), [0] * len(handles))
-    try:
-        sse = await open_sse(request, request_id)
-    except BaseException:
-        await abort_all(engine, handles)
-        raise
-    try:
+
+    async def write(sse: SSEWriter) -> None:
         async with aclosing(merged(handles)) as deltas:
             for c in first:
                 await sse.send({**base, "choices": [c]})
@@ -325,15 +321,31 @@ async def _stream(request: web.Request, engine: Any, req: ChatRequest | Completi
         if req.include_usage:
             await sse.send({**base, "choices": [], "usage": tally.usage()})
         await sse.done()
+
+    async def write_error(sse: SSEWriter, err: APIError) -> None:
+        await sse.send(error_dict(err.status, err.message, code=err.code))
+        await sse.done()
+
+    return await guarded_sse(request, engine, handles, request_id, write, write_error)
+
+
+async def guarded_sse(request: web.Request, engine: Any, handles: list, request_id: str,
+                      write: Callable[[SSEWriter], Awaitable[None]],
+                      write_error: Callable[[SSEWriter, APIError], Awaitable[None]]) -> web.StreamResponse:
+    """Open the stream, run ``write``; a vanished client ends it quietly, a dead engine gets ``write_error``;
+    whatever is still running is aborted at the end, also when the stream never opened."""
+    try:
+        sse = await open_sse(request, request_id)
+    except BaseException:
+        await abort_all(engine, handles)
+        raise
+    try:
+        await write(sse)
     except ConnectionResetError:
         pass  # the client left; its requests are aborted below
     except AioEngineError as e:
-        err = engine_error(e)
-        try:
-            await sse.send(error_dict(err.status, err.message, code=err.code))
-            await sse.done()
-        except ConnectionResetError:
-            pass
+        with suppress(ConnectionResetError):
+            await write_error(sse, engine_error(e))
     finally:
         await abort_all(engine, handles)
     return sse.resp
@@ -346,7 +358,7 @@ async def abort_all(engine: Any, handles: list) -> None:
 
 
 # ---- responses (/v1/responses) ------------------------------------------------------------------------
-def response_object(req: ChatRequest, builder: Any, out: RequestOutput) -> dict:
+def response_object(builder: Any, out: RequestOutput) -> dict:
     tally = Tally([len(out.prompt_token_ids)], [out.num_cached_tokens], out.num_generated_tokens)
     c = out.outputs[0]
     return builder.response("completed", c.text, c.finish_reason, tally.usage())
@@ -357,13 +369,9 @@ async def stream_response(request: web.Request, engine: Any, handles: list, requ
     """The Responses API's events: created, the message item and its text part opening, one text delta per
     engine delta, then the closing events and `response.completed` (or `response.incomplete`) with usage."""
     tally = Tally([0], [0])
-    try:
-        sse = await open_sse(request, request_id)
-    except BaseException:
-        await abort_all(engine, handles)
-        raise
-    text, finish = "", None
-    try:
+
+    async def write(sse: SSEWriter) -> None:
+        text, finish = "", None
         await sse.send_event(builder.event("response.created", response=builder.response("in_progress")))
         await sse.send_event(builder.event("response.in_progress", response=builder.response("in_progress")))
         await sse.send_event(builder.event("response.output_item.added", output_index=0,
@@ -384,15 +392,9 @@ async def stream_response(request: web.Request, engine: Any, handles: list, requ
         kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
         await sse.send_event(builder.event(kind, response=final))
         await sse.resp.write_eof()
-    except ConnectionResetError:
-        pass  # the client left; its request is aborted below
-    except AioEngineError as e:
-        err = engine_error(e)
-        try:
-            await sse.send_event(builder.event("error", code=err.code, message=err.message, param=None))
-            await sse.resp.write_eof()
-        except ConnectionResetError:
-            pass
-    finally:
-        await abort_all(engine, handles)
-    return sse.resp
+
+    async def write_error(sse: SSEWriter, err: APIError) -> None:
+        await sse.send_event(builder.event("error", code=err.code, message=err.message, param=None))
+        await sse.resp.write_eof()
+
+    return await guarded_sse(request, engine, handles, request_id, write, write_error)
