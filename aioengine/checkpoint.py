@@ -3,6 +3,8 @@ EOS, sliding window), the default sampling parameters of its generation config, 
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Any
 
 from aioengine.config import EngineArgs
@@ -26,49 +28,49 @@ def load_engine_tokenizer(args: EngineArgs, model_path: str, vocab_size: int) ->
 _GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
-def generation_defaults(source: str, model_path: str) -> dict:
-    """Default sampling parameters from a generation_config.json: the model's ("auto"), none ("vllm"), or
-    the file in the directory ``source``. Only the fields the file sets."""
-    import json
-    import os
-
-    if source == "vllm":
-        return {}
-    directory = model_path if source == "auto" else source
-    if source != "auto" and not os.path.isfile(os.path.join(directory, "generation_config.json")):
-        raise ValueError(f"generation_config must be auto, vllm or a directory with a generation_config.json; "
-                         f"got {source!r}")
+def _generation_config(directory: str) -> dict:
+    """The directory's generation_config.json, or {} without one."""
     path = os.path.join(directory, "generation_config.json")
-    if directory.startswith(RANDOM_PREFIX) or not os.path.isfile(path):
+    if not os.path.isfile(path):
         return {}
     with open(path) as f:
-        config = json.load(f)
+        return json.load(f)
+
+
+def generation_defaults(source: str, model_generation_config: dict) -> dict:
+    """Default sampling parameters from a generation config: the model's (``source`` "auto", as read_config
+    found it), none ("vllm"), or the file in the directory ``source``. Only the fields the file sets."""
+    if source == "vllm":
+        return {}
+    if source == "auto":
+        config = model_generation_config
+    elif os.path.isfile(os.path.join(source, "generation_config.json")):
+        config = _generation_config(source)
+    else:
+        raise ValueError(f"generation_config must be auto, vllm or a directory with a generation_config.json; "
+                         f"got {source!r}")
     return {k: config[k] for k in _GENERATION_DEFAULTS if isinstance(config.get(k), int | float)
             and not isinstance(config.get(k), bool)}
 
 
 def read_config(path: str) -> dict:
-    import json
-    import os
-
+    """What start() needs before the weights load: context length, vocabulary, EOS, sliding window, and the
+    generation config (its sampling defaults)."""
     if path.startswith(RANDOM_PREFIX):
         from aioengine.gpu.random_model import random_config
 
         cfg = random_config(path)
         return {"max_position_embeddings": cfg.max_position_embeddings, "vocab_size": cfg.vocab_size,
-                "eos_token_id": cfg.eos_token_id}
+                "eos_token_id": cfg.eos_token_id, "generation_config": {}}
     with open(os.path.join(path, "config.json")) as f:
         cfg = json.load(f)
-    eos = cfg.get("eos_token_id")
-    gen_path = os.path.join(path, "generation_config.json")
-    if os.path.exists(gen_path):
-        with open(gen_path) as f:
-            eos = json.load(f).get("eos_token_id", eos)
+    generation = _generation_config(path)
+    eos = generation.get("eos_token_id", cfg.get("eos_token_id"))
     if isinstance(eos, list):
         eos = eos[0] if eos else None
     from aioengine.gpu.models import sliding_window
 
     text_cfg = cfg.get("text_config", cfg)
     return {"max_position_embeddings": text_cfg.get("max_position_embeddings", 2048),
-            "vocab_size": text_cfg["vocab_size"], "eos_token_id": eos, "sliding_window": sliding_window(text_cfg)}
-
+            "vocab_size": text_cfg["vocab_size"], "eos_token_id": eos, "sliding_window": sliding_window(text_cfg),
+            "generation_config": generation}

@@ -125,7 +125,7 @@ class AsyncEngine:
         self.kv_capacity_tokens = (num_blocks - 1) * args.block_size
         self.vocab_size = cfg_probe["vocab_size"]
         self.eos_token_id = cfg_probe["eos_token_id"]
-        self.default_sampling_params = generation_defaults(args.generation_config, self.model_path)
+        self.default_sampling_params = generation_defaults(args.generation_config, cfg_probe["generation_config"])
         SamplingParams(**self.default_sampling_params)  # a bad value in the file stops the start, not each request
         if self.default_sampling_params:
             logger.info("default sampling parameters from the generation config: %s", self.default_sampling_params)

@@ -146,10 +146,11 @@ class ModelRunner:
         start = np.fromiter((computed[r] for r in ids), dtype=np.int64, count=len(ids))
         # Decodes first: one token past the prompt. A one-token prompt chunk (a prefix-cache hit recomputing
         # the last prompt token) is a prefill: prompt tokens share one attention path, whatever the chunking.
-        is_decode = (n == 1) & (start >= states.prefill_len[rows])
+        prefill_len = states.prefill_len[rows]
+        is_decode = (n == 1) & (start >= prefill_len)
         order = np.argsort(~is_decode, kind="stable")
         req_ids = [ids[i] for i in order]
-        n, rows, start = n[order], rows[order], start[order]
+        n, rows, start, prefill_len = n[order], rows[order], start[order], prefill_len[order]
         num_decodes = int(np.count_nonzero(is_decode))
         num_reqs = len(req_ids)
         num_tokens = int(n.sum())
@@ -159,8 +160,7 @@ class ModelRunner:
         positions = np.repeat(start - cu[:-1], n) + np.arange(num_tokens)
         rows_tok = rows[tok_req]
         seq_lens = start + n
-        prefill_len = states.prefill_len[rows]
-        known = positions < states.prefill_len[rows_tok]
+        known = positions < prefill_len[tok_req]
         input_ids_np = np.where(known, states.token_ids[rows_tok, np.minimum(positions, self.max_model_len - 1)], 0)
         bs = self.block_size
         slot_mapping = states.block_table[rows_tok, positions // bs].astype(np.int64) * bs + positions % bs
