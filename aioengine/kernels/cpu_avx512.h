@@ -4,6 +4,8 @@
 #include <immintrin.h>
 #include <math.h>
 
+#include "cpu_bf16.h"
+
 /* In place: r[i] dword j <- r[j] dword i (a 16x16 transpose of 32-bit elements, 64 shuffles). */
 static inline void transpose16x16(__m512i r[16]) {
     __m512i t[16], u[16];
@@ -34,6 +36,19 @@ static inline __m512 exp16(__m512 x) { /* gcc vectorizes this loop into libmvec'
     _mm512_store_ps(v, x);
     for (int i = 0; i < 16; i++) v[i] = expf(v[i]);
     return _mm512_load_ps(v);
+}
+
+/* A row's output: acc / run_sum in bf16 (0 for an empty row). acc's vectors 2h and 2h + 1 hold dims
+ * 32h..32h + 31 in the order vpunpck{l,h}wd leaves value pairs in, which both kernels use (lane 4L + i:
+ * dim 32h + 8L + i, then 32h + 8L + 4 + i). */
+static inline void store_row(uint16_t *op, const float *acc, float run_sum, int head_dim) {
+    const float inv = run_sum > 0.0f ? 1.0f / run_sum : 0.0f;
+    for (int h = 0; h < head_dim; h += 32)
+        for (int L = 0; L < 4; L++)
+            for (int i = 0; i < 4; i++) {
+                op[h + 8 * L + i] = float_to_bf16(acc[h + 4 * L + i] * inv);
+                op[h + 8 * L + 4 + i] = float_to_bf16(acc[h + 16 + 4 * L + i] * inv);
+            }
 }
 
 #endif

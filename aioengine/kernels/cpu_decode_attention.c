@@ -247,18 +247,12 @@ static int decode_attention_bf16_avx512(const uint16_t *query, int64_t query_str
                 pos += m;
             }
             for (int g = 0; g < group; g++) {
-                uint16_t *op = out + ((int64_t)r * num_heads + kvh * group + g) * head_dim;
-                const float inv = seq_len > 0 ? 1.0f / st[g].run_sum : 0.0f;
+                float acc[MAX_HEAD_DIM] __attribute__((aligned(64)));
                 for (int h = 0; h < halves; h++) {
-                    float lo[16] __attribute__((aligned(64))), hi[16] __attribute__((aligned(64)));
-                    _mm512_store_ps(lo, st[g].acc_lo[h]);
-                    _mm512_store_ps(hi, st[g].acc_hi[h]);
-                    for (int L = 0; L < 4; L++)
-                        for (int i = 0; i < 4; i++) {
-                            op[32 * h + 8 * L + i] = float_to_bf16(lo[4 * L + i] * inv);
-                            op[32 * h + 8 * L + 4 + i] = float_to_bf16(hi[4 * L + i] * inv);
-                        }
+                    _mm512_store_ps(acc + 32 * h, st[g].acc_lo[h]);
+                    _mm512_store_ps(acc + 32 * h + 16, st[g].acc_hi[h]);
                 }
+                store_row(out + ((int64_t)r * num_heads + kvh * group + g) * head_dim, acc, st[g].run_sum, head_dim);
             }
         }
     }

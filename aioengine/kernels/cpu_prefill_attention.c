@@ -148,18 +148,6 @@ static inline void pack_tile(const uint16_t *k_head, const uint16_t *v_head, con
         }
 }
 
-/* A row's output: acc / run_sum in bf16. acc's vectors 2h and 2h + 1 hold dims 32h..32h + 31 in the order the
- * value packing left them (lane 4L + i: dim 32h + 8L + i, then 32h + 8L + 4 + i). */
-static inline void store_row(uint16_t *op, const float *acc, float run_sum, int head_dim) {
-    const float inv = run_sum > 0.0f ? 1.0f / run_sum : 0.0f;
-    for (int h = 0; h < head_dim; h += 32)
-        for (int L = 0; L < 4; L++)
-            for (int i = 0; i < 4; i++) {
-                op[h + 8 * L + i] = float_to_bf16(acc[h + 4 * L + i] * inv);
-                op[h + 8 * L + 4 + i] = float_to_bf16(acc[h + 16 + 4 * L + i] * inv);
-            }
-}
-
 int prefill_attention_bf16(const uint16_t *query, int64_t query_stride, const uint16_t *key_cache,
                            const uint16_t *value_cache, const int32_t *blocks, int q_len, int seq_len, uint16_t *out,
                            int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
@@ -233,6 +221,6 @@ int prefill_attention_bf16(const uint16_t *query, int64_t query_stride, const ui
                            const uint16_t *value_cache, const int32_t *blocks, int q_len, int seq_len, uint16_t *out,
                            int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
                            int64_t block_stride, int64_t token_stride, int64_t head_stride, int num_threads) {
-    return -3; /* no AVX512-BF16 here: the caller keeps the per-token rows of the decode kernel */
+    return -3; /* not built: cpu_kernels.fast_prefill routes nothing here without AVX512-BF16 */
 }
 #endif
