@@ -140,7 +140,7 @@ class ResponseBuilder:
             obj["usage"] = {"input_tokens": usage["prompt_tokens"], "input_tokens_details": usage["prompt_tokens_details"],
                             "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
                             "total_tokens": usage["total_tokens"]}
-        if status == "completed":
+        if obj["status"] == "completed":  # not a truncated (incomplete) one
             obj["completed_at"] = int(time.time())
         return obj
 
