@@ -1,13 +1,18 @@
-"""Linear layers with oneDNN-prepacked bf16 weights on the CPU: the same bits as ``F.linear``, fewer cycles.
+"""Linear layers with bf16 weights packed once at load time for the CPU's GEMM kernels.
 
-``F.linear`` on a plain bf16 weight re-lays the weight out for oneDNN's micro-kernel on every call; a
-weight reordered once at load time (``mkldnn._reorder_linear_weight``, what inductor's freezing pass
-does) skips that. Measured on the 2-core dev machine (docs/benchmarks.md): 1.5-2x faster for 1-128 rows,
-still ahead at 512. The products are summed in the same order, so outputs equal ``F.linear``'s bit for
-bit (tests/engine/test_cpu_linear.py), which keeps bf16 greedy parity. float32 is left alone: there the
-packed path sums in another order than MKL's sgemm, and float32 is the dtype of the parity tests.
+Where the C kernels are built for AVX512-BF16 (``kernels/cpu_gemm.c``), the weight is packed into that
+kernel's panels: a decode step streams every weight from DRAM, and that kernel prefetches the next panel
+while it computes one (measured in docs/benchmarks.md: 64 rows 1.3x oneDNN's speed, one row 1.25x).
+Its float32 sums run over k in order, so results can differ from ``F.linear``'s by one bf16 ulp in rare
+elements (tests/kernels/test_cpu_gemm.py bounds the error against float64).
 
-``AIOENGINE_PACKED_LINEAR=0`` keeps plain weights (to measure the difference).
+Elsewhere (oneDNN with bf16 but no AVX512-BF16 build), the weight is reordered once into oneDNN's
+blocked layout (``mkldnn._reorder_linear_weight``, what inductor's freezing pass does); that gives
+``F.linear``'s bits, 1.5-2x faster than ``F.linear`` re-laying the weight out on every call.
+float32 is left alone: it is the dtype of the parity tests, and MKL's sgemm is already fast.
+
+``AIOENGINE_PACKED_LINEAR=0`` keeps plain weights; ``AIOENGINE_PACKED_LINEAR=onednn`` skips the C GEMM (to
+measure the difference).
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ import os
 
 import torch
 from torch import nn
+
+from aioengine.kernels import cpu_kernels
 
 
 @functools.cache
@@ -30,37 +37,58 @@ def packing_enabled(weight: torch.Tensor) -> bool:
             and weight.dtype == torch.bfloat16 and _bf16_supported())
 
 
-class PackedLinear(nn.Module):
-    """``y = x W^T + b`` with ``W`` held in oneDNN's blocked layout (the plain weight is not kept)."""
+def c_gemm_enabled() -> bool:
+    """Whether packed weights take cpu_gemm.c's layout (else oneDNN's)."""
+    return os.environ.get("AIOENGINE_PACKED_LINEAR", "1") != "onednn" and cpu_kernels.gemm_available()
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, batch_size_hint: int = 64) -> None:
+
+class PackedLinear(nn.Module):
+    """``y = x W^T + b`` with ``W`` held packed for cpu_gemm.c, or in oneDNN's blocked layout (the plain
+    weight is not kept). ``float32_out``: with cpu_gemm.c, return the float32 sums unrounded (the LM head:
+    logits that round to the same bf16 no longer tie, so greedy follows the float32 model more often)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, batch_size_hint: int = 64,
+                 float32_out: bool = False) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.dtype = weight.dtype
-        # The hint picks a blocking; any number of rows runs on the result.
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), batch_size_hint)
-        self.bias = None if bias is None else bias.detach().clone()
+        self.c_gemm = c_gemm_enabled()
+        self.out_dtype = torch.float32 if float32_out and self.c_gemm else weight.dtype
+        if self.c_gemm:
+            self.packed = cpu_kernels.pack_gemm_weight(weight)
+        else:  # the hint picks a blocking; any number of rows runs on the result
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), batch_size_hint)
+        self.bias = None if bias is None else bias.detach().to(weight.dtype).contiguous().clone()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if not self.c_gemm:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        flat = x.reshape(-1, self.in_features)  # the runner's batches are already 2-D
+        if flat.stride(-1) != 1:
+            flat = flat.contiguous()
+        y = cpu_kernels.gemm(flat.to(self.dtype), self.packed, self.bias, self.out_features, self.out_dtype)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"{self.in_features}, {self.out_features}, bias={self.bias is not None}, packed"
+        kind = "cpu_gemm" if self.c_gemm else "onednn"
+        out = ", float32 out" if self.out_dtype == torch.float32 else ""
+        return f"{self.in_features}, {self.out_features}, bias={self.bias is not None}, packed for {kind}{out}"
 
 
 def pack_linears(model: nn.Module) -> int:
     """Replace the model's bf16 ``nn.Linear`` layers (and a tied LM head) in place; returns how many.
 
-    A tied head gets a packed copy: the embedding lookup keeps the original table.
+    A tied head gets a packed copy: the embedding lookup keeps the original table. The head gives float32
+    logits where cpu_gemm.c runs it.
     """
     done = 0
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, nn.Linear | nn.Embedding) and packing_enabled(head.weight):
+        model.lm_head = PackedLinear(head.weight, getattr(head, "bias", None), float32_out=True)
+        done += 1
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if type(child) is nn.Linear and packing_enabled(child.weight):
                 setattr(module, name, PackedLinear(child.weight, child.bias))
                 done += 1
-    head = getattr(model, "lm_head", None)
-    if isinstance(head, nn.Embedding) and packing_enabled(head.weight):
-        model.lm_head = PackedLinear(head.weight, None)
-        done += 1
     return done

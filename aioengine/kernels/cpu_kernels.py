@@ -1,6 +1,5 @@
-"""The CPU's C kernels (cpu_decode_attention.c, cpu_prefill_attention.c, cpu_elementwise.c): built once per
-machine with the C
-compiler into one library, loaded with ctypes, and called on the worker thread (ctypes releases the GIL).
+"""The CPU's C kernels (cpu_decode_attention.c, cpu_prefill_attention.c, cpu_elementwise.c, cpu_gemm.c): built
+once per machine with the C compiler into one library, loaded with ctypes, and called on the worker thread (ctypes releases the GIL).
 
 Built with -march=native into ``$AIOENGINE_CACHE_DIR/kernels`` (default ``~/.cache/aioengine``) under
 a name that hashes the sources, the compiler and the CPU flags; the engine starts the build on a thread
@@ -26,7 +25,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).with_name(n) for n in ("cpu_decode_attention.c", "cpu_prefill_attention.c",
-                                                  "cpu_elementwise.c")]
+                                                  "cpu_elementwise.c", "cpu_gemm.c")]
 # Included by the sources: part of the build's hash.
 _HEADERS = [Path(__file__).with_name(n) for n in ("cpu_bf16.h", "cpu_avx512.h")]
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]  # compile only
@@ -108,6 +107,14 @@ def load() -> ctypes.CDLL | None:
             fn.argtypes = argtypes
         lib.prefill_attention_bf16.restype = ctypes.c_int
         lib.prefill_attention_bf16.argtypes = _PREFILL_ARGS
+        lib.gemm_bf16_vectorized.restype = ctypes.c_int
+        lib.gemm_bf16_vectorized.argtypes = []
+        lib.packed_gemm_weight_elems.restype = ctypes.c_int64
+        lib.packed_gemm_weight_elems.argtypes = [_I64, _I64]
+        lib.pack_gemm_weight_bf16.restype = None
+        lib.pack_gemm_weight_bf16.argtypes = [_P, _I64, _I64, _P, _I]
+        lib.gemm_bf16.restype = ctypes.c_int
+        lib.gemm_bf16.argtypes = [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I, _I]
         _lib = lib
         return lib
 
@@ -151,6 +158,38 @@ def rotary(x: torch.Tensor, positions: torch.Tensor, cos2: torch.Tensor, sin2: t
     out = torch.empty((tokens, heads, head_dim), dtype=x.dtype)
     _lib.rotary_bf16(x.data_ptr(), x.stride(0), positions.data_ptr(), cos2.data_ptr(), sin2.data_ptr(),
                      out.data_ptr(), tokens, heads, head_dim, torch.get_num_threads())
+    return out
+
+
+def gemm_available() -> bool:
+    """Whether the AVX512-BF16 GEMM of cpu_gemm.c is built here (else bf16 linears keep oneDNN)."""
+    lib = load()
+    return lib is not None and bool(lib.gemm_bf16_vectorized())
+
+
+def pack_gemm_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A bf16 ``[N, K]`` weight in gemm's panel layout (a flat bf16 tensor)."""
+    n, k = weight.shape
+    weight = weight.detach().contiguous()
+    packed = torch.empty(_lib.packed_gemm_weight_elems(n, k), dtype=torch.bfloat16)
+    _lib.pack_gemm_weight_bf16(weight.data_ptr(), n, k, packed.data_ptr(), torch.get_num_threads())
+    return packed
+
+
+def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
+         out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``x [M, K] @ W^T (+ bias)`` -> ``[M, N]`` in ``out_dtype`` (bf16 or float32: the sums unrounded), with ``W``
+    packed by ``pack_gemm_weight``; ``x``'s rows may be strided (unit inner stride)."""
+    m, k = x.shape
+    assert x.dtype == torch.bfloat16 and x.stride(1) == 1 and packed.numel() == _lib.packed_gemm_weight_elems(
+        out_features, k)
+    assert out_dtype in (torch.bfloat16, torch.float32)
+    out = torch.empty((m, out_features), dtype=out_dtype)
+    if m:
+        status = _lib.gemm_bf16(x.data_ptr(), x.stride(0), packed.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                                out.data_ptr(), out_features, m, out_features, k, out_dtype == torch.float32,
+                                torch.get_num_threads())
+        assert status == 0, "gemm_bf16 is not built for this CPU"
     return out
 
 

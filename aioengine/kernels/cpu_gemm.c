@@ -1,0 +1,152 @@
+/* bf16 GEMM for the CPU's linear layers: y[M, N] = x[M, K] W[N, K]^T (+ bias), float32 sums, bf16 out
+ * (or float32 out, for the LM head's logits: no rounding of the sums that pick the next token).
+ *
+ * The weight is packed once (pack_gemm_weight_bf16) into panels of 64 output columns, each panel a run
+ * of K/2 rows of 64 (w[n][2k], w[n][2k+1]) pairs: the operand vdpbf16ps multiplies against a broadcast
+ * pair of x. A panel is read front to back, so a whole weight is one sequential stream. The micro-kernel
+ * holds 6 rows x 64 columns of float32 sums in 24 zmm registers and sums over k in order, one rounding
+ * to bf16 at the end (the accuracy of oneDNN's kernel; its blocking sums some products in another order,
+ * so the two can differ by one bf16 ulp in rare elements).
+ *
+ * Why not oneDNN: a decode step reads every weight from DRAM (SmolLM2-135M: 269 MB per step, the cache
+ * holds 32 MB), and oneDNN's kernel waits on it. Here each 6-row block of a panel prefetches its share of
+ * the thread's next panel into L2, spread over its k loop. Measured (docs/benchmarks.md, 30 layers of
+ * distinct weights cycled as a step sees them, 2 threads): 64 rows 933 vs 710 GFLOP/s; one row 48 vs 38.
+ *
+ * Work is split between threads in units of (panel, 6-row block), contiguous per thread, so a 9-panel
+ * weight splits evenly too. Where the compiler does not target AVX512-BF16, gemm_bf16_vectorized() is 0
+ * and the caller keeps oneDNN.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#define PANEL 64 /* output columns per packed panel: 4 zmm of 16 floats */
+#define ROWS 6   /* rows per micro-kernel call: 6 x 4 accumulators + 4 weight vectors + 1 broadcast */
+#define ROW_CHUNK 240 /* rows per pass over the weight for large M: a chunk of x stays in L2 */
+
+/* Elements of a packed weight (panels padded to 64 columns, K to even). */
+int64_t packed_gemm_weight_elems(int64_t n, int64_t k) {
+    return (n + PANEL - 1) / PANEL * ((k + 1) / 2) * PANEL * 2;
+}
+
+void pack_gemm_weight_bf16(const uint16_t *w, int64_t n, int64_t k, uint16_t *out, int num_threads) {
+    const int64_t pairs = (k + 1) / 2, panels = (n + PANEL - 1) / PANEL;
+#pragma omp parallel for num_threads(num_threads)
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t k2 = 0; k2 < pairs; k2++) {
+            uint16_t *o = out + (p * pairs + k2) * PANEL * 2;
+            for (int c = 0; c < PANEL; c++) {
+                const int64_t col = p * PANEL + c;
+                o[2 * c] = col < n ? w[col * k + 2 * k2] : 0;
+                o[2 * c + 1] = col < n && 2 * k2 + 1 < k ? w[col * k + 2 * k2 + 1] : 0;
+            }
+        }
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#include <omp.h>
+
+int gemm_bf16_vectorized(void) { return 1; }
+
+static inline uint32_t pair_at(const uint16_t *p) { /* x[2k], x[2k+1] as one dword (unaligned is fine) */
+    uint32_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* rows (<= ROWS, a constant after inlining) x one panel. pf/pf_lines: this call's share of the next
+ * panel to prefetch, spread evenly over the k loop. */
+static inline __attribute__((always_inline)) void micro(const uint16_t *x, int64_t ldx, const uint16_t *panel,
+                                                         int64_t k, const uint16_t *bias, void *y,
+                                                         int64_t ldy, int cols, const int rows, const char *pf,
+                                                         int64_t pf_lines, const int out_f32) {
+    const int64_t full_pairs = k / 2, pairs = (k + 1) / 2;
+    __m512 acc[ROWS][4];
+    for (int i = 0; i < rows; i++)
+        for (int q = 0; q < 4; q++) acc[i][q] = _mm512_setzero_ps();
+    int64_t pf_done = 0, pf_credit = 0;
+    for (int64_t k2 = 0; k2 < pairs; k2++) {
+        const uint16_t *wp = panel + k2 * PANEL * 2;
+        __m512bh wv[4];
+        for (int q = 0; q < 4; q++) wv[q] = (__m512bh)_mm512_loadu_si512(wp + 32 * q);
+        for (pf_credit += pf_lines; pf_credit >= pairs; pf_credit -= pairs)
+            _mm_prefetch(pf + 64 * pf_done++, _MM_HINT_T1);
+        for (int i = 0; i < rows; i++) {
+            const uint16_t *xp = x + i * ldx + 2 * k2;
+            /* an odd K's last pair: the missing element is 0 (never read past the row) */
+            const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)(k2 < full_pairs ? pair_at(xp) : xp[0]));
+            for (int q = 0; q < 4; q++) acc[i][q] = _mm512_dpbf16_ps(acc[i][q], xv, wv[q]);
+        }
+    }
+    for (int q = 0; q < 4 && 16 * q < cols; q++) {
+        const int left = cols - 16 * q;
+        const __mmask16 mask = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+        __m512 b = _mm512_setzero_ps();
+        if (bias != NULL)
+            b = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + 16 * q)), 16));
+        for (int i = 0; i < rows; i++) {
+            const __m512 v = _mm512_add_ps(acc[i][q], b);
+            if (out_f32)
+                _mm512_mask_storeu_ps((float *)y + i * ldy + 16 * q, mask, v);
+            else
+                _mm256_mask_storeu_epi16((uint16_t *)y + i * ldy + 16 * q, mask, (__m256i)_mm512_cvtneps_pbh(v));
+        }
+    }
+}
+
+/* y: bf16, or float32 when out_f32; ldy in elements. */
+int gemm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *packed, const uint16_t *bias, void *y,
+              int64_t ldy, int64_t m, int64_t n, int64_t k, int out_f32, int num_threads) {
+    const int64_t pairs = (k + 1) / 2, panels = (n + PANEL - 1) / PANEL, panel_elems = pairs * PANEL * 2;
+    const int64_t panel_lines = panel_elems * 2 / 64;
+    for (int64_t m0 = 0; m0 < m; m0 += ROW_CHUNK) {
+        const int64_t mc = m - m0 < ROW_CHUNK ? m - m0 : ROW_CHUNK, blocks = (mc + ROWS - 1) / ROWS;
+        const int64_t units = panels * blocks;
+#pragma omp parallel num_threads(num_threads) if (units > 1)
+        {
+            const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+            const int64_t u0 = units * t / nt, u1 = units * (t + 1) / nt;
+            for (int64_t u = u0; u < u1; u++) {
+                const int64_t p = u / blocks, j = u % blocks, i = m0 + j * ROWS;
+                const uint16_t *panel = packed + p * panel_elems;
+                /* block j prefetches lines [l0, l1) of the next panel, if this thread computes it */
+                const int64_t l0 = panel_lines * j / blocks, l1 = panel_lines * (j + 1) / blocks;
+                const char *pf = (const char *)(panel + panel_elems) + 64 * l0;
+                const int64_t pf_lines = (p + 1) * blocks < u1 ? l1 - l0 : 0;
+                const int cols = n - p * PANEL < PANEL ? (int)(n - p * PANEL) : PANEL;
+                const uint16_t *xi = x + i * ldx, *bp = bias == NULL ? NULL : bias + p * PANEL;
+                void *yi = (char *)y + (i * ldy + p * PANEL) * (out_f32 ? 4 : 2);
+                const int rows = m0 + mc - i >= ROWS ? ROWS : (int)(m0 + mc - i);
+#define MICRO(R, F32) micro(xi, ldx, panel, k, bp, yi, ldy, cols, R, pf, pf_lines, F32)
+#define MICRO_ROWS(F32)                                                                                  \
+    switch (rows) {                                                                                      \
+    case 6: MICRO(6, F32); break;                                                                        \
+    case 5: MICRO(5, F32); break;                                                                        \
+    case 4: MICRO(4, F32); break;                                                                        \
+    case 3: MICRO(3, F32); break;                                                                        \
+    case 2: MICRO(2, F32); break;                                                                        \
+    default: MICRO(1, F32); break;                                                                       \
+    }
+                if (out_f32)
+                    MICRO_ROWS(1)
+                else
+                    MICRO_ROWS(0)
+#undef MICRO_ROWS
+#undef MICRO
+            }
+        }
+    }
+    return 0;
+}
+#else
+int gemm_bf16_vectorized(void) { return 0; }
+
+int gemm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *packed, const uint16_t *bias, void *y,
+              int64_t ldy, int64_t m, int64_t n, int64_t k, int out_f32, int num_threads) {
+    (void)x, (void)ldx, (void)packed, (void)bias, (void)y, (void)ldy, (void)m, (void)n, (void)k, (void)out_f32;
+    (void)num_threads;
+    return -1;
+}
+#endif

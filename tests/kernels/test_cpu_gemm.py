@@ -1,0 +1,104 @@
+"""cpu_gemm.c's bf16 GEMM: exact where float32 sums are exact, within float32 summation error of float64
+elsewhere, at every tail of its 6-row x 64-column tiles, and the same bits for any thread count."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from aioengine.gpu.cpu_linear import PackedLinear
+from aioengine.kernels import cpu_kernels
+
+needs_gemm = pytest.mark.skipif(not cpu_kernels.gemm_available(), reason="needs the AVX512-BF16 build of the C kernels")
+
+
+def test_the_gemm_is_built_where_the_cpu_has_avx512_bf16():
+    """So that a broken build cannot pass as skips on such a machine (this one and CI's)."""
+    if "avx512_bf16" not in cpu_kernels._cpu_flags().split():
+        return  # nothing to build here; the rest of the file skips
+    assert cpu_kernels.load() is not None and cpu_kernels.gemm_available()
+
+# (rows, out_features, in_features): row tails 1-5 of a 6-row block, a 240-row chunk boundary, column
+# tails of a 64-wide panel, odd K (a last pair with one element), the model's own shapes.
+SHAPES = [(1, 1, 1), (2, 15, 3), (5, 64, 2), (6, 65, 65), (7, 130, 64), (13, 100, 63), (64, 960, 576),
+          (64, 576, 1536), (241, 200, 96), (500, 64, 33), (1, 49152 // 16, 576)]
+
+
+def _ints(shape, gen):
+    return torch.randint(-3, 4, shape, generator=gen).to(torch.bfloat16)
+
+
+@needs_gemm
+@pytest.mark.parametrize(("m", "n", "k"), SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemm_is_exact_on_small_integers(m, n, k, bias):
+    """Products and sums of small integers are exact in float32, so the one rounding is to bf16: the
+    result must equal the exact sum rounded, bit for bit (a wrong pair, panel or tail shows here)."""
+    gen = torch.Generator().manual_seed(m * 7 + n * 3 + k)
+    x, w = _ints((m, k), gen), _ints((n, k), gen)
+    b = _ints((n,), gen) if bias else None
+    exact = F.linear(x.double(), w.double(), None if b is None else b.double()).to(torch.bfloat16)
+    assert torch.equal(PackedLinear(w, b)(x), exact)
+
+
+@needs_gemm
+@pytest.mark.parametrize(("m", "n", "k"), SHAPES)
+def test_gemm_is_within_float32_summation_error_of_float64(m, n, k):
+    gen = torch.Generator().manual_seed(m + n + k)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+    b = torch.randn(n, generator=gen).to(torch.bfloat16)
+    ref = F.linear(x.double(), w.double(), b.double())
+    got = PackedLinear(w, b)(x).double()
+    # float32 sums of k products: |error| <= k * 2^-24 * sum|x w| (+ |b|); then one bf16 rounding: half an ulp.
+    magnitude = F.linear(x.double().abs(), w.double().abs(), b.double().abs())
+    half_ulp = 2.0 ** (torch.frexp(ref.abs().clamp_min(1e-30)).exponent.double() - 9)
+    assert ((got - ref).abs() <= half_ulp + (k + 1) * 2.0**-24 * magnitude * 1.01).all()
+    assert (got != F.linear(x, w, b).double()).float().mean() < 0.01  # F.linear (oneDNN) sums in another order
+
+
+@needs_gemm
+def test_gemm_takes_strided_rows_and_3d_inputs():
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(70, 40, generator=gen).to(torch.bfloat16)
+    wide = torch.randn(9, 100, generator=gen).to(torch.bfloat16)
+    x = wide[:, 30:70]  # rows 100 elements apart
+    linear = PackedLinear(w, None)
+    want = linear(x.contiguous())
+    assert torch.equal(linear(x), want)
+    assert torch.equal(linear(x.contiguous().view(3, 3, 40)), want.view(3, 3, 70))
+    assert linear(x[:0]).shape == (0, 70)
+
+
+@needs_gemm
+def test_gemm_bits_do_not_depend_on_the_thread_count():
+    gen = torch.Generator().manual_seed(4)
+    w = torch.randn(960, 576, generator=gen).to(torch.bfloat16)
+    x = torch.randn(64, 576, generator=gen).to(torch.bfloat16)
+    linear = PackedLinear(w, None)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append(linear(x))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+@needs_gemm
+@pytest.mark.parametrize(("m", "n", "k"), SHAPES)
+def test_float32_out_is_the_unrounded_sum(m, n, k):
+    """The LM head's float32 logits: the same sums as the bf16 output, before its one rounding."""
+    gen = torch.Generator().manual_seed(5 + m + n + k)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+    b = torch.randn(n, generator=gen).to(torch.bfloat16)
+    head = PackedLinear(w, b, float32_out=True)
+    sums = head(x)
+    assert sums.dtype == torch.float32 and sums.shape == (m, n)
+    assert torch.equal(sums.to(torch.bfloat16), PackedLinear(w, b)(x))
+    ints = torch.randint(-3, 4, (m, k), generator=gen).to(torch.bfloat16)
+    int_w = torch.randint(-3, 4, (n, k), generator=gen).to(torch.bfloat16)
+    exact = F.linear(ints.double(), int_w.double()).float()
+    assert torch.equal(PackedLinear(int_w, None, float32_out=True)(ints), exact)
