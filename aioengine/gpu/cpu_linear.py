@@ -23,6 +23,7 @@ import os
 import torch
 from torch import nn
 
+from aioengine.gpu.layers import SiluAndMul
 from aioengine.kernels import cpu_kernels
 
 
@@ -48,14 +49,18 @@ class PackedLinear(nn.Module):
     logits that round to the same bf16 no longer tie, so greedy follows the float32 model more often)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, batch_size_hint: int = 64,
-                 float32_out: bool = False) -> None:
+                 float32_out: bool = False, silu_and_mul: bool = False) -> None:
+        """``silu_and_mul``: a fused gate_up weight whose output is ``silu(gate) * up`` (half the width), from the
+        GEMM's epilogue; only where ``fuses_silu_and_mul`` says so."""
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.dtype = weight.dtype
         self.c_gemm = c_gemm_enabled()
-        self.out_dtype = torch.float32 if float32_out and self.c_gemm else weight.dtype
+        assert not silu_and_mul or self.fuses_silu_and_mul(weight, bias)
+        self.epilogue = (cpu_kernels.GEMM_SILU_MUL if silu_and_mul else
+                         cpu_kernels.GEMM_F32 if float32_out and self.c_gemm else cpu_kernels.GEMM_BF16)
         if self.c_gemm:
-            self.packed = cpu_kernels.pack_gemm_weight(weight)
+            self.packed = cpu_kernels.pack_gemm_weight(weight, gated=silu_and_mul)
         else:  # the hint picks a blocking; any number of rows runs on the result
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), batch_size_hint)
         self.bias = None if bias is None else bias.detach().to(weight.dtype).contiguous().clone()
@@ -66,22 +71,36 @@ class PackedLinear(nn.Module):
         flat = x.reshape(-1, self.in_features)  # the runner's batches are already 2-D
         if flat.stride(-1) != 1:
             flat = flat.contiguous()
-        y = cpu_kernels.gemm(flat.to(self.dtype), self.packed, self.bias, self.out_features, self.out_dtype)
-        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
+        y = cpu_kernels.gemm(flat.to(self.dtype), self.packed, self.bias, self.out_features, self.epilogue)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def fuses_silu_and_mul(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        """Whether a gate_up weight can take the fused epilogue (cpu_gemm.c, no bias, 64 | rows)."""
+        return bias is None and weight.shape[0] % 64 == 0 and packing_enabled(weight) and c_gemm_enabled()
 
     def extra_repr(self) -> str:
         kind = "cpu_gemm" if self.c_gemm else "onednn"
-        out = ", float32 out" if self.out_dtype == torch.float32 else ""
-        return f"{self.in_features}, {self.out_features}, bias={self.bias is not None}, packed for {kind}{out}"
+        out = {cpu_kernels.GEMM_F32: ", float32 out", cpu_kernels.GEMM_SILU_MUL: ", silu_and_mul out"}
+        return (f"{self.in_features}, {self.out_features}, bias={self.bias is not None}, packed for {kind}"
+                f"{out.get(self.epilogue, '')}")
 
 
 def pack_linears(model: nn.Module) -> int:
     """Replace the model's bf16 ``nn.Linear`` layers (and a tied LM head) in place; returns how many.
 
     A tied head gets a packed copy: the embedding lookup keeps the original table. The head gives float32
-    logits where cpu_gemm.c runs it.
+    logits where cpu_gemm.c runs it, and an MLP's fused gate_up projection takes over its SiluAndMul (which
+    becomes an identity): the activation is the GEMM's epilogue, in torch's roundings.
     """
     done = 0
+    for module in list(model.modules()):
+        gate_up = getattr(module, "gate_up_proj", None)
+        if (type(gate_up) is nn.Linear and isinstance(getattr(module, "act_fn", None), SiluAndMul)
+                and PackedLinear.fuses_silu_and_mul(gate_up.weight, gate_up.bias)):
+            module.gate_up_proj = PackedLinear(gate_up.weight, None, silu_and_mul=True)
+            module.act_fn = nn.Identity()
+            done += 1
     head = getattr(model, "lm_head", None)
     if isinstance(head, nn.Linear | nn.Embedding) and packing_enabled(head.weight):
         model.lm_head = PackedLinear(head.weight, getattr(head, "bias", None), float32_out=True)

@@ -23,20 +23,26 @@
 #define PANEL 64 /* output columns per packed panel: 4 zmm of 16 floats */
 #define ROWS 6   /* rows per micro-kernel call: 6 x 4 accumulators + 4 weight vectors + 1 broadcast */
 #define ROW_CHUNK 240 /* rows per pass over the weight for large M: a chunk of x stays in L2 */
+#define OUT_BF16 0
+#define OUT_F32 1
+#define OUT_SILU_MUL 2 /* silu(gate) * up in torch's roundings: bf16 after each op, silu by table */
 
 /* Elements of a packed weight (panels padded to 64 columns, K to even). */
 int64_t packed_gemm_weight_elems(int64_t n, int64_t k) {
     return (n + PANEL - 1) / PANEL * ((k + 1) / 2) * PANEL * 2;
 }
 
-void pack_gemm_weight_bf16(const uint16_t *w, int64_t n, int64_t k, uint16_t *out, int num_threads) {
+/* gated (a fused gate_up weight, gate rows then up rows, n a multiple of 64): panel p holds gate columns
+ * 32p..32p+31 then the up columns that pair with them, for OUT_SILU_MUL's epilogue. */
+void pack_gemm_weight_bf16(const uint16_t *w, int64_t n, int64_t k, int gated, uint16_t *out, int num_threads) {
     const int64_t pairs = (k + 1) / 2, panels = (n + PANEL - 1) / PANEL;
 #pragma omp parallel for num_threads(num_threads)
     for (int64_t p = 0; p < panels; p++)
         for (int64_t k2 = 0; k2 < pairs; k2++) {
             uint16_t *o = out + (p * pairs + k2) * PANEL * 2;
             for (int c = 0; c < PANEL; c++) {
-                const int64_t col = p * PANEL + c;
+                const int64_t half = PANEL / 2;
+                const int64_t col = !gated ? p * PANEL + c : (c < half ? 0 : n / 2) + p * half + c % half;
                 o[2 * c] = col < n ? w[col * k + 2 * k2] : 0;
                 o[2 * c + 1] = col < n && 2 * k2 + 1 < k ? w[col * k + 2 * k2 + 1] : 0;
             }
@@ -46,6 +52,7 @@ void pack_gemm_weight_bf16(const uint16_t *w, int64_t n, int64_t k, uint16_t *ou
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #include <omp.h>
+
 
 int gemm_bf16_vectorized(void) { return 1; }
 
@@ -60,7 +67,7 @@ static inline uint32_t pair_at(const uint16_t *p) { /* x[2k], x[2k+1] as one dwo
 static inline __attribute__((always_inline)) void micro(const uint16_t *x, int64_t ldx, const uint16_t *panel,
                                                          int64_t k, const uint16_t *bias, void *y,
                                                          int64_t ldy, int cols, const int rows, const char *pf,
-                                                         int64_t pf_lines, const int out_f32) {
+                                                         int64_t pf_lines, const int out, const float *silu_table) {
     const int64_t full_pairs = k / 2, pairs = (k + 1) / 2;
     __m512 acc[ROWS][4];
     for (int i = 0; i < rows; i++)
@@ -79,6 +86,17 @@ static inline __attribute__((always_inline)) void micro(const uint16_t *x, int64
             for (int q = 0; q < 4; q++) acc[i][q] = _mm512_dpbf16_ps(acc[i][q], xv, wv[q]);
         }
     }
+    if (out == OUT_SILU_MUL) { /* a gated panel: gate columns in acc[.][0..1], their up columns in [2..3] */
+        for (int i = 0; i < rows; i++)
+            for (int q = 0; q < 2; q++) {
+                const __m512i gate_bits = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(acc[i][q]));
+                const __m512 silu = _mm512_i32gather_ps(gate_bits, silu_table, 4);
+                const __m512 up = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(acc[i][q + 2]));
+                _mm256_storeu_si256((__m256i *)((uint16_t *)y + i * ldy + 16 * q),
+                                    (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(silu, up)));
+            }
+        return;
+    }
     for (int q = 0; q < 4 && 16 * q < cols; q++) {
         const int left = cols - 16 * q;
         const __mmask16 mask = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
@@ -88,7 +106,7 @@ static inline __attribute__((always_inline)) void micro(const uint16_t *x, int64
                 _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + 16 * q)), 16));
         for (int i = 0; i < rows; i++) {
             const __m512 v = _mm512_add_ps(acc[i][q], b);
-            if (out_f32)
+            if (out == OUT_F32)
                 _mm512_mask_storeu_ps((float *)y + i * ldy + 16 * q, mask, v);
             else
                 _mm256_mask_storeu_epi16((uint16_t *)y + i * ldy + 16 * q, mask, (__m256i)_mm512_cvtneps_pbh(v));
@@ -96,9 +114,11 @@ static inline __attribute__((always_inline)) void micro(const uint16_t *x, int64
     }
 }
 
-/* y: bf16, or float32 when out_f32; ldy in elements. */
+/* y: bf16 [M, N], float32 [M, N] (OUT_F32), or bf16 [M, N / 2] (OUT_SILU_MUL, a weight packed gated, no
+ * bias, and silu_table: silu of each of the 65536 bf16 values, rounded to bf16, as floats); ldy in elements. */
 int gemm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *packed, const uint16_t *bias, void *y,
-              int64_t ldy, int64_t m, int64_t n, int64_t k, int out_f32, int num_threads) {
+              int64_t ldy, int64_t m, int64_t n, int64_t k, int out, const float *silu_table, int num_threads) {
+    if (out == OUT_SILU_MUL && (n % PANEL != 0 || bias != NULL || silu_table == NULL)) return -2;
     const int64_t pairs = (k + 1) / 2, panels = (n + PANEL - 1) / PANEL, panel_elems = pairs * PANEL * 2;
     const int64_t panel_lines = panel_elems * 2 / 64;
     for (int64_t m0 = 0; m0 < m; m0 += ROW_CHUNK) {
@@ -117,22 +137,25 @@ int gemm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *packed, const uint
                 const int64_t pf_lines = (p + 1) * blocks < u1 ? l1 - l0 : 0;
                 const int cols = n - p * PANEL < PANEL ? (int)(n - p * PANEL) : PANEL;
                 const uint16_t *xi = x + i * ldx, *bp = bias == NULL ? NULL : bias + p * PANEL;
-                void *yi = (char *)y + (i * ldy + p * PANEL) * (out_f32 ? 4 : 2);
+                const int64_t y_col = out == OUT_SILU_MUL ? p * PANEL / 2 : p * PANEL;
+                void *yi = (char *)y + (i * ldy + y_col) * (out == OUT_F32 ? 4 : 2);
                 const int rows = m0 + mc - i >= ROWS ? ROWS : (int)(m0 + mc - i);
-#define MICRO(R, F32) micro(xi, ldx, panel, k, bp, yi, ldy, cols, R, pf, pf_lines, F32)
-#define MICRO_ROWS(F32)                                                                                  \
+#define MICRO(R, OUT) micro(xi, ldx, panel, k, bp, yi, ldy, cols, R, pf, pf_lines, OUT, silu_table)
+#define MICRO_ROWS(OUT)                                                                                  \
     switch (rows) {                                                                                      \
-    case 6: MICRO(6, F32); break;                                                                        \
-    case 5: MICRO(5, F32); break;                                                                        \
-    case 4: MICRO(4, F32); break;                                                                        \
-    case 3: MICRO(3, F32); break;                                                                        \
-    case 2: MICRO(2, F32); break;                                                                        \
-    default: MICRO(1, F32); break;                                                                       \
+    case 6: MICRO(6, OUT); break;                                                                        \
+    case 5: MICRO(5, OUT); break;                                                                        \
+    case 4: MICRO(4, OUT); break;                                                                        \
+    case 3: MICRO(3, OUT); break;                                                                        \
+    case 2: MICRO(2, OUT); break;                                                                        \
+    default: MICRO(1, OUT); break;                                                                       \
     }
-                if (out_f32)
-                    MICRO_ROWS(1)
+                if (out == OUT_F32)
+                    MICRO_ROWS(OUT_F32)
+                else if (out == OUT_SILU_MUL)
+                    MICRO_ROWS(OUT_SILU_MUL)
                 else
-                    MICRO_ROWS(0)
+                    MICRO_ROWS(OUT_BF16)
 #undef MICRO_ROWS
 #undef MICRO
             }
@@ -144,8 +167,9 @@ int gemm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *packed, const uint
 int gemm_bf16_vectorized(void) { return 0; }
 
 int gemm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *packed, const uint16_t *bias, void *y,
-              int64_t ldy, int64_t m, int64_t n, int64_t k, int out_f32, int num_threads) {
-    (void)x, (void)ldx, (void)packed, (void)bias, (void)y, (void)ldy, (void)m, (void)n, (void)k, (void)out_f32;
+              int64_t ldy, int64_t m, int64_t n, int64_t k, int out, const float *silu_table, int num_threads) {
+    (void)x, (void)ldx, (void)packed, (void)bias, (void)y, (void)ldy, (void)m, (void)n, (void)k, (void)out;
+    (void)silu_table;
     (void)num_threads;
     return -1;
 }

@@ -11,6 +11,7 @@ compiler (or with ``AIOENGINE_CPU_KERNELS=0``) the torch path runs instead.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -20,7 +21,9 @@ import tempfile
 import threading
 from pathlib import Path
 
+import numpy as np
 import torch
+import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
@@ -112,9 +115,9 @@ def load() -> ctypes.CDLL | None:
         lib.packed_gemm_weight_elems.restype = ctypes.c_int64
         lib.packed_gemm_weight_elems.argtypes = [_I64, _I64]
         lib.pack_gemm_weight_bf16.restype = None
-        lib.pack_gemm_weight_bf16.argtypes = [_P, _I64, _I64, _P, _I]
+        lib.pack_gemm_weight_bf16.argtypes = [_P, _I64, _I64, _I, _P, _I]
         lib.gemm_bf16.restype = ctypes.c_int
-        lib.gemm_bf16.argtypes = [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I, _I]
+        lib.gemm_bf16.argtypes = [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I, _P, _I]
         _lib = lib
         return lib
 
@@ -167,29 +170,45 @@ def gemm_available() -> bool:
     return lib is not None and bool(lib.gemm_bf16_vectorized())
 
 
-def pack_gemm_weight(weight: torch.Tensor) -> torch.Tensor:
-    """A bf16 ``[N, K]`` weight in gemm's panel layout (a flat bf16 tensor)."""
+# gemm's epilogues (cpu_gemm.c's OUT_*)
+GEMM_BF16, GEMM_F32, GEMM_SILU_MUL = 0, 1, 2
+
+
+def pack_gemm_weight(weight: torch.Tensor, gated: bool = False) -> torch.Tensor:
+    """A bf16 ``[N, K]`` weight in gemm's panel layout (a flat bf16 tensor). ``gated``: a fused gate_up weight
+    (gate rows, then up rows; N a multiple of 64) laid out for the GEMM_SILU_MUL epilogue."""
     n, k = weight.shape
+    assert not gated or n % 64 == 0
+    assert gemm_available(), "cpu_gemm.c is not built for this CPU"
     weight = weight.detach().contiguous()
     packed = torch.empty(_lib.packed_gemm_weight_elems(n, k), dtype=torch.bfloat16)
-    _lib.pack_gemm_weight_bf16(weight.data_ptr(), n, k, packed.data_ptr(), torch.get_num_threads())
+    _lib.pack_gemm_weight_bf16(weight.data_ptr(), n, k, gated, packed.data_ptr(), torch.get_num_threads())
     return packed
 
 
+@functools.cache
+def _silu_table() -> torch.Tensor:
+    """torch's silu of every bf16 value (by bit pattern), as float32: the epilogue looks its bits up, so they
+    are torch's whatever exp it uses (a float32 silu on a bf16 tie rounds by the last bit of exp)."""
+    every_bf16 = torch.from_numpy(np.arange(1 << 16, dtype=np.uint16).view(np.int16)).view(torch.bfloat16)
+    return F.silu(every_bf16).float()
+
+
 def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
-         out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """``x [M, K] @ W^T (+ bias)`` -> ``[M, N]`` in ``out_dtype`` (bf16 or float32: the sums unrounded), with ``W``
-    packed by ``pack_gemm_weight``; ``x``'s rows may be strided (unit inner stride)."""
+         epilogue: int = GEMM_BF16) -> torch.Tensor:
+    """``x [M, K] @ W^T (+ bias)`` with ``W [N, K]`` packed by ``pack_gemm_weight``; ``x``'s rows may be strided
+    (unit inner stride). Returns bf16 ``[M, N]``; with GEMM_F32 float32 ``[M, N]`` (the sums unrounded); with
+    GEMM_SILU_MUL (a gated weight, no bias) bf16 ``[M, N / 2]``: silu(gate) * up, rounded as torch rounds."""
     m, k = x.shape
     assert x.dtype == torch.bfloat16 and x.stride(1) == 1 and packed.numel() == _lib.packed_gemm_weight_elems(
         out_features, k)
-    assert out_dtype in (torch.bfloat16, torch.float32)
-    out = torch.empty((m, out_features), dtype=out_dtype)
+    width = out_features // 2 if epilogue == GEMM_SILU_MUL else out_features
+    out = torch.empty((m, width), dtype=torch.float32 if epilogue == GEMM_F32 else torch.bfloat16)
     if m:
         status = _lib.gemm_bf16(x.data_ptr(), x.stride(0), packed.data_ptr(), 0 if bias is None else bias.data_ptr(),
-                                out.data_ptr(), out_features, m, out_features, k, out_dtype == torch.float32,
-                                torch.get_num_threads())
-        assert status == 0, "gemm_bf16 is not built for this CPU"
+                                out.data_ptr(), width, m, out_features, k, epilogue,
+                                _silu_table().data_ptr() if epilogue == GEMM_SILU_MUL else 0, torch.get_num_threads())
+        assert status == 0, f"gemm_bf16 rejected the call ({status})"
     return out
 
 
