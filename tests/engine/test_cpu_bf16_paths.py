@@ -48,13 +48,19 @@ def _run(model, config, fast: bool) -> list[torch.Tensor]:
         layers.use_cpu_kernels = attention.use_cpu_kernel = True
 
 
-@pytest.mark.parametrize(("head_dim", "heads", "kv_heads"), [(64, 6, 2), (128, 4, 1), (96, 4, 4)])
-def test_bf16_fast_paths_match_the_torch_paths(tmp_path, head_dim, heads, kv_heads):
+@pytest.mark.parametrize(("arch", "head_dim", "heads", "kv_heads", "inter"),
+                         [("llama", 64, 6, 2, 256), ("llama", 128, 4, 1, 256), ("llama", 96, 4, 4, 208),
+                          ("qwen2", 64, 4, 2, 160)])
+def test_bf16_fast_paths_match_the_torch_paths(tmp_path, arch, head_dim, heads, kv_heads, inter):
+    """Also: intermediate 208 (gate_up of 416 rows: the activation stays separate, not the GEMM's epilogue) and
+    Qwen2's q/k/v biases (added to the GEMM's float32 sums) with an untied head."""
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(hidden_size=heads * head_dim, intermediate_size=256, num_hidden_layers=2,
-                                      num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-                                      vocab_size=320, max_position_embeddings=256, tie_word_embeddings=True)
-    hf = transformers.LlamaForCausalLM(config).eval()
+    kind = (transformers.LlamaConfig, transformers.LlamaForCausalLM) if arch == "llama" else (
+        transformers.Qwen2Config, transformers.Qwen2ForCausalLM)
+    config = kind[0](hidden_size=heads * head_dim, intermediate_size=inter, num_hidden_layers=2,
+                     num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                     vocab_size=320, max_position_embeddings=256, tie_word_embeddings=arch == "llama")
+    hf = kind[1](config).eval()
     with torch.no_grad():
         for name, p in hf.named_parameters():
             p.copy_(torch.randn_like(p) * (0.1 if "norm" in name else 0.05) + (1.0 if "norm" in name else 0.0))
