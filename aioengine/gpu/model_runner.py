@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from aioengine.gpu.async_output import AsyncOutput, host_signal_after
+from aioengine.gpu.cpu_decode_stack import CpuDecodeStack
 from aioengine.gpu.cpu_linear import pack_linears
 from aioengine.gpu.cuda_graphs import DecodeGraphs, capture_sizes, capture_time_limit_s
 from aioengine.gpu.loader import allocate_kv_caches, load_model
@@ -87,6 +88,8 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = allocate_kv_caches(self.hf_config, num_blocks, self.block_size, self.dtype, self.device)
+        if self.device.type == "cpu":  # decode steps in one C call where the model allows (same bits)
+            self.model.model.decode_stack = CpuDecodeStack.build(self.model, self.kv_caches)
 
     # ---- CUDA start-up: KV sizing from measured memory, then graph capture ----------------------
     def profile_kv_blocks(self, max_num_batched_tokens: int, max_num_seqs: int,

@@ -1,5 +1,5 @@
-"""The CPU's C kernels (cpu_decode_attention.c, cpu_prefill_attention.c, cpu_elementwise.c, cpu_gemm.c): built
-once per machine with the C compiler into one library, loaded with ctypes, and called on the worker thread (ctypes releases the GIL).
+"""The CPU's C kernels (cpu_decode_attention.c, cpu_prefill_attention.c, cpu_elementwise.c, cpu_gemm.c,
+cpu_decode_stack.c): built once per machine with the C compiler into one library, loaded with ctypes, and called on the worker thread (ctypes releases the GIL).
 
 Built with -march=native into ``$AIOENGINE_CACHE_DIR/kernels`` (default ``~/.cache/aioengine``) under
 a name that hashes the sources, the compiler and the CPU flags; the engine starts the build on a thread
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 logger = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).with_name(n) for n in ("cpu_decode_attention.c", "cpu_prefill_attention.c",
-                                                  "cpu_elementwise.c", "cpu_gemm.c")]
+                                                  "cpu_elementwise.c", "cpu_gemm.c", "cpu_decode_stack.c")]
 # Included by the sources: part of the build's hash.
 _HEADERS = [Path(__file__).with_name(n) for n in ("cpu_bf16.h", "cpu_avx512.h")]
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]  # compile only
@@ -116,6 +116,8 @@ def load() -> ctypes.CDLL | None:
         lib.packed_gemm_weight_elems.argtypes = [_I64, _I64]
         lib.pack_gemm_weight_bf16.restype = None
         lib.pack_gemm_weight_bf16.argtypes = [_P, _I64, _I64, _I, _P, _I]
+        lib.decode_stack_bf16.restype = ctypes.c_int
+        lib.decode_stack_bf16.argtypes = [_P, _I, _P, _P, _P]
         lib.gemm_bf16.restype = ctypes.c_int
         lib.gemm_bf16.argtypes = [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I, _P, _I]
         _lib = lib
@@ -187,7 +189,7 @@ def pack_gemm_weight(weight: torch.Tensor, gated: bool = False) -> torch.Tensor:
 
 
 @functools.cache
-def _silu_table() -> torch.Tensor:
+def silu_table() -> torch.Tensor:
     """torch's silu of every bf16 value (by bit pattern), as float32: the epilogue looks its bits up, so they
     are torch's whatever exp it uses (a float32 silu on a bf16 tie rounds by the last bit of exp)."""
     every_bf16 = torch.from_numpy(np.arange(1 << 16, dtype=np.uint16).view(np.int16)).view(torch.bfloat16)
@@ -207,7 +209,7 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_f
     if m:
         status = _lib.gemm_bf16(x.data_ptr(), x.stride(0), packed.data_ptr(), 0 if bias is None else bias.data_ptr(),
                                 out.data_ptr(), width, m, out_features, k, epilogue,
-                                _silu_table().data_ptr() if epilogue == GEMM_SILU_MUL else 0, torch.get_num_threads())
+                                silu_table().data_ptr() if epilogue == GEMM_SILU_MUL else 0, torch.get_num_threads())
         assert status == 0, f"gemm_bf16 rejected the call ({status})"
     return out
 

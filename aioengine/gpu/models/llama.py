@@ -145,6 +145,7 @@ class LlamaModel(nn.Module):
             for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.decode_stack: Any = None  # the CPU's one-call decode path (gpu/cpu_decode_stack.py), set by the runner
 
     def forward(
         self,
@@ -155,6 +156,9 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         assert len(kv_caches) == len(self.layers), "one KV cache per layer"
         hidden_states = self.embed_tokens(input_ids)
+        if self.decode_stack is not None and self.decode_stack.takes(input_ids, meta):
+            hidden_states, residual = self.decode_stack.run(hidden_states, positions, meta)
+            return self.norm(hidden_states, residual)[0]
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden_states, residual = layer(positions, hidden_states, residual, kv_cache, meta)

@@ -1,0 +1,83 @@
+"""cpu_decode_stack.c: a decode step's decoder layers in one C call give the Python path's bits exactly
+(hidden states and the KV cache it writes), and the stack steps aside where it does not apply."""
+
+import pytest
+import torch
+import transformers
+
+import aioengine.gpu.layers as layers
+from aioengine.gpu.cpu_decode_stack import CpuDecodeStack
+from aioengine.gpu.cpu_linear import pack_linears
+from aioengine.gpu.loader import allocate_kv_caches, load_model
+from aioengine.kernels import cpu_kernels
+from aioengine.kernels.attention import AttentionMetadata
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.gemm_available(), reason="needs the AVX512-BF16 build of the C kernels")
+BLOCK = 16
+
+
+def _model(tmp_path, arch: str, head_dim: int = 64, heads: int = 6, kv_heads: int = 2):
+    kind = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+            "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+            "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[arch]
+    config = kind[0](hidden_size=heads * head_dim, intermediate_size=192, num_hidden_layers=3,
+                     num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, vocab_size=300,
+                     max_position_embeddings=512, tie_word_embeddings=arch == "llama")
+    torch.manual_seed(0)
+    hf = kind[1](config).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.copy_(torch.randn_like(p) * (0.1 if "norm" in name else 0.05) + (1.0 if "norm" in name else 0.0))
+    hf.save_pretrained(tmp_path)
+    model, cfg = load_model(tmp_path, dtype=torch.bfloat16)
+    pack_linears(model)
+    return model, cfg
+
+
+def _decode(model, cfg, stack: bool, seq_lens: list[int]):
+    """One decode step over caches filled with noise: (hidden states, caches after the step)."""
+    gen = torch.Generator().manual_seed(len(seq_lens))
+    rows = len(seq_lens)
+    max_blocks = -(-max(seq_lens) // BLOCK)
+    kv = allocate_kv_caches(cfg, rows * max_blocks + 3, BLOCK, torch.bfloat16, "cpu")
+    for cache in kv:
+        cache.copy_(torch.randn(cache.shape, generator=gen))
+    table = torch.randperm(rows * max_blocks + 3, generator=gen)[:rows * max_blocks].view(rows, max_blocks).int()
+    ids = torch.randint(0, cfg.vocab_size, (rows,), generator=gen)
+    positions = torch.tensor([n - 1 for n in seq_lens])
+    model.model.decode_stack = CpuDecodeStack.build(model, kv) if stack else None
+    assert (model.model.decode_stack is not None) == stack
+    with torch.inference_mode():
+        hidden = model(ids, positions, kv, AttentionMetadata.build([1] * rows, seq_lens, table, BLOCK))
+    model.model.decode_stack = None
+    return hidden, kv
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("seq_lens", [[1], [17, 1, 40, 33, 16], [300] * 3])
+def test_the_stack_gives_the_python_paths_bits(tmp_path, arch, seq_lens):
+    model, cfg = _model(tmp_path, arch)
+    want, want_kv = _decode(model, cfg, False, seq_lens)
+    got, got_kv = _decode(model, cfg, True, seq_lens)
+    assert torch.equal(got, want)
+    assert all(torch.equal(g, w) for g, w in zip(got_kv, want_kv, strict=True))
+
+
+def test_the_stack_steps_aside_where_it_does_not_apply(tmp_path, monkeypatch):
+    model, cfg = _model(tmp_path, "llama")
+    kv = allocate_kv_caches(cfg, 8, BLOCK, torch.bfloat16, "cpu")
+    stack = CpuDecodeStack.build(model, kv)
+    table = torch.arange(8, dtype=torch.int32).view(2, 4)
+    ids = torch.zeros(3, dtype=torch.int64)
+    assert stack.takes(ids[:2], AttentionMetadata.build([1, 1], [5, 9], table, BLOCK))
+    assert not stack.takes(ids, AttentionMetadata.build([1, 2], [5, 9], table, BLOCK))  # a prompt chunk
+    assert not stack.takes(ids, AttentionMetadata.build([1, 1], [5, 9], table, BLOCK))  # padded rows
+    monkeypatch.setattr(layers, "use_cpu_kernels", False)  # the torch reference paths
+    assert not stack.takes(ids[:2], AttentionMetadata.build([1, 1], [5, 9], table, BLOCK))
+    monkeypatch.setenv("AIOENGINE_DECODE_STACK", "0")
+    assert CpuDecodeStack.build(model, kv) is None
+
+
+def test_qwen3_keeps_the_python_path(tmp_path):
+    model, cfg = _model(tmp_path / "q3", "qwen3")  # per-head q/k norms: not in the C stack
+    assert CpuDecodeStack.build(model, allocate_kv_caches(cfg, 4, BLOCK, torch.bfloat16, "cpu")) is None
