@@ -74,6 +74,16 @@ class PackedLinear(nn.Module):
         y = cpu_kernels.gemm(flat.to(self.dtype), self.packed, self.bias, self.out_features, self.epilogue)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
 
+    def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Each row's argmax of ``x W^T + b`` (float32 sums) without writing the logits: cpu_gemm.c's epilogue;
+        None where this layer is not packed for it."""
+        if not self.c_gemm or self.epilogue == cpu_kernels.GEMM_SILU_MUL:
+            return None
+        flat = x.reshape(-1, self.in_features)
+        if flat.stride(-1) != 1:
+            flat = flat.contiguous()
+        return cpu_kernels.gemm(flat.to(self.dtype), self.packed, self.bias, self.out_features, cpu_kernels.GEMM_ARGMAX)
+
     @staticmethod
     def fuses_silu_and_mul(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
         """Whether a gate_up weight can take the fused epilogue (cpu_gemm.c, no bias, 64 | rows)."""

@@ -18,7 +18,7 @@ from aioengine.gpu.loader import allocate_kv_caches, load_model
 from aioengine.gpu.memory import kv_cache_blocks, profile_memory, warmup_lengths
 from aioengine.gpu.models import sliding_window
 from aioengine.gpu.quant import quantize_model
-from aioengine.gpu.sampler import Sampler, SamplingMetadata, gather_logprobs
+from aioengine.gpu.sampler import Sampler, SamplerOutput, SamplingMetadata, gather_logprobs
 from aioengine.gpu.states import RequestStates
 from aioengine.kernels import cpu_kernels
 from aioengine.kernels.attention import AttentionMetadata
@@ -243,13 +243,15 @@ class ModelRunner:
             if self.timeline is not None:
                 self.timeline.end()
             return out
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
         sample_idx = np.flatnonzero(batch.sample_mask)
         sample_rows = batch.rows[sample_idx]
         md = self._sampling_metadata(sample_rows)
         if grammar_output is not None:
             md.grammar = self._grammar_rows(batch, sample_idx, grammar_output)
-        result = self.sampler(logits, md)
+        hidden = hidden[batch.logits_indices]
+        # Plain greedy rows on the CPU: the head's GEMM picks each argmax without writing [rows, vocab] logits.
+        greedy = self.model.compute_greedy(hidden) if md.plain_greedy else None
+        result = SamplerOutput(greedy) if greedy is not None else self.sampler(self.model.compute_logits(hidden), md)
         states.update_after_sample(sample_rows, result.sampled)  # device state for step k+1
         tensors = [result.sampled]
         num_logprobs = None

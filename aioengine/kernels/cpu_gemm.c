@@ -17,7 +17,9 @@
  * weight splits evenly too. Where the compiler does not target AVX512-BF16, gemm_bf16_vectorized() is 0
  * and the caller keeps oneDNN.
  */
+#include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define PANEL 64 /* output columns per packed panel: 4 zmm of 16 floats */
@@ -26,6 +28,19 @@
 #define OUT_BF16 0
 #define OUT_F32 1
 #define OUT_SILU_MUL 2 /* silu(gate) * up in torch's roundings: bf16 after each op, silu by table */
+#define OUT_ARGMAX 3   /* each row's argmax over N (the LM head for greedy rows: no logits written) */
+
+static inline int is_nan(float f) { /* by its bits: -ffast-math lets the compiler assume x == x */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return (u & 0x7fffffffu) > 0x7f800000u;
+}
+
+/* A row's best column within one panel (OUT_ARGMAX), reduced over the panels at the end. */
+typedef struct {
+    float value;
+    int32_t column;
+} panel_best;
 
 /* Elements of a packed weight (panels padded to 64 columns, K to even). */
 int64_t packed_gemm_weight_elems(int64_t n, int64_t k) {
@@ -97,6 +112,36 @@ static inline __attribute__((always_inline)) void micro(const uint16_t *x, int64
             }
         return;
     }
+    if (out == OUT_ARGMAX) { /* torch.argmax's answer: the first maximum, and a NaN beats everything */
+        __mmask16 live[4];
+        __m512 b[4];
+        for (int q = 0; q < 4; q++) {
+            const int left = cols - 16 * q;
+            live[q] = left >= 16 ? (__mmask16)0xffff : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
+            b[q] = bias == NULL ? _mm512_setzero_ps() : _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live[q], bias + 16 * q)), 16));
+        }
+        for (int i = 0; i < rows; i++) {
+            __m512 v[4];
+            panel_best best = {-INFINITY, -1};
+            for (int q = 0; q < 4 && best.column < 0; q++) {
+                v[q] = _mm512_add_ps(acc[i][q], b[q]);
+                const __mmask16 nan = _mm512_mask_cmp_ps_mask(live[q], v[q], v[q], _CMP_UNORD_Q);
+                if (nan) best = (panel_best){NAN, 16 * q + __builtin_ctz(nan)};
+            }
+            if (best.column < 0) {
+                __m512 top = _mm512_set1_ps(-INFINITY);
+                for (int q = 0; q < 4; q++) top = _mm512_mask_max_ps(top, live[q], top, v[q]);
+                const float m = _mm512_reduce_max_ps(top);
+                for (int q = 0; q < 4 && best.column < 0; q++) {
+                    const __mmask16 at = _mm512_mask_cmp_ps_mask(live[q], v[q], _mm512_set1_ps(m), _CMP_EQ_OQ);
+                    if (at) best = (panel_best){m, 16 * q + __builtin_ctz(at)};
+                }
+            }
+            ((panel_best *)y)[i] = best;
+        }
+        return;
+    }
     for (int q = 0; q < 4 && 16 * q < cols; q++) {
         const int left = cols - 16 * q;
         const __mmask16 mask = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
@@ -114,12 +159,15 @@ static inline __attribute__((always_inline)) void micro(const uint16_t *x, int64
     }
 }
 
-/* y: bf16 [M, N], float32 [M, N] (OUT_F32), or bf16 [M, N / 2] (OUT_SILU_MUL, a weight packed gated, no
- * bias, and silu_table: silu of each of the 65536 bf16 values, rounded to bf16, as floats); ldy in elements. */
+/* y: bf16 [M, N], float32 [M, N] (OUT_F32), bf16 [M, N / 2] (OUT_SILU_MUL, a weight packed gated, no
+ * bias, and silu_table: silu of each of the 65536 bf16 values, rounded to bf16, as floats), or int64 [M]
+ * (OUT_ARGMAX); ldy in elements. Returns 0; -2 for a call the epilogue cannot take; -3 out of memory. */
 int gemm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *packed, const uint16_t *bias, void *y,
               int64_t ldy, int64_t m, int64_t n, int64_t k, int out, const float *silu_table, int num_threads) {
     if (out == OUT_SILU_MUL && (n % PANEL != 0 || bias != NULL || silu_table == NULL)) return -2;
     const int64_t pairs = (k + 1) / 2, panels = (n + PANEL - 1) / PANEL, panel_elems = pairs * PANEL * 2;
+    panel_best *bests = NULL; /* OUT_ARGMAX: [panels][m] */
+    if (out == OUT_ARGMAX && (bests = malloc(sizeof *bests * (size_t)(panels * m))) == NULL) return -3;
     const int64_t panel_lines = panel_elems * 2 / 64;
     for (int64_t m0 = 0; m0 < m; m0 += ROW_CHUNK) {
         const int64_t mc = m - m0 < ROW_CHUNK ? m - m0 : ROW_CHUNK, blocks = (mc + ROWS - 1) / ROWS;
@@ -138,7 +186,8 @@ int gemm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *packed, const uint
                 const int cols = n - p * PANEL < PANEL ? (int)(n - p * PANEL) : PANEL;
                 const uint16_t *xi = x + i * ldx, *bp = bias == NULL ? NULL : bias + p * PANEL;
                 const int64_t y_col = out == OUT_SILU_MUL ? p * PANEL / 2 : p * PANEL;
-                void *yi = (char *)y + (i * ldy + y_col) * (out == OUT_F32 ? 4 : 2);
+                void *yi = out == OUT_ARGMAX ? (void *)(bests + p * m + i)
+                                             : (char *)y + (i * ldy + y_col) * (out == OUT_F32 ? 4 : 2);
                 const int rows = m0 + mc - i >= ROWS ? ROWS : (int)(m0 + mc - i);
 #define MICRO(R, OUT) micro(xi, ldx, panel, k, bp, yi, ldy, cols, R, pf, pf_lines, OUT, silu_table)
 #define MICRO_ROWS(OUT)                                                                                  \
@@ -154,12 +203,26 @@ int gemm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *packed, const uint
                     MICRO_ROWS(OUT_F32)
                 else if (out == OUT_SILU_MUL)
                     MICRO_ROWS(OUT_SILU_MUL)
+                else if (out == OUT_ARGMAX)
+                    MICRO_ROWS(OUT_ARGMAX)
                 else
                     MICRO_ROWS(OUT_BF16)
 #undef MICRO_ROWS
 #undef MICRO
             }
         }
+    }
+    if (out == OUT_ARGMAX) { /* panels in order, a later one wins only by a strictly larger value or a NaN */
+        for (int64_t i = 0; i < m; i++) {
+            panel_best best = bests[i];
+            int64_t column = best.column;
+            for (int64_t p = 1; p < panels && !is_nan(best.value); p++) {
+                const panel_best c = bests[p * m + i];
+                if (is_nan(c.value) || c.value > best.value) best = c, column = p * PANEL + c.column;
+            }
+            ((int64_t *)y)[i] = column;
+        }
+        free(bests);
     }
     return 0;
 }

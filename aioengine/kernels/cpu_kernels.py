@@ -173,7 +173,7 @@ def gemm_available() -> bool:
 
 
 # gemm's epilogues (cpu_gemm.c's OUT_*)
-GEMM_BF16, GEMM_F32, GEMM_SILU_MUL = 0, 1, 2
+GEMM_BF16, GEMM_F32, GEMM_SILU_MUL, GEMM_ARGMAX = 0, 1, 2, 3
 
 
 def pack_gemm_weight(weight: torch.Tensor, gated: bool = False) -> torch.Tensor:
@@ -200,16 +200,22 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_f
          epilogue: int = GEMM_BF16) -> torch.Tensor:
     """``x [M, K] @ W^T (+ bias)`` with ``W [N, K]`` packed by ``pack_gemm_weight``; ``x``'s rows may be strided
     (unit inner stride). Returns bf16 ``[M, N]``; with GEMM_F32 float32 ``[M, N]`` (the sums unrounded); with
-    GEMM_SILU_MUL (a gated weight, no bias) bf16 ``[M, N / 2]``: silu(gate) * up, rounded as torch rounds."""
+    GEMM_SILU_MUL (a gated weight, no bias) bf16 ``[M, N / 2]``: silu(gate) * up, rounded as torch rounds; with
+    GEMM_ARGMAX int64 ``[M]``: ``argmax`` of the float32 row, as torch picks it (first maximum; NaN wins)."""
     m, k = x.shape
     assert x.dtype == torch.bfloat16 and x.stride(1) == 1 and packed.numel() == _lib.packed_gemm_weight_elems(
         out_features, k)
     width = out_features // 2 if epilogue == GEMM_SILU_MUL else out_features
-    out = torch.empty((m, width), dtype=torch.float32 if epilogue == GEMM_F32 else torch.bfloat16)
+    if epilogue == GEMM_ARGMAX:
+        out = torch.empty(m, dtype=torch.int64)
+    else:
+        out = torch.empty((m, width), dtype=torch.float32 if epilogue == GEMM_F32 else torch.bfloat16)
     if m:
         status = _lib.gemm_bf16(x.data_ptr(), x.stride(0), packed.data_ptr(), 0 if bias is None else bias.data_ptr(),
                                 out.data_ptr(), width, m, out_features, k, epilogue,
                                 silu_table().data_ptr() if epilogue == GEMM_SILU_MUL else 0, torch.get_num_threads())
+        if status == -3:
+            raise MemoryError("gemm_bf16: no memory for the argmax's partial results")
         assert status == 0, f"gemm_bf16 rejected the call ({status})"
     return out
 

@@ -81,3 +81,14 @@ def test_the_stack_steps_aside_where_it_does_not_apply(tmp_path, monkeypatch):
 def test_qwen3_keeps_the_python_path(tmp_path):
     model, cfg = _model(tmp_path / "q3", "qwen3")  # per-head q/k norms: not in the C stack
     assert CpuDecodeStack.build(model, allocate_kv_caches(cfg, 4, BLOCK, torch.bfloat16, "cpu")) is None
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_the_heads_greedy_pick_is_the_argmax_of_its_logits(tmp_path, arch):
+    """model.compute_greedy (the runner's path for plain greedy rows) against compute_logits + argmax,
+    tied (llama) and untied (qwen2) heads."""
+    model, cfg = _model(tmp_path, arch)
+    hidden = torch.randn(37, cfg.hidden_size, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    with torch.inference_mode():
+        picked = model.compute_greedy(hidden)
+        assert picked is not None and torch.equal(picked, model.compute_logits(hidden).argmax(-1))

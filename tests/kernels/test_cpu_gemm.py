@@ -140,3 +140,31 @@ def test_pack_linears_fuses_the_mlp_activation_into_gate_up():
     fused = cpu_kernels.gemm_available()
     assert isinstance(mlp.act_fn, nn.Identity) == fused and isinstance(odd.act_fn, SiluAndMul)
     torch.testing.assert_close(mlp.act_fn(mlp.gate_up_proj(x)), want)
+
+
+@needs_gemm
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 1, 8), (5, 100, 64), (13, 130, 33), (241, 200, 96), (64, 4096, 64)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_argmax_epilogue_is_torch_argmax_of_the_float32_logits(m, n, k, bias):
+    gen = torch.Generator().manual_seed(m * n + k)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+    head = PackedLinear(w, torch.randn(n, generator=gen).to(torch.bfloat16) if bias else None, float32_out=True)
+    assert torch.equal(head.argmax(x), head(x).argmax(-1))
+
+
+@needs_gemm
+def test_argmax_epilogue_takes_ties_nans_and_infinities_as_torch_does():
+    w = torch.zeros(200, 4)
+    w[70] = w[150] = 1.0  # a tie across panels: the first wins
+    w[20] = w[30] = -1.0
+    x = torch.tensor([[1.0] * 4, [-1.0] * 4, [0.0] * 4])  # row 2: all zero, index 0
+    nan = w.clone()
+    nan[199, 0] = float("nan")  # the last panel's NaN beats every value
+    neg_inf = torch.full((200, 4), float("-inf"))
+    for weight, xs in ((w, x), (nan, x), (neg_inf, torch.ones(2, 4)), (w[:65], x)):
+        head = PackedLinear(weight.to(torch.bfloat16), None, float32_out=True)
+        xs = xs.to(torch.bfloat16)
+        assert torch.equal(head.argmax(xs), head(xs).argmax(-1)), weight.shape
+    assert PackedLinear(w.to(torch.bfloat16), None, float32_out=True).argmax(
+        x.to(torch.bfloat16)).tolist() == [70, 20, 0]

@@ -206,6 +206,13 @@ class LlamaForCausalLM(nn.Module):
             return nn.functional.linear(hidden_states, head.weight)
         return head(hidden_states)  # nn.Linear, a packed or a quantized head
 
+    def compute_greedy(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """The greedy token of each row (int64 ``[N]``) straight from the head's GEMM, where it can pick it
+        without writing the logits (a head packed for cpu_gemm.c: the argmax of the float32 logits
+        ``compute_logits`` returns); else None."""
+        argmax = getattr(self.lm_head, "argmax", None)
+        return argmax(hidden_states) if argmax is not None else None
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the (fused) parameters, casting to their dtype and device."""
         params = dict(self.named_parameters())
