@@ -3,7 +3,6 @@
 
 import pytest
 import torch
-import transformers
 
 import aioengine.gpu.layers as layers
 from aioengine.gpu.cpu_decode_stack import CpuDecodeStack
@@ -11,24 +10,16 @@ from aioengine.gpu.cpu_linear import pack_linears
 from aioengine.gpu.loader import allocate_kv_caches, load_model
 from aioengine.kernels import cpu_kernels
 from aioengine.kernels.attention import AttentionMetadata
+from tests.engine.conftest import make_tiny_checkpoint
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.gemm_available(), reason="needs the AVX512-BF16 build of the C kernels")
 BLOCK = 16
 
 
-def _model(tmp_path, arch: str, head_dim: int = 64, heads: int = 6, kv_heads: int = 2):
-    kind = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-            "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-            "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[arch]
-    config = kind[0](hidden_size=heads * head_dim, intermediate_size=192, num_hidden_layers=3,
-                     num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, vocab_size=300,
-                     max_position_embeddings=512, tie_word_embeddings=arch == "llama")
-    torch.manual_seed(0)
-    hf = kind[1](config).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            p.copy_(torch.randn_like(p) * (0.1 if "norm" in name else 0.05) + (1.0 if "norm" in name else 0.0))
-    hf.save_pretrained(tmp_path)
+def _model(tmp_path, arch: str):
+    """A tiny random checkpoint (conftest's, heads of 64 for the AVX512-BF16 attention loop) in bf16, packed."""
+    make_tiny_checkpoint(arch, tmp_path, hidden_size=384, intermediate_size=192, num_hidden_layers=3,
+                         num_attention_heads=6, num_key_value_heads=2, head_dim=64, vocab_size=300)
     model, cfg = load_model(tmp_path, dtype=torch.bfloat16)
     pack_linears(model)
     return model, cfg
