@@ -72,7 +72,6 @@ class CpuDecodeStack:
         self.widths = {"normed": self.args.hidden, "qkv_out": attn.q_size + 2 * attn.kv_size,
                        "qk_rotated": attn.q_size + attn.kv_size, "attn": attn.q_size, "act": self.args.intermediate}
         self._kv_caches = kv_caches  # the pointers above stay valid while these live
-        self._probe = (torch.empty(1, attn.num_heads, attn.head_dim, dtype=torch.bfloat16), cache)
 
     @staticmethod
     def build(model: nn.Module, kv_caches: list[torch.Tensor]) -> CpuDecodeStack | None:
@@ -92,11 +91,12 @@ class CpuDecodeStack:
                     or layer.input_layernorm.variance_epsilon != eps
                     or layer.post_attention_layernorm.variance_epsilon != eps):
                 return None
-        rope = decoder.layers[0].self_attn.rotary_emb
+        attn = decoder.layers[0].self_attn
+        rope = attn.rotary_emb
         if rope.cos2 is None or rope.cos2.dtype != torch.bfloat16 or not rope.cos2.is_contiguous():
             return None
-        stack = CpuDecodeStack(model, kv_caches)
-        return stack if cpu_kernels.supports(*stack._probe) else None
+        query = torch.empty(1, attn.num_heads, attn.head_dim, dtype=torch.bfloat16)  # the decode kernel's limits
+        return CpuDecodeStack(model, kv_caches) if cpu_kernels.supports(query, kv_caches[0]) else None
 
     def takes(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> bool:
         """A step of decodes only (no prompt chunk, no padding), with the C paths switched on."""
