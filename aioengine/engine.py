@@ -92,6 +92,10 @@ class AsyncEngine:
         dtype = getattr(torch, resolve_dtype_name(args.dtype, device))
         self._worker = CudaWorker() if cuda else CpuWorker(args.num_threads or default_num_threads())
         max_model_len = args.max_model_len or cfg_probe["max_position_embeddings"]
+        if max_model_len > cfg_probe["max_position_embeddings"]:
+            logger.warning("max_model_len %d is past the model's max_position_embeddings (%d): positions beyond it "
+                           "extrapolate RoPE, as transformers does, and quality may drop there", max_model_len,
+                           cfg_probe["max_position_embeddings"])
         window = cfg_probe.get("sliding_window")
         if window is not None and max_model_len > window:  # no sliding-window kernels: stay inside the window
             if args.max_model_len:

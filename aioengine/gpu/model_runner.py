@@ -49,6 +49,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.max_num_reqs = max_num_reqs
         self.model, self.hf_config = load_model(model_path, dtype=dtype, device=device)
+        self.model.cover_positions(max_model_len)  # a max_model_len past max_position_embeddings extrapolates
         window = sliding_window(self.hf_config)
         if window is not None and max_model_len > window:
             raise ValueError(f"max_model_len {max_model_len} exceeds the sliding window ({window}), which is "

@@ -59,3 +59,29 @@ def test_length_dependent_scalings_refuse(tmp_path, scaling):
     hf = make_tiny_checkpoint("llama", tmp_path, rope_scaling=scaling)
     with pytest.raises(NotImplementedError, match=scaling["rope_type"]):
         get_rope(16, 256, hf.config, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_max_model_len_past_max_position_embeddings_extrapolates_as_transformers_does(tmp_path, dtype):
+    """The rotary table used to end at max_position_embeddings: positions past it read beyond the table
+    (garbage tokens, or a crash). Now it covers max_model_len; in float32 the tokens are transformers'
+    (which computes RoPE for any position); in bf16 (the C kernels and the one-call decode stack read the
+    same table) the run completes over a table that covers every position."""
+    hf = make_tiny_checkpoint("llama", tmp_path, max_position_embeddings=48, rope_scaling=None)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 49152) for _ in range(n)] for n in (40, 90)]  # past the 48 positions
+
+    async def run() -> tuple[list[list[int]], int]:
+        async with AsyncEngine(EngineArgs(model=str(tmp_path), dtype=dtype, device="cpu", block_size=4,
+                                          max_num_batched_tokens=64, max_model_len=160)) as engine:
+            params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+            outs = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
+            rows = engine.runner.model.model.layers[0].self_attn.rotary_emb.cos_sin_cache.shape[0]
+            return [o.outputs[0].token_ids for o in outs], rows
+
+    got, rows = asyncio.run(run())
+    assert rows >= 160
+    if dtype == "float32":
+        assert got == [hf_greedy(hf, p) for p in prompts]
+    else:
+        assert all(len(t) == NEW_TOKENS for t in got)

@@ -206,6 +206,18 @@ class LlamaForCausalLM(nn.Module):
             return nn.functional.linear(hidden_states, head.weight)
         return head(hidden_states)  # nn.Linear, a packed or a quantized head
 
+    def cover_positions(self, max_model_len: int) -> None:
+        """Make the rotary table reach ``max_model_len`` positions (it holds ``max_position_embeddings``):
+        past the trained context RoPE extrapolates, as transformers computes it, instead of reading
+        past the table's end."""
+        decoder = self.model
+        if not decoder.layers or decoder.layers[0].self_attn.rotary_emb.cos_sin_cache.shape[0] >= max_model_len:
+            return
+        old = decoder.layers[0].self_attn.rotary_emb.cos_sin_cache
+        rope = get_rope(head_dim_of(self.config), max_model_len, self.config, old.dtype, old.device)
+        for layer in decoder.layers:
+            layer.self_attn.rotary_emb = rope
+
     def compute_greedy(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         """The greedy token of each row (int64 ``[N]``) straight from the head's GEMM, where it can pick it
         without writing the logits (a head packed for cpu_gemm.c: the argmax of the float32 logits
