@@ -21,6 +21,7 @@
 #include <string.h>
 
 #include "cpu_bf16.h"
+#include "cpu_kernels.h"
 
 #define MAX_HEAD_DIM 256
 #define MAX_GROUP 16

@@ -8,27 +8,7 @@
 #include <stdint.h>
 #include <string.h>
 
-/* The kernels it strings together (cpu_elementwise.c, cpu_gemm.c, cpu_decode_attention.c). */
-void add_rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *residual, int64_t residual_stride,
-                       uint16_t *residual_out, const uint16_t *weight, uint16_t *out, int64_t rows, int64_t hidden,
-                       float eps, int num_threads);
-void rotary_bf16(const uint16_t *x, int64_t token_stride, const int64_t *positions, const uint16_t *cos2,
-                 const uint16_t *sin2, uint16_t *out, int64_t tokens, int64_t heads, int64_t head_dim,
-                 int num_threads);
-int gemm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *packed, const uint16_t *bias, void *y, int64_t ldy,
-              int64_t m, int64_t n, int64_t k, int out, const float *silu_table, int num_threads);
-int decode_attention_bf16(const uint16_t *query, int64_t query_stride, const uint16_t *key_cache,
-                          const uint16_t *value_cache, const int32_t *block_table, int64_t table_stride,
-                          const int32_t *seq_lens, uint16_t *out, int num_reqs, int num_heads, int num_kv_heads,
-                          int head_dim, int block_size, float scale, int64_t block_stride, int64_t token_stride,
-                          int64_t head_stride, int num_threads);
-void store_kv_cpu(const char *key, int64_t key_stride, const char *value, int64_t value_stride, char *key_cache,
-                  char *value_cache, const int64_t *slots, int64_t num_tokens, int num_kv_heads, int head_dim,
-                  int block_size, int64_t block_stride, int64_t token_stride, int64_t head_stride, int elem,
-                  int64_t num_slots);
-
-#define GEMM_BF16 0
-#define GEMM_SILU_MUL 2
+#include "cpu_kernels.h"
 
 /* One layer's weights and cache (fixed for the engine's life). Biases may be NULL. */
 typedef struct {
@@ -65,7 +45,7 @@ int decode_stack_bf16(const layer_weights *layers, int num_layers, const stack_a
         add_rms_norm_bf16(l == 0 ? NULL : hidden, h, residual, h, residual, w->input_norm, a->normed, rows, h,
                           a->eps, nt);
         int status = gemm_bf16(a->normed, h, w->qkv, w->qkv_bias, a->qkv_out, qkv_width, rows, qkv_width, h,
-                               GEMM_BF16, NULL, nt);
+                               OUT_BF16, NULL, nt);
         if (status) return status;
         rotary_bf16(a->qkv_out, qkv_width, a->positions, a->cos2, a->sin2, a->qk_rotated, rows, hq + hkv, d, nt);
         store_kv_cpu((const char *)(a->qk_rotated + hq * d), (hq + hkv) * d,
@@ -77,14 +57,14 @@ int decode_stack_bf16(const layer_weights *layers, int num_layers, const stack_a
                                        (int)a->block_size, a->scale, a->block_stride, a->token_stride,
                                        a->head_stride, (int)nt);
         if (status) return status;
-        status = gemm_bf16(a->attn, hq * d, w->o, w->o_bias, hidden, h, rows, h, hq * d, GEMM_BF16, NULL, nt);
+        status = gemm_bf16(a->attn, hq * d, w->o, w->o_bias, hidden, h, rows, h, hq * d, OUT_BF16, NULL, nt);
         if (status) return status;
         add_rms_norm_bf16(hidden, h, residual, h, residual, w->post_norm, a->normed, rows, h, a->eps, nt);
         status = gemm_bf16(a->normed, h, w->gate_up, NULL, a->act, a->intermediate, rows, 2 * a->intermediate, h,
-                           GEMM_SILU_MUL, a->silu_table, nt);
+                           OUT_SILU_MUL, a->silu_table, nt);
         if (status) return status;
         status = gemm_bf16(a->act, a->intermediate, w->down, w->down_bias, hidden, h, rows, h, a->intermediate,
-                           GEMM_BF16, NULL, nt);
+                           OUT_BF16, NULL, nt);
         if (status) return status;
     }
     return 0;

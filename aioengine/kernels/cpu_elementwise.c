@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "cpu_bf16.h"
+#include "cpu_kernels.h"
 
 static inline float round_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
 

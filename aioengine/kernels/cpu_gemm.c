@@ -22,13 +22,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_kernels.h"
+
 #define PANEL 64 /* output columns per packed panel: 4 zmm of 16 floats */
 #define ROWS 6   /* rows per micro-kernel call: 6 x 4 accumulators + 4 weight vectors + 1 broadcast */
 #define ROW_CHUNK 240 /* rows per pass over the weight for large M: a chunk of x stays in L2 */
-#define OUT_BF16 0
-#define OUT_F32 1
-#define OUT_SILU_MUL 2 /* silu(gate) * up in torch's roundings: bf16 after each op, silu by table */
-#define OUT_ARGMAX 3   /* each row's argmax over N (the LM head for greedy rows: no logits written) */
 
 static inline int is_nan(float f) { /* by its bits: -ffast-math lets the compiler assume x == x */
     uint32_t u;
@@ -68,8 +66,16 @@ void pack_gemm_weight_bf16(const uint16_t *w, int64_t n, int64_t k, int gated, u
 #include <immintrin.h>
 #include <omp.h>
 
-
 int gemm_bf16_vectorized(void) { return 1; }
+
+static inline __mmask16 column_mask(int cols, int q) { /* the live columns of a panel's vector q */
+    const int left = cols - 16 * q;
+    return left >= 16 ? (__mmask16)0xffff : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
+}
+
+static inline __m512 widen_bf16x16(const uint16_t *p, __mmask16 mask) { /* masked lanes read nothing: 0 */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
+}
 
 static inline uint32_t pair_at(const uint16_t *p) { /* x[2k], x[2k+1] as one dword (unaligned is fine) */
     uint32_t v;
@@ -116,10 +122,8 @@ static inline __attribute__((always_inline)) void micro(const uint16_t *x, int64
         __mmask16 live[4];
         __m512 b[4];
         for (int q = 0; q < 4; q++) {
-            const int left = cols - 16 * q;
-            live[q] = left >= 16 ? (__mmask16)0xffff : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
-            b[q] = bias == NULL ? _mm512_setzero_ps() : _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live[q], bias + 16 * q)), 16));
+            live[q] = column_mask(cols, q);
+            b[q] = bias == NULL ? _mm512_setzero_ps() : widen_bf16x16(bias + 16 * q, live[q]);
         }
         for (int i = 0; i < rows; i++) {
             __m512 v[4];
@@ -143,12 +147,8 @@ static inline __attribute__((always_inline)) void micro(const uint16_t *x, int64
         return;
     }
     for (int q = 0; q < 4 && 16 * q < cols; q++) {
-        const int left = cols - 16 * q;
-        const __mmask16 mask = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
-        __m512 b = _mm512_setzero_ps();
-        if (bias != NULL)
-            b = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + 16 * q)), 16));
+        const __mmask16 mask = column_mask(cols, q);
+        const __m512 b = bias == NULL ? _mm512_setzero_ps() : widen_bf16x16(bias + 16 * q, mask);
         for (int i = 0; i < rows; i++) {
             const __m512 v = _mm512_add_ps(acc[i][q], b);
             if (out == OUT_F32)

@@ -1,5 +1,6 @@
 """The CPU's C kernels (cpu_decode_attention.c, cpu_prefill_attention.c, cpu_elementwise.c, cpu_gemm.c,
-cpu_decode_stack.c): built once per machine with the C compiler into one library, loaded with ctypes, and called on the worker thread (ctypes releases the GIL).
+cpu_decode_stack.c): built once per machine with the C compiler into one library, loaded with ctypes,
+and called on the worker thread (ctypes releases the GIL).
 
 Built with -march=native into ``$AIOENGINE_CACHE_DIR/kernels`` (default ``~/.cache/aioengine``) under
 a name that hashes the sources, the compiler and the CPU flags; the engine starts the build on a thread
@@ -30,7 +31,7 @@ logger = logging.getLogger(__name__)
 _SOURCES = [Path(__file__).with_name(n) for n in ("cpu_decode_attention.c", "cpu_prefill_attention.c",
                                                   "cpu_elementwise.c", "cpu_gemm.c", "cpu_decode_stack.c")]
 # Included by the sources: part of the build's hash.
-_HEADERS = [Path(__file__).with_name(n) for n in ("cpu_bf16.h", "cpu_avx512.h")]
+_HEADERS = [Path(__file__).with_name(n) for n in ("cpu_bf16.h", "cpu_avx512.h", "cpu_kernels.h")]
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]  # compile only
 # Linked without -ffast-math: with it, gcc < 13 adds crtfastmath.o even to a shared library, whose
 # constructor turns on flush-to-zero for the thread that loads it (a process-wide change of float results).
@@ -172,7 +173,7 @@ def gemm_available() -> bool:
     return lib is not None and bool(lib.gemm_bf16_vectorized())
 
 
-# gemm's epilogues (cpu_gemm.c's OUT_*)
+# gemm's epilogues (cpu_kernels.h's OUT_*)
 GEMM_BF16, GEMM_F32, GEMM_SILU_MUL, GEMM_ARGMAX = 0, 1, 2, 3
 
 

@@ -1,0 +1,32 @@
+/* The C kernels that call one another (cpu_decode_stack.c strings the others together): their
+ * prototypes in one place, included by the files that define them too, so the compiler checks that
+ * caller and definition agree. */
+#ifndef AIOENGINE_CPU_KERNELS_H
+#define AIOENGINE_CPU_KERNELS_H
+#include <stdint.h>
+
+/* gemm_bf16's epilogues (cpu_kernels.py's GEMM_*) */
+#define OUT_BF16 0
+#define OUT_F32 1
+#define OUT_SILU_MUL 2 /* silu(gate) * up in torch's roundings: bf16 after each op, silu by table */
+#define OUT_ARGMAX 3   /* each row's argmax over N (the LM head for greedy rows: no logits written) */
+
+void add_rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *residual, int64_t residual_stride,
+                       uint16_t *residual_out, const uint16_t *weight, uint16_t *out, int64_t rows, int64_t hidden,
+                       float eps, int num_threads);
+void rotary_bf16(const uint16_t *x, int64_t token_stride, const int64_t *positions, const uint16_t *cos2,
+                 const uint16_t *sin2, uint16_t *out, int64_t tokens, int64_t heads, int64_t head_dim,
+                 int num_threads);
+int gemm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *packed, const uint16_t *bias, void *y, int64_t ldy,
+              int64_t m, int64_t n, int64_t k, int out, const float *silu_table, int num_threads);
+int decode_attention_bf16(const uint16_t *query, int64_t query_stride, const uint16_t *key_cache,
+                          const uint16_t *value_cache, const int32_t *block_table, int64_t table_stride,
+                          const int32_t *seq_lens, uint16_t *out, int num_reqs, int num_heads, int num_kv_heads,
+                          int head_dim, int block_size, float scale, int64_t block_stride, int64_t token_stride,
+                          int64_t head_stride, int num_threads);
+void store_kv_cpu(const char *key, int64_t key_stride, const char *value, int64_t value_stride, char *key_cache,
+                  char *value_cache, const int64_t *slots, int64_t num_tokens, int num_kv_heads, int head_dim,
+                  int block_size, int64_t block_stride, int64_t token_stride, int64_t head_stride, int elem,
+                  int64_t num_slots);
+
+#endif
