@@ -60,7 +60,7 @@ class CpuDecodeStack:
             w.qkv, w.qkv_bias = _ptr(a.qkv_proj.packed), _ptr(a.qkv_proj.bias)
             w.o, w.o_bias = _ptr(a.o_proj.packed), _ptr(a.o_proj.bias)
             w.gate_up, w.down, w.down_bias = _ptr(m.gate_up_proj.packed), _ptr(m.down_proj.packed), _ptr(m.down_proj.bias)
-            w.key_cache, w.value_cache = kv.data_ptr(), kv.data_ptr() + kv.stride(0) * kv.element_size()
+            w.key_cache, w.value_cache = cpu_kernels.cache_pointers(kv)
         rope = attn.rotary_emb
         self.args = _StackArgs(
             hidden=attn.o_proj.out_features, intermediate=mlp.gate_up_proj.out_features // 2,

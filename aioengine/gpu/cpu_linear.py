@@ -68,10 +68,7 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.c_gemm:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        flat = x.reshape(-1, self.in_features)  # the runner's batches are already 2-D
-        if flat.stride(-1) != 1:
-            flat = flat.contiguous()
-        y = cpu_kernels.gemm(flat.to(self.dtype), self.packed, self.bias, self.out_features, self.epilogue)
+        y = cpu_kernels.gemm(self._rows(x), self.packed, self.bias, self.out_features, self.epilogue)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -79,10 +76,12 @@ class PackedLinear(nn.Module):
         None where this layer is not packed for it."""
         if not self.c_gemm or self.epilogue == cpu_kernels.GEMM_SILU_MUL:
             return None
-        flat = x.reshape(-1, self.in_features)
-        if flat.stride(-1) != 1:
-            flat = flat.contiguous()
-        return cpu_kernels.gemm(flat.to(self.dtype), self.packed, self.bias, self.out_features, cpu_kernels.GEMM_ARGMAX)
+        return cpu_kernels.gemm(self._rows(x), self.packed, self.bias, self.out_features, cpu_kernels.GEMM_ARGMAX)
+
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` as the GEMM takes it: 2-D rows (the runner's batches already are) of unit inner stride."""
+        flat = x.reshape(-1, self.in_features).to(self.dtype)
+        return flat if flat.stride(-1) == 1 else flat.contiguous()
 
     @staticmethod
     def fuses_silu_and_mul(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:

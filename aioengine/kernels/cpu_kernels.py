@@ -135,6 +135,11 @@ _ELEMENTWISE = {
 _PREFILL_ARGS = [_P, _I64, _P, _P, _P, _I, _I, _P, _I, _I, _I, _I, _F, _I64, _I64, _I64, _I]
 
 
+def cache_pointers(kv_cache: torch.Tensor) -> tuple[int, int]:
+    """The key and value base addresses of one layer's cache ``[2, blocks, ...]`` (any strides)."""
+    return kv_cache.data_ptr(), kv_cache.data_ptr() + kv_cache.stride(0) * kv_cache.element_size()
+
+
 def elementwise_ok(x: torch.Tensor) -> bool:
     """Whether the fused elementwise kernels take ``x`` (bf16 on the CPU, rows with unit inner stride)."""
     return (x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() >= 2 and x.stride(-1) == 1
@@ -251,9 +256,8 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
     assert value.stride(-1) == 1 and value.stride(-2) == value.shape[-1] and value.dtype == key.dtype
     slots = slot_mapping if slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous() \
         else slot_mapping.to(torch.int64).contiguous()
-    value_offset = kv_cache.stride(0) * kv_cache.element_size()
-    _lib.store_kv_cpu(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), kv_cache.data_ptr(),
-                      kv_cache.data_ptr() + value_offset, slots.data_ptr(), slots.shape[0], kv_cache.shape[3],
+    _lib.store_kv_cpu(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), *cache_pointers(kv_cache),
+                      slots.data_ptr(), slots.shape[0], kv_cache.shape[3],
                       kv_cache.shape[4], kv_cache.shape[2], kv_cache.stride(1), kv_cache.stride(2),
                       kv_cache.stride(3), kv_cache.element_size(), kv_cache.shape[1] * kv_cache.shape[2])
 
@@ -279,9 +283,8 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     seq_lens = seq_lens if seq_lens.dtype == torch.int32 else seq_lens.to(torch.int32)
     assert block_table.stride(1) == 1 and seq_lens.is_contiguous()
     out = torch.empty((num_reqs, num_heads, head_dim), dtype=query.dtype)
-    value_offset = kv_cache.stride(0) * kv_cache.element_size()
     status = getattr(lib, _FUNCS[query.dtype])(
-        query.data_ptr(), query.stride(0), kv_cache.data_ptr(), kv_cache.data_ptr() + value_offset,
+        query.data_ptr(), query.stride(0), *cache_pointers(kv_cache),
         block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(), out.data_ptr(), num_reqs,
         num_heads, num_kv_heads, head_dim, block_size, scale, kv_cache.stride(1), kv_cache.stride(2),
         kv_cache.stride(3), torch.get_num_threads())
@@ -298,9 +301,8 @@ def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, blocks: torch
     assert query.stride(2) == 1 and query.stride(1) == head_dim and kv_cache.stride(4) == 1
     blocks = blocks if blocks.dtype == torch.int32 and blocks.is_contiguous() else blocks.to(torch.int32).contiguous()
     out = torch.empty((q_len, num_heads, head_dim), dtype=query.dtype)
-    value_offset = kv_cache.stride(0) * kv_cache.element_size()
     status = load().prefill_attention_bf16(
-        query.data_ptr(), query.stride(0), kv_cache.data_ptr(), kv_cache.data_ptr() + value_offset,
+        query.data_ptr(), query.stride(0), *cache_pointers(kv_cache),
         blocks.data_ptr(), q_len, seq_len, out.data_ptr(), num_heads, num_kv_heads, head_dim, block_size, scale,
         kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), torch.get_num_threads())
     if status == -2:
