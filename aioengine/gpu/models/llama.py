@@ -210,12 +210,12 @@ class LlamaForCausalLM(nn.Module):
         """Make the rotary table reach ``max_model_len`` positions (it holds ``max_position_embeddings``):
         past the trained context RoPE extrapolates, as transformers computes it, instead of reading
         past the table's end."""
-        decoder = self.model
-        if not decoder.layers or decoder.layers[0].self_attn.rotary_emb.cos_sin_cache.shape[0] >= max_model_len:
+        layers = self.model.layers
+        table = layers[0].self_attn.rotary_emb.cos_sin_cache if len(layers) else None
+        if table is None or table.shape[0] >= max_model_len:
             return
-        old = decoder.layers[0].self_attn.rotary_emb.cos_sin_cache
-        rope = get_rope(head_dim_of(self.config), max_model_len, self.config, old.dtype, old.device)
-        for layer in decoder.layers:
+        rope = get_rope(head_dim_of(self.config), max_model_len, self.config, table.dtype, table.device)
+        for layer in layers:
             layer.self_attn.rotary_emb = rope
 
     def compute_greedy(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
