@@ -31,11 +31,27 @@ static inline void transpose16x16(__m512i r[16]) {
     }
 }
 
-static inline __m512 exp16(__m512 x) { /* gcc vectorizes this loop into libmvec's 16-wide expf */
-    float v[16] __attribute__((aligned(64)));
-    _mm512_store_ps(v, x);
-    for (int i = 0; i < 16; i++) v[i] = expf(v[i]);
-    return _mm512_load_ps(v);
+/* e^x for 16 floats, inline: a libm call would spill every zmm register the caller keeps live (the ABI
+ * saves none), and the kernels call this once per tile. x = n ln2 + f with |f| <= ln2/2 (Cody-Waite, two
+ * parts of ln2), e^f by its Taylor series to degree 7 (truncation under 6e-9 relative), times 2^n by
+ * vscalefps, which underflows to 0 and overflows to inf as expf does. Within 2 ulp of expf; -inf gives 0 and
+ * NaN stays NaN (the clamp's operand order keeps it). Builtins only, so -ffast-math cannot reorder the
+ * reduction. */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(_mm512_set1_ps(-104.0f), x); /* e^-104 rounds to 0; max(a, NaN) is NaN */
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    f = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), f);
+    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 720.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
 }
 
 /* A row's output: acc / run_sum in bf16 (0 for an empty row). acc's vectors 2h and 2h + 1 hold dims

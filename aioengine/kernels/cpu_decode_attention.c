@@ -183,6 +183,21 @@ static inline __attribute__((always_inline)) void tile_bf16_avx512(
         }
 }
 
+#define PF_FAR 3 /* blocks ahead prefetched into L2 (the next one goes to L1); measured best of 2-6 */
+
+/* Prefetch one head's key and value rows of block NJ with HINT (a macro: as an inlined function with the hint
+ * as a parameter, gcc's code ran 4% slower). */
+#define PREFETCH_BLOCK(NJ, HINT)                                                                         \
+    do {                                                                                                 \
+        const int64_t nb = (int64_t)blocks[NJ] * block_stride;                                           \
+        const int rows = (NJ) < last ? block_size : seq_len - (NJ) * block_size;                         \
+        for (int t = 0; t < rows; t++)                                                                   \
+            for (int off = 0; off < 2 * head_dim; off += 64) {                                           \
+                _mm_prefetch((const char *)(k_head + nb + t * token_stride) + off, HINT);                \
+                _mm_prefetch((const char *)(v_head + nb + t * token_stride) + off, HINT);                \
+            }                                                                                            \
+    } while (0)
+
 /* One task per (request, KV head), so even a single request keeps every thread busy. */
 static int decode_attention_bf16_avx512(const uint16_t *query, int64_t query_stride, const uint16_t *key_cache,
                                         const uint16_t *value_cache, const int32_t *block_table,
@@ -208,17 +223,13 @@ static int decode_attention_bf16_avx512(const uint16_t *query, int64_t query_str
             const uint16_t *k_head = key_cache + (int64_t)kvh * head_stride, *v_head = value_cache + (int64_t)kvh * head_stride;
             for (int pos = 0; pos < seq_len;) {
                 const int in_block = pos % block_size, j = pos / block_size;
-                if (in_block == 0) /* this head's rows of the block after next: scattered blocks defeat the
-                                      hardware prefetchers, and without this the loop waits on DRAM */
-                    for (int nj = j == 0 ? 1 : j + 2; nj <= j + 2 && nj <= last; nj++) {
-                        const int64_t nb = (int64_t)blocks[nj] * block_stride;
-                        const int rows = nj < last ? block_size : seq_len - nj * block_size;
-                        for (int t = 0; t < rows; t++)
-                            for (int off = 0; off < 2 * head_dim; off += 64) {
-                                _mm_prefetch((const char *)(k_head + nb + t * token_stride) + off, _MM_HINT_T0);
-                                _mm_prefetch((const char *)(v_head + nb + t * token_stride) + off, _MM_HINT_T0);
-                            }
-                    }
+                if (in_block == 0) { /* scattered blocks defeat the hardware prefetchers: without these the
+                                        loop waits on DRAM. Far blocks go to L2 first, which keeps more lines in
+                                        flight than L1's miss buffers allow; the next block then moves to L1. */
+                    for (int nj = j == 0 ? 1 : j + PF_FAR; nj <= j + PF_FAR && nj <= last; nj++)
+                        if (nj > j + 1) PREFETCH_BLOCK(nj, _MM_HINT_T1);
+                    for (int nj = j + 1; nj <= j + 1 && nj <= last; nj++) PREFETCH_BLOCK(nj, _MM_HINT_T0);
+                }
                 int m = block_size - in_block < 16 ? block_size - in_block : 16;
                 m = seq_len - pos < m ? seq_len - pos : m;
                 const int64_t base = (int64_t)blocks[j] * block_stride + (int64_t)in_block * token_stride;
