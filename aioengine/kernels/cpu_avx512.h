@@ -54,6 +54,9 @@ static inline __m512 exp16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+/* e^x for one float, by exp16: a libm expf call would spill the caller's live zmm registers. */
+static inline float exp1(float x) { return _mm512_cvtss_f32(exp16(_mm512_set1_ps(x))); }
+
 /* A row's output: acc / run_sum in bf16 (0 for an empty row). acc's vectors 2h and 2h + 1 hold dims
  * 32h..32h + 31 in the order vpunpck{l,h}wd leaves value pairs in, which both kernels use (lane 4L + i:
  * dim 32h + 8L + i, then 32h + 8L + 4 + i). */

@@ -147,7 +147,7 @@ static inline __attribute__((always_inline)) void tile_bf16_avx512(
                                             _mm512_set1_ps(scale));
         const float mx = _mm512_reduce_max_ps(x);
         const float new_max = mx > st[g].run_max ? mx : st[g].run_max;
-        const float correction = expf(st[g].run_max - new_max);
+        const float correction = exp1(st[g].run_max - new_max);
         const __m512 p = exp16(_mm512_sub_ps(x, _mm512_set1_ps(new_max)));
         st[g].run_sum = st[g].run_sum * correction + _mm512_reduce_add_ps(p);
         st[g].run_max = new_max;

@@ -71,7 +71,7 @@ static inline __attribute__((always_inline)) void row_chunk(
     for (int j = 1; j < nt; j++) mx = _mm512_max_ps(mx, s[j]);
     const float chunk_max = _mm512_reduce_max_ps(mx);
     const float new_max = chunk_max > *run_max ? chunk_max : *run_max;
-    const float correction = expf(*run_max - new_max);
+    const float correction = exp1(*run_max - new_max);
     const __m512 nm = _mm512_set1_ps(new_max);
     __m512 total = _mm512_setzero_ps();
     int32_t p_hi[PF_CHUNK / 2] __attribute__((aligned(64))), p_lo[PF_CHUNK / 2] __attribute__((aligned(64)));
