@@ -322,6 +322,8 @@ class AsyncEngine:
     def _finish_state(self, state: RequestState, completions: list[CompletionOutput]) -> None:
         state.finished = True
         self._states.pop(state.request_id, None)
+        if state.buffered:
+            completions, state.buffered = state.buffered + completions, []
         state.queue.put_nowait(self._make_output(state, completions))
 
     def _make_output(self, state: RequestState, completions: list[CompletionOutput]) -> RequestOutput:
@@ -447,6 +449,10 @@ class AsyncEngine:
         for state, completions in grouped.values():
             if all(state.child_done):
                 self._finish_state(state, completions)
+            elif state.final_only and not self.request_listeners:
+                # Only the final output is awaited (vLLM's FINAL_ONLY) and no listener watches each step:
+                # keep the deltas for it instead of waking the consumer every step.
+                state.buffered.extend(completions)
             else:
                 state.queue.put_nowait(self._make_output(state, completions))
 

@@ -34,6 +34,8 @@ class RequestState:
     finished: bool = False
     prompt_logprobs: list | None = None  # set once, from the first completion that delivers them
     pending_prompt_logprobs: list | None = None  # to attach to the next output
+    final_only: bool = False  # the consumer awaits the final output only: deltas may be buffered for it
+    buffered: list[CompletionOutput] = field(default_factory=list)  # deltas not yet sent, oldest first
 
 
 class GenerateHandle:
@@ -79,6 +81,7 @@ class GenerateHandle:
 
     async def _final(self) -> RequestOutput:
         s = self._state
+        s.final_only = True
         texts = [""] * s.params.n
         ids: list[list[int]] = [[] for _ in range(s.params.n)]
         reasons: list[tuple[str | None, int | str | None]] = [(None, None)] * s.params.n

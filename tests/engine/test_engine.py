@@ -354,3 +354,43 @@ def test_a_prefix_cache_hit_gives_the_same_bits_in_bfloat16():
     first, second = asyncio.run(main())
     assert first[0][0] == 0 and second[0][0] == 32 and all(c > 0 for c, _, _ in second)
     assert [(ids, lps) for _, ids, lps in first] == [(ids, lps) for _, ids, lps in second]
+
+
+def test_an_awaited_request_gets_one_wakeup_and_the_same_output_as_a_stream(tiny_llama):
+    """Awaiting generate() (vLLM's FINAL_ONLY) buffers the deltas for the final output instead of waking the
+    consumer every step; with a request listener (the server's metrics) every step's output is still sent."""
+    path, _ = tiny_llama
+    params = SamplingParams(n=2, temperature=0.8, seed=11, max_tokens=10, ignore_eos=True, logprobs=2,
+                            prompt_logprobs=1, stop=["zz"])
+
+    async def main():
+        async with AsyncEngine(tiny_args(path)) as engine:
+            puts = []
+
+            def counting(handle):
+                queue = handle._state.queue
+                put = queue.put_nowait
+                queue.put_nowait = lambda item: (puts.append(item), put(item))[1]
+                return handle
+
+            awaited = await counting(engine.generate("Hello there", params))
+            assert len(puts) == 1
+            texts, ids, lps = ["", ""], [[], []], [[], []]
+            async for delta in engine.generate("Hello there", params):
+                for c in delta.outputs:
+                    texts[c.index] += c.text
+                    ids[c.index] += c.token_ids
+                    lps[c.index] += c.logprobs
+            for c in awaited.outputs:
+                assert (c.text, c.token_ids, c.logprobs) == (texts[c.index], ids[c.index], lps[c.index])
+                assert len(c.token_ids) == 10 and c.finish_reason == "length"
+            assert awaited.prompt_logprobs is not None and awaited.finished
+
+            seen = []
+            engine.request_listeners.append(lambda out, state: seen.append(out))
+            puts.clear()
+            again = await counting(engine.generate("Hello there", params))
+            assert len(puts) == len(seen) > 2
+            assert [(c.text, c.token_ids) for c in again.outputs] == [(c.text, c.token_ids) for c in awaited.outputs]
+
+    run(main())
