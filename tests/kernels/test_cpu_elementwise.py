@@ -25,7 +25,7 @@ def _ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("rows", [1, 7, 64, 300])
-@pytest.mark.parametrize("hidden", [64, 576, 2048])
+@pytest.mark.parametrize("hidden", [64, 100, 576, 2048])
 def test_add_rms_norm_matches_the_torch_ops(rows, hidden):
     gen = torch.Generator().manual_seed(rows * hidden)
     norm = layers.RMSNorm(hidden, 1e-5, torch.bfloat16)
@@ -43,7 +43,7 @@ def test_add_rms_norm_matches_the_torch_ops(rows, hidden):
 
 
 @pytest.mark.parametrize("tokens", [1, 5, 64])
-@pytest.mark.parametrize("head_dim", [32, 64, 128])
+@pytest.mark.parametrize("head_dim", [8, 24, 32, 64, 80, 128])
 def test_rotary_matches_the_torch_ops_bit_for_bit(tokens, head_dim):
     gen = torch.Generator().manual_seed(tokens + head_dim)
     rope = layers.RotaryEmbedding(head_dim, 4096, 10000.0, dtype=torch.bfloat16)
