@@ -12,9 +12,10 @@
  *
  * Where the compiler targets AVX512-BF16 (-march=native on such a CPU), bf16 with a head_dim that is a
  * multiple of 32 runs decode_attention_bf16_avx512 below instead: 16 tokens a tile, dot products on bf16
- * pairs, and software prefetch two blocks ahead. Measured in the engine (SmolLM2-135M, 64 decodes of
- * 64-384 tokens): 657 us per layer for the generic loop, 460 us for this one; DRAM, not arithmetic,
- * bounds both (a warm-cache layer takes 220 us).
+ * pairs, and software prefetch (three blocks ahead into L2, the next one into L1). Measured in the engine
+ * (SmolLM2-135M, 64 decodes of 64-384 tokens): 657 us per layer for the generic loop, 460 us for this one
+ * with a prefetch of two blocks into L1; with the current prefetch and an inline exp, 270 us cold and 183
+ * us warm (docs/benchmarks.md, sixth session): DRAM's latency still costs more than the arithmetic left.
  */
 #include <math.h>
 #include <stdint.h>
