@@ -291,6 +291,20 @@ int decode_attention_bf16(const uint16_t *query, int64_t query_stride, const uin
                                          scale, block_stride, token_stride, head_stride, num_threads);
 }
 
+/* out[i] = exp16(x[i]), the attention kernels' e^x, for the tests; -1 where the AVX512 loops are not built. */
+int exp_f32(const float *x, float *out, int64_t n) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
+        _mm512_mask_storeu_ps(out + i, m, exp16(_mm512_maskz_loadu_ps(m, x + i)));
+    }
+    return 0;
+#else
+    (void)x, (void)out, (void)n;
+    return -1;
+#endif
+}
+
 /* Whether decode_attention_bf16 has its AVX512-BF16 loop (the caller routes prefill through it only then). */
 int decode_attention_bf16_vectorized(void) {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)

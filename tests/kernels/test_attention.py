@@ -349,3 +349,24 @@ def test_a_prompts_bits_do_not_depend_on_its_chunking(block_size):
             parts.append(cpu_kernels.prefill_attention(query[start:end], kv_cache, table, end, 0.125))
             start = end
         assert torch.equal(torch.cat(parts).view(torch.int16), whole.view(torch.int16)), cuts
+
+
+def test_the_kernels_exp_is_within_two_ulp_of_the_exact_one():
+    """exp16 (cpu_avx512.h) replaced libm's expf in both attention kernels: its range reduction and series must
+    hold float32 accuracy over the whole range softmax feeds it, and keep -inf -> 0, NaN -> NaN, overflow -> inf."""
+    from aioengine.kernels import cpu_kernels
+
+    lib = cpu_kernels.load()
+    x = torch.cat([torch.linspace(-87.0, 88.7, 200_003), torch.tensor([0.0, -0.0, 1e-30, -1e-30]),
+                   torch.randn(10_000) * 10]).float()
+    out = torch.empty_like(x)
+    if lib is None or lib.exp_f32(x.data_ptr(), out.data_ptr(), x.numel()) != 0:
+        pytest.skip("the AVX512 loops are not built here")
+    exact = x.double().exp()
+    assert ((out.double() - exact).abs() / exact).max() <= 2 * 2.0**-24 * 1.01  # 2 ulp of float32
+    special = torch.tensor([float("-inf"), float("nan"), float("inf"), 89.0, -104.0, -200.0, 1.0, 2.0, 3.0])
+    got = torch.empty_like(special)
+    assert lib.exp_f32(special.data_ptr(), got.data_ptr(), special.numel()) == 0
+    assert got[0] == 0 and got[1].isnan() and got[2] == float("inf") and got[3] == float("inf")
+    assert got[4] == 0 and got[5] == 0
+    torch.testing.assert_close(got[6:], special[6:].exp())
