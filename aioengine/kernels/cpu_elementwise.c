@@ -6,6 +6,9 @@
  * stays the reference (tests/kernels/test_cpu_elementwise.py). silu_and_mul is not here: torch's
  * vectorized exp already runs it as fast as a C loop does (measured).
  * Rows are independent; large calls split them over OpenMP threads (torch's pool: libgomp is shared).
+ * With AVX512-BF16 the norm and rotary run 16 lanes a step, rounding with vcvtneps2bf16 (64 x 576 norm
+ * 8.8 -> 6.1 us, 64 tokens' rotary 10.3 -> 6.9 us on 2 threads, against gcc's vectorization of the scalar
+ * loops, whose roundings are integer emulation).
  */
 #include <math.h>
 #include <stdint.h>
@@ -18,6 +21,80 @@ static inline float round_bf16(float f) { return bf16_to_float(float_to_bf16(f))
 
 #define PARALLEL_MIN_ELEMS (1 << 14) /* below this the thread hand-off costs more than it saves */
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__AVX512DQ__)
+#include <immintrin.h>
+#define ELEMENTWISE_AVX512 1
+
+/* 16 bf16 (masked lanes read nothing) widened exactly to float32. */
+static inline __m512 load_bf16x16(const uint16_t *p, __mmask16 mask) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
+}
+
+/* float_to_bf16 on 16 lanes, bit for bit: vcvtneps2bf16 rounds to nearest even as it does, but flushes
+ * subnormals and quiets NaNs its own way, so a vector holding either (never, in practice) takes float_to_bf16
+ * lane by lane. */
+static inline __m256i bf16x16(__m512 f) {
+    if (__builtin_expect(_mm512_fpclass_ps_mask(f, 0x01 | 0x20 | 0x80) != 0, 0)) { /* QNaN, subnormal, SNaN */
+        uint16_t out[16];
+        float v[16];
+        _mm512_storeu_ps(v, f);
+        for (int i = 0; i < 16; i++) out[i] = float_to_bf16(v[i]);
+        return _mm256_loadu_si256((const __m256i *)out);
+    }
+    return (__m256i)_mm512_cvtneps_pbh(f);
+}
+
+static inline __m512 round_bf16x16(__m512 f) { /* float -> bf16 -> float */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16x16(f)), 16));
+}
+
+static inline __mmask16 tail_mask(int64_t left) { return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1); }
+
+/* One row of add_rms_norm_bf16, 16 columns a step: the roundings of the scalar loop below; the mean of
+ * squares is summed in 16 lanes (another order: a result can move by an ulp, as against torch already). */
+static void add_rms_norm_row(const uint16_t *xi, const uint16_t *res, uint16_t *res_out, const uint16_t *weight,
+                             uint16_t *o, int64_t hidden, float eps) {
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < hidden; j += 16) {
+        const __mmask16 m = tail_mask(hidden - j);
+        __m512 r = load_bf16x16(res + j, m);
+        if (xi != NULL) {
+            const __m256i rb = bf16x16(_mm512_add_ps(load_bf16x16(xi + j, m), r));
+            _mm256_mask_storeu_epi16(res_out + j, m, rb);
+            r = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rb), 16));
+        }
+        sum = _mm512_fmadd_ps(r, r, sum);
+    }
+    const float inv = 1.0f / sqrtf(_mm512_reduce_add_ps(sum) / (float)hidden + eps);
+    const uint16_t *r_row = xi != NULL ? res_out : res;
+    const __m512 iv = _mm512_set1_ps(inv);
+    for (int64_t j = 0; j < hidden; j += 16) {
+        const __mmask16 m = tail_mask(hidden - j);
+        const __m512 normed = round_bf16x16(_mm512_mul_ps(load_bf16x16(r_row + j, m), iv));
+        _mm256_mask_storeu_epi16(o + j, m, bf16x16(_mm512_mul_ps(load_bf16x16(weight + j, m), normed)));
+    }
+}
+
+/* One token's heads of rotary_bf16, 16 dims a step within each half (any even head_dim). */
+static void rotary_row(const uint16_t *x, const uint16_t *c, const uint16_t *s, uint16_t *out, int64_t heads,
+                       int64_t head_dim) {
+    const int64_t half = head_dim / 2;
+    for (int64_t h = 0; h < heads; h++) {
+        const uint16_t *xi = x + h * head_dim;
+        uint16_t *o = out + h * head_dim;
+        for (int64_t j = 0; j < head_dim; j += 16) {
+            const int64_t end = j < half ? half : head_dim; /* a step stays within its half */
+            const __mmask16 m = tail_mask(end - j);
+            const int64_t from = j < half ? j + half : j - half;
+            const __m512 a = round_bf16x16(_mm512_mul_ps(load_bf16x16(xi + j, m), load_bf16x16(c + j, m)));
+            const __m512 b = round_bf16x16(_mm512_mul_ps(load_bf16x16(xi + from, m), load_bf16x16(s + j, m)));
+            _mm256_mask_storeu_epi16(o + j, m, bf16x16(_mm512_add_ps(a, b)));
+            if (end - j < 16) j = end - 16; /* the next step starts at the other half */
+        }
+    }
+}
+#endif
+
 /* residual_out = x + residual (when x is given), out = weight * bf16(r / sqrt(mean(r^2) + eps)) with r the
  * (new) residual: vLLM's fused add + RMSNorm in Hugging Face's rounding order. Rows have their own strides. */
 void add_rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *residual, int64_t residual_stride,
@@ -25,6 +102,11 @@ void add_rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *resi
                        float eps, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) if (rows * hidden >= PARALLEL_MIN_ELEMS)
     for (int64_t i = 0; i < rows; i++) {
+#ifdef ELEMENTWISE_AVX512
+        add_rms_norm_row(x != NULL ? x + i * x_stride : NULL, residual + i * residual_stride,
+                         residual_out + i * hidden, weight, out + i * hidden, hidden, eps);
+        continue;
+#endif
         const uint16_t *res = residual + i * residual_stride;
         uint16_t *res_out = residual_out + i * hidden;
         float sum = 0.0f;
@@ -59,6 +141,10 @@ void rotary_bf16(const uint16_t *x, int64_t token_stride, const int64_t *positio
 #pragma omp parallel for num_threads(num_threads) if (tokens * heads * head_dim >= PARALLEL_MIN_ELEMS)
     for (int64_t t = 0; t < tokens; t++) {
         const uint16_t *c = cos2 + positions[t] * head_dim, *s = sin2 + positions[t] * head_dim;
+#ifdef ELEMENTWISE_AVX512
+        rotary_row(x + t * token_stride, c, s, out + t * heads * head_dim, heads, head_dim);
+        continue;
+#endif
         for (int64_t h = 0; h < heads; h++) {
             const uint16_t *xi = x + t * token_stride + h * head_dim;
             uint16_t *o = out + (t * heads + h) * head_dim;

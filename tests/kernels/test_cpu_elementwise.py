@@ -82,3 +82,31 @@ def test_argmax_matches_torch_with_ties_nans_and_signed_zeros(cols):
     strided = torch.zeros(9, cols + 7, dtype=torch.bfloat16)[:, :cols]
     strided.copy_(bf)
     assert torch.equal(cpu_kernels.argmax(strided), bf.float().argmax(-1))
+
+
+def test_subnormals_and_nans_round_as_torch_rounds():
+    """The AVX-512 loops round with vcvtneps2bf16, which flushes subnormals; a vector holding one (or a NaN)
+    must take the exact path, so the bits stay torch's."""
+    gen = torch.Generator().manual_seed(1)
+    head_dim, tokens = 64, 3
+    rope = layers.RotaryEmbedding(head_dim, 64, 10000.0, dtype=torch.bfloat16)
+    qkv = torch.randn(tokens, 3 * head_dim, generator=gen)
+    qkv[0, :16] = 3e-39  # subnormal in bf16 too: the products and sums stay subnormal
+    qkv[1, 5] = float("nan")
+    qkv = qkv.to(torch.bfloat16)
+    qk = qkv[:, : 2 * head_dim].view(tokens, 2, head_dim)
+    positions = torch.tensor([0, 3, 7])
+
+    def rotate():
+        rope._memo = None
+        return rope.rotate(positions, qk)
+
+    fused, reference = _both(rotate)
+    assert torch.equal(fused.view(torch.int16), reference.view(torch.int16))
+    assert (fused[0, 0, :16].float().abs() > 0).any()  # not flushed to zero
+
+    norm = layers.RMSNorm(100, 1e-5, torch.bfloat16)
+    norm.weight.data = torch.full((100,), 1e-39).to(torch.bfloat16)  # every output subnormal
+    x = torch.randn(4, 100, generator=gen).to(torch.bfloat16)
+    out_c, out_t = _both(lambda: norm(x))
+    assert (out_t.float() != 0).any() and _ulps_apart(out_c, out_t).max() <= 2
