@@ -460,6 +460,8 @@ class AsyncEngine:
                 # keep the deltas for it instead of waking the consumer every step.
                 state.buffered.extend(completions)
             else:
+                if state.buffered:  # a listener arrived mid-request: what was kept goes first, in order
+                    completions, state.buffered = state.buffered + completions, []
                 state.queue.put_nowait(self._make_output(state, completions))
 
     def _logprob_dict(self, entry: TokenLogprobs) -> dict[int, Logprob]:

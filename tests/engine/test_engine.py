@@ -393,6 +393,21 @@ def test_an_awaited_request_gets_one_wakeup_and_the_same_output_as_a_stream(tiny
             assert len(puts) == len(seen) > 2
             assert [(c.text, c.token_ids) for c in again.outputs] == [(c.text, c.token_ids) for c in awaited.outputs]
 
+            # A listener that arrives mid-request (an app built on a running engine): the kept deltas still
+            # come first, so the final text is in order.
+            engine.request_listeners.clear()
+            steps = []
+
+            def arrive_after_three_steps(stats, outputs):
+                steps.append(stats)
+                if len(steps) == 3:
+                    engine.request_listeners.append(lambda out, state: None)
+
+            engine.stat_listeners.append(arrive_after_three_steps)
+            late = await engine.generate("Hello there", params)
+            assert engine.request_listeners, "the listener should have arrived during the request"
+            assert [(c.text, c.token_ids) for c in late.outputs] == [(c.text, c.token_ids) for c in awaited.outputs]
+
     run(main())
 
 
