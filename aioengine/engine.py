@@ -328,11 +328,12 @@ class AsyncEngine:
     def _finish_state(self, state: RequestState, completions: list[CompletionOutput]) -> None:
         state.finished = True
         self._states.pop(state.request_id, None)
-        if state.buffered:
-            completions, state.buffered = state.buffered + completions, []
         state.queue.put_nowait(self._make_output(state, completions))
 
     def _make_output(self, state: RequestState, completions: list[CompletionOutput]) -> RequestOutput:
+        """The next output of ``state``: the deltas kept for it (an awaited request), then ``completions``."""
+        if state.buffered:
+            completions, state.buffered = state.buffered + completions, []
         out = RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions, state.finished,
                             state.num_cached_tokens, {"arrival_time": state.arrival_time,
                                                       "first_token_time": state.first_token_time})
@@ -459,9 +460,7 @@ class AsyncEngine:
                 # Only the final output is awaited (vLLM's FINAL_ONLY) and no listener watches each step:
                 # keep the deltas for it instead of waking the consumer every step.
                 state.buffered.extend(completions)
-            else:
-                if state.buffered:  # a listener arrived mid-request: what was kept goes first, in order
-                    completions, state.buffered = state.buffered + completions, []
+            else:  # per step (also when a listener arrived mid-request: what was kept goes first)
                 state.queue.put_nowait(self._make_output(state, completions))
 
     def _logprob_dict(self, entry: TokenLogprobs) -> dict[int, Logprob]:
