@@ -1,10 +1,27 @@
-/* AVX512 helpers shared by the attention kernels (cpu_decode_attention.c, cpu_prefill_attention.c). */
+/* AVX512 helpers shared by the kernels (cpu_decode_attention.c, cpu_prefill_attention.c, cpu_gemm.c,
+ * cpu_elementwise.c). */
 #ifndef AIOENGINE_CPU_AVX512_H
 #define AIOENGINE_CPU_AVX512_H
 #include <immintrin.h>
 #include <math.h>
+#include <stdint.h>
 
 #include "cpu_bf16.h"
+
+/* The first min(left, 16) lanes (none for left <= 0): a vector's share of a row's tail. */
+static inline __mmask16 lanes_mask(int64_t left) {
+    return left >= 16 ? (__mmask16)0xffff : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
+}
+
+/* 16 bf16 bit patterns (the low halves of 16 words) as the float32 values they are: exact. */
+static inline __m512 widen_bf16_bits(__m256i bits) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+/* 16 bf16 from memory widened to float32; masked lanes read nothing and are 0. */
+static inline __m512 widen_bf16x16(const uint16_t *p, __mmask16 mask) {
+    return widen_bf16_bits(_mm256_maskz_loadu_epi16(mask, p));
+}
 
 /* In place: r[i] dword j <- r[j] dword i (a 16x16 transpose of 32-bit elements, 64 shuffles). */
 static inline void transpose16x16(__m512i r[16]) {

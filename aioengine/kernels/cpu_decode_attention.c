@@ -295,7 +295,7 @@ int decode_attention_bf16(const uint16_t *query, int64_t query_stride, const uin
 int exp_f32(const float *x, float *out, int64_t n) {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
     for (int64_t i = 0; i < n; i += 16) {
-        const __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
+        const __mmask16 m = lanes_mask(n - i);
         _mm512_mask_storeu_ps(out + i, m, exp16(_mm512_maskz_loadu_ps(m, x + i)));
     }
     return 0;

@@ -22,13 +22,8 @@ static inline float round_bf16(float f) { return bf16_to_float(float_to_bf16(f))
 #define PARALLEL_MIN_ELEMS (1 << 14) /* below this the thread hand-off costs more than it saves */
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__AVX512DQ__)
-#include <immintrin.h>
+#include "cpu_avx512.h"
 #define ELEMENTWISE_AVX512 1
-
-/* 16 bf16 (masked lanes read nothing) widened exactly to float32. */
-static inline __m512 load_bf16x16(const uint16_t *p, __mmask16 mask) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
-}
 
 /* float_to_bf16 on 16 lanes, bit for bit: vcvtneps2bf16 rounds to nearest even as it does, but flushes
  * subnormals and quiets NaNs its own way, so a vector holding either (never, in practice) takes float_to_bf16
@@ -44,11 +39,7 @@ static inline __m256i bf16x16(__m512 f) {
     return (__m256i)_mm512_cvtneps_pbh(f);
 }
 
-static inline __m512 round_bf16x16(__m512 f) { /* float -> bf16 -> float */
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16x16(f)), 16));
-}
-
-static inline __mmask16 tail_mask(int64_t left) { return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1); }
+static inline __m512 round_bf16x16(__m512 f) { return widen_bf16_bits(bf16x16(f)); } /* float -> bf16 -> float */
 
 /* One row of add_rms_norm_bf16, 16 columns a step: the roundings of the scalar loop below; the mean of
  * squares is summed in 16 lanes (another order: a result can move by an ulp, as against torch already). */
@@ -56,12 +47,12 @@ static void add_rms_norm_row(const uint16_t *xi, const uint16_t *res, uint16_t *
                              uint16_t *o, int64_t hidden, float eps) {
     __m512 sum = _mm512_setzero_ps();
     for (int64_t j = 0; j < hidden; j += 16) {
-        const __mmask16 m = tail_mask(hidden - j);
-        __m512 r = load_bf16x16(res + j, m);
+        const __mmask16 m = lanes_mask(hidden - j);
+        __m512 r = widen_bf16x16(res + j, m);
         if (xi != NULL) {
-            const __m256i rb = bf16x16(_mm512_add_ps(load_bf16x16(xi + j, m), r));
+            const __m256i rb = bf16x16(_mm512_add_ps(widen_bf16x16(xi + j, m), r));
             _mm256_mask_storeu_epi16(res_out + j, m, rb);
-            r = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rb), 16));
+            r = widen_bf16_bits(rb);
         }
         sum = _mm512_fmadd_ps(r, r, sum);
     }
@@ -69,9 +60,9 @@ static void add_rms_norm_row(const uint16_t *xi, const uint16_t *res, uint16_t *
     const uint16_t *r_row = xi != NULL ? res_out : res;
     const __m512 iv = _mm512_set1_ps(inv);
     for (int64_t j = 0; j < hidden; j += 16) {
-        const __mmask16 m = tail_mask(hidden - j);
-        const __m512 normed = round_bf16x16(_mm512_mul_ps(load_bf16x16(r_row + j, m), iv));
-        _mm256_mask_storeu_epi16(o + j, m, bf16x16(_mm512_mul_ps(load_bf16x16(weight + j, m), normed)));
+        const __mmask16 m = lanes_mask(hidden - j);
+        const __m512 normed = round_bf16x16(_mm512_mul_ps(widen_bf16x16(r_row + j, m), iv));
+        _mm256_mask_storeu_epi16(o + j, m, bf16x16(_mm512_mul_ps(widen_bf16x16(weight + j, m), normed)));
     }
 }
 
@@ -84,10 +75,10 @@ static void rotary_row(const uint16_t *x, const uint16_t *c, const uint16_t *s, 
         uint16_t *o = out + h * head_dim;
         for (int64_t j = 0; j < head_dim; j += 16) {
             const int64_t end = j < half ? half : head_dim; /* a step stays within its half */
-            const __mmask16 m = tail_mask(end - j);
+            const __mmask16 m = lanes_mask(end - j);
             const int64_t from = j < half ? j + half : j - half;
-            const __m512 a = round_bf16x16(_mm512_mul_ps(load_bf16x16(xi + j, m), load_bf16x16(c + j, m)));
-            const __m512 b = round_bf16x16(_mm512_mul_ps(load_bf16x16(xi + from, m), load_bf16x16(s + j, m)));
+            const __m512 a = round_bf16x16(_mm512_mul_ps(widen_bf16x16(xi + j, m), widen_bf16x16(c + j, m)));
+            const __m512 b = round_bf16x16(_mm512_mul_ps(widen_bf16x16(xi + from, m), widen_bf16x16(s + j, m)));
             _mm256_mask_storeu_epi16(o + j, m, bf16x16(_mm512_add_ps(a, b)));
             if (end - j < 16) j = end - 16; /* the next step starts at the other half */
         }

@@ -63,19 +63,13 @@ void pack_gemm_weight_bf16(const uint16_t *w, int64_t n, int64_t k, int gated, u
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-#include <immintrin.h>
 #include <omp.h>
+
+#include "cpu_avx512.h"
 
 int gemm_bf16_vectorized(void) { return 1; }
 
-static inline __mmask16 column_mask(int cols, int q) { /* the live columns of a panel's vector q */
-    const int left = cols - 16 * q;
-    return left >= 16 ? (__mmask16)0xffff : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
-}
-
-static inline __m512 widen_bf16x16(const uint16_t *p, __mmask16 mask) { /* masked lanes read nothing: 0 */
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
-}
+static inline __mmask16 column_mask(int cols, int q) { return lanes_mask(cols - 16 * q); } /* panel vector q */
 
 static inline uint32_t pair_at(const uint16_t *p) { /* x[2k], x[2k+1] as one dword (unaligned is fine) */
     uint32_t v;
