@@ -104,9 +104,9 @@ def load() -> ctypes.CDLL | None:
                            ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int64,
                            ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
         lib.decode_attention_bf16_vectorized.restype = ctypes.c_int
-        lib.exp_f32.restype = ctypes.c_int
-        lib.exp_f32.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
         lib.decode_attention_bf16_vectorized.argtypes = []
+        lib.exp_f32.restype = ctypes.c_int
+        lib.exp_f32.argtypes = [_P, _P, _I64]
         for name, argtypes in _ELEMENTWISE.items():
             fn = getattr(lib, name)
             fn.restype = None
