@@ -18,14 +18,19 @@ cd "$ROOT"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PIP_NO_INDEX=1 TOKENIZERS_PARALLELISM=false
 export AIOENGINE_CUDA_GRAPH_CAPTURE_S=${AIOENGINE_CUDA_GRAPH_CAPTURE_S:-90}
+export PYTHONFAULTHANDLER=1  # a stage stopped by its time limit (SIGABRT) prints every thread's stack
+PY=${PYTHON:-python3}  # the GPU images' python3 holds torch; plain `python` may not exist
 TOTAL_S=${GPU_CHECK_TOTAL_S:-470}  # the whole script stays under 8 minutes
+TESTS_S=${GPU_CHECK_TESTS_S:-150}
+BENCH_S=${GPU_CHECK_BENCH_S:-210}
+PEER_S=${GPU_CHECK_PEER_S:-240}
 T0=$SECONDS
 left() { echo $(( TOTAL_S - (SECONDS - T0) )); }
 budget() { local l; l=$(left); (( $1 < l )) && echo "$1" || echo $(( l > 10 ? l : 10 )); }
 
 echo "== gpu_check $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
-python - <<'EOF'
+"$PY" - <<'EOF'
 import importlib, torch
 print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
 for m in ("triton", "transformers", "uvloop", "aiohttp"):
@@ -40,23 +45,23 @@ except Exception as e:
     print("cuda-python: not usable (steps will poll CUDA events):", e)
 EOF
 
-echo "== 1. GPU tests (budget $(budget 150) s)"
-timeout -k 10 "$(budget 150)" python -m pytest -q -m gpu tests/kernels tests/gpu tests/engine/test_cuda_parity.py -p no:cacheprovider \
-    --junitxml "$OUT/gpu_tests.xml"
+echo "== 1. GPU tests (budget $(budget "$TESTS_S") s)"
+timeout -k 10 "$(budget "$TESTS_S")" "$PY" -m pytest -q -m gpu tests/kernels tests/gpu tests/engine/test_cuda_parity.py \
+    -p no:cacheprovider --timeout 90 --durations 10 --junitxml "$OUT/gpu_tests.xml"
 echo $? > "$OUT/gpu_tests.rc"
 
-echo "== 2. aioengine bench throughput, random:llama-3.1-8b, 1000 sharegpt-like prompts (budget $(budget 210) s)"
-timeout -k 10 "$(budget 210)" python -m aioengine bench throughput --model random:llama-3.1-8b --device cuda \
+echo "== 2. aioengine bench throughput, random:llama-3.1-8b, 1000 sharegpt-like prompts (budget $(budget "$BENCH_S") s)"
+timeout -s ABRT -k 10 "$(budget "$BENCH_S")" "$PY" -m aioengine bench throughput --model random:llama-3.1-8b --device cuda \
     --dataset sharegpt --num-prompts 1000 --max-model-len 2048 --no-progress --output-json "$OUT/aioengine.json"
 echo $? > "$OUT/aioengine.rc"
 
-echo "== 3. transformers continuous batching, first 200 prompts (budget $(budget 240) s)"
-timeout -k 10 "$(budget 240)" python -m aioengine bench hf-peer --model random:llama-3.1-8b --device cuda \
+echo "== 3. transformers continuous batching, first 200 prompts (budget $(budget "$PEER_S") s)"
+timeout -s ABRT -k 10 "$(budget "$PEER_S")" "$PY" -m aioengine bench hf-peer --model random:llama-3.1-8b --device cuda \
     --dataset sharegpt --num-prompts 200 --output-json "$OUT/hf_peer.json"
 echo $? > "$OUT/hf_peer.rc"
 
 echo "== 4. report"
-python scripts/gpu_report.py "$OUT"
+"$PY" scripts/gpu_report.py "$OUT"
 rc=$?
 echo "== done in $(( SECONDS - T0 )) s; results in $OUT/results.json, log in $LOG"
 exit $rc

@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 POLL_FIRST_S = 50e-6
 POLL_MAX_S = 1e-3
+HOST_FN_GRACE_S = 0.1  # how often a wait on a host function checks that its event has not long completed
 
 
 class HostSignal:
@@ -55,13 +56,37 @@ class HostSignal:
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits any more
                 loop.call_soon_threadsafe(_set_done, fut)
 
-    async def wait(self) -> None:
+    async def wait(self, event: Any = None) -> None:
+        """Until ``set()``; with ``event``, also once the event has been complete for two looks in a row
+        ``HOST_FN_GRACE_S`` apart and the host function still has not run (a lost callback must not hang
+        the engine: it logs, and later outputs are polled)."""
         with self._lock:
             if self._done:
                 return
-            self._loop = asyncio.get_running_loop()
-            self._fut = fut = self._loop.create_future()
-        await fut
+            self._loop = loop = asyncio.get_running_loop()
+            self._fut = fut = loop.create_future()
+        if event is None:
+            await fut
+            return
+        seen_complete = False
+
+        def look() -> None:
+            nonlocal handle, seen_complete
+            if fut.done():
+                return
+            if event.query():
+                if seen_complete:
+                    _host_fn_lost()
+                    fut.set_result(None)
+                    return
+                seen_complete = True
+            handle = loop.call_later(HOST_FN_GRACE_S, look)
+
+        handle = loop.call_later(HOST_FN_GRACE_S, look)
+        try:
+            await fut
+        finally:
+            handle.cancel()
 
 
 def _set_done(fut: asyncio.Future) -> None:
@@ -99,6 +124,15 @@ class _HostFuncLauncher:
 
 
 _launcher: _HostFuncLauncher | None | bool = False  # False: not tried yet; None: unavailable
+
+
+def _host_fn_lost() -> None:
+    """An event completed but its host function never ran: poll events from now on."""
+    global _launcher
+    if _launcher is not None:
+        logger.warning("a CUDA host function did not run after its event completed: step outputs are "
+                       "awaited by polling CUDA events from now on")
+        _launcher = None
 
 
 def _get_launcher() -> _HostFuncLauncher | None:
@@ -139,7 +173,7 @@ async def await_cuda_event(event: Any, signal: HostSignal | None = None) -> None
     """Resume when ``event`` has completed: by ``signal`` (a host function) when given, else by polling
     ``event.query()`` with a sleep that grows from 50 us to 1 ms. Never blocks the loop."""
     if signal is not None:
-        await signal.wait()
+        await signal.wait(event)
         return
     delay = POLL_FIRST_S
     while not event.query():

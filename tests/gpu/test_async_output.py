@@ -100,6 +100,50 @@ def test_host_function_pointer_sets_the_signal_it_was_armed_for():
     assert calls[0][1] not in async_output._signals  # popped by the callback
 
 
+def test_a_host_function_that_never_runs_cannot_hang_the_wait(monkeypatch, caplog):
+    """A launch that reports success but whose callback never comes: once the event has been complete for
+    two looks, the wait ends, with a warning, and later outputs are polled (the default launcher is off)."""
+    monkeypatch.setattr(async_output, "HOST_FN_GRACE_S", 0.02)
+    monkeypatch.setattr(async_output, "_launcher", object())
+
+    class Stream:
+        cuda_stream = 1
+
+    async def main() -> HostSignal:
+        sig = host_signal_after(Stream(), lambda s, t: True)
+        assert sig is not None
+        await asyncio.wait_for(await_cuda_event(FakeEvent(0.01), sig), 5)
+        return sig
+
+    t0 = time.monotonic()
+    sig = asyncio.run(main())
+    assert time.monotonic() - t0 < 1.0
+    assert not sig.is_set()  # only the host function sets it
+    assert async_output._launcher is None and "did not run" in caplog.text
+    async_output._signals.clear()
+
+
+def test_a_host_function_that_runs_keeps_the_launcher(monkeypatch):
+    monkeypatch.setattr(async_output, "HOST_FN_GRACE_S", 0.01)
+    launcher = object()
+    monkeypatch.setattr(async_output, "_launcher", launcher)
+
+    def launch(stream_handle: int, token: int) -> bool:
+        threading.Timer(0.05, async_output._on_host_func, args=(token,)).start()
+        return True
+
+    class Stream:
+        cuda_stream = 1
+
+    async def main() -> None:
+        sig = host_signal_after(Stream(), launch)
+        await asyncio.wait_for(await_cuda_event(FakeEvent(None), sig), 5)  # the event never looks complete
+        assert sig.is_set()
+
+    asyncio.run(main())
+    assert async_output._launcher is launcher
+
+
 def test_failed_launch_falls_back_to_polling():
     class Stream:
         cuda_stream = 0

@@ -79,6 +79,8 @@ def test_await_cuda_event_resumes_after_the_gpu_without_blocking_the_loop(use_ho
     assert not event.query()
     ticks = asyncio.run(_with_ticker(await_cuda_event(event, signal)))
     assert event.query() and ticks > 10
+    if use_host_func:
+        assert signal.is_set(), "the wait ended without the host function (its watchdog fired)"
 
 
 def test_decode_graph_replay_matches_eager():
