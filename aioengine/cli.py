@@ -38,6 +38,8 @@ _ENGINE_HELP = {
     "scheduling_policy": "fcfs, or priority (requests then honour their `priority` field)",
     "num_threads": "torch intra-op threads on CPU (default: all cores)",
     "enforce_eager": "never capture CUDA graphs",
+    "max_cudagraph_capture_size": "largest decode batch that replays a CUDA graph (default 512; larger batches "
+                                  "run eagerly)",
     "step_timeout_s": "watchdog: a step running longer marks the engine dead",
     "quantization": "CPU weight-only quantization of the linear layers (int4: groups of 32, like GGUF Q4_1)",
 }

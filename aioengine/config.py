@@ -32,6 +32,8 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"  # or "priority"
     num_threads: int | None = None  # torch intra-op threads on CPU (default: all cores)
     enforce_eager: bool = False
+    # Largest decode batch a CUDA graph is captured for (default: the tour's 512; bigger batches run eagerly).
+    max_cudagraph_capture_size: int | None = None
     quantization: str | None = None  # CPU only: int8 | int4 weight-only (aioengine/gpu/quant.py)
     step_timeout_s: float = 300.0  # watchdog: a step running longer marks the engine dead
 
@@ -45,7 +47,8 @@ class EngineArgs:
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-        for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "num_kv_blocks"):
+        for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "num_kv_blocks",
+                     "max_cudagraph_capture_size"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}")

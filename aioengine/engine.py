@@ -49,6 +49,8 @@ class AsyncEngine:
         self._states: dict[str, RequestState] = {}
         self._children: dict[str, tuple[RequestState, int]] = {}
         self._batch_queue: collections.deque = collections.deque()
+        # Seconds the loop spent per phase of the step coroutine, summed ("steps": how many were awaited).
+        self.host_s: collections.Counter[str] = collections.Counter()
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._dead: EngineDeadError | None = None
@@ -125,7 +127,8 @@ class AsyncEngine:
             raise ValueError(f"the KV cache budget fits {num_blocks} blocks; at least 2 are needed")
         await asyncio.wrap_future(self._worker.submit(self.runner.initialize_kv_cache, num_blocks))
         if cuda and not args.enforce_eager:
-            await asyncio.wrap_future(self._worker.submit(self.runner.capture_cuda_graphs, max_batched))
+            await asyncio.wrap_future(self._worker.submit(self.runner.capture_cuda_graphs, max_batched,
+                                                          args.max_cudagraph_capture_size))
         self.max_model_len = max_model_len
         self.kv_capacity_tokens = (num_blocks - 1) * args.block_size
         self.vocab_size = cfg_probe["vocab_size"]
@@ -366,8 +369,11 @@ class AsyncEngine:
         scheduler = self.scheduler
         scheduled = False
         deferred = None
+        host = self.host_s
         if scheduler.has_requests():
+            t0 = time.perf_counter()
             so = scheduler.schedule()  # stops 2-3
+            host["schedule"] += time.perf_counter() - t0
             if so.total_num_scheduled_tokens or so.finished_req_ids or so.preempted_req_ids:
                 exec_fut = self._worker.submit(self.runner.execute_model, so)  # stops 4-7
                 scheduled = so.total_num_scheduled_tokens > 0
@@ -388,8 +394,13 @@ class AsyncEngine:
         result = await self._await_step(sample_fut)  # stop 10: the only wait for the device
         if exec_fut.exception() is not None:
             raise exec_fut.exception()
+        t0 = time.perf_counter()
         outputs = scheduler.update_from_output(so, result)  # stop 11
+        t1 = time.perf_counter()
         self._process_outputs(outputs)  # stop 12: straight to each request's stream
+        host["update"] += t1 - t0
+        host["outputs"] += time.perf_counter() - t1
+        host["steps"] += 1
         if deferred is not None:  # its grammars now know every token: bitmask, then sample (stops 8-9)
             exec_fut, so = deferred
             sample_fut = self._worker.submit(self.runner.sample_tokens, scheduler.get_grammar_bitmask(so))

@@ -4,7 +4,9 @@
 #   2. `aioengine bench throughput` on random:llama-3.1-8b (random bf16 weights made on the device),
 #      1000 sharegpt-like prompts (input mean ~220, output mean ~200, ignore_eos),
 #   3. transformers' continuous batching on the first 200 of those prompts (same run, same GPU, after 2),
+#      stopped after GPU_CHECK_PEER_LIMIT_S seconds with the tokens made by then,
 #   4. results.json: output tok/s, mean TTFT/TPOT, GPU idle between steps, and the ratio to transformers.
+# Each stage has a time budget; a stage stopped by it dumps its stacks and the next stage still runs.
 # usage: scripts/gpu_check.sh RESULTS_DIR      (needs torch, triton, transformers, uvloop, aiohttp;
 #                                              cuda-python for the host-function wait, else it polls)
 set -uo pipefail
@@ -21,9 +23,12 @@ export AIOENGINE_CUDA_GRAPH_CAPTURE_S=${AIOENGINE_CUDA_GRAPH_CAPTURE_S:-90}
 export PYTHONFAULTHANDLER=1  # a stage stopped by its time limit (SIGABRT) prints every thread's stack
 PY=${PYTHON:-python3}  # the GPU images' python3 holds torch; plain `python` may not exist
 TOTAL_S=${GPU_CHECK_TOTAL_S:-470}  # the whole script stays under 8 minutes
-TESTS_S=${GPU_CHECK_TESTS_S:-150}
-BENCH_S=${GPU_CHECK_BENCH_S:-210}
-PEER_S=${GPU_CHECK_PEER_S:-240}
+TESTS_S=${GPU_CHECK_TESTS_S:-120}
+BENCH_S=${GPU_CHECK_BENCH_S:-100}      # each run of the bench (engine start ~16 s, 1000 prompts ~25 s on an H200)
+REPEATS=${GPU_CHECK_REPEATS:-2}        # runs of the default engine (the report takes their median)
+AB_FLAGS=${GPU_CHECK_AB_FLAGS:-}       # one more run with these engine flags, e.g. "--max-cudagraph-capture-size 1024"
+PEER_S=${GPU_CHECK_PEER_S:-180}
+PEER_LIMIT_S=${GPU_CHECK_PEER_LIMIT_S:-120}  # transformers' paged SDPA is slow: count what it made by then
 T0=$SECONDS
 left() { echo $(( TOTAL_S - (SECONDS - T0) )); }
 budget() { local l; l=$(left); (( $1 < l )) && echo "$1" || echo $(( l > 10 ? l : 10 )); }
@@ -45,20 +50,36 @@ except Exception as e:
     print("cuda-python: not usable (steps will poll CUDA events):", e)
 EOF
 
+rc_of() { echo "$1 $2" >> "$OUT/rc.txt"; }
+: > "$OUT/rc.txt"
+
 echo "== 1. GPU tests (budget $(budget "$TESTS_S") s)"
 timeout -k 10 "$(budget "$TESTS_S")" "$PY" -m pytest -q -m gpu tests/kernels tests/gpu tests/engine/test_cuda_parity.py \
     -p no:cacheprovider --timeout 90 --durations 10 --junitxml "$OUT/gpu_tests.xml"
-echo $? > "$OUT/gpu_tests.rc"
+rc_of gpu_tests $?
 
-echo "== 2. aioengine bench throughput, random:llama-3.1-8b, 1000 sharegpt-like prompts (budget $(budget "$BENCH_S") s)"
-timeout -s ABRT -k 10 "$(budget "$BENCH_S")" "$PY" -m aioengine bench throughput --model random:llama-3.1-8b --device cuda \
-    --dataset sharegpt --num-prompts 1000 --max-model-len 2048 --no-progress --output-json "$OUT/aioengine.json"
-echo $? > "$OUT/aioengine.rc"
+bench() {  # bench NAME [ENGINE FLAGS...]
+    local name=$1; shift
+    echo "== 2. aioengine bench throughput ($name $*), random:llama-3.1-8b, 1000 sharegpt-like prompts" \
+         "(budget $(budget "$BENCH_S") s)"
+    timeout -s ABRT -k 10 "$(budget "$BENCH_S")" "$PY" -m aioengine bench throughput --model random:llama-3.1-8b \
+        --device cuda --dataset sharegpt --num-prompts 1000 --max-model-len 2048 --no-progress \
+        --output-json "$OUT/$name.json" "$@"
+    rc_of "$name" $?
+}
+for i in $(seq 1 "$REPEATS"); do
+    bench "aioengine_$i"
+done
+if [[ -n "$AB_FLAGS" ]]; then
+    # shellcheck disable=SC2086
+    bench aioengine_ab $AB_FLAGS
+    echo "$AB_FLAGS" > "$OUT/ab_flags.txt"
+fi
 
-echo "== 3. transformers continuous batching, first 200 prompts (budget $(budget "$PEER_S") s)"
+echo "== 3. transformers continuous batching, first 200 prompts, stopped at $PEER_LIMIT_S s (budget $(budget "$PEER_S") s)"
 timeout -s ABRT -k 10 "$(budget "$PEER_S")" "$PY" -m aioengine bench hf-peer --model random:llama-3.1-8b --device cuda \
-    --dataset sharegpt --num-prompts 200 --output-json "$OUT/hf_peer.json"
-echo $? > "$OUT/hf_peer.rc"
+    --dataset sharegpt --num-prompts 200 --time-limit "$PEER_LIMIT_S" --output-json "$OUT/hf_peer.json"
+rc_of hf_peer $?
 
 echo "== 4. report"
 "$PY" scripts/gpu_report.py "$OUT"

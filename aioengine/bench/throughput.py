@@ -30,6 +30,8 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--num-threads", type=int)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    ap.add_argument("--max-cudagraph-capture-size", type=int,
+                    help="largest decode batch that replays a CUDA graph (default 512)")
     ap.add_argument("--quantization", choices=["int8", "int4"], help="CPU weight-only quantization")
 
 
@@ -39,7 +41,8 @@ def engine_args_from(args) -> EngineArgs:
                       max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                       max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
                       block_size=args.block_size, enable_prefix_caching=not args.no_enable_prefix_caching,
-                      num_threads=args.num_threads, quantization=args.quantization)
+                      num_threads=args.num_threads, quantization=args.quantization,
+                      max_cudagraph_capture_size=args.max_cudagraph_capture_size)
 
 
 async def run_throughput(args) -> dict:
@@ -58,21 +61,26 @@ async def run_throughput(args) -> dict:
             bar.update(1)
             return out
 
-        timeline = engine.runner.timeline  # CUDA: events around each step
+        runner = engine.runner
+        timeline = runner.timeline  # CUDA: events around each step
         if timeline is not None:
             await engine.run_on_worker(timeline.reset)
+        await engine.run_on_worker(runner.host_s.clear)
+        engine.host_s.clear()
         t0 = time.perf_counter()
         outs = await asyncio.gather(*(one(r) for r in requests))
         elapsed = time.perf_counter() - t0
         bar.close()
         gpu = (await engine.run_on_worker(timeline.stats)).as_dict() if timeline is not None else {}
-        num_params = engine.runner.num_parameters()
-        dtype_name = str(engine.runner.dtype).removeprefix("torch.")
+        host = host_ms_per_step(engine.host_s, await engine.run_on_worker(runner.host_s.copy))
+        num_params = runner.num_parameters()
+        dtype_name = str(runner.dtype).removeprefix("torch.")
+        device = runner.device.type
     finally:
         await engine.shutdown()
     from aioengine.bench.roofline import matmul_gflops, roofline_tokens_per_s
 
-    gflops = matmul_gflops(dtype_name)
+    gflops = matmul_gflops(dtype_name, device=device)
     in_tokens = sum(len(r.prompt_token_ids) for r in requests)
     out_tokens = sum(o.num_generated_tokens for o in outs)
     return {
@@ -80,11 +88,20 @@ async def run_throughput(args) -> dict:
         "requests_per_s": len(requests) / elapsed, "input_tokens": in_tokens, "output_tokens": out_tokens,
         "input_tokens_per_s": in_tokens / elapsed, "output_tokens_per_s": out_tokens / elapsed,
         "total_tokens_per_s": (in_tokens + out_tokens) / elapsed,
-        "dtype": dtype_name, "num_parameters": num_params, "matmul_gflops": gflops,
+        "dtype": dtype_name, "device": device, "num_parameters": num_params, "matmul_gflops": gflops,
         "roofline_tokens_per_s": roofline_tokens_per_s(gflops, num_params),
         "fraction_of_roofline": out_tokens / elapsed / roofline_tokens_per_s(gflops, num_params),
-        **latency_stats(outs), **gpu,
+        **latency_stats(outs), **gpu, "host_ms_per_step": host,
     }
+
+
+def host_ms_per_step(loop_s: dict[str, float], worker_s: dict[str, float]) -> dict[str, float]:
+    """Milliseconds per awaited step of each host phase: the loop's (schedule, update, outputs) and the
+    device worker's (prepare, forward, sample). On CUDA the worker's are launch times, not device time."""
+    steps = max(loop_s.get("steps", 0), 1)
+    phases = {f"loop_{k}": v for k, v in loop_s.items() if k != "steps"}
+    phases.update({f"worker_{k}": v for k, v in worker_s.items()})
+    return {k: 1e3 * v / steps for k, v in sorted(phases.items())}
 
 
 def latency_stats(outs) -> dict:
@@ -113,9 +130,16 @@ def main(argv: list[str]) -> dict:
           f"tokens/s, {result['output_tokens_per_s']:.1f} output tokens/s "
           f"({result['num_requests']} requests, {result['input_tokens']} input + {result['output_tokens']} output "
           f"tokens in {result['elapsed_s']:.2f} s; engine start {result['engine_start_s']:.1f} s)")
-    print(f"Roofline ({result['dtype']}): matmul {result['matmul_gflops']:.0f} GFLOP/s / (2 x "
+    print(f"Roofline ({result['dtype']} on {result['device']}): matmul {result['matmul_gflops']:.0f} GFLOP/s / (2 x "
           f"{result['num_parameters'] / 1e6:.1f}M params) = {result['roofline_tokens_per_s']:.0f} tokens/s; "
           f"output tokens/s is {100 * result['fraction_of_roofline']:.1f}% of it")
+    host = result["host_ms_per_step"]
+    if host:
+        print("Host ms per step: " + ", ".join(f"{k} {v:.2f}" for k, v in host.items()))
+    kinds = sorted(k.removeprefix("gpu_steps_") for k in result if k.startswith("gpu_steps_"))
+    if kinds:
+        print("GPU idle by step kind: " + ", ".join(
+            f"{k} {100 * result['gpu_idle_fraction_' + k]:.1f}% of {result['gpu_steps_' + k]} steps" for k in kinds))
     print(f"Latency: mean TTFT {result['mean_ttft_ms']:.1f} ms, mean TPOT {result['mean_tpot_ms']:.2f} ms"
           + (f"; GPU idle between steps {100 * result['gpu_idle_fraction']:.1f}% of {result['gpu_steps']} steps"
              if "gpu_idle_fraction" in result else ""))

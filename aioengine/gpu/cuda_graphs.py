@@ -25,7 +25,7 @@ from aioengine.kernels.attention import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
-MAX_CAPTURE_SIZE = 512  # the tour's cap: min(max_num_seqs x 1 x 2, 512) on an H100
+MAX_CAPTURE_SIZE = 512  # the tour's cap: min(max_num_seqs x 1 x 2, 512) on an H100 (--max-cudagraph-capture-size)
 DEFAULT_CAPTURE_TIME_LIMIT_S = 180.0
 
 
@@ -127,6 +127,10 @@ class DecodeGraphs:
             logger.warning("CUDA graph capture hit its time limit of %.0f s: batches of %s rows pad to a larger "
                            "graph or run eagerly", time_limit_s, _ranges(sorted(skipped)))
         return self.sizes
+
+    def covers(self, num_reqs: int) -> bool:
+        """Whether a uniform decode batch of ``num_reqs`` rows replays a graph."""
+        return bucket_for(num_reqs, self.sizes) is not None
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
         """Hidden states ``[n, hidden]`` by replaying a graph, or None when this batch runs eagerly."""

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -13,7 +15,7 @@ import torch
 from aioengine.gpu.async_output import AsyncOutput, host_signal_after
 from aioengine.gpu.cpu_decode_stack import CpuDecodeStack
 from aioengine.gpu.cpu_linear import pack_linears
-from aioengine.gpu.cuda_graphs import DecodeGraphs, capture_sizes, capture_time_limit_s
+from aioengine.gpu.cuda_graphs import MAX_CAPTURE_SIZE, DecodeGraphs, capture_sizes, capture_time_limit_s
 from aioengine.gpu.loader import allocate_kv_caches, load_model
 from aioengine.gpu.memory import kv_cache_blocks, profile_memory, warmup_lengths
 from aioengine.gpu.models import sliding_window
@@ -75,6 +77,9 @@ class ModelRunner:
 
             self.timeline = GpuTimeline()
         self.graphs: DecodeGraphs | None = None  # captured by capture_cuda_graphs()
+        # Seconds this (worker) thread spent per phase, summed over steps: building inputs, launching (or
+        # computing, on CPU) the forward, and sampling. The bench reports them per step.
+        self.host_s: collections.Counter[str] = collections.Counter()
 
     def num_parameters(self) -> int:
         """The checkpoint's parameter count (a tied head counted once, as in the checkpoint)."""
@@ -112,9 +117,9 @@ class ModelRunner:
                     num_blocks * self.kv_cache_bytes_per_block() / gib)
         return num_blocks
 
-    def capture_cuda_graphs(self, max_num_batched_tokens: int) -> list[int]:
+    def capture_cuda_graphs(self, max_num_batched_tokens: int, max_capture_size: int | None = None) -> list[int]:
         """Capture decode graphs at the bucket sizes (after initialize_kv_cache); returns the sizes."""
-        sizes = capture_sizes(self.max_num_reqs, max_num_batched_tokens)
+        sizes = capture_sizes(self.max_num_reqs, max_num_batched_tokens, max_capture_size or MAX_CAPTURE_SIZE)
         graphs = DecodeGraphs(self.model, self.kv_caches, sizes[-1], self.states.block_table.shape[1], self.device)
         try:
             with torch.inference_mode():
@@ -214,9 +219,11 @@ class ModelRunner:
         self._pending = None
         if so.total_num_scheduled_tokens == 0:
             return
+        t0 = time.perf_counter()
         batch = self._prepare_inputs(so)
+        t1 = time.perf_counter()
         if self.timeline is not None:
-            self.timeline.start()
+            self.timeline.start(self._step_kind(batch.attn_metadata))
         hidden = None
         if self.graphs is not None:  # a uniform decode batch replays a graph; None: run eagerly
             hidden = self.graphs.run(batch.input_ids, batch.positions, batch.attn_metadata)
@@ -224,6 +231,16 @@ class ModelRunner:
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_metadata)
         self._pending = (batch, hidden)
         self.num_steps += 1
+        host = self.host_s
+        host["prepare"] += t1 - t0
+        host["forward"] += time.perf_counter() - t1
+
+    def _step_kind(self, meta: AttentionMetadata) -> str:
+        """The timeline's label for a step: a decode batch that replays a graph, one that runs eagerly, or a
+        batch with prompt tokens."""
+        if not meta.num_decodes == meta.num_reqs == meta.num_actual_tokens:
+            return "mixed"
+        return "decode_graph" if self.graphs is not None and self.graphs.covers(meta.num_reqs) else "decode_eager"
 
     # ---- stop 9: logits for the sampled rows only, then the sampler ----------------------------
     @torch.inference_mode()
@@ -233,6 +250,13 @@ class ModelRunner:
             self.fault_hook("sample_tokens", None)
         if self._pending is None:
             return ModelRunnerOutput([], [])
+        t0 = time.perf_counter()
+        try:
+            return self._sample_tokens(grammar_output)
+        finally:
+            self.host_s["sample"] += time.perf_counter() - t0
+
+    def _sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput | AsyncOutput:
         batch, hidden = self._pending
         self._pending = None
         states = self.states

@@ -10,7 +10,7 @@ so recording and harvesting never block.
 from __future__ import annotations
 
 import collections
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -19,15 +19,33 @@ class IdleStats:
     steps: int = 0
     busy_ms: float = 0.0
     idle_ms: float = 0.0
+    # The same sums per kind of step (the runner's labels: "decode_graph", "decode_eager", "mixed"); the idle
+    # gap before a step counts for that step's kind.
+    by_kind: dict[str, IdleStats] = field(default_factory=dict)
 
     @property
     def idle_fraction(self) -> float:
         total = self.busy_ms + self.idle_ms
         return self.idle_ms / total if total > 0 else 0.0
 
+    def add(self, kind: str, busy_ms: float, idle_ms: float) -> None:
+        for s in (self, self.by_kind.setdefault(kind, IdleStats())):
+            s.steps += 1
+            s.busy_ms += busy_ms
+            s.idle_ms += idle_ms
+
+    def copy(self) -> IdleStats:
+        return IdleStats(self.steps, self.busy_ms, self.idle_ms,
+                         {k: IdleStats(v.steps, v.busy_ms, v.idle_ms) for k, v in self.by_kind.items()})
+
     def as_dict(self) -> dict[str, float]:
-        return {"gpu_steps": self.steps, "gpu_busy_ms": self.busy_ms, "gpu_idle_ms": self.idle_ms,
-                "gpu_idle_fraction": self.idle_fraction}
+        d = {"gpu_steps": self.steps, "gpu_busy_ms": self.busy_ms, "gpu_idle_ms": self.idle_ms,
+             "gpu_idle_fraction": self.idle_fraction}
+        for kind, s in sorted(self.by_kind.items()):
+            d[f"gpu_steps_{kind}"] = s.steps
+            d[f"gpu_busy_ms_{kind}"] = s.busy_ms
+            d[f"gpu_idle_fraction_{kind}"] = s.idle_fraction
+        return d
 
 
 class GpuTimeline:
@@ -50,33 +68,31 @@ class GpuTimeline:
         self._last_end: Any = None
         self._stats = IdleStats()
 
-    def start(self) -> None:
+    def start(self, kind: str = "step") -> None:
         ev = self._make_event()
         ev.record()
-        self._open = ev
+        self._open = (ev, kind)
 
     def end(self) -> None:
         if self._open is None:
             return
         ev = self._make_event()
         ev.record()
-        self._pending.append((self._open, ev))
+        self._pending.append((*self._open, ev))
         self._open = None
         self._harvest(wait=False)
 
     def _harvest(self, wait: bool) -> None:
         stats = self._stats
         while self._pending:
-            start, end = self._pending[0]
+            start, kind, end = self._pending[0]
             if wait:
                 end.synchronize()
             elif not end.query():
                 return
             self._pending.popleft()
-            if self._last_end is not None:
-                stats.idle_ms += max(0.0, self._last_end.elapsed_time(start))
-            stats.busy_ms += start.elapsed_time(end)
-            stats.steps += 1
+            idle = 0.0 if self._last_end is None else max(0.0, self._last_end.elapsed_time(start))
+            stats.add(kind, start.elapsed_time(end), idle)
             self._last_end = end
 
     def reset(self) -> None:
@@ -88,4 +104,4 @@ class GpuTimeline:
     def stats(self, wait: bool = True) -> IdleStats:
         """Totals over the completed steps (all recorded steps when ``wait``: blocks the calling thread)."""
         self._harvest(wait)
-        return IdleStats(self._stats.steps, self._stats.busy_ms, self._stats.idle_ms)
+        return self._stats.copy()

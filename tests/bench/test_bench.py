@@ -35,8 +35,13 @@ def test_bench_throughput_reports(tiny, tmp_path, dataset, capsys):
     if dataset != "sharegpt":  # sharegpt draws its own output lengths
         assert r["output_tokens"] == 30
     assert r["output_tokens_per_s"] > 0 and r["input_tokens"] > 0 and r["elapsed_s"] > 0
-    assert r["matmul_gflops"] > 0 and r["fraction_of_roofline"] > 0
-    assert "output tokens/s" in capsys.readouterr().out
+    assert r["matmul_gflops"] > 0 and r["fraction_of_roofline"] > 0 and r["device"] == "cpu"
+    host = r["host_ms_per_step"]  # every phase of the loop and of the worker, per step, measured
+    assert set(host) == {"loop_schedule", "loop_update", "loop_outputs", "worker_prepare", "worker_forward",
+                         "worker_sample"}
+    assert all(v > 0 for v in host.values()) and host["worker_forward"] < 1e3 * r["elapsed_s"]
+    out = capsys.readouterr().out
+    assert "output tokens/s" in out and "Host ms per step: loop_outputs" in out
 
 
 def test_bench_latency_reports(tiny, tmp_path):

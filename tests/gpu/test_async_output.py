@@ -242,6 +242,25 @@ def test_timeline_idle_fraction():
     assert (s.steps, s.busy_ms, s.idle_ms) == (1, 1.0, 0.0)
 
 
+def test_timeline_sums_idle_and_busy_time_per_kind_of_step():
+    # A mixed step 0-10, a graph decode 12-15 (2 ms gap), an eager decode 15-19, a graph decode 20-23.
+    TimedEvent.clock = [0.0, 10.0, 12.0, 15.0, 15.0, 19.0, 20.0, 23.0]
+    tl = GpuTimeline(TimedEvent)
+    for kind in ("mixed", "decode_graph", "decode_eager", "decode_graph"):
+        tl.start(kind)
+        tl.end()
+    s = tl.stats()
+    assert (s.steps, s.busy_ms, s.idle_ms) == (4, 20.0, 3.0)
+    g, e, m = s.by_kind["decode_graph"], s.by_kind["decode_eager"], s.by_kind["mixed"]
+    assert (g.steps, g.busy_ms, g.idle_ms) == (2, 6.0, 3.0) and g.idle_fraction == pytest.approx(3 / 9)
+    assert (e.steps, e.idle_ms, m.steps, m.idle_ms) == (1, 0.0, 1, 0.0)
+    d = s.as_dict()
+    assert d["gpu_steps_decode_graph"] == 2 and d["gpu_idle_fraction_decode_graph"] == pytest.approx(1 / 3)
+    assert d["gpu_idle_fraction"] == pytest.approx(3 / 23)
+    s.by_kind["mixed"].steps = 99  # stats() hands out a copy
+    assert tl.stats().by_kind["mixed"].steps == 1
+
+
 def test_timeline_leaves_incomplete_steps_for_later():
     TimedEvent.clock = [0.0, 4.0]
     tl = GpuTimeline(TimedEvent)

@@ -31,6 +31,12 @@ def test_capture_sizes_end_at_the_limit(seqs, tokens, last):
     assert all(bucket_for(n, sizes) is not None for n in range(1, last + 1))
 
 
+def test_a_larger_capture_cap_covers_every_decode_batch_up_to_max_num_seqs():
+    sizes = capture_sizes(max_num_seqs=1024, max_num_batched_tokens=8192, cap=1024)
+    assert sizes[-1] == 1024 and sizes[sizes.index(512) + 1] == 528
+    assert all(bucket_for(n, sizes) is not None for n in range(1, 1025))
+
+
 def test_bucket_for_picks_the_smallest_that_fits():
     sizes = [1, 2, 4, 8, 16]
     assert [bucket_for(n, sizes) for n in (1, 3, 4, 5, 16, 17)] == [1, 4, 4, 8, 16, None]
