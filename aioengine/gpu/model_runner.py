@@ -21,6 +21,7 @@ from aioengine.gpu.memory import kv_cache_blocks, profile_memory, warmup_lengths
 from aioengine.gpu.models import sliding_window
 from aioengine.gpu.quant import quantize_model
 from aioengine.gpu.sampler import Sampler, SamplerOutput, SamplingMetadata, gather_logprobs
+from aioengine.gpu.staging import HostStaging
 from aioengine.gpu.states import RequestStates
 from aioengine.kernels import cpu_kernels
 from aioengine.kernels.attention import AttentionMetadata
@@ -63,8 +64,9 @@ class ModelRunner:
             pack_linears(self.model)  # bf16: oneDNN's blocked layout, once
             cpu_kernels.load()  # build the C attention kernel now (seconds), not inside the first step
         self.sampler = Sampler(seed, device)
+        self.staging = HostStaging(device)  # CUDA: every per-step input goes through pinned memory
         self.states = RequestStates(max_num_reqs, max_model_len, -(-max_model_len // block_size), device,
-                                    vocab_size=self.hf_config.vocab_size)
+                                    vocab_size=self.hf_config.vocab_size, staging=self.staging)
         self.kv_caches: list[torch.Tensor] = []
         self._pending: tuple[InputBatch, torch.Tensor] | None = None
         self.fault_hook: Callable[[str, SchedulerOutput | None], None] | None = None  # tests inject faults
@@ -146,6 +148,7 @@ class ModelRunner:
     # ---- stop 6: the flat batch ---------------------------------------------------------------
     def _prepare_inputs(self, so: SchedulerOutput) -> InputBatch:
         states = self.states
+        self.staging.begin_step()
         computed = {d.req_id: d.num_computed_tokens for d in so.scheduled_new_reqs}
         cached = so.scheduled_cached_reqs
         computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
@@ -178,13 +181,13 @@ class ModelRunner:
         sample_mask = seq_lens >= prefill_len
         logits_indices = (cu[1:] - 1)[sample_mask]
 
-        dev = self.device
-        input_ids = torch.from_numpy(input_ids_np).to(dev, non_blocking=True)
+        to_device = self.staging.to_device
+        input_ids = to_device(input_ids_np)
         from_last = np.flatnonzero(~known)
         if from_last.size:
             # Decode inputs: the token each request sampled last step, still on the device.
-            src = torch.from_numpy(rows_tok[from_last]).to(dev, non_blocking=True)
-            input_ids[torch.from_numpy(from_last).to(dev, non_blocking=True)] = states.last_sampled_tokens[src]
+            src = to_device(rows_tok[from_last])
+            input_ids[to_device(from_last)] = states.last_sampled_tokens[src]
         seq_lens_list = seq_lens.tolist()
         cu_list = cu.tolist()
         meta = AttentionMetadata(
@@ -193,10 +196,10 @@ class ModelRunner:
             num_actual_tokens=num_tokens,
             max_query_len=int(n.max()),
             max_seq_len=max_seq_len,
-            query_start_loc=torch.from_numpy(cu.astype(np.int32)).to(dev, non_blocking=True),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev, non_blocking=True),
-            block_table=torch.from_numpy(block_table).to(dev, non_blocking=True),
-            slot_mapping=torch.from_numpy(slot_mapping).to(dev, non_blocking=True),
+            query_start_loc=to_device(cu.astype(np.int32)),
+            seq_lens=to_device(seq_lens.astype(np.int32)),
+            block_table=to_device(block_table),
+            slot_mapping=to_device(slot_mapping),
             query_start_loc_cpu=cu_list,
             seq_lens_cpu=seq_lens_list,
         )
@@ -204,9 +207,9 @@ class ModelRunner:
             req_ids=req_ids,
             rows=rows,
             input_ids=input_ids,
-            positions=torch.from_numpy(positions).to(dev, non_blocking=True),
+            positions=to_device(positions),
             attn_metadata=meta,
-            logits_indices=torch.from_numpy(logits_indices).to(dev, non_blocking=True),
+            logits_indices=to_device(logits_indices),
             sample_mask=sample_mask,
         )
 
@@ -322,7 +325,7 @@ class ModelRunner:
             return None
         bitmask = np.full((len(sample_idx), grammar_output.bitmask.shape[1]), -1, dtype=np.int32)
         bitmask[rows] = grammar_output.bitmask[keep]  # row j of the bitmask masks row j of the logits
-        return rows, torch.from_numpy(bitmask).to(self.device, non_blocking=True)
+        return rows, self.staging.to_device(bitmask)
 
     def _prompt_logprobs(self, batch: InputBatch, hidden: torch.Tensor) -> dict[str, list] | None:
         """Logprobs of each prompt token given the tokens before it, gathered over the prompt's chunks and
@@ -344,7 +347,7 @@ class ModelRunner:
                 hi = min(end, lo + 256)
                 idx = torch.arange(cu[i] + lo - start, cu[i] + hi - start, device=self.device)
                 logprobs = self.model.compute_logits(hidden[idx]).float().log_softmax(-1)
-                targets = torch.from_numpy(states.token_ids[row, lo + 1:hi + 1]).to(self.device)
+                targets = self.staging.to_device(states.token_ids[row, lo + 1:hi + 1])
                 ids, lps, ranks = (t.tolist() for t in gather_logprobs(logprobs, targets, k))
                 acc.extend(zip(ids, lps, ranks, strict=True))
             if batch.sample_mask[i]:

@@ -289,7 +289,7 @@ class Sampler:
 def _greedy(logits: torch.Tensor) -> torch.Tensor:
     """argmax of each row. Widening bf16 is exact (the same winner), and torch's CPU argmax is 5x faster on
     float32 than on bf16; the C kernel skips the widened copy altogether."""
-    if logits.dtype == torch.float32:
+    if logits.dtype == torch.float32 or logits.is_cuda:  # a GPU's bf16 argmax needs no widened [rows, vocab] copy
         return logits.argmax(-1)
     if logits.dim() == 2 and cpu_kernels.elementwise_ok(logits):  # bf16 on the CPU, unit inner stride
         return cpu_kernels.argmax(logits)

@@ -6,6 +6,7 @@ import numpy as np
 import torch
 
 from aioengine.gpu.sampler import BadWords, Penalties, SamplingMetadata
+from aioengine.gpu.staging import HostStaging
 from aioengine.sched.output import NewRequestData
 
 _EPS = 1e-5
@@ -24,7 +25,7 @@ class RequestStates:
     """
 
     def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int,
-                 device: torch.device, vocab_size: int | None = None) -> None:
+                 device: torch.device, vocab_size: int | None = None, staging: HostStaging | None = None) -> None:
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -39,6 +40,7 @@ class RequestStates:
         self.generators: dict[int, torch.Generator] = {}
         self.last_sampled_tokens = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)
         self.device = device
+        self.staging = staging or HostStaging(device)  # host arrays -> device without waiting for the GPU
         self.row_of: dict[str, int] = {}
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
         # Penalties, min_tokens, logprobs (host knobs).
@@ -97,10 +99,9 @@ class RequestStates:
         self.repetition[row] = p.repetition_penalty
         pen = p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
         self.has_penalties[row] = pen
-        dev = self.device
         if pen:
             counts, prompt_mask = self._penalty_tensors()
-            tokens = torch.from_numpy(np.asarray(data.prompt_token_ids, dtype=np.int64)).to(dev)
+            tokens = self.staging.to_device(np.asarray(data.prompt_token_ids, dtype=np.int64))
             counts[row] = torch.bincount(tokens[num_prompt:], minlength=counts.shape[1]).to(torch.int32)
             prompt_mask[row] = False
             prompt_mask[row, tokens[:num_prompt]] = True
@@ -111,10 +112,10 @@ class RequestStates:
             if stop_ids:
                 self.min_tokens_stop_ids[row] = stop_ids
         if p.logit_bias:
-            self.logit_bias[row] = (torch.tensor(list(p.logit_bias), dtype=torch.int64, device=dev),
-                                    torch.tensor(list(p.logit_bias.values()), dtype=torch.float32, device=dev))
+            self.logit_bias[row] = (self.staging.to_device(np.array(list(p.logit_bias), dtype=np.int64)),
+                                    self.staging.to_device(np.array(list(p.logit_bias.values()), dtype=np.float32)))
         if p.allowed_token_ids is not None:
-            self.allowed_token_ids[row] = torch.tensor(p.allowed_token_ids, dtype=torch.int64, device=dev)
+            self.allowed_token_ids[row] = self.staging.to_device(np.array(p.allowed_token_ids, dtype=np.int64))
         if p.bad_words_token_ids:
             single = [ids[0] for ids in p.bad_words_token_ids if len(ids) == 1]
             multi = [list(ids) for ids in p.bad_words_token_ids if len(ids) > 1]
@@ -124,8 +125,8 @@ class RequestStates:
                 self.bad_words_multi[row] = multi
                 hist = self._output_hist()
                 if num_output:
-                    hist[row, :num_output] = torch.from_numpy(
-                        np.asarray(data.prompt_token_ids[num_prompt:], dtype=np.int64)).to(dev)
+                    hist[row, :num_output] = self.staging.to_device(
+                        np.asarray(data.prompt_token_ids[num_prompt:], dtype=np.int64))
 
     def append_blocks(self, row: int, block_ids: list[int]) -> None:
         start = self.num_blocks[row]
@@ -162,12 +163,12 @@ class RequestStates:
     # ---- per step --------------------------------------------------------------------------------
     def sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
         """The sampler's view of these rows (in batch order), built from host knobs and device state."""
-        dev = self.device
+        to_device = self.staging.to_device
         temperature = self.temperature[rows]
         all_greedy = bool((temperature < _EPS).all())
 
         def opt(arr: np.ndarray, off: float) -> torch.Tensor | None:
-            return torch.from_numpy(arr).to(dev) if (arr != off).any() else None
+            return to_device(arr) if (arr != off).any() else None
 
         gens = {}
         if self.generators:
@@ -177,7 +178,7 @@ class RequestStates:
                     gens[j] = g
         md = SamplingMetadata(
             all_greedy=all_greedy,
-            temperature=torch.from_numpy(temperature).to(dev),
+            temperature=to_device(temperature),
             top_k=opt(self.top_k[rows], 0),
             top_p=opt(self.top_p[rows], 1.0),
             min_p=opt(self.min_p[rows], 0.0),
@@ -189,9 +190,9 @@ class RequestStates:
         pen = np.flatnonzero(self.has_penalties[rows])
         if pen.size:
             assert self.output_counts is not None and self.prompt_mask is not None
-            state_rows = torch.from_numpy(rows[pen]).to(dev)
+            state_rows = to_device(rows[pen])
             md.penalties = Penalties(
-                batch_rows=torch.from_numpy(pen).to(dev),
+                batch_rows=to_device(pen),
                 output_counts=self.output_counts.index_select(0, state_rows),
                 prompt_mask=self.prompt_mask.index_select(0, state_rows),
                 presence=opt(self.presence[rows[pen]], 0.0),
@@ -234,12 +235,12 @@ class RequestStates:
                 n_out = int(self.num_output[row])
                 multi += [(j, row, w) for w in words if len(w) - 1 <= n_out]
         if banned_ids:
-            md.banned = (torch.tensor(banned_rows, dtype=torch.int64, device=dev),
-                         torch.tensor(banned_ids, dtype=torch.int64, device=dev))
+            md.banned = (to_device(np.array(banned_rows, dtype=np.int64)),
+                         to_device(np.array(banned_ids, dtype=np.int64)))
         if bias_ids:
             md.logit_bias = (torch.cat(bias_rows), torch.cat(bias_ids), torch.cat(bias_vals))
         if allowed_ids:
-            md.allowed = (torch.tensor(allowed_batch_rows, dtype=torch.int64, device=dev),
+            md.allowed = (to_device(np.array(allowed_batch_rows, dtype=np.int64)),
                           torch.cat(allowed_rows), torch.cat(allowed_ids))
         if multi:
             md.bad_words = self._bad_words(multi)
@@ -247,7 +248,6 @@ class RequestStates:
 
     def _bad_words(self, multi: list[tuple[int, int, list[int]]]) -> BadWords:
         """Device-side prefix match of multi-token bad words against each row's last sampled tokens."""
-        dev = self.device
         hist = self.output_hist
         assert hist is not None
         width = max(len(w) - 1 for _, _, w in multi)
@@ -258,24 +258,26 @@ class RequestStates:
             prefix[k, width - plen:] = w[:-1]
             start = int(self.num_output[row]) - plen  # the last plen outputs, right-aligned
             cols[k, width - plen:] = np.arange(start, start + plen)
-        state_rows = torch.tensor([r for _, r, _ in multi], dtype=torch.int64, device=dev)
-        recent = hist[state_rows.unsqueeze(1), torch.from_numpy(cols).to(dev)]
-        prefix_t = torch.from_numpy(prefix).to(dev)
+        to_device = self.staging.to_device
+        state_rows = to_device(np.array([r for _, r, _ in multi], dtype=np.int64))
+        recent = hist[state_rows.unsqueeze(1), to_device(cols)]
+        prefix_t = to_device(prefix)
         match = ((recent == prefix_t) | (prefix_t < 0)).all(1)
-        return BadWords(batch_rows=torch.tensor([j for j, _, _ in multi], dtype=torch.int64, device=dev),
-                        last_token=torch.tensor([w[-1] for _, _, w in multi], dtype=torch.int64, device=dev),
+        return BadWords(batch_rows=to_device(np.array([j for j, _, _ in multi], dtype=np.int64)),
+                        last_token=to_device(np.array([w[-1] for _, _, w in multi], dtype=np.int64)),
                         match=match)
 
     def update_after_sample(self, rows: np.ndarray, tokens: torch.Tensor) -> None:
         """Write what sampling produced for these rows: last tokens, penalty counts, bad-word history."""
         dev = self.device
-        rows_t = torch.from_numpy(rows).to(dev, non_blocking=True)
+        to_device = self.staging.to_device
+        rows_t = to_device(rows)
         tokens = tokens.clamp(min=0)  # a dead-end row (-1) finishes; its next input is never used
         self.last_sampled_tokens[rows_t] = tokens
         if self.output_counts is not None:
             pen = np.flatnonzero(self.has_penalties[rows])
             if pen.size:
-                pen_t = torch.from_numpy(pen).to(dev)
+                pen_t = to_device(pen)
                 self.output_counts.index_put_((rows_t[pen_t], tokens[pen_t]),
                                               torch.ones(pen.size, dtype=torch.int32, device=dev), accumulate=True)
         if self.bad_words_multi:
@@ -284,6 +286,5 @@ class RequestStates:
                 idx = np.flatnonzero(sel)
                 cols = np.minimum(self.num_output[rows[idx]], self.max_model_len - 1)
                 hist = self._output_hist()
-                hist[torch.from_numpy(rows[idx]).to(dev), torch.from_numpy(cols).to(dev)] = \
-                    tokens[torch.from_numpy(idx).to(dev)]
+                hist[to_device(rows[idx]), to_device(cols)] = tokens[to_device(idx)]
         self.num_output[rows] += 1
