@@ -70,6 +70,13 @@ bench() {  # bench NAME [ENGINE FLAGS...]
 for i in $(seq 1 "$REPEATS"); do
     bench "aioengine_$i"
 done
+if [[ -n "${GPU_CHECK_PROFILE_PROMPTS:-}" ]]; then  # where the host's time goes (cProfile; its figures are not quoted)
+    echo "== 2p. the same bench with --profile-host on $GPU_CHECK_PROFILE_PROMPTS prompts (budget $(budget "$BENCH_S") s)"
+    timeout -s ABRT -k 10 "$(budget "$BENCH_S")" "$PY" -m aioengine bench throughput --model random:llama-3.1-8b \
+        --device cuda --dataset sharegpt --num-prompts "$GPU_CHECK_PROFILE_PROMPTS" --max-model-len 2048 --no-progress \
+        --profile-host "$OUT/host_profile.txt"
+    rc_of profile $?
+fi
 if [[ -n "$AB_FLAGS" ]]; then
     # shellcheck disable=SC2086
     bench aioengine_ab $AB_FLAGS
