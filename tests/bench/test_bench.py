@@ -123,3 +123,13 @@ def test_the_roofline_takes_the_best_of_its_timings(monkeypatch):
     monkeypatch.setattr(roofline.time, "perf_counter", lambda: next(ticks))
     gflops = roofline.matmul_gflops("float32", n=8, iters=3, repeats=4)
     assert gflops == pytest.approx(2 * 8**3 * 3 / 0.5 / 1e9)
+
+
+def test_bench_throughput_profile_host_writes_both_threads(tiny, tmp_path):
+    prof = tmp_path / "host.txt"
+    assert bench_main(["throughput", "--model", str(tiny), "--dataset", "random", "--num-prompts", "3",
+                       "--output-len", "4", "--input-len", "16", "--max-model-len", "512", "--no-progress",
+                       "--profile-host", str(prof)]) == 0
+    text = prof.read_text()
+    assert "==== loop thread, by tottime" in text and "scheduler.py" in text  # the loop plans steps
+    assert "execute_model" in text  # the worker's steps: its own profiler, or (3.12+) the loop's covers it
