@@ -9,6 +9,7 @@ import time
 
 from aioengine.bench import write_json
 from aioengine.bench.throughput import add_engine_args, engine_args_from
+from aioengine.cli import run_in_loop
 from aioengine.engine import AsyncEngine
 from aioengine.sampling_params import SamplingParams
 
@@ -58,7 +59,7 @@ def main(argv: list[str]) -> dict:
         ap.error("--output-len must be at least 3 to time a decode step")
     if args.num_iters < 1:
         ap.error("--num-iters must be at least 1")
-    r = asyncio.run(run_latency(args))
+    r = run_in_loop(run_latency(args))  # uvloop, as `aioengine serve` runs
     print(f"Latency: batch {r['batch_size']}, decode step {r['decode_step_ms_median']:.2f} ms median "
           f"({r['decode_step_ms_p99']:.2f} ms p99) = {r['decode_tokens_per_s']:.1f} tokens/s; "
           f"request end-to-end {r['e2e_s_median']:.2f} s for {r['output_len']} tokens")

@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from aioengine.bench import write_json
 from aioengine.bench.datasets import add_dataset_args, build_dataset
+from aioengine.cli import run_in_loop
 from aioengine.config import EngineArgs
 from aioengine.engine import AsyncEngine
 from aioengine.sampling_params import SamplingParams
@@ -168,7 +169,7 @@ def main(argv: list[str]) -> dict:
                     help="cProfile the loop and the device worker during the run; write the top functions to FILE")
     ap.add_argument("--output-json")
     args = ap.parse_args(argv)
-    result = asyncio.run(run_throughput(args))
+    result = run_in_loop(run_throughput(args))  # uvloop, as `aioengine serve` runs
     print(f"Throughput: {result['requests_per_s']:.2f} requests/s, {result['total_tokens_per_s']:.1f} total "
           f"tokens/s, {result['output_tokens_per_s']:.1f} output tokens/s "
           f"({result['num_requests']} requests, {result['input_tokens']} input + {result['output_tokens']} output "
