@@ -7,8 +7,9 @@
 #      stopped after GPU_CHECK_PEER_LIMIT_S seconds with the tokens made by then,
 #   4. results.json: output tok/s, mean TTFT/TPOT, GPU idle between steps, and the ratio to transformers.
 # Each stage has a time budget; a stage stopped by it dumps its stacks and the next stage still runs.
-# usage: scripts/gpu_check.sh RESULTS_DIR      (needs torch, triton, transformers, uvloop, aiohttp;
+# usage: scripts/gpu_check.sh RESULTS_DIR      (needs torch, triton, transformers, uvloop, aiohttp, orjson;
 #                                              cuda-python for the host-function wait, else it polls)
+# Stage budgets and extra runs: the GPU_CHECK_* variables below. What the H200 gave: docs/benchmarks.md.
 set -uo pipefail
 OUT=${1:?usage: scripts/gpu_check.sh RESULTS_DIR}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -25,7 +26,7 @@ PY=${PYTHON:-python3}  # the GPU images' python3 holds torch; plain `python` may
 TOTAL_S=${GPU_CHECK_TOTAL_S:-470}  # the whole script stays under 8 minutes
 TESTS_S=${GPU_CHECK_TESTS_S:-120}
 BENCH_S=${GPU_CHECK_BENCH_S:-100}      # each run of the bench (engine start ~16 s, 1000 prompts ~25 s on an H200)
-REPEATS=${GPU_CHECK_REPEATS:-2}        # runs of the default engine (the report takes their median)
+REPEATS=${GPU_CHECK_REPEATS:-3}        # runs of the default engine (the report takes their median)
 AB_FLAGS=${GPU_CHECK_AB_FLAGS:-}       # one more run with these engine flags, e.g. "--max-cudagraph-capture-size 1024"
 PEER_S=${GPU_CHECK_PEER_S:-180}
 PEER_LIMIT_S=${GPU_CHECK_PEER_LIMIT_S:-120}  # transformers' paged SDPA is slow: count what it made by then
