@@ -41,6 +41,11 @@ def capture_sizes(max_num_seqs: int, max_num_batched_tokens: int, cap: int = MAX
     return sizes
 
 
+def is_uniform_decode(meta: AttentionMetadata, num_input_tokens: int) -> bool:
+    """Every request has exactly one query token (no prompt chunk, no padding)."""
+    return meta.num_decodes == meta.num_reqs == meta.num_actual_tokens == num_input_tokens
+
+
 def bucket_for(n: int, sizes: list[int]) -> int | None:
     """The smallest of the (sorted) ``sizes`` that holds ``n`` rows, or None."""
     i = bisect.bisect_left(sizes, n)
@@ -128,18 +133,22 @@ class DecodeGraphs:
                            "graph or run eagerly", time_limit_s, _ranges(sorted(skipped)))
         return self.sizes
 
-    def covers(self, num_reqs: int) -> bool:
-        """Whether a uniform decode batch of ``num_reqs`` rows replays a graph."""
-        return bucket_for(num_reqs, self.sizes) is not None
+    def size_for(self, meta: AttentionMetadata, num_input_tokens: int) -> int | None:
+        """The captured size a batch replays, or None when it runs eagerly (not a uniform decode, or larger
+        than every graph)."""
+        if not is_uniform_decode(meta, num_input_tokens):
+            return None
+        return bucket_for(meta.num_reqs, self.sizes)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
         """Hidden states ``[n, hidden]`` by replaying a graph, or None when this batch runs eagerly."""
+        size = self.size_for(meta, input_ids.shape[0])
+        return None if size is None else self.replay(size, input_ids, positions, meta)
+
+    def replay(self, size: int, input_ids: torch.Tensor, positions: torch.Tensor,
+               meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states ``[n, hidden]`` from the graph of ``size`` (``size_for``'s answer for this batch)."""
         n = meta.num_reqs
-        if meta.num_decodes != n or meta.num_actual_tokens != n or input_ids.shape[0] != n:
-            return None
-        size = bucket_for(n, self.sizes)
-        if size is None:
-            return None
         self.load(size, input_ids, positions, meta)
         graph, out = self.graphs[size]
         graph.replay()

@@ -15,7 +15,13 @@ import torch
 from aioengine.gpu.async_output import AsyncOutput, host_signal_after
 from aioengine.gpu.cpu_decode_stack import CpuDecodeStack
 from aioengine.gpu.cpu_linear import pack_linears
-from aioengine.gpu.cuda_graphs import MAX_CAPTURE_SIZE, DecodeGraphs, capture_sizes, capture_time_limit_s
+from aioengine.gpu.cuda_graphs import (
+    MAX_CAPTURE_SIZE,
+    DecodeGraphs,
+    capture_sizes,
+    capture_time_limit_s,
+    is_uniform_decode,
+)
 from aioengine.gpu.loader import allocate_kv_caches, load_model
 from aioengine.gpu.memory import kv_cache_blocks, profile_memory, warmup_lengths
 from aioengine.gpu.models import sliding_window
@@ -225,25 +231,21 @@ class ModelRunner:
         t0 = time.perf_counter()
         batch = self._prepare_inputs(so)
         t1 = time.perf_counter()
+        meta = batch.attn_metadata
+        # A uniform decode batch replays a graph; None: it runs eagerly.
+        size = self.graphs.size_for(meta, batch.input_ids.shape[0]) if self.graphs is not None else None
         if self.timeline is not None:
-            self.timeline.start(self._step_kind(batch.attn_metadata))
-        hidden = None
-        if self.graphs is not None:  # a uniform decode batch replays a graph; None: run eagerly
-            hidden = self.graphs.run(batch.input_ids, batch.positions, batch.attn_metadata)
-        if hidden is None:
-            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_metadata)
+            self.timeline.start("decode_graph" if size is not None else
+                                "decode_eager" if is_uniform_decode(meta, batch.input_ids.shape[0]) else "mixed")
+        if size is not None:
+            hidden = self.graphs.replay(size, batch.input_ids, batch.positions, meta)
+        else:
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, meta)
         self._pending = (batch, hidden)
         self.num_steps += 1
         host = self.host_s
         host["prepare"] += t1 - t0
         host["forward"] += time.perf_counter() - t1
-
-    def _step_kind(self, meta: AttentionMetadata) -> str:
-        """The timeline's label for a step: a decode batch that replays a graph, one that runs eagerly, or a
-        batch with prompt tokens."""
-        if not meta.num_decodes == meta.num_reqs == meta.num_actual_tokens:
-            return "mixed"
-        return "decode_graph" if self.graphs is not None and self.graphs.covers(meta.num_reqs) else "decode_eager"
 
     # ---- stop 9: logits for the sampled rows only, then the sampler ----------------------------
     @torch.inference_mode()

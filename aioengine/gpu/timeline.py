@@ -10,6 +10,7 @@ so recording and harvesting never block.
 from __future__ import annotations
 
 import collections
+import copy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,10 +34,6 @@ class IdleStats:
             s.steps += 1
             s.busy_ms += busy_ms
             s.idle_ms += idle_ms
-
-    def copy(self) -> IdleStats:
-        return IdleStats(self.steps, self.busy_ms, self.idle_ms,
-                         {k: IdleStats(v.steps, v.busy_ms, v.idle_ms) for k, v in self.by_kind.items()})
 
     def as_dict(self) -> dict[str, float]:
         d = {"gpu_steps": self.steps, "gpu_busy_ms": self.busy_ms, "gpu_idle_ms": self.idle_ms,
@@ -104,4 +101,4 @@ class GpuTimeline:
     def stats(self, wait: bool = True) -> IdleStats:
         """Totals over the completed steps (all recorded steps when ``wait``: blocks the calling thread)."""
         self._harvest(wait)
-        return self._stats.copy()
+        return copy.deepcopy(self._stats)
