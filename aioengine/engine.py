@@ -55,7 +55,7 @@ class AsyncEngine:
         self._task: asyncio.Task | None = None
         self._dead: EngineDeadError | None = None
         self._stopping = False
-        self._structured: Any = None  # StructuredOutputManager, built off the loop after start()
+        self._structured: Any = None  # StructuredOutputManager, built on a thread during start()
         self._structured_build: concurrent.futures.Future | None = None
         self._token_text: dict[int, str] = {}  # decoded single tokens, for logprobs
         self.stat_listeners: list[Callable[[SchedulerStats, list[EngineCoreOutput]], None]] = []
@@ -112,6 +112,15 @@ class AsyncEngine:
             ModelRunner, self.model_path, dtype, torch.device(device), max_num_seqs, max_model_len,
             args.block_size, args.seed, args.quantization))
         self.tokenizer = await tokenizer_fut
+        self.vocab_size = cfg_probe["vocab_size"]
+        self.eos_token_id = cfg_probe["eos_token_id"]
+        if self.eos_token_id is None:
+            self.eos_token_id = self.tokenizer.eos_token_id
+        # xgrammar's tokenizer tables (~0.1-0.3 s of CPU) build on a thread (it releases the GIL) while the KV
+        # cache is set up, and start() waits for them: built after it, they took the cores from the first step.
+        builder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="aioengine-grammar")
+        self._structured_build = builder.submit(self._new_structured_output_manager)
+        builder.shutdown(wait=False)
         bytes_per_block = self.runner.kv_cache_bytes_per_block()
         blocks_per_seq = -(-max_model_len // args.block_size)
         if args.num_kv_blocks is not None:
@@ -131,14 +140,10 @@ class AsyncEngine:
                                                           args.max_cudagraph_capture_size))
         self.max_model_len = max_model_len
         self.kv_capacity_tokens = (num_blocks - 1) * args.block_size
-        self.vocab_size = cfg_probe["vocab_size"]
-        self.eos_token_id = cfg_probe["eos_token_id"]
         self.default_sampling_params = generation_defaults(args.generation_config, cfg_probe["generation_config"])
         SamplingParams(**self.default_sampling_params)  # a bad value in the file stops the start, not each request
         if self.default_sampling_params:
             logger.info("default sampling parameters from the generation config: %s", self.default_sampling_params)
-        if self.eos_token_id is None:
-            self.eos_token_id = self.tokenizer.eos_token_id
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_batched_tokens=max_batched, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
             num_blocks=num_blocks, block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
@@ -146,13 +151,9 @@ class AsyncEngine:
         # What startup built (torch, transformers, the model's modules) lives as long as the engine: moved out of
         # the collector's reach, a full collection no longer walks it while requests wait (one took 155 ms in the
         # middle of the offline bench). vLLM does the same after its start.
+        await asyncio.wait([asyncio.wrap_future(self._structured_build)])  # a failure is raised per request
         _freeze_startup_objects()
         self._task = asyncio.create_task(self._run(), name="aioengine-step-loop")
-        # xgrammar's tokenizer tables take ~0.1 s to build: on a thread now (it releases the GIL), not on the
-        # loop inside the first structured request.
-        builder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="aioengine-grammar")
-        self._structured_build = builder.submit(self._new_structured_output_manager)
-        builder.shutdown(wait=False)
         logger.info("engine started in %.1f s: model=%s device=%s dtype=%s max_model_len=%d kv_blocks=%d "
                     "(%d tokens) max_num_batched_tokens=%d max_num_seqs=%d", time.perf_counter() - t0,
                     self.model_path, device, dtype, max_model_len, num_blocks, self.kv_capacity_tokens,
@@ -300,7 +301,7 @@ class AsyncEngine:
     def _structured_output_manager(self) -> Any:
         if self._structured is None:
             build = self._structured_build
-            try:  # normally long done; a structured request in the first ~0.1 s waits for it
+            try:  # done before start() returned
                 manager = build.result() if build is not None else None
             except Exception:  # e.g. xgrammar missing: build again here, so the request gets the error
                 manager = None
