@@ -2,7 +2,8 @@
 
 Where the C kernels are built for AVX512-BF16 (``kernels/cpu_gemm.c``), the weight is packed into that
 kernel's panels: a decode step streams every weight from DRAM, and that kernel prefetches the next panel
-while it computes one (measured in docs/benchmarks.md: 64 rows 1.3x oneDNN's speed, one row 1.25x).
+while it computes one (measured in docs/benchmarks.md: 64 rows 1.3x oneDNN's speed, one row 1.25x). The
+panels live on transparent huge pages (gpu/huge_pages.py), which saves the stream its TLB misses.
 Its float32 sums run over k in order, so results can differ from ``F.linear``'s by one bf16 ulp in rare
 elements (tests/kernels/test_cpu_gemm.py bounds the error against float64).
 
@@ -23,6 +24,7 @@ import os
 import torch
 from torch import nn
 
+from aioengine.gpu import huge_pages
 from aioengine.gpu.layers import SiluAndMul
 from aioengine.kernels import cpu_kernels
 
@@ -59,8 +61,10 @@ class PackedLinear(nn.Module):
         assert not silu_and_mul or self.fuses_silu_and_mul(weight, bias)
         self.epilogue = (cpu_kernels.GEMM_SILU_MUL if silu_and_mul else
                          cpu_kernels.GEMM_F32 if float32_out and self.c_gemm else cpu_kernels.GEMM_BF16)
-        if self.c_gemm:
-            self.packed = cpu_kernels.pack_gemm_weight(weight, gated=silu_and_mul)
+        if self.c_gemm:  # on huge pages: every decode step streams the whole weight
+            numel = cpu_kernels.packed_gemm_weight_elems(*weight.shape)
+            self.packed = cpu_kernels.pack_gemm_weight(weight, gated=silu_and_mul,
+                                                       out=huge_pages.empty(numel, torch.bfloat16))
         else:  # the hint picks a blocking; any number of rows runs on the result
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), batch_size_hint)
         self.bias = None if bias is None else bias.detach().to(weight.dtype).contiguous().clone()

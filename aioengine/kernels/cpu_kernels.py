@@ -184,14 +184,22 @@ def gemm_available() -> bool:
 GEMM_BF16, GEMM_F32, GEMM_SILU_MUL, GEMM_ARGMAX = 0, 1, 2, 3
 
 
-def pack_gemm_weight(weight: torch.Tensor, gated: bool = False) -> torch.Tensor:
-    """A bf16 ``[N, K]`` weight in gemm's panel layout (a flat bf16 tensor). ``gated``: a fused gate_up weight
-    (gate rows, then up rows; N a multiple of 64) laid out for the GEMM_SILU_MUL epilogue."""
+def packed_gemm_weight_elems(n: int, k: int) -> int:
+    """The bf16 elements of an ``[n, k]`` weight in gemm's panel layout."""
+    assert gemm_available(), "cpu_gemm.c is not built for this CPU"
+    return _lib.packed_gemm_weight_elems(n, k)
+
+
+def pack_gemm_weight(weight: torch.Tensor, gated: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+    """A bf16 ``[N, K]`` weight in gemm's panel layout (a flat bf16 tensor, written into ``out`` if given).
+    ``gated``: a fused gate_up weight (gate rows, then up rows; N a multiple of 64) laid out for the
+    GEMM_SILU_MUL epilogue."""
     n, k = weight.shape
     assert not gated or n % 64 == 0
-    assert gemm_available(), "cpu_gemm.c is not built for this CPU"
+    numel = packed_gemm_weight_elems(n, k)
     weight = weight.detach().contiguous()
-    packed = torch.empty(_lib.packed_gemm_weight_elems(n, k), dtype=torch.bfloat16)
+    packed = torch.empty(numel, dtype=torch.bfloat16) if out is None else out
+    assert packed.dtype == torch.bfloat16 and packed.shape == (numel,) and packed.is_contiguous()
     _lib.pack_gemm_weight_bf16(weight.data_ptr(), n, k, gated, packed.data_ptr(), torch.get_num_threads())
     return packed
 
