@@ -64,7 +64,7 @@ class PackedLinear(nn.Module):
         if self.c_gemm:  # on huge pages: every decode step streams the whole weight
             numel = cpu_kernels.packed_gemm_weight_elems(*weight.shape)
             self.packed = cpu_kernels.pack_gemm_weight(weight, gated=silu_and_mul,
-                                                       out=huge_pages.empty(numel, torch.bfloat16))
+                                                       out=huge_pages.zeros(numel, torch.bfloat16))
         else:  # the hint picks a blocking; any number of rows runs on the result
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), batch_size_hint)
         self.bias = None if bias is None else bias.detach().to(weight.dtype).contiguous().clone()

@@ -4,8 +4,10 @@ A decode step reads every packed weight once (~270 MB for SmolLM2-135M in bf16).
 ~65,000 TLB misses a step, each a page walk, and in a virtual machine a two-level one: the 30 layers' GEMMs
 at 64 rows took 16.3 ms on 4 KiB pages against 15.3 ms on 2 MiB ones (docs/benchmarks.md, eighth session).
 Linux only backs memory with huge pages where asked (``transparent_hugepage/enabled`` is ``madvise`` on most
-distributions), so the tensors come from anonymous mappings advised ``MADV_HUGEPAGE`` before their first
-touch. Elsewhere, or when the advice is refused, they are ordinary tensors.
+distributions), so the tensors come from anonymous mappings advised ``MADV_HUGEPAGE`` before their first touch;
+elsewhere they are ordinary zeroed tensors. Not the KV cache: its decode attention gained 3% in isolation
+(255 -> 247 us a layer, cold), but faulting its huge pages in during a run (each zeroed, maybe compacted)
+made the offline bench 15% slower (1760 -> 1500 tok/s, 4 pairs).
 """
 
 from __future__ import annotations
@@ -31,12 +33,13 @@ class HugePageArena:
         self._chunk: torch.Tensor | None = None  # uint8 view of the current mapping, from a huge-page boundary
         self._used = 0
 
-    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """An uninitialized 1-D tensor of ``numel`` elements, 64-byte aligned."""
+    def zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A 1-D tensor of ``numel`` zeros, 64-byte aligned (memory is never reused, so it is fresh from the
+        kernel), and a normal tensor even under inference mode."""
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         if not hasattr(mmap, "MADV_HUGEPAGE"):
-            return torch.empty(numel, dtype=dtype)
-        with self._lock:
+            return torch.zeros(numel, dtype=dtype)
+        with self._lock, torch.inference_mode(False):
             if nbytes > self.chunk_bytes // 4:  # a large tensor gets a mapping of its own
                 return _mapping(nbytes)[:nbytes].view(dtype)
             if self._chunk is None or self._used + nbytes > self._chunk.numel():
@@ -60,6 +63,6 @@ def _mapping(nbytes: int) -> torch.Tensor:
 _arena = HugePageArena()
 
 
-def empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """``HugePageArena.empty`` from the process's arena."""
-    return _arena.empty(numel, dtype)
+def zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """``HugePageArena.zeros`` from the process's arena."""
+    return _arena.zeros(numel, dtype)

@@ -32,12 +32,12 @@ def _vma_flags(addr: int) -> list[str] | None:
 
 def test_tensors_are_aligned_disjoint_and_writable():
     arena = HugePageArena(chunk_bytes=1 << 20)
-    tensors = [arena.empty(n, dtype) for n, dtype in
+    tensors = [arena.zeros(n, dtype) for n, dtype in
                [(3, torch.bfloat16), (1000, torch.float32), (7, torch.int64), (200_000, torch.bfloat16),
                 (50_000, torch.bfloat16)]]  # the 400 KB one gets its own mapping; the last opens a new chunk
     spans = []
     for i, t in enumerate(tensors):
-        assert t.is_contiguous() and t.dim() == 1 and t.data_ptr() % 64 == 0
+        assert t.is_contiguous() and t.dim() == 1 and t.data_ptr() % 64 == 0 and not t.any()
         t.fill_(i + 1)
         spans.append((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()))
     spans.sort()
@@ -49,8 +49,8 @@ def test_tensors_are_aligned_disjoint_and_writable():
 @needs_thp
 def test_the_memory_is_advised_for_huge_pages_and_starts_on_a_boundary():
     arena = HugePageArena()
-    big = arena.empty(3 << 20, torch.bfloat16)  # 6 MiB: a mapping of its own
-    small = arena.empty(100, torch.bfloat16)
+    big = arena.zeros(3 << 20, torch.bfloat16)  # 6 MiB: a mapping of its own
+    small = arena.zeros(100, torch.bfloat16)
     assert big.data_ptr() % huge_pages.HUGE_PAGE == 0
     assert "hg" in _vma_flags(big.data_ptr()) and "hg" in _vma_flags(small.data_ptr())
     assert "hg" not in (_vma_flags(torch.empty(3 << 20, dtype=torch.bfloat16).data_ptr()) or [])
@@ -59,7 +59,7 @@ def test_the_memory_is_advised_for_huge_pages_and_starts_on_a_boundary():
 @needs_thp
 def test_a_mapping_lives_as_long_as_its_tensors():
     arena = HugePageArena()
-    t = arena.empty(3 << 20, torch.bfloat16)
+    t = arena.zeros(3 << 20, torch.bfloat16)
     addr = t.data_ptr()
     del arena
     gc.collect()
@@ -80,3 +80,4 @@ def test_packed_linear_weights_live_on_huge_pages_and_compute_the_same():
     assert "hg" in _vma_flags(layer.packed.data_ptr())
     x = torch.randn(5, 64, generator=gen).bfloat16()
     torch.testing.assert_close(layer(x).float(), (x.float() @ weight.float().T), atol=0.05, rtol=0.02)
+
