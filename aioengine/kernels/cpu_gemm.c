@@ -28,17 +28,21 @@
 #define ROWS 6   /* rows per micro-kernel call: 6 x 4 accumulators + 4 weight vectors + 1 broadcast */
 #define ROW_CHUNK 240 /* rows per pass over the weight for large M: a chunk of x stays in L2 */
 
-static inline int is_nan(float f) { /* by its bits: -ffast-math lets the compiler assume x == x */
+static inline int is_neg_inf(float f) { /* by its bits: -ffast-math lets the compiler assume no infinities */
     uint32_t u;
     memcpy(&u, &f, sizeof u);
-    return (u & 0x7fffffffu) > 0x7f800000u;
+    return u == 0xff800000u;
 }
 
-/* A row's best column within one panel (OUT_ARGMAX), reduced over the panels at the end. */
+/* OUT_ARGMAX: one thread's running argmax of one row, per lane (lane l has seen columns 16j + l of the
+ * thread's panels, in increasing order): the lane's maximum, the first column holding it (INT32_MAX while
+ * unset), and the row's first NaN column (INT32_MAX if none). Merged over lanes and threads at the end. */
 typedef struct {
-    float value;
-    int32_t column;
-} panel_best;
+    float value[16];
+    int32_t column[16];
+    int32_t first_nan;
+    int32_t pad[15];
+} lane_best;
 
 /* Elements of a packed weight (panels padded to 64 columns, K to even). */
 int64_t packed_gemm_weight_elems(int64_t n, int64_t k) {
@@ -82,7 +86,8 @@ static inline uint32_t pair_at(const uint16_t *p) { /* x[2k], x[2k+1] as one dwo
 static inline __attribute__((always_inline)) void micro(const uint16_t *x, int64_t ldx, const uint16_t *panel,
                                                          int64_t k, const uint16_t *bias, void *y,
                                                          int64_t ldy, int cols, const int rows, const char *pf,
-                                                         int64_t pf_lines, const int out, const float *silu_table) {
+                                                         int64_t pf_lines, const int out, const float *silu_table,
+                                                         int32_t col0) {
     const int64_t full_pairs = k / 2, pairs = (k + 1) / 2;
     __m512 acc[ROWS][4];
     for (int i = 0; i < rows; i++)
@@ -112,31 +117,32 @@ static inline __attribute__((always_inline)) void micro(const uint16_t *x, int64
             }
         return;
     }
-    if (out == OUT_ARGMAX) { /* torch.argmax's answer: the first maximum, and a NaN beats everything */
+    if (out == OUT_ARGMAX) { /* fold this panel into the rows' running per-lane maxima: no reductions here */
         __mmask16 live[4];
         __m512 b[4];
+        __m512i col[4];
         for (int q = 0; q < 4; q++) {
             live[q] = column_mask(cols, q);
             b[q] = bias == NULL ? _mm512_setzero_ps() : widen_bf16x16(bias + 16 * q, live[q]);
+            col[q] = _mm512_add_epi32(_mm512_set1_epi32(col0 + 16 * q),
+                                      _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
         }
         for (int i = 0; i < rows; i++) {
-            __m512 v[4];
-            panel_best best = {-INFINITY, -1};
-            for (int q = 0; q < 4 && best.column < 0; q++) {
-                v[q] = _mm512_add_ps(acc[i][q], b[q]);
-                const __mmask16 nan = _mm512_mask_cmp_ps_mask(live[q], v[q], v[q], _CMP_UNORD_Q);
-                if (nan) best = (panel_best){NAN, 16 * q + __builtin_ctz(nan)};
+            lane_best *s = (lane_best *)y + i;
+            __m512 best = _mm512_loadu_ps(s->value);
+            __m512i best_col = _mm512_loadu_si512(s->column);
+            for (int q = 0; q < 4; q++) {
+                const __m512 v = _mm512_add_ps(acc[i][q], b[q]);
+                const __mmask16 nan = _mm512_mask_cmp_ps_mask(live[q], v, v, _CMP_UNORD_Q);
+                if (__builtin_expect(nan != 0, 0) && col0 + 16 * q + __builtin_ctz(nan) < s->first_nan)
+                    s->first_nan = col0 + 16 * q + __builtin_ctz(nan);
+                /* strictly greater: a lane keeps the first column of its maximum */
+                const __mmask16 gt = _mm512_mask_cmp_ps_mask(live[q], v, best, _CMP_GT_OQ);
+                best = _mm512_mask_mov_ps(best, gt, v);
+                best_col = _mm512_mask_mov_epi32(best_col, gt, col[q]);
             }
-            if (best.column < 0) {
-                __m512 top = _mm512_set1_ps(-INFINITY);
-                for (int q = 0; q < 4; q++) top = _mm512_mask_max_ps(top, live[q], top, v[q]);
-                const float m = _mm512_reduce_max_ps(top);
-                for (int q = 0; q < 4 && best.column < 0; q++) {
-                    const __mmask16 at = _mm512_mask_cmp_ps_mask(live[q], v[q], _mm512_set1_ps(m), _CMP_EQ_OQ);
-                    if (at) best = (panel_best){m, 16 * q + __builtin_ctz(at)};
-                }
-            }
-            ((panel_best *)y)[i] = best;
+            _mm512_storeu_ps(s->value, best);
+            _mm512_storeu_si512(s->column, best_col);
         }
         return;
     }
@@ -160,8 +166,14 @@ int gemm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *packed, const uint
               int64_t ldy, int64_t m, int64_t n, int64_t k, int out, const float *silu_table, int num_threads) {
     if (out == OUT_SILU_MUL && (n % PANEL != 0 || bias != NULL || silu_table == NULL)) return -2;
     const int64_t pairs = (k + 1) / 2, panels = (n + PANEL - 1) / PANEL, panel_elems = pairs * PANEL * 2;
-    panel_best *bests = NULL; /* OUT_ARGMAX: [panels][m] */
-    if (out == OUT_ARGMAX && (bests = malloc(sizeof *bests * (size_t)(panels * m))) == NULL) return -3;
+    lane_best *bests = NULL; /* OUT_ARGMAX: [threads][m] */
+    if (out == OUT_ARGMAX) {
+        if ((bests = aligned_alloc(64, sizeof *bests * (size_t)(num_threads * m))) == NULL) return -3;
+        for (int64_t r = 0; r < num_threads * m; r++) {
+            for (int l = 0; l < 16; l++) bests[r].value[l] = -INFINITY, bests[r].column[l] = INT32_MAX;
+            bests[r].first_nan = INT32_MAX;
+        }
+    }
     const int64_t panel_lines = panel_elems * 2 / 64;
     for (int64_t m0 = 0; m0 < m; m0 += ROW_CHUNK) {
         const int64_t mc = m - m0 < ROW_CHUNK ? m - m0 : ROW_CHUNK, blocks = (mc + ROWS - 1) / ROWS;
@@ -180,10 +192,11 @@ int gemm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *packed, const uint
                 const int cols = n - p * PANEL < PANEL ? (int)(n - p * PANEL) : PANEL;
                 const uint16_t *xi = x + i * ldx, *bp = bias == NULL ? NULL : bias + p * PANEL;
                 const int64_t y_col = out == OUT_SILU_MUL ? p * PANEL / 2 : p * PANEL;
-                void *yi = out == OUT_ARGMAX ? (void *)(bests + p * m + i)
+                void *yi = out == OUT_ARGMAX ? (void *)(bests + t * m + i)
                                              : (char *)y + (i * ldy + y_col) * (out == OUT_F32 ? 4 : 2);
                 const int rows = m0 + mc - i >= ROWS ? ROWS : (int)(m0 + mc - i);
-#define MICRO(R, OUT) micro(xi, ldx, panel, k, bp, yi, ldy, cols, R, pf, pf_lines, OUT, silu_table)
+#define MICRO(R, OUT) micro(xi, ldx, panel, k, bp, yi, ldy, cols, R, pf, pf_lines, OUT, silu_table, \
+                                  (int32_t)(p * PANEL))
 #define MICRO_ROWS(OUT)                                                                                  \
     switch (rows) {                                                                                      \
     case 6: MICRO(6, OUT); break;                                                                        \
@@ -206,15 +219,24 @@ int gemm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *packed, const uint
             }
         }
     }
-    if (out == OUT_ARGMAX) { /* panels in order, a later one wins only by a strictly larger value or a NaN */
+    if (out == OUT_ARGMAX) { /* torch.argmax's answer: the first NaN, else the first maximum (0 if all -inf) */
         for (int64_t i = 0; i < m; i++) {
-            panel_best best = bests[i];
-            int64_t column = best.column;
-            for (int64_t p = 1; p < panels && !is_nan(best.value); p++) {
-                const panel_best c = bests[p * m + i];
-                if (is_nan(c.value) || c.value > best.value) best = c, column = p * PANEL + c.column;
+            int32_t first_nan = INT32_MAX;
+            __m512 top = _mm512_set1_ps(-INFINITY);
+            for (int t = 0; t < num_threads; t++) {
+                const lane_best *s = bests + t * m + i;
+                first_nan = s->first_nan < first_nan ? s->first_nan : first_nan;
+                top = _mm512_max_ps(top, _mm512_loadu_ps(s->value));
             }
-            ((int64_t *)y)[i] = column;
+            const float mx = _mm512_reduce_max_ps(top);
+            int32_t column = INT32_MAX;
+            for (int t = 0; t < num_threads && first_nan == INT32_MAX && !is_neg_inf(mx); t++) {
+                const lane_best *s = bests + t * m + i;
+                const __mmask16 at = _mm512_cmp_ps_mask(_mm512_loadu_ps(s->value), _mm512_set1_ps(mx), _CMP_EQ_OQ);
+                const int32_t c = _mm512_mask_reduce_min_epi32(at, _mm512_loadu_si512(s->column));
+                column = c < column ? c : column;
+            }
+            ((int64_t *)y)[i] = first_nan != INT32_MAX ? first_nan : !is_neg_inf(mx) ? column : 0;
         }
         free(bests);
     }

@@ -168,3 +168,27 @@ def test_argmax_epilogue_takes_ties_nans_and_infinities_as_torch_does():
         assert torch.equal(head.argmax(xs), head(xs).argmax(-1)), weight.shape
     assert PackedLinear(w.to(torch.bfloat16), None, float32_out=True).argmax(
         x.to(torch.bfloat16)).tolist() == [70, 20, 0]
+
+
+@needs_gemm
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_argmax_epilogue_keeps_the_first_of_many_ties_whatever_the_thread_split(threads):
+    """Small integer weights make exact ties common, within a lane, across lanes, panels and threads (each
+    thread keeps per-lane maxima of its own panels; the merge takes the lowest column of the maximum)."""
+    gen = torch.Generator().manual_seed(threads)
+    w = torch.randint(-1, 2, (1000, 4), generator=gen).to(torch.bfloat16)
+    x = torch.randint(-1, 2, (70, 4), generator=gen).to(torch.bfloat16)
+    nan = w.clone()
+    nan[[900, 300, 901], 2] = float("nan")  # every row: NaN at 300 and 900 (in different threads' panels)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for weight in (w, nan):
+            head = PackedLinear(weight, None, float32_out=True)
+            want = head(x).argmax(-1)
+            assert torch.equal(head.argmax(x), want)
+    finally:
+        torch.set_num_threads(before)
+    assert (want == 300).all()  # 0 * NaN is NaN as well: every row has NaN logits, the first at 300
+    ties = (head := PackedLinear(w, None, float32_out=True))(x)
+    assert ((ties == ties.max(-1, keepdim=True).values).sum(-1) > 1).float().mean() > 0.5  # ties are common
