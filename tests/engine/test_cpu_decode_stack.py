@@ -16,10 +16,10 @@ pytestmark = pytest.mark.skipif(not cpu_kernels.gemm_available(), reason="needs 
 BLOCK = 16
 
 
-def _model(tmp_path, arch: str):
-    """A tiny random checkpoint (conftest's, heads of 64 for the AVX512-BF16 attention loop) in bf16, packed."""
+def _model(tmp_path, arch: str, head_dim: int = 64):
+    """A tiny random checkpoint (conftest's, heads of 64 or 128 for the AVX512-BF16 attention loop) in bf16, packed."""
     make_tiny_checkpoint(arch, tmp_path, hidden_size=384, intermediate_size=192, num_hidden_layers=3,
-                         num_attention_heads=6, num_key_value_heads=2, head_dim=64, vocab_size=300)
+                         num_attention_heads=6, num_key_value_heads=2, head_dim=head_dim, vocab_size=300)
     model, cfg = load_model(tmp_path, dtype=torch.bfloat16)
     pack_linears(model)
     return model, cfg
@@ -45,9 +45,10 @@ def _decode(model, cfg, stack: bool, seq_lens: list[int]):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-@pytest.mark.parametrize("seq_lens", [[1], [17, 1, 40, 33, 16], [300] * 3])
-def test_the_stack_gives_the_python_paths_bits(tmp_path, arch, seq_lens):
-    model, cfg = _model(tmp_path, arch)
+@pytest.mark.parametrize("seq_lens", [[1], [17, 1, 40, 33, 16], [300] * 3, [5 + 7 * i for i in range(29)]])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_the_stack_gives_the_python_paths_bits(tmp_path, arch, seq_lens, head_dim):
+    model, cfg = _model(tmp_path, arch, head_dim)
     want, want_kv = _decode(model, cfg, False, seq_lens)
     got, got_kv = _decode(model, cfg, True, seq_lens)
     assert torch.equal(got, want)
