@@ -5,9 +5,12 @@ A decode step reads every packed weight once (~270 MB for SmolLM2-135M in bf16).
 at 64 rows took 16.3 ms on 4 KiB pages against 15.3 ms on 2 MiB ones (docs/benchmarks.md, eighth session).
 Linux only backs memory with huge pages where asked (``transparent_hugepage/enabled`` is ``madvise`` on most
 distributions), so the tensors come from anonymous mappings advised ``MADV_HUGEPAGE`` before their first touch;
-elsewhere they are ordinary zeroed tensors. Not the KV cache: its decode attention gained 3% in isolation
-(255 -> 247 us a layer, cold), but faulting its huge pages in during a run (each zeroed, maybe compacted)
-made the offline bench 15% slower (1760 -> 1500 tok/s, 4 pairs).
+elsewhere they are ordinary zeroed tensors.
+
+Not the KV cache (measured, docs/benchmarks.md): left to fault in during a run, each huge page's first touch
+(zeroing, maybe compaction) stalled a step and the offline bench ran 15% slower; populated at allocation
+(MADV_POPULATE_WRITE) it ran 1.5% faster (4 pairs) but the engine took 7.0-7.6 s to start instead of
+3.3-3.8 s, the kernel compacting memory to find 2 GiB of huge pages.
 """
 
 from __future__ import annotations
