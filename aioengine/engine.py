@@ -151,7 +151,9 @@ class AsyncEngine:
         # What startup built (torch, transformers, the model's modules) lives as long as the engine: moved out of
         # the collector's reach, a full collection no longer walks it while requests wait (one took 155 ms in the
         # middle of the offline bench). vLLM does the same after its start.
-        await asyncio.wait([asyncio.wrap_future(self._structured_build)])  # a failure is raised per request
+        build = asyncio.wrap_future(self._structured_build)
+        await asyncio.wait([build])
+        build.exception()  # a failure (no tokenizer, no xgrammar) is raised per structured request, not logged here
         _freeze_startup_objects()
         self._task = asyncio.create_task(self._run(), name="aioengine-step-loop")
         logger.info("engine started in %.1f s: model=%s device=%s dtype=%s max_model_len=%d kv_blocks=%d "
