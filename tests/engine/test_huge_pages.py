@@ -81,3 +81,13 @@ def test_packed_linear_weights_live_on_huge_pages_and_compute_the_same():
     x = torch.randn(5, 64, generator=gen).bfloat16()
     torch.testing.assert_close(layer(x).float(), (x.float() @ weight.float().T), atol=0.05, rtol=0.02)
 
+
+
+def test_without_madvise_the_tensors_are_ordinary_zeros(monkeypatch):
+    import mmap
+
+    monkeypatch.delattr(mmap, "MADV_HUGEPAGE", raising=False)  # not Linux, or Python built without it
+    t = HugePageArena().zeros(1000, torch.bfloat16)
+    assert t.shape == (1000,) and t.dtype == torch.bfloat16 and not t.any()
+    t.fill_(1.0)
+    assert float(t.sum()) == 1000.0
