@@ -55,9 +55,25 @@ def _cpu_flags() -> str:
         return ""
 
 
+def _tune_flags(compiler: str) -> list[str]:
+    """``-mtune=sapphirerapids`` where the compiler's native tuning is for an AMD core without AVX-512 (znver1-3)
+    on a CPU that has it: gcc 12 does not know Zen 4/5 and tunes them as Zen 3. Tuned for a core with AVX-512,
+    the same kernels (same bits) ran the offline bench 2.6% faster on this project's Zen 5 (4 pairs)."""
+    if "avx512f" not in _cpu_flags().split():
+        return []
+    try:
+        target = subprocess.run([compiler, "-march=native", "-Q", "--help=target"], capture_output=True, text=True,
+                                timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    tune = next((line.split()[-1] for line in target.splitlines() if line.strip().startswith("-mtune=")), "")
+    return ["-mtune=sapphirerapids"] if tune in ("znver1", "znver2", "znver3") else []
+
+
 def _build(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256("\0".join([*(p.read_text() for p in _SOURCES + _HEADERS), version, _cpu_flags(), *_FLAGS,
+    flags = [*_FLAGS, *_tune_flags(compiler)]
+    key = hashlib.sha256("\0".join([*(p.read_text() for p in _SOURCES + _HEADERS), version, _cpu_flags(), *flags,
                                     *_LINK_FLAGS]).encode()).hexdigest()
     target = _cache_dir() / f"cpu_kernels-{key[:16]}.so"
     if target.exists():
@@ -66,7 +82,7 @@ def _build(compiler: str) -> Path:
     with tempfile.TemporaryDirectory(dir=target.parent) as work:
         objects = [str(Path(work) / f"{src.stem}.o") for src in _SOURCES]
         for src, obj in zip(_SOURCES, objects, strict=True):
-            subprocess.run([compiler, *_FLAGS, "-c", str(src), "-o", obj], capture_output=True, text=True,
+            subprocess.run([compiler, *flags, "-c", str(src), "-o", obj], capture_output=True, text=True,
                            check=True, timeout=120)
         tmp = str(Path(work) / "lib.so")
         subprocess.run([compiler, *_LINK_FLAGS, *objects, "-o", tmp, "-lm"], capture_output=True, text=True,
