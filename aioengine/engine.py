@@ -148,12 +148,11 @@ class AsyncEngine:
             max_num_batched_tokens=max_batched, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
             num_blocks=num_blocks, block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
             long_prefill_token_threshold=args.long_prefill_token_threshold, policy=args.scheduling_policy))
+        with contextlib.suppress(Exception):  # a failure (no tokenizer, no xgrammar) is raised per structured request
+            await asyncio.wrap_future(self._structured_build)
         # What startup built (torch, transformers, the model's modules) lives as long as the engine: moved out of
         # the collector's reach, a full collection no longer walks it while requests wait (one took 155 ms in the
         # middle of the offline bench). vLLM does the same after its start.
-        build = asyncio.wrap_future(self._structured_build)
-        await asyncio.wait([build])
-        build.exception()  # a failure (no tokenizer, no xgrammar) is raised per structured request, not logged here
         _freeze_startup_objects()
         self._task = asyncio.create_task(self._run(), name="aioengine-step-loop")
         logger.info("engine started in %.1f s: model=%s device=%s dtype=%s max_model_len=%d kv_blocks=%d "
