@@ -144,11 +144,3 @@ class BlockPool:
             block.block_hash = h
             # Keep the first block published under a hash; a duplicate stays private to its request.
             self.cached_block_hash_to_block.setdefault(h, block)
-
-    def reset_prefix_cache(self) -> bool:
-        if self.get_num_free_blocks() != self.num_blocks - 1:
-            return False  # blocks are in use
-        for block in self.blocks:
-            block.block_hash = None
-        self.cached_block_hash_to_block.clear()
-        return True

@@ -60,7 +60,6 @@ class Request:
     stop_reason: int | str | None = None
     num_cached_tokens: int = -1  # prompt tokens served by the prefix cache at first admission
     num_preemptions: int = 0
-    spec_token_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks of all_token_ids
     # Structured output: the grammar state (aioengine.structured.Grammar), advanced as tokens arrive.
     structured_output: Any = None
@@ -77,24 +76,9 @@ class Request:
         return len(self.all_token_ids)
 
     @property
-    def num_tokens_with_spec(self) -> int:
-        return len(self.all_token_ids) + len(self.spec_token_ids)
-
-    @property
     def num_output_tokens(self) -> int:
         return len(self.all_token_ids) - self.num_prompt_tokens
 
     @property
-    def output_token_ids(self) -> list[int]:
-        return self.all_token_ids[self.num_prompt_tokens:]
-
-    @property
     def is_finished(self) -> bool:
         return self.status > RequestStatus.PREEMPTED
-
-    @property
-    def use_structured_output(self) -> bool:
-        return self.structured_output is not None
-
-    def append_output_token_ids(self, token_ids: list[int]) -> None:
-        self.all_token_ids.extend(token_ids)

@@ -33,7 +33,6 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     long_prefill_token_threshold: int = 0  # 0: no cap on one prompt's share of a step
     policy: str = "fcfs"  # or "priority"
-    async_scheduling: bool = True  # one output placeholder per in-flight sampled token
 
     def __post_init__(self) -> None:
         assert self.max_num_batched_tokens >= 1 and self.max_num_seqs >= 1 and self.block_size >= 1
@@ -120,8 +119,7 @@ class Scheduler:
                                  or num_tokens + placeholders >= max_model_len):
                 i += 1  # every remaining token is already in flight: no extra step
                 continue
-            # num_tokens_with_spec: no speculative tokens yet, so it is num_tokens.
-            need = num_tokens + len(request.spec_token_ids) + placeholders - request.num_computed_tokens
+            need = num_tokens + placeholders - request.num_computed_tokens
             if 0 < threshold < need:
                 need = threshold
             need = min(need, token_budget, max_model_len - request.num_computed_tokens)
@@ -219,7 +217,6 @@ class Scheduler:
 
     def _update_after_schedule(self, out: SchedulerOutput) -> None:
         requests = self.requests
-        add_placeholder = self.config.async_scheduling
         for req_id, n in out.num_scheduled_tokens.items():
             request = requests[req_id]
             request.num_computed_tokens += n
@@ -231,8 +228,7 @@ class Scheduler:
                 out.structured_output_request_ids.append(req_id)
                 # Its bitmask needs the token still in flight: sampling waits for that step (stop 8).
                 out.pending_structured_output_tokens |= request.num_output_placeholders > 0
-            if add_placeholder:
-                request.num_output_placeholders += 1  # its sampled token is in flight from now on
+            request.num_output_placeholders += 1  # its sampled token is in flight from now on
 
     def get_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> GrammarOutput | None:
         """Stop 8: the bitmask of every structured request that samples in this step (None when none).
@@ -270,7 +266,6 @@ class Scheduler:
         outputs: list[EngineCoreOutput] = []
         requests = self.requests
         kv = self.kv_cache_manager
-        async_sched = self.config.async_scheduling
         sampled = runner_output.sampled_token_ids
         logprobs = runner_output.logprobs
         prompt_logprobs = runner_output.prompt_logprobs
@@ -283,9 +278,8 @@ class Scheduler:
             request = requests.get(req_id)
             if request is None:
                 continue  # finished (aborted, stopped) while this step was in flight
-            if async_sched:
-                request.num_output_placeholders -= len(new_token_ids)
-                assert request.num_output_placeholders >= 0
+            request.num_output_placeholders -= len(new_token_ids)
+            assert request.num_output_placeholders >= 0
             status = None
             grammar = request.structured_output
             for n, token in enumerate(new_token_ids, 1):
