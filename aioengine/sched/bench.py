@@ -10,7 +10,7 @@ import statistics
 import time
 
 from aioengine.sampling_params import SamplingParams
-from aioengine.sched.output import ModelRunnerOutput
+from aioengine.sched.output import ModelRunnerOutput, SchedulerOutput
 from aioengine.sched.request import Request
 from aioengine.sched.scheduler import Scheduler, SchedulerConfig
 
@@ -24,7 +24,7 @@ def bench(num_reqs: int, steps: int, prompt_len: int = 128) -> float:
     for i in range(num_reqs):
         sched.add_request(Request(f"req-{i}", [i % 50_000 + 1] * prompt_len, params))
 
-    def fake_output(out):
+    def fake_output(out: SchedulerOutput) -> ModelRunnerOutput:
         ids = list(out.num_scheduled_tokens)
         return ModelRunnerOutput(ids, [[7] for _ in ids])
 

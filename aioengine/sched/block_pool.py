@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 NONE_HASH = 0
 
 
-def hash_block_tokens(parent_hash: int, token_ids: Sequence[int], extra_keys: tuple | None = None) -> int:
+def hash_block_tokens(parent_hash: int, token_ids: Sequence[int], extra_keys: tuple[Hashable, ...] | None = None) -> int:
     """Chained block hash: equal hashes mean equal token prefixes (and equal extra keys, e.g. a cache salt)."""
     return hash((parent_hash, tuple(token_ids), extra_keys))
 
@@ -69,7 +69,7 @@ class FreeKVCacheBlockQueue:
         self._tail.prev_free_block = block
         self.num_free_blocks += 1
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[KVCacheBlock]:
         block = self._head.next_free_block
         while block is not self._tail:
             assert block is not None

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from aioengine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # types only: sched never imports numpy (or torch) at run time
+    import numpy as np
+    import numpy.typing as npt
 
 # The logprobs of one position: (token ids, logprobs, rank of the first id). The first id is the sampled (or
 # prompt) token, the rest are the top-k by rank. Plain lists: the scheduler never sees tensors.
@@ -55,7 +59,7 @@ class GrammarOutput:
     """
 
     req_ids: list[str]
-    bitmask: Any
+    bitmask: npt.NDArray[np.int32]
 
 
 @dataclass(slots=True)

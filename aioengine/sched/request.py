@@ -5,9 +5,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from aioengine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # a type only: importing it would pull numpy into sched
+    from aioengine.structured.manager import Grammar
 
 
 class RequestStatus(enum.IntEnum):
@@ -62,7 +65,7 @@ class Request:
     num_preemptions: int = 0
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks of all_token_ids
     # Structured output: the grammar state (aioengine.structured.Grammar), advanced as tokens arrive.
-    structured_output: Any = None
+    structured_output: Grammar | None = None
     max_tokens: int = field(init=False)
 
     def __post_init__(self) -> None:

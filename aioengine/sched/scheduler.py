@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from aioengine.sched.kv_cache_manager import KVCacheManager
 from aioengine.sched.output import (
@@ -21,6 +22,9 @@ from aioengine.sched.request import (
     RequestStatus,
 )
 from aioengine.sched.request_queue import create_request_queue
+
+if TYPE_CHECKING:  # a type only: the manager needs xgrammar, which sched never imports
+    from aioengine.structured.manager import StructuredOutputManager
 
 
 @dataclass(slots=True)
@@ -53,7 +57,7 @@ class Scheduler:
         self._num_preemptions_step = 0
         self._num_scheduled_tokens_since_stats = 0
         # Fills grammar bitmasks (aioengine.structured.StructuredOutputManager); set by the engine.
-        self.structured_output_manager = None
+        self.structured_output_manager: StructuredOutputManager | None = None
 
     # ---- request lifecycle --------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -242,7 +246,12 @@ class Scheduler:
         live = [rid for rid in ids if rid in requests]  # some may have finished since
         if not live:
             return None
-        return self.structured_output_manager.grammar_bitmask(live, [requests[r].structured_output for r in live])
+        grammars = []
+        for rid in live:
+            grammar = requests[rid].structured_output
+            assert grammar is not None  # only structured requests are listed
+            grammars.append(grammar)
+        return self.structured_output_manager.grammar_bitmask(live, grammars)
 
     def _pick_victim(self) -> Request:
         if self.config.policy == "priority":
@@ -307,8 +316,9 @@ class Scheduler:
                 kv.cache_blocks(request, request.num_computed_tokens)  # a block just filled up
             out = EngineCoreOutput(req_id, new_token_ids, status.finish_reason if status else None,
                                    request.stop_reason, max(request.num_cached_tokens, 0))
-            if logprobs is not None and logprobs[i] is not None:
-                out.new_logprobs = [logprobs[i]][:len(new_token_ids)]
+            sampled_logprobs = logprobs[i] if logprobs is not None else None
+            if sampled_logprobs is not None:
+                out.new_logprobs = [sampled_logprobs][:len(new_token_ids)]
             if prompt_logprobs:
                 out.new_prompt_logprobs = prompt_logprobs.get(req_id)
             outputs.append(out)
