@@ -6,7 +6,6 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
-import gc
 import logging
 import threading
 import time
@@ -15,13 +14,15 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from aioengine import gc_freeze
 from aioengine.checkpoint import RANDOM_PREFIX, generation_defaults, load_engine_tokenizer, read_config
 from aioengine.config import EngineArgs, default_num_threads, resolve_dtype_name
+from aioengine.engine_client import EngineStats, PrecompiledGrammar, RequestListener, StatListener
 from aioengine.errors import EngineDeadError, EngineNotStartedError, InvalidRequestError
 from aioengine.handle import GenerateHandle, RequestState
 from aioengine.outputs import CompletionOutput, Logprob, RequestOutput
 from aioengine.sampling_params import SamplingParams
-from aioengine.sched.output import EngineCoreOutput, ModelRunnerOutput, SchedulerStats, TokenLogprobs
+from aioengine.sched.output import EngineCoreOutput, ModelRunnerOutput, NewRequestData, TokenLogprobs
 from aioengine.sched.request import Request, RequestStatus
 from aioengine.sched.scheduler import Scheduler, SchedulerConfig
 from aioengine.tokenizer import IncrementalDetokenizer, apply_chat_template
@@ -58,8 +59,9 @@ class AsyncEngine:
         self._structured: Any = None  # StructuredOutputManager, built on a thread during start()
         self._structured_build: concurrent.futures.Future | None = None
         self._token_text: dict[int, str] = {}  # decoded single tokens, for logprobs
-        self.stat_listeners: list[Callable[[SchedulerStats, list[EngineCoreOutput]], None]] = []
-        self.request_listeners: list[Callable[[RequestOutput, RequestState], None]] = []
+        self.stat_listeners: list[StatListener] = []
+        self.request_listeners: list[RequestListener] = []
+        self._stopped = asyncio.Event()  # set once the step loop has ended: dead or shut down
 
     # ---- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> AsyncEngine:
@@ -179,6 +181,7 @@ class AsyncEngine:
                 await self._task
             self._task = None
             _unfreeze_startup_objects()
+        self._stopped.set()
         if self._worker is not None:
             worker, self._worker = self._worker, None
             await asyncio.get_running_loop().run_in_executor(None, worker.shutdown)
@@ -191,10 +194,26 @@ class AsyncEngine:
     def dead_error(self) -> EngineDeadError | None:
         return self._dead
 
+    @property
+    def stopped(self) -> asyncio.Event:
+        """Set once the engine has died or shut down (what `aioengine serve` waits on)."""
+        return self._stopped
+
+    @property
+    def allow_priority(self) -> bool:
+        """Whether requests may set a priority (--scheduling-policy priority)."""
+        return self.args.scheduling_policy == "priority"
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        if s is None:
+            return EngineStats(0, 0, 0.0, len(self._states))
+        return EngineStats(len(s.running), len(s.waiting), s.kv_cache_manager.usage, len(self._states))
+
     # ---- requests -----------------------------------------------------------------------------
     def generate(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
-                 request_id: str | None = None, priority: int = 0,
-                 cache_salt: str | None = None) -> GenerateHandle:
+                 request_id: str | None = None, priority: int = 0, cache_salt: str | None = None, *,
+                 grammar: PrecompiledGrammar | None = None) -> GenerateHandle:
         """Start a request; raises InvalidRequestError (bad input) or EngineDeadError at once."""
         self._check_alive()
         params = sampling_params or SamplingParams(**self.default_sampling_params)
@@ -212,23 +231,26 @@ class AsyncEngine:
                                           param="prompt")
         else:
             raise InvalidRequestError("prompt must be a string or a list of token ids.", param="prompt")
-        return self._add(prompt_text, prompt_ids, params, request_id, priority, cache_salt)
+        return self._add(prompt_text, prompt_ids, params, request_id, priority, cache_salt, grammar)
 
     def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None,
-             request_id: str | None = None, priority: int = 0,
-             chat_template_kwargs: dict | None = None) -> GenerateHandle:
+             request_id: str | None = None, priority: int = 0, chat_template_kwargs: dict | None = None, *,
+             grammar: PrecompiledGrammar | None = None) -> GenerateHandle:
         self._check_alive()
         ids = apply_chat_template(self.tokenizer, messages, **(chat_template_kwargs or {}))
         params = sampling_params or SamplingParams(**self.default_sampling_params)
-        return self._add(None, ids, params, request_id, priority, None)
+        return self._add(None, ids, params, request_id, priority, None, grammar)
 
-    async def precompile(self, params: SamplingParams) -> None:
-        """Compile ``params``' grammar on a thread, into the cache that ``generate`` then reads: a large JSON
-        schema compiles for seconds, which would stall every stream if done on the loop inside generate.
-        Raises InvalidRequestError as generate would."""
-        if params.structured_outputs is not None:
-            manager = self._structured_output_manager()
-            await asyncio.get_running_loop().run_in_executor(None, manager.compile, params.structured_outputs)
+    async def precompile(self, params: SamplingParams) -> PrecompiledGrammar | None:
+        """Compile ``params``' grammar on a thread, for ``generate(..., grammar=)``: a large JSON schema
+        compiles for seconds, which would stall every stream if done on the loop inside generate.
+        Raises InvalidRequestError as generate would; None when ``params`` has no grammar."""
+        spec = params.structured_outputs
+        if spec is None:
+            return None
+        manager = self._structured_output_manager()
+        compiled = await asyncio.get_running_loop().run_in_executor(None, manager.compile, spec)
+        return PrecompiledGrammar(spec, compiled)
 
     def _check_alive(self) -> None:
         if self._dead is not None:
@@ -237,7 +259,7 @@ class AsyncEngine:
             raise EngineNotStartedError("call `await engine.start()` (or use `async with`) first")
 
     def _add(self, prompt: str | None, prompt_ids: list[int], params: SamplingParams, request_id: str | None,
-             priority: int, cache_salt: str | None) -> GenerateHandle:
+             priority: int, cache_salt: str | None, grammar: PrecompiledGrammar | None = None) -> GenerateHandle:
         num_prompt = len(prompt_ids)
         self._check_prompt_length(num_prompt)
         max_tokens = params.max_tokens
@@ -259,7 +281,9 @@ class AsyncEngine:
             params = replace(params, bad_words_token_ids=params.bad_words_to_token_ids(self.tokenizer))
         params.verify_vocab(self.vocab_size)
         compiled_grammar = None
-        if params.structured_outputs is not None:  # compiled (or found in the cache) now: errors raise here
+        if grammar is not None and grammar.spec is params.structured_outputs:  # precompile()'s, for these params
+            compiled_grammar = grammar.compiled
+        elif params.structured_outputs is not None:  # compiled (or found in the cache) now: errors raise here
             compiled_grammar = self._structured_output_manager().compile(params.structured_outputs)
         rid = request_id if request_id is not None else f"req-{uuid.uuid4().hex}"
         if rid in self._states:
@@ -333,23 +357,29 @@ class AsyncEngine:
     def _finish_state(self, state: RequestState, completions: list[CompletionOutput]) -> None:
         state.finished = True
         self._states.pop(state.request_id, None)
-        state.queue.put_nowait(self._make_output(state, completions))
+        self._emit(state, completions)
 
-    def _make_output(self, state: RequestState, completions: list[CompletionOutput]) -> RequestOutput:
-        """The next output of ``state``: the deltas kept for it (an awaited request), then ``completions``."""
-        if state.buffered:
-            completions, state.buffered = state.buffered + completions, []
+    def _emit(self, state: RequestState, completions: list[CompletionOutput], keep: bool = False) -> None:
+        """One step's ``completions`` of ``state``: to the listeners, then to the consumer's queue with the
+        deltas kept for it before; or, with ``keep`` (only the final output is awaited), kept for it."""
         out = RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions, state.finished,
                             state.num_cached_tokens, {"arrival_time": state.arrival_time,
                                                       "first_token_time": state.first_token_time})
-        if state.pending_prompt_logprobs is not None:
+        if not keep and state.pending_prompt_logprobs is not None:
             out.prompt_logprobs, state.pending_prompt_logprobs = state.pending_prompt_logprobs, None
         for listener in self.request_listeners:
             listener(out, state)
-        return out
+        if keep:
+            state.buffered.extend(completions)
+            return
+        if state.buffered:
+            out = replace(out, outputs=state.buffered + completions)
+            state.buffered = []
+        state.queue.put_nowait(out)
 
     # ---- the step coroutine -------------------------------------------------------------------
     async def _run(self) -> None:
+        self._stopped.clear()  # started (again)
         try:
             while not self._stopping:
                 if not self.scheduler.has_requests() and not self._batch_queue:
@@ -362,6 +392,8 @@ class AsyncEngine:
             raise
         except BaseException as e:
             self._die(e)
+        finally:
+            self._stopped.set()
 
     async def _step(self) -> bool:
         """Plan and enqueue step k; then, once the queue is full, await step k-1 and emit its tokens.
@@ -376,6 +408,8 @@ class AsyncEngine:
             t0 = time.perf_counter()
             so = scheduler.schedule()  # stops 2-3
             host["schedule"] += time.perf_counter() - t0
+            if so.scheduled_new_reqs:
+                self._mark_scheduled(so.scheduled_new_reqs)
             if so.total_num_scheduled_tokens or so.finished_req_ids or so.preempted_req_ids:
                 exec_fut = self._worker.submit(self.runner.execute_model, so)  # stops 4-7
                 scheduled = so.total_num_scheduled_tokens > 0
@@ -412,6 +446,14 @@ class AsyncEngine:
             for listener in self.stat_listeners:
                 listener(stats, outputs)
         return True
+
+    def _mark_scheduled(self, new_reqs: list[NewRequestData]) -> None:
+        """The first-scheduled time of requests planned for the first time (not resumed after preemption)."""
+        now = time.monotonic()
+        for nr in new_reqs:
+            entry = self._children.get(nr.req_id)
+            if entry is not None and entry[0].first_scheduled_time is None:
+                entry[0].first_scheduled_time = now
 
     async def _await_step(self, fut: concurrent.futures.Future) -> ModelRunnerOutput:
         """The worker's result; on CUDA that is an awaitable whose device-to-host copy is in flight (an
@@ -469,12 +511,10 @@ class AsyncEngine:
         for state, completions in grouped.values():
             if all(state.child_done):
                 self._finish_state(state, completions)
-            elif state.final_only and not self.request_listeners:
-                # Only the final output is awaited (vLLM's FINAL_ONLY) and no listener watches each step:
-                # keep the deltas for it instead of waking the consumer every step.
-                state.buffered.extend(completions)
-            else:  # per step (also when a listener arrived mid-request: what was kept goes first)
-                state.queue.put_nowait(self._make_output(state, completions))
+            else:
+                # Only the final output awaited (vLLM's FINAL_ONLY): keep the deltas for it instead of waking
+                # the consumer every step; the listeners still see each step.
+                self._emit(state, completions, keep=state.final_only)
 
     def _logprob_dict(self, entry: TokenLogprobs) -> dict[int, Logprob]:
         """{chosen token: its Logprob, then the top-k by rank}; ranks are 1-based."""
@@ -511,23 +551,12 @@ class AsyncEngine:
         return self.scheduler.kv_cache_manager.usage if self.scheduler else 0.0
 
 
-_running_engines = 0  # started and not shut down: the last shutdown gives the frozen objects back
-
-
 def _freeze_startup_objects() -> None:
-    global _running_engines
-    gc.collect()
-    gc.freeze()
-    _running_engines += 1
+    gc_freeze.freeze()  # one holder per started engine (aioengine/gc_freeze.py)
 
 
 def _unfreeze_startup_objects() -> None:
-    """Back to the collector once no engine runs, so the process exits as it would without the freeze (frozen
-    objects are never collected: nanobind then reports triton's as leaked at exit)."""
-    global _running_engines
-    _running_engines -= 1
-    if _running_engines == 0:
-        gc.unfreeze()
+    gc_freeze.unfreeze()
 
 
 def _import_heavy_modules() -> None:

@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Generator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from aioengine.outputs import CompletionOutput, RequestOutput
 from aioengine.sampling_params import SamplingParams
 from aioengine.tokenizer import IncrementalDetokenizer
-
-if TYPE_CHECKING:
-    from aioengine.engine import AsyncEngine
 
 
 @dataclass(slots=True, eq=False)
@@ -31,11 +28,18 @@ class RequestState:
     num_cached_tokens: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
+    first_scheduled_time: float | None = None  # when a step first planned one of its completions
     finished: bool = False
     prompt_logprobs: list | None = None  # set once, from the first completion that delivers them
     pending_prompt_logprobs: list | None = None  # to attach to the next output
     final_only: bool = False  # the consumer awaits the final output only: deltas may be buffered for it
     buffered: list[CompletionOutput] = field(default_factory=list)  # deltas not yet sent, oldest first
+
+
+class RequestOwner(Protocol):
+    """What a handle needs of its engine (AsyncEngine): typed here so that handle.py never imports it."""
+
+    def _abort_state(self, state: RequestState) -> None: ...
 
 
 class GenerateHandle:
@@ -44,7 +48,7 @@ class GenerateHandle:
     Leaving an `async for` early, or cancelling the await, aborts the request.
     """
 
-    def __init__(self, engine: AsyncEngine, state: RequestState) -> None:
+    def __init__(self, engine: RequestOwner, state: RequestState) -> None:
         self._engine = engine
         self._state = state
         self._consumed = False
@@ -60,7 +64,7 @@ class GenerateHandle:
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self._iterate()
 
-    def __await__(self):
+    def __await__(self) -> Generator[Any, None, RequestOutput]:
         return self._final().__await__()
 
     async def _iterate(self) -> AsyncIterator[RequestOutput]:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from aioengine.engine_client import EngineClient
+
 _FLOOR = -9999.0  # -inf is not JSON; vLLM clamps the same way
 
 
-def _text(engine: Any, tid: int, lp: Any) -> str:
+def _text(engine: EngineClient, tid: int, lp: Any) -> str:
     return lp.decoded_token if lp.decoded_token is not None else engine.tokenizer.decode([tid])
 
 
@@ -23,7 +25,7 @@ def _chosen(d: dict, tid: int) -> Any:
     return lp if lp is not None else next(iter(d.values()))
 
 
-def chat_logprobs(engine: Any, token_ids: list[int], logprobs: list[dict] | None, k: int) -> dict:
+def chat_logprobs(engine: EngineClient, token_ids: list[int], logprobs: list[dict] | None, k: int) -> dict:
     """{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}, ...]}, one entry per token."""
     content = []
     for tid, d in zip(token_ids, logprobs or [], strict=False):
@@ -38,7 +40,7 @@ def chat_logprobs(engine: Any, token_ids: list[int], logprobs: list[dict] | None
 class CompletionLogprobs:
     """The legacy format for one choice; keeps the running text offset across stream chunks."""
 
-    def __init__(self, engine: Any, k: int, offset: int = 0) -> None:
+    def __init__(self, engine: EngineClient, k: int, offset: int = 0) -> None:
         self.engine = engine
         self.k = k
         self.offset = offset

@@ -13,6 +13,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from aioengine.engine_client import EngineClient
+
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                     10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -34,7 +36,7 @@ class Totals:
 
 
 class EngineMetrics:
-    def __init__(self, engine: Any, model_name: str, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, engine: EngineClient, model_name: str, registry: CollectorRegistry | None = None) -> None:
         self.engine = engine
         self.registry = registry if registry is not None else CollectorRegistry()
         self.totals = Totals()
@@ -51,10 +53,11 @@ class EngineMetrics:
 
         # Read at scrape time: exact even when no step runs (after aborts, when idle).
         gauge("num_requests_running", "Number of requests in model execution batches.",
-              lambda: len(engine.scheduler.running) if engine.scheduler is not None else 0)
+              lambda: engine.stats().num_running)
         gauge("num_requests_waiting", "Number of requests waiting to be processed.",
-              lambda: len(engine.scheduler.waiting) if engine.scheduler is not None else 0)
-        gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", engine.kv_cache_usage)
+              lambda: engine.stats().num_waiting)
+        gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+              lambda: engine.stats().kv_cache_usage)
         self.prefix_queries = counter("prefix_cache_queries", "Prefix cache queries, in number of queried tokens.")
         self.prefix_hits = counter("prefix_cache_hits", "Prefix cache hits, in number of cached tokens.")
         self.preemptions = counter("num_preemptions", "Cumulative number of preemptions from the engine.")
@@ -84,7 +87,7 @@ class EngineMetrics:
                                   "How late the event loop woke a periodic timer: the delay every request "
                                   "coroutine on the loop sees.", _LAG_BUCKETS)
         self._live: dict[str, list] = {}  # request_id -> [last token time, generated tokens]
-        self._scheduled: set[str] = set()  # engine (child) request ids already scheduled once
+        self._queued: set[str] = set()  # request ids whose queue time is observed
         engine.stat_listeners.append(self.on_step)
         engine.request_listeners.append(self.on_output)
 
@@ -107,18 +110,13 @@ class EngineMetrics:
             self.preemptions.inc(stats.num_preemptions)
         if stats.num_scheduled_tokens:
             self.iteration_tokens.observe(stats.num_scheduled_tokens)
-        # The engine keeps no "first scheduled" time: a request seen in `running` for the first time was
-        # scheduled in one of the (at most two) steps just finished.
-        scheduler = self.engine.scheduler
-        if scheduler is not None and scheduler.running:
-            now = time.monotonic()
-            for r in scheduler.running:
-                if r.request_id not in self._scheduled:
-                    self._scheduled.add(r.request_id)
-                    self.queue_time.observe(max(0.0, now - r.arrival_time))
 
     def on_output(self, out: Any, state: Any) -> None:
         now = time.monotonic()
+        scheduled = state.first_scheduled_time
+        if scheduled is not None and out.request_id not in self._queued:  # its first output since then
+            self._queued.add(out.request_id)
+            self.queue_time.observe(max(0.0, scheduled - state.arrival_time))
         live = self._live.get(out.request_id)
         n_new = 0
         for c in out.outputs:
@@ -148,8 +146,7 @@ class EngineMetrics:
             self.e2e.observe(max(0.0, now - state.arrival_time))
             self.request_generation_tokens.observe(live[1] if live is not None else 0)
             self._live.pop(out.request_id, None)
-            for cid in state.child_ids:
-                self._scheduled.discard(cid)
+            self._queued.discard(out.request_id)
 
     # ---- the event loop's own health -------------------------------------------------------------------
     async def watch_loop_lag(self, interval: float = 0.05) -> None:
@@ -180,9 +177,8 @@ class StatsLogger:
         gen_tps = (t.generation_tokens - self.last.generation_tokens) / dt
         queries = t.prefix_queries - self.last.prefix_queries
         hits = t.prefix_hits - self.last.prefix_hits
-        sched = engine.scheduler
-        running = len(sched.running) if sched is not None else 0
-        waiting = len(sched.waiting) if sched is not None else 0
+        snap = engine.stats()
+        running, waiting = snap.num_running, snap.num_waiting
         self.last = Totals(t.prompt_tokens, t.generation_tokens, t.prefix_queries, t.prefix_hits)
         self.last_time = now
         idle = not (prompt_tps or gen_tps or running or waiting)
@@ -191,5 +187,5 @@ class StatsLogger:
         self.was_idle = idle
         return (f"Avg prompt throughput: {prompt_tps:.1f} tokens/s, Avg generation throughput: {gen_tps:.1f} "
                 f"tokens/s, Running: {running} reqs, Waiting: {waiting} reqs, KV cache usage: "
-                f"{engine.kv_cache_usage() * 100:.1f}%, Prefix cache hit rate: "
+                f"{snap.kv_cache_usage * 100:.1f}%, Prefix cache hit rate: "
                 f"{(hits / queries * 100) if queries else 0.0:.1f}%")

@@ -7,18 +7,20 @@ aborted), 1 when the engine dies, so that a supervisor restarts the process.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import signal
 import time
 from typing import Any
 
+from aioengine.engine_client import EngineClient
 from aioengine.http.metrics import StatsLogger
 from aioengine.http.server import STATE, ServerConfig, bound_port, build_app, start_server
 
 logger = logging.getLogger("aioengine.serve")
 
-DEATH_POLL_S = 0.25
+# After the engine dies, keep answering (503 engine_dead on /health and new requests) this long before the
+# listener closes: health checks and clients learn why, instead of seeing the connection refused.
+DEATH_GRACE_S = 0.5
 
 
 def install_signal_handlers(stop: asyncio.Event) -> None:
@@ -36,7 +38,7 @@ def install_signal_handlers(stop: asyncio.Event) -> None:
         loop.add_signal_handler(sig, on_signal, sig)
 
 
-async def serve_engine(engine: Any, config: ServerConfig, host: str, port: int, stop: asyncio.Event,
+async def serve_engine(engine: EngineClient, config: ServerConfig, host: str, port: int, stop: asyncio.Event,
                        stats_interval: float | None = 10.0, shutdown_timeout: float = 5.0,
                        access_log: bool = False, on_ready: Any = None) -> int:
     """Serve until `stop` is set (-> 0) or the engine dies (-> 1). The engine must be started."""
@@ -58,15 +60,16 @@ async def serve_engine(engine: Any, config: ServerConfig, host: str, port: int, 
     dead = await _wait_stop_or_death(engine, stop)
     if dead:
         logger.error("the engine is dead (%s): exiting", engine.dead_error)
+        await asyncio.sleep(DEATH_GRACE_S)
     app[STATE].draining = True  # new generations on open connections get 503
     for site in list(runner.sites):
         await site.stop()  # no new connections
     if not dead:
         deadline = time.monotonic() + shutdown_timeout
-        while engine.num_unfinished_requests() and time.monotonic() < deadline:
+        while engine.stats().num_unfinished and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        if engine.num_unfinished_requests():
-            logger.info("aborting %d unfinished requests", engine.num_unfinished_requests())
+        if engine.stats().num_unfinished:
+            logger.info("aborting %d unfinished requests", engine.stats().num_unfinished)
     await engine.shutdown()  # aborts the rest: their streams end with finish_reason "abort"
     if stats_task is not None:
         stats_task.cancel()
@@ -75,11 +78,14 @@ async def serve_engine(engine: Any, config: ServerConfig, host: str, port: int, 
     return 1 if dead else 0
 
 
-async def _wait_stop_or_death(engine: Any, stop: asyncio.Event) -> bool:
-    """True when the engine died; the engine offers no death event, so poll (cheap, 4 Hz)."""
-    while not stop.is_set() and engine.dead_error is None:
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(stop.wait(), DEATH_POLL_S)
+async def _wait_stop_or_death(engine: EngineClient, stop: asyncio.Event) -> bool:
+    """Wait for ``stop`` or the engine's end; True when the engine died."""
+    waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(engine.stopped.wait())]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()
     return engine.dead_error is not None
 
 

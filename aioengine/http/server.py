@@ -23,6 +23,7 @@ from aiohttp.abc import AbstractAccessLogger
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import aioengine
+from aioengine.engine_client import EngineClient
 from aioengine.errors import AioEngineError, InvalidRequestError
 from aioengine.http import serving
 from aioengine.http.metrics import EngineMetrics
@@ -75,12 +76,12 @@ class AppState:
 
 
 _serving_apps = 0  # apps between startup and cleanup: the GC stays frozen while any serves
-ENGINE = web.AppKey("aioengine_engine", object)
+ENGINE = web.AppKey[EngineClient]("aioengine_engine")
 CONFIG = web.AppKey("aioengine_config", ServerConfig)
 STATE = web.AppKey("aioengine_state", AppState)
 
 
-def build_app(engine: Any, config: ServerConfig | None = None, **kwargs: Any) -> web.Application:
+def build_app(engine: EngineClient, config: ServerConfig | None = None, **kwargs: Any) -> web.Application:
     """An aiohttp app serving a started (or soon started) AsyncEngine; kwargs are ServerConfig fields."""
     cfg = config if config is not None else ServerConfig(**kwargs)
     app = web.Application(client_max_size=cfg.client_max_size, middlewares=[_middleware])
@@ -247,16 +248,17 @@ def admit(app: web.Application) -> None:
         raise APIError(503, "The server is shutting down.", code="shutting_down",
                        headers={"Retry-After": str(app[CONFIG].retry_after_s)})
     limit = app[CONFIG].max_num_queued_reqs
-    scheduler = app[ENGINE].scheduler
-    if limit is not None and scheduler is not None and len(scheduler.waiting) >= limit:
-        raise APIError(503, f"The server is busy: {len(scheduler.waiting)} requests are already waiting "
+    if limit is None:
+        return
+    waiting = app[ENGINE].stats().num_waiting
+    if waiting >= limit:
+        raise APIError(503, f"The server is busy: {waiting} requests are already waiting "
                             f"(--max-num-queued-reqs {limit}). Retry later.", code="queue_full",
                        headers={"Retry-After": str(app[CONFIG].retry_after_s)})
 
 
-def allow_priority(engine: Any) -> bool:
-    args = getattr(engine, "args", None)
-    return getattr(args, "scheduling_policy", "fcfs") == "priority"
+def allow_priority(engine: EngineClient) -> bool:
+    return engine.allow_priority
 
 
 def _request_id(request: web.Request, req: GenerationRequest, prefix: str) -> str:
@@ -334,7 +336,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
 def _model_card(app: web.Application, name: str) -> dict:
     engine = app[ENGINE]
     return {"id": name, "object": "model", "created": app[STATE].created, "owned_by": "aioengine",
-            "root": getattr(engine, "model_path", None) or name, "parent": None,
+            "root": engine.model_path or name, "parent": None,
             "max_model_len": engine.max_model_len}
 
 
@@ -362,7 +364,7 @@ async def tokenize(request: web.Request) -> web.Response:
 
 async def detokenize(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
-    vocab = getattr(engine, "vocab_size", 0) or len(engine.tokenizer)
+    vocab = engine.vocab_size or len(engine.tokenizer)
     model, tokens = parse_detokenize_request(await _read_json(request), vocab)
     _check_model(request.app, model)
     try:
@@ -392,7 +394,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 async def openapi(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
-    vocab = getattr(engine, "vocab_size", 0) or len(engine.tokenizer)
+    vocab = engine.vocab_size or len(engine.tokenizer)
     return json_response(openapi_spec(aioengine.__version__, request.app[CONFIG].limits, vocab,
                                       allow_priority(engine)))
 

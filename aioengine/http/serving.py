@@ -14,6 +14,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from aioengine.engine_client import EngineClient
 from aioengine.errors import AioEngineError, InvalidRequestError
 from aioengine.http.logprobs import CompletionLogprobs, chat_logprobs
 from aioengine.http.protocol import APIError, ChatRequest, CompletionRequest, bad, error_dict, from_invalid
@@ -43,7 +44,7 @@ def engine_error(e: AioEngineError) -> APIError:
     return APIError(503, f"The engine is not serving: {e}", code="engine_dead")
 
 
-async def prepare(engine: Any, req: ChatRequest | CompletionRequest) -> None:
+async def prepare(engine: EngineClient, req: ChatRequest | CompletionRequest) -> None:
     """The slow parts of starting a request, off the event loop: tokenize (chat: template) prompts over
     OFFLOAD_CHARS characters into `prompt_ids`, and compile a grammar (a 0.36 MB JSON schema took 2.6 s on
     the loop; xgrammar releases the GIL, so the loop keeps serving while it compiles on a thread)."""
@@ -71,7 +72,7 @@ async def prepare(engine: Any, req: ChatRequest | CompletionRequest) -> None:
         raise engine_error(e) from None
 
 
-def start_chat(engine: Any, req: ChatRequest, request_id: str) -> list:
+def start_chat(engine: EngineClient, req: ChatRequest, request_id: str) -> list:
     try:
         if req.prompt_ids is not None:
             return [engine.generate(req.prompt_ids, req.params, request_id=request_id, priority=req.priority)]
@@ -81,7 +82,7 @@ def start_chat(engine: Any, req: ChatRequest, request_id: str) -> list:
         raise engine_error(e) from None
 
 
-async def start_completions(engine: Any, req: CompletionRequest, request_id: str) -> list:
+async def start_completions(engine: EngineClient, req: CompletionRequest, request_id: str) -> list:
     handles: list = []
     try:
         for i, prompt in enumerate(req.prompts):
@@ -178,7 +179,7 @@ async def open_sse(request: web.Request, request_id: str) -> SSEWriter:
 
 
 # ---- chat ---------------------------------------------------------------------------------------------
-def chat_response(engine: Any, req: ChatRequest, request_id: str, model: str, outs: list[RequestOutput]) -> dict:
+def chat_response(engine: EngineClient, req: ChatRequest, request_id: str, model: str, outs: list[RequestOutput]) -> dict:
     out = outs[0]
     k = req.params.logprobs
     tally = Tally([len(out.prompt_token_ids)], [out.num_cached_tokens])
@@ -198,7 +199,7 @@ def chat_response(engine: Any, req: ChatRequest, request_id: str, model: str, ou
             "choices": choices, "usage": tally.usage()}
 
 
-async def stream_chat(request: web.Request, engine: Any, req: ChatRequest, handles: list, request_id: str,
+async def stream_chat(request: web.Request, engine: EngineClient, req: ChatRequest, handles: list, request_id: str,
                       model: str) -> web.StreamResponse:
     created = int(time.time())
     base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
@@ -231,11 +232,11 @@ async def stream_chat(request: web.Request, engine: Any, req: ChatRequest, handl
 
 
 # ---- completions --------------------------------------------------------------------------------------
-def prompt_text(engine: Any, prompt: str | list[int]) -> str:
+def prompt_text(engine: EngineClient, prompt: str | list[int]) -> str:
     return prompt if isinstance(prompt, str) else engine.tokenizer.decode(prompt)
 
 
-def completion_response(engine: Any, req: CompletionRequest, request_id: str, model: str,
+def completion_response(engine: EngineClient, req: CompletionRequest, request_id: str, model: str,
                         outs: list[RequestOutput]) -> dict:
     n, k = req.params.n, req.params.logprobs
     tally = Tally([len(o.prompt_token_ids) for o in outs], [o.num_cached_tokens for o in outs])
@@ -255,7 +256,7 @@ def completion_response(engine: Any, req: CompletionRequest, request_id: str, mo
             "choices": choices, "usage": tally.usage()}
 
 
-async def stream_completions(request: web.Request, engine: Any, req: CompletionRequest, handles: list,
+async def stream_completions(request: web.Request, engine: EngineClient, req: CompletionRequest, handles: list,
                              request_id: str, model: str) -> web.StreamResponse:
     n, k = req.params.n, req.params.logprobs
     base = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model}
@@ -293,7 +294,7 @@ def _joined(a: dict | None, b: dict) -> dict:
     return b if a is None else {key: a[key] + b[key] for key in a}
 
 
-async def _stream(request: web.Request, engine: Any, req: ChatRequest | CompletionRequest, handles: list,
+async def _stream(request: web.Request, engine: EngineClient, req: ChatRequest | CompletionRequest, handles: list,
                   request_id: str, base: dict, first: list[dict],
                   make_choice: Callable[[int, CompletionOutput, RequestOutput], dict | None],
                   on_output: Callable[[int, RequestOutput], None] | None = None) -> web.StreamResponse:
@@ -329,7 +330,7 @@ async def _stream(request: web.Request, engine: Any, req: ChatRequest | Completi
     return await guarded_sse(request, engine, handles, request_id, write, write_error)
 
 
-async def guarded_sse(request: web.Request, engine: Any, handles: list, request_id: str,
+async def guarded_sse(request: web.Request, engine: EngineClient, handles: list, request_id: str,
                       write: Callable[[SSEWriter], Awaitable[None]],
                       write_error: Callable[[SSEWriter, APIError], Awaitable[None]]) -> web.StreamResponse:
     """Open the stream, run ``write``; a vanished client ends it quietly, a dead engine gets ``write_error``;
@@ -351,7 +352,7 @@ async def guarded_sse(request: web.Request, engine: Any, handles: list, request_
     return sse.resp
 
 
-async def abort_all(engine: Any, handles: list) -> None:
+async def abort_all(engine: EngineClient, handles: list) -> None:
     """Abort whatever is still running (a no-op for finished requests), also when never iterated."""
     for h in handles:
         await engine.abort(h.request_id)
@@ -364,7 +365,7 @@ def response_object(builder: Any, out: RequestOutput) -> dict:
     return builder.response("completed", c.text, c.finish_reason, tally.usage())
 
 
-async def stream_response(request: web.Request, engine: Any, handles: list, request_id: str, builder: Any
+async def stream_response(request: web.Request, engine: EngineClient, handles: list, request_id: str, builder: Any
                           ) -> web.StreamResponse:
     """The Responses API's events: created, the message item and its text part opening, one text delta per
     engine delta, then the closing events and `response.completed` (or `response.incomplete`) with usage."""

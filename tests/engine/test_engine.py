@@ -358,7 +358,8 @@ def test_a_prefix_cache_hit_gives_the_same_bits_in_bfloat16():
 
 def test_an_awaited_request_gets_one_wakeup_and_the_same_output_as_a_stream(tiny_llama):
     """Awaiting generate() (vLLM's FINAL_ONLY) buffers the deltas for the final output instead of waking the
-    consumer every step; with a request listener (the server's metrics) every step's output is still sent."""
+    consumer every step; a request listener (the server's metrics) still sees every step's output, and the
+    awaited consumer is still woken once."""
     path, _ = tiny_llama
     params = SamplingParams(n=2, temperature=0.8, seed=11, max_tokens=10, ignore_eos=True, logprobs=2,
                             prompt_logprobs=1, stop=["zz"])
@@ -390,7 +391,10 @@ def test_an_awaited_request_gets_one_wakeup_and_the_same_output_as_a_stream(tiny
             engine.request_listeners.append(lambda out, state: seen.append(out))
             puts.clear()
             again = await counting(engine.generate("Hello there", params))
-            assert len(puts) == len(seen) > 2
+            assert len(puts) == 1 and len(seen) > 2  # woken once; the listener saw each step
+            assert [d.outputs for d in seen[:-1]] != [again.outputs] * (len(seen) - 1)  # deltas, not the final
+            streamed = {i: "".join(c.text for d in seen for c in d.outputs if c.index == i) for i in range(2)}
+            assert streamed == {c.index: c.text for c in again.outputs}
             assert [(c.text, c.token_ids) for c in again.outputs] == [(c.text, c.token_ids) for c in awaited.outputs]
 
             # A listener that arrives mid-request (an app built on a running engine): the kept deltas still

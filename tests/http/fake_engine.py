@@ -1,26 +1,59 @@
-"""A stand-in for AsyncEngine (no model): each request streams one token, then waits until it is aborted
-or the engine "dies". Used to test engine death without killing the real engine."""
+"""A stand-in for AsyncEngine (no model), implementing EngineClient: each request streams one token, then
+waits until it is aborted or the engine "dies". Used to test engine death without killing the real engine."""
 
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
+from collections.abc import AsyncIterator, Generator, Mapping
+from typing import Any
 
+from aioengine.engine_client import (
+    EngineClient,
+    EngineStats,
+    PrecompiledGrammar,
+    RequestHandle,
+    RequestListener,
+    StatListener,
+)
 from aioengine.errors import EngineDeadError
 from aioengine.outputs import CompletionOutput, RequestOutput
+from aioengine.sampling_params import SamplingParams
+
+
+class FakeTokenizer:
+    """One token per character (ids are code points modulo the vocabulary)."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [ord(ch) % self.vocab_size for ch in text]
+
+    def decode(self, token_ids: list[int]) -> str:
+        return "".join(chr(t) for t in token_ids)
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        return [chr(t) for t in ids]
+
+    def __len__(self) -> int:
+        return self.vocab_size
 
 
 class FakeHandle:
     def __init__(self, engine: FakeEngine, request_id: str) -> None:
         self.engine = engine
-        self.request_id = request_id
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self._request_id = request_id
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.queue.put_nowait(RequestOutput(request_id, "p", [1, 2], [CompletionOutput(0, "Hello", [7])]))
 
-    def __aiter__(self):
+    @property
+    def request_id(self) -> str:
+        return self._request_id
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self._iterate()
 
-    async def _iterate(self):
+    async def _iterate(self) -> AsyncIterator[RequestOutput]:
         try:
             while True:
                 item = await self.queue.get()
@@ -32,50 +65,57 @@ class FakeHandle:
         finally:
             self.engine.live.pop(self.request_id, None)
 
-    def __await__(self):
-        async def final():
+    def __await__(self) -> Generator[Any, None, RequestOutput]:
+        async def final() -> RequestOutput:
+            out = None
             async for out in self:
-                if out.finished:
-                    return out
+                pass
+            assert out is not None
+            return out
         return final().__await__()
 
 
 class FakeEngine:
     def __init__(self) -> None:
         self.model_name = "fake"
-        self.model_path = None
+        self.model_path: str | None = None
         self.max_model_len = 128
         self.vocab_size = 100
-        self.tokenizer = None
+        self.tokenizer = FakeTokenizer(self.vocab_size)
+        self.default_sampling_params: Mapping[str, float] = {}
+        self.allow_priority = False
         self.dead_error: EngineDeadError | None = None
-        self.scheduler = SimpleNamespace(running=[], waiting=[])
-        self.stat_listeners: list = []
-        self.request_listeners: list = []
+        self.stat_listeners: list[StatListener] = []
+        self.request_listeners: list[RequestListener] = []
+        self.stopped = asyncio.Event()
         self.live: dict[str, FakeHandle] = {}
         self.shut_down = False
-        self.default_sampling_params: dict = {}
 
     @property
     def is_running(self) -> bool:
         return self.dead_error is None and not self.shut_down
 
-    def kv_cache_usage(self) -> float:
-        return 0.0
+    def stats(self) -> EngineStats:
+        return EngineStats(num_running=len(self.live), num_waiting=0, kv_cache_usage=0.0,
+                           num_unfinished=len(self.live))
 
-    def num_unfinished_requests(self) -> int:
-        return len(self.live)
-
-    def generate(self, prompt, params=None, request_id=None, priority=0) -> FakeHandle:
+    def generate(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
+                 request_id: str | None = None, priority: int = 0, cache_salt: str | None = None, *,
+                 grammar: PrecompiledGrammar | None = None) -> RequestHandle:
         if self.dead_error is not None:
             raise self.dead_error
-        h = self.live[request_id] = FakeHandle(self, request_id)
+        rid = request_id if request_id is not None else f"fake-{len(self.live)}"
+        h = self.live[rid] = FakeHandle(self, rid)
         return h
 
-    def chat(self, messages, params=None, request_id=None, priority=0, chat_template_kwargs=None) -> FakeHandle:
-        return self.generate("", params, request_id, priority)
+    def chat(self, messages: list[dict[str, Any]], sampling_params: SamplingParams | None = None,
+             request_id: str | None = None, priority: int = 0,
+             chat_template_kwargs: dict[str, Any] | None = None, *,
+             grammar: PrecompiledGrammar | None = None) -> RequestHandle:
+        return self.generate("", sampling_params, request_id, priority)
 
-    async def precompile(self, params) -> None:
-        pass  # no grammars here
+    async def precompile(self, params: SamplingParams) -> PrecompiledGrammar | None:
+        return None  # no grammars here
 
     async def abort(self, request_id: str) -> bool:
         h = self.live.pop(request_id, None)
@@ -88,8 +128,14 @@ class FakeEngine:
         for h in list(self.live.values()):
             h.queue.put_nowait(self.dead_error)
         self.live.clear()
+        self.stopped.set()
 
     async def shutdown(self) -> None:
         for rid in list(self.live):
             await self.abort(rid)
         self.shut_down = True
+        self.stopped.set()
+
+
+def _implements_the_protocol(engine: FakeEngine) -> EngineClient:
+    return engine  # mypy checks FakeEngine against EngineClient here
