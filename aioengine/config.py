@@ -2,8 +2,34 @@
 
 from __future__ import annotations
 
+import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
+
+CPU_LINEAR_CHOICES = ("auto", "onednn", "torch")
+
+
+@dataclass(slots=True)
+class KernelConfig:
+    """Which kernels a backend uses: per engine, so two engines in one process can differ (tests, A/B runs)."""
+
+    cpu_kernels: bool = True  # build and use the C kernels at all (False: torch ops, oneDNN linears)
+    cpu_elementwise: bool = True  # residual add + RMSNorm and rotary as one C pass each (bf16)
+    cpu_attention: bool = True  # C decode attention and KV store
+    cpu_prefill_attention: bool = True  # bf16 prompt chunks through cpu_prefill_attention.c
+    # bf16 linears: "auto" packs for cpu_gemm.c where it is built (else oneDNN's layout), "onednn" always
+    # takes oneDNN's layout, "torch" keeps plain weights for F.linear.
+    cpu_linear: str = "auto"
+    cpu_decode_stack: bool = True  # a step of decodes only runs every layer in one C call
+    cuda_graph_capture_timeout_s: float = 180.0  # graph capture stops (smaller sizes run eagerly) past this
+
+    def validate(self) -> None:
+        if self.cpu_linear not in CPU_LINEAR_CHOICES:
+            raise ValueError(f"cpu_linear must be one of {', '.join(CPU_LINEAR_CHOICES)}, got {self.cpu_linear!r}")
+        if self.cuda_graph_capture_timeout_s < 0:
+            raise ValueError("cuda_graph_capture_timeout_s must be >= 0")
 
 
 @dataclass(slots=True)
@@ -36,6 +62,7 @@ class EngineArgs:
     max_cudagraph_capture_size: int | None = None
     quantization: str | None = None  # CPU only: int8 | int4 weight-only (aioengine/gpu/quant.py)
     step_timeout_s: float = 300.0  # watchdog: a step running longer marks the engine dead
+    kernels: KernelConfig = field(default_factory=KernelConfig)
 
     def resolved_device(self) -> str:
         if self.device != "auto":
@@ -62,6 +89,35 @@ class EngineArgs:
             raise ValueError(f"quantization must be int8 or int4, got {self.quantization!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        self.kernels.validate()
+
+
+@dataclass(slots=True, frozen=True)
+class EngineConfig:
+    """What ``start()`` resolved from EngineArgs, the checkpoint's config and the backend's defaults."""
+
+    device: str
+    dtype: str
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+
+
+def resolve_max_model_len(requested: int | None, max_position_embeddings: int, sliding_window: int | None) -> int:
+    """The context length: ``requested`` or the model's; with no sliding-window kernels, a window caps it
+    (a ValueError when the cap contradicts an explicit request)."""
+    max_model_len = requested or max_position_embeddings
+    if max_model_len > max_position_embeddings:
+        logger.warning("max_model_len %d is past the model's max_position_embeddings (%d): positions beyond it "
+                       "extrapolate RoPE, as transformers does, and quality may drop there", max_model_len,
+                       max_position_embeddings)
+    if sliding_window is not None and max_model_len > sliding_window:
+        if requested:
+            raise ValueError(f"max_model_len {max_model_len} exceeds the model's sliding window ({sliding_window}); "
+                             "sliding-window attention is not supported, so the context is capped there")
+        logger.warning("max_model_len capped at the model's sliding window, %d tokens", sliding_window)
+        max_model_len = sliding_window
+    return max_model_len
 
 
 def cpu_has_fast_bf16() -> bool:

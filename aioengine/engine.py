@@ -7,7 +7,6 @@ import collections
 import concurrent.futures
 import contextlib
 import logging
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -16,7 +15,7 @@ from typing import Any
 
 from aioengine import gc_freeze
 from aioengine.checkpoint import RANDOM_PREFIX, generation_defaults, load_engine_tokenizer, read_config
-from aioengine.config import EngineArgs, default_num_threads, resolve_dtype_name
+from aioengine.config import EngineArgs, EngineConfig, resolve_max_model_len
 from aioengine.engine_client import EngineStats, PrecompiledGrammar, RequestListener, StatListener
 from aioengine.errors import EngineDeadError, EngineNotStartedError, InvalidRequestError
 from aioengine.handle import GenerateHandle, RequestState
@@ -29,15 +28,13 @@ from aioengine.tokenizer import IncrementalDetokenizer, apply_chat_template
 
 logger = logging.getLogger(__name__)
 
-_DEFAULT_CPU_KV_BYTES = 2 << 30
-
-
 class AsyncEngine:
     def __init__(self, args: EngineArgs | None = None, **kwargs: Any) -> None:
         self.args = args if args is not None else EngineArgs(**kwargs)
         self.args.validate()
         self.tokenizer: Any = None
         self.runner: Any = None
+        self.backend: Any = None  # gpu.backend.Backend, picked in start() (importing it imports torch)
         self.scheduler: Scheduler | None = None
         self.model_path: str | None = None
         self.model_name = self.args.served_model_name or self.args.model
@@ -65,18 +62,35 @@ class AsyncEngine:
 
     # ---- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> AsyncEngine:
+        """Resolve the config, load the model and tokenizer, size the KV cache, capture; then run the steps."""
         if self._task is not None:
             return self
+        from aioengine.gpu.backends import make_backend
+
+        t0 = time.perf_counter()
+        self.backend = make_backend(self.args)  # the one choice of device (the CPU's kernel build starts here)
+        cfg_probe = await self._resolve_model()
+        config = self._resolve_config(cfg_probe)
+        await self._load(config, cfg_probe)
+        num_blocks = await self._size_kv_cache(config)
+        await self._initialize_kv_cache(config, num_blocks)
+        with contextlib.suppress(Exception):  # a failure (no tokenizer, no xgrammar) is raised per structured request
+            await asyncio.wrap_future(self._structured_build)
+        # What start-up built (torch, transformers, the model's modules) lives as long as the engine: out of the
+        # collector's reach, a full collection no longer walks it while requests wait (vLLM does the same).
+        _freeze_startup_objects()
+        self._task = asyncio.create_task(self._run(), name="aioengine-step-loop")
+        logger.info("engine started in %.1f s: model=%s device=%s dtype=%s max_model_len=%d kv_blocks=%d "
+                    "(%d tokens) max_num_batched_tokens=%d max_num_seqs=%d", time.perf_counter() - t0,
+                    self.model_path, config.device, config.dtype, config.max_model_len, num_blocks,
+                    self.kv_capacity_tokens, config.max_num_batched_tokens, config.max_num_seqs)
+        return self
+
+    async def _resolve_model(self) -> dict[str, Any]:
+        """Find the checkpoint (the default model is converted once) and read what start-up needs of it."""
         from aioengine.model_files import resolve_model
 
-        args = self.args
-        loop = asyncio.get_running_loop()
-        t0 = time.perf_counter()
-        device = args.resolved_device()
-        if device == "cpu":  # gcc builds the C kernels (~3 s cold) while the model loads
-            from aioengine.kernels import cpu_kernels
-
-            threading.Thread(target=cpu_kernels.load, name="aioengine-cpu-kernels", daemon=True).start()
+        args, loop = self.args, asyncio.get_running_loop()
         if args.model.startswith(RANDOM_PREFIX):  # random weights of a known shape: no files
             self.model_path = args.model
         else:
@@ -86,82 +100,75 @@ class AsyncEngine:
         # transformers' lazy module is not safe to import from two threads at once: import it once here,
         # before the tokenizer thread and the model loader race for it.
         await loop.run_in_executor(None, _import_heavy_modules)
-        cfg_probe = await loop.run_in_executor(None, read_config, self.model_path)
-        tokenizer_fut = loop.run_in_executor(None, load_engine_tokenizer, args, self.model_path, cfg_probe["vocab_size"])
-        cuda = device == "cuda"
+        return await loop.run_in_executor(None, read_config, self.model_path)
+
+    def _resolve_config(self, cfg_probe: dict[str, Any]) -> EngineConfig:
+        """EngineArgs, the checkpoint's limits and the backend's defaults -> the engine's sizes."""
+        args, backend = self.args, self.backend
+        return EngineConfig(
+            device=backend.name,
+            dtype=args.dtype if args.dtype != "auto" else backend.default_dtype(),
+            max_model_len=resolve_max_model_len(args.max_model_len, cfg_probe["max_position_embeddings"],
+                                                cfg_probe.get("sliding_window")),
+            max_num_seqs=args.max_num_seqs or backend.default_max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens or backend.default_max_num_batched_tokens)
+
+    async def _load(self, config: EngineConfig, cfg_probe: dict[str, Any]) -> None:
+        """The worker, the model on it and the tokenizer beside it; xgrammar's tables start building."""
         import torch
 
-        from aioengine.gpu.device import CpuWorker, CudaWorker
         from aioengine.gpu.model_runner import ModelRunner
 
-        dtype = getattr(torch, resolve_dtype_name(args.dtype, device))
-        self._worker = CudaWorker() if cuda else CpuWorker(args.num_threads or default_num_threads())
-        max_model_len = args.max_model_len or cfg_probe["max_position_embeddings"]
-        if max_model_len > cfg_probe["max_position_embeddings"]:
-            logger.warning("max_model_len %d is past the model's max_position_embeddings (%d): positions beyond it "
-                           "extrapolate RoPE, as transformers does, and quality may drop there", max_model_len,
-                           cfg_probe["max_position_embeddings"])
-        window = cfg_probe.get("sliding_window")
-        if window is not None and max_model_len > window:  # no sliding-window kernels: stay inside the window
-            if args.max_model_len:
-                raise ValueError(f"max_model_len {max_model_len} exceeds the model's sliding window ({window}); "
-                                 "sliding-window attention is not supported, so the context is capped there")
-            logger.warning("max_model_len capped at the model's sliding window, %d tokens", window)
-            max_model_len = window
-        max_num_seqs = args.max_num_seqs or (1024 if cuda else 128)
-        max_batched = args.max_num_batched_tokens or (8192 if cuda else 512)
+        args, loop = self.args, asyncio.get_running_loop()
+        tokenizer_fut = loop.run_in_executor(None, load_engine_tokenizer, args, self.model_path,
+                                             cfg_probe["vocab_size"])
+        self._worker = self.backend.make_worker()
         self.runner = await asyncio.wrap_future(self._worker.submit(
-            ModelRunner, self.model_path, dtype, torch.device(device), max_num_seqs, max_model_len,
-            args.block_size, args.seed, args.quantization))
+            ModelRunner, self.model_path, self.backend, getattr(torch, config.dtype), config.max_num_seqs,
+            config.max_model_len, args.block_size, args.seed, args.quantization))
         self.tokenizer = await tokenizer_fut
         self.vocab_size = cfg_probe["vocab_size"]
         self.eos_token_id = cfg_probe["eos_token_id"]
         if self.eos_token_id is None:
             self.eos_token_id = self.tokenizer.eos_token_id
-        # xgrammar's tokenizer tables (~0.1-0.3 s of CPU) build on a thread (it releases the GIL) while the KV
-        # cache is set up, and start() waits for them: built after it, they took the cores from the first step.
-        builder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="aioengine-grammar")
-        self._structured_build = builder.submit(self._new_structured_output_manager)
-        builder.shutdown(wait=False)
-        bytes_per_block = self.runner.kv_cache_bytes_per_block()
-        blocks_per_seq = -(-max_model_len // args.block_size)
-        if args.num_kv_blocks is not None:
-            num_blocks = args.num_kv_blocks
-        elif cuda and args.kv_cache_memory_bytes is None:  # what gpu_memory_utilization leaves after a warm-up
-            num_blocks = min(await asyncio.wrap_future(self._worker.submit(
-                self.runner.profile_kv_blocks, max_batched, max_num_seqs, args.gpu_memory_utilization)),
-                max_num_seqs * blocks_per_seq + 1)
-        else:
-            budget = args.kv_cache_memory_bytes or _DEFAULT_CPU_KV_BYTES
-            num_blocks = min(budget // bytes_per_block, max_num_seqs * blocks_per_seq + 1)
-        if num_blocks < 2:
-            raise ValueError(f"the KV cache budget fits {num_blocks} blocks; at least 2 are needed")
-        await asyncio.wrap_future(self._worker.submit(self.runner.initialize_kv_cache, num_blocks))
-        if cuda and not args.enforce_eager:
-            await asyncio.wrap_future(self._worker.submit(self.runner.capture_cuda_graphs, max_batched,
-                                                          args.max_cudagraph_capture_size))
-        self.max_model_len = max_model_len
-        self.kv_capacity_tokens = (num_blocks - 1) * args.block_size
+        self.max_model_len = config.max_model_len
         self.default_sampling_params = generation_defaults(args.generation_config, cfg_probe["generation_config"])
         SamplingParams(**self.default_sampling_params)  # a bad value in the file stops the start, not each request
         if self.default_sampling_params:
             logger.info("default sampling parameters from the generation config: %s", self.default_sampling_params)
+        # xgrammar's tokenizer tables (CPU-heavy, GIL released) build on a thread while the KV cache is set up;
+        # start() waits for them: built after it, they took the cores from the first step.
+        builder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="aioengine-grammar")
+        self._structured_build = builder.submit(self._new_structured_output_manager)
+        builder.shutdown(wait=False)
+
+    async def _size_kv_cache(self, config: EngineConfig) -> int:
+        """KV blocks: ``num_kv_blocks``, else what the backend's budget holds, never more than every sequence
+        at full length needs."""
+        args = self.args
+        if args.num_kv_blocks is not None:
+            num_blocks = args.num_kv_blocks
+        else:
+            fits = await asyncio.wrap_future(self._worker.submit(
+                self.backend.num_kv_blocks, self.runner, args, config.max_num_batched_tokens, config.max_num_seqs))
+            num_blocks = min(fits, config.max_num_seqs * -(-config.max_model_len // args.block_size) + 1)
+        if num_blocks < 2:
+            raise ValueError(f"the KV cache budget fits {num_blocks} blocks; at least 2 are needed")
+        return num_blocks
+
+    async def _initialize_kv_cache(self, config: EngineConfig, num_blocks: int) -> None:
+        """Allocate the cache and the backend's fast paths over it (CUDA graphs are captured here), then the
+        scheduler that hands its blocks out."""
+        args = self.args
+        await asyncio.wrap_future(self._worker.submit(self.runner.initialize_kv_cache, num_blocks))
+        await asyncio.wrap_future(self._worker.submit(
+            self.backend.build_fast_paths, self.runner, args, config.max_num_batched_tokens))
+        self.kv_capacity_tokens = (num_blocks - 1) * args.block_size
         self.scheduler = Scheduler(SchedulerConfig(
-            max_num_batched_tokens=max_batched, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-            num_blocks=num_blocks, block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
+            max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
+            max_model_len=config.max_model_len, num_blocks=num_blocks, block_size=args.block_size,
+            enable_prefix_caching=args.enable_prefix_caching,
             long_prefill_token_threshold=args.long_prefill_token_threshold, policy=args.scheduling_policy))
-        with contextlib.suppress(Exception):  # a failure (no tokenizer, no xgrammar) is raised per structured request
-            await asyncio.wrap_future(self._structured_build)
-        # What startup built (torch, transformers, the model's modules) lives as long as the engine: moved out of
-        # the collector's reach, a full collection no longer walks it while requests wait (one took 155 ms in the
-        # middle of the offline bench). vLLM does the same after its start.
-        _freeze_startup_objects()
-        self._task = asyncio.create_task(self._run(), name="aioengine-step-loop")
-        logger.info("engine started in %.1f s: model=%s device=%s dtype=%s max_model_len=%d kv_blocks=%d "
-                    "(%d tokens) max_num_batched_tokens=%d max_num_seqs=%d", time.perf_counter() - t0,
-                    self.model_path, device, dtype, max_model_len, num_blocks, self.kv_capacity_tokens,
-                    max_batched, max_num_seqs)
-        return self
 
     async def __aenter__(self) -> AsyncEngine:
         return await self.start()
@@ -456,21 +463,15 @@ class AsyncEngine:
                 entry[0].first_scheduled_time = now
 
     async def _await_step(self, fut: concurrent.futures.Future) -> ModelRunnerOutput:
-        """The worker's result; on CUDA that is an awaitable whose device-to-host copy is in flight (an
-        AsyncOutput): awaiting it waits for a CUDA event without blocking the loop. One watchdog for both."""
-        deadline = asyncio.get_running_loop().time() + self.args.step_timeout_s
-        out = await self._until(asyncio.wrap_future(fut), deadline)
-        if hasattr(out, "__await__"):
-            out = await self._until(asyncio.ensure_future(out), deadline)
-        return out
-
-    async def _until(self, afut: asyncio.Future, deadline: float) -> Any:
+        """The step's output, as the backend's worker awaits it (CUDA: an event behind the device-to-host copy,
+        without blocking the loop), under the watchdog."""
+        output = asyncio.ensure_future(self._worker.output(fut))
         # asyncio.wait, not wait_for: wait_for can swallow a cancellation that races the result (3.11).
-        done, _ = await asyncio.wait((afut,), timeout=max(0.0, deadline - asyncio.get_running_loop().time()))
+        done, _ = await asyncio.wait((output,), timeout=self.args.step_timeout_s)
         if not done:
-            afut.cancel()
+            output.cancel()
             raise EngineDeadError(f"a step ran longer than the watchdog limit of {self.args.step_timeout_s} s")
-        return afut.result()
+        return output.result()
 
     def run_on_worker(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
         """Run ``fn(*args)`` on the device worker, after the steps already submitted (e.g. runner stats)."""

@@ -31,6 +31,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from aioengine.env import cache_dir
+
 __all__ = ["ModelNotFoundError", "resolve_model", "convert_gguf", "cache_dir", "default_gguf_path"]
 
 logger = logging.getLogger(__name__)
@@ -45,17 +47,6 @@ CONVERTER_VERSION = 1
 
 class ModelNotFoundError(ValueError):
     """The model name does not name the default model or a local checkpoint directory."""
-
-
-def cache_dir() -> Path:
-    """Root of aioengine's cache: $AIOENGINE_CACHE_DIR, $XDG_CACHE_HOME/aioengine or ~/.cache/aioengine."""
-    explicit = os.environ.get("AIOENGINE_CACHE_DIR")
-    if explicit:
-        return Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    if xdg:
-        return Path(xdg).expanduser() / "aioengine"
-    return Path.home() / ".cache" / "aioengine"
 
 
 def default_gguf_path() -> Path:

@@ -66,7 +66,7 @@ async def run_throughput(args) -> dict:
             return out
 
         runner = engine.runner
-        timeline = runner.timeline  # CUDA: events around each step
+        timeline = engine.backend.timeline  # CUDA: events around each step
         if timeline is not None:
             await engine.run_on_worker(timeline.reset)
         await engine.run_on_worker(runner.host_s.clear)
@@ -83,7 +83,7 @@ async def run_throughput(args) -> dict:
         host = host_ms_per_step(engine.host_s, await engine.run_on_worker(runner.host_s.copy))
         num_params = runner.num_parameters()
         dtype_name = str(runner.dtype).removeprefix("torch.")
-        device = runner.device.type
+        device = engine.backend.name
     finally:
         await engine.shutdown()
     from aioengine.bench.roofline import matmul_gflops, roofline_tokens_per_s

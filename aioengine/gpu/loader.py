@@ -1,4 +1,4 @@
-"""Build a model from a local Hugging Face directory, stream its safetensors weights, size KV caches."""
+"""Build a model from a local Hugging Face directory, stream its safetensors weights; KV cache shapes and sizes."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig
 
+from aioengine.gpu.backend import REFERENCE_OPS, Ops
 from aioengine.gpu.models import get_model_class
 from aioengine.gpu.models.llama import LlamaForCausalLM, head_dim_of, num_kv_heads_of
 from aioengine.gpu.random_model import build_random_model, is_random_model
@@ -42,18 +43,19 @@ def iterate_weights(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_model(
-    path: str | os.PathLike[str], dtype: torch.dtype = torch.float32, device: Any = "cpu"
+    path: str | os.PathLike[str], dtype: torch.dtype = torch.float32, device: Any = "cpu", ops: Ops = REFERENCE_OPS
 ) -> tuple[LlamaForCausalLM, PretrainedConfig]:
-    """(model in eval mode on ``device`` with ``dtype`` weights, its HF config). Never uses the network.
+    """(model in eval mode on ``device`` with ``dtype`` weights, its layers calling ``ops``, its HF config).
+    Never uses the network.
 
     ``random:NAME`` builds a random-weight model of a known shape on the device instead (no files).
     """
     if is_random_model(os.fspath(path)):
-        return build_random_model(os.fspath(path), dtype, device)
+        return build_random_model(os.fspath(path), dtype, device, ops=ops)
     hf_config = AutoConfig.from_pretrained(os.fspath(path), local_files_only=True)
     model_cls = get_model_class(hf_config)
     with torch.no_grad():
-        model = model_cls(hf_config, dtype=dtype, device=device)
+        model = model_cls(hf_config, dtype=dtype, device=device, ops=ops)
         model.load_weights(iterate_weights(safetensors_files(path)))  # copy_ casts dtype and device
     model.requires_grad_(False)
     return model.eval(), hf_config
@@ -70,24 +72,3 @@ def kv_cache_bytes_per_block(model_config: Any, block_size: int, dtype: torch.dt
     hf = getattr(model_config, "hf_config", model_config)
     per_layer = 2 * block_size * num_kv_heads_of(hf) * head_dim_of(hf)
     return per_layer * hf.num_hidden_layers * torch.empty((), dtype=dtype).element_size()
-
-
-def allocate_kv_caches(
-    model_config: Any, num_blocks: int, block_size: int, dtype: torch.dtype, device: Any
-) -> list[torch.Tensor]:
-    """One zeroed cache tensor per layer.
-
-    Zeroed, not empty: padded attention reads slots nobody wrote, and a NaN there would
-    survive its zero attention weight (0 * NaN = NaN).
-    """
-    hf = getattr(model_config, "hf_config", model_config)
-    shape = kv_cache_shape(hf, num_blocks, block_size)
-    with torch.inference_mode(False):  # normal tensors: writable under inference_mode and no_grad alike
-        if torch.device(device).type == "cpu":
-            # Head-major in memory ([2, blocks, heads, block_size, D]) behind the usual shape: a decode reads
-            # one KV head's rows of a block as one contiguous run, which DRAM serves faster than rows strided
-            # by the other heads (the C kernel's attention: 15-20% less time in the engine).
-            two, blocks, size, heads, dim = shape
-            return [torch.zeros((two, blocks, heads, size, dim), dtype=dtype, device=device).transpose(2, 3)
-                    for _ in range(hf.num_hidden_layers)]
-        return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(hf.num_hidden_layers)]

@@ -8,29 +8,16 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
-from aioengine.gpu.async_output import AsyncOutput, host_signal_after
-from aioengine.gpu.cpu_decode_stack import CpuDecodeStack
-from aioengine.gpu.cpu_linear import pack_linears
-from aioengine.gpu.cuda_graphs import (
-    MAX_CAPTURE_SIZE,
-    DecodeGraphs,
-    capture_sizes,
-    capture_time_limit_s,
-    is_uniform_decode,
-)
-from aioengine.gpu.loader import allocate_kv_caches, load_model
-from aioengine.gpu.memory import kv_cache_blocks, profile_memory, warmup_lengths
-from aioengine.gpu.models import sliding_window
-from aioengine.gpu.quant import quantize_model
+from aioengine.gpu.backend import Backend
+from aioengine.gpu.loader import kv_cache_bytes_per_block, load_model
 from aioengine.gpu.sampler import Sampler, SamplerOutput, SamplingMetadata, gather_logprobs
-from aioengine.gpu.staging import HostStaging
 from aioengine.gpu.states import RequestStates
-from aioengine.kernels import cpu_kernels
-from aioengine.kernels.attention import AttentionMetadata
+from aioengine.kernels.metadata import AttentionMetadata
 from aioengine.sched.output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -48,43 +35,32 @@ class InputBatch:
 
 
 class ModelRunner:
-    """Runs on the device's worker (a thread on CPU): execute_model() then sample_tokens(), in order."""
+    """Runs on the backend's worker: execute_model() then sample_tokens(), in order. What differs by device
+    (kernels, KV layout, fast paths, staging, the output copy) is the backend's."""
 
-    def __init__(self, model_path: str, dtype: torch.dtype, device: torch.device, max_num_reqs: int,
+    def __init__(self, model_path: str, backend: Backend, dtype: torch.dtype, max_num_reqs: int,
                  max_model_len: int, block_size: int, seed: int, quantization: str | None = None) -> None:
-        self.device = device
+        """``max_model_len`` is the engine's, already within the model's limits (``EngineConfig``)."""
+        self.backend = backend
+        self.device = device = backend.device
         self.dtype = dtype
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.max_num_reqs = max_num_reqs
-        self.model, self.hf_config = load_model(model_path, dtype=dtype, device=device)
+        self.max_blocks_per_req = -(-max_model_len // block_size)
+        self.model, self.hf_config = load_model(model_path, dtype=dtype, device=device, ops=backend.ops)
         self.model.cover_positions(max_model_len)  # a max_model_len past max_position_embeddings extrapolates
-        window = sliding_window(self.hf_config)
-        if window is not None and max_model_len > window:
-            raise ValueError(f"max_model_len {max_model_len} exceeds the sliding window ({window}), which is "
-                             "not supported")
         self._num_parameters = sum(p.numel() for p in self.model.parameters())  # before any repacking
-        if quantization is not None:
-            quantize_model(self.model, quantization)
-        if device.type == "cpu":
-            pack_linears(self.model)  # bf16: oneDNN's blocked layout, once
-            cpu_kernels.load()  # build the C attention kernel now (seconds), not inside the first step
-        self.sampler = Sampler(seed, device)
-        self.staging = HostStaging(device)  # CUDA: every per-step input goes through pinned memory
-        self.states = RequestStates(max_num_reqs, max_model_len, -(-max_model_len // block_size), device,
+        backend.prepare_model(self.model, quantization)
+        self.sampler = Sampler(seed, device, backend.ops, top_p_from_candidates=backend.sample_top_p_from_candidates,
+                               grammar_check_argmax_first=backend.grammar_check_argmax_first)
+        self.staging = backend.make_staging()
+        self.states = RequestStates(max_num_reqs, max_model_len, self.max_blocks_per_req, device,
                                     vocab_size=self.hf_config.vocab_size, staging=self.staging)
         self.kv_caches: list[torch.Tensor] = []
         self._pending: tuple[InputBatch, torch.Tensor] | None = None
         self.fault_hook: Callable[[str, SchedulerOutput | None], None] | None = None  # tests inject faults
         self.num_steps = 0
-        # CUDA: sampled tokens go to pinned memory on a copy stream; events time the GPU's idle gaps.
-        self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.timeline = None
-        if device.type == "cuda":
-            from aioengine.gpu.timeline import GpuTimeline
-
-            self.timeline = GpuTimeline()
-        self.graphs: DecodeGraphs | None = None  # captured by capture_cuda_graphs()
         # Seconds this (worker) thread spent per phase, summed over steps: building inputs, launching (or
         # computing, on CPU) the forward, and sampling. The bench reports them per step.
         self.host_s: collections.Counter[str] = collections.Counter()
@@ -94,48 +70,10 @@ class ModelRunner:
         return self._num_parameters
 
     def kv_cache_bytes_per_block(self) -> int:
-        cfg = self.hf_config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * cfg.num_hidden_layers * self.block_size * num_kv_heads * head_dim * elem
+        return kv_cache_bytes_per_block(self.hf_config, self.block_size, self.dtype)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.kv_caches = allocate_kv_caches(self.hf_config, num_blocks, self.block_size, self.dtype, self.device)
-        if self.device.type == "cpu":  # decode steps in one C call where the model allows (same bits)
-            self.model.model.decode_stack = CpuDecodeStack.build(self.model, self.kv_caches)
-
-    # ---- CUDA start-up: KV sizing from measured memory, then graph capture ----------------------
-    def profile_kv_blocks(self, max_num_batched_tokens: int, max_num_seqs: int,
-                          gpu_memory_utilization: float) -> int:
-        """KV blocks that fit ``gpu_memory_utilization`` after a warm-up forward at the full budget."""
-        lens = warmup_lengths(max_num_batched_tokens, self.max_model_len, max_num_seqs)
-        try:
-            profile = profile_memory(self.model, self.hf_config, self.dtype, self.device, self.block_size, lens,
-                                     max_num_seqs)
-        except torch.OutOfMemoryError as e:
-            raise RuntimeError(f"the warm-up step ({max_num_batched_tokens} tokens, logits for {max_num_seqs} "
-                               "rows) does not fit in GPU memory next to the weights: lower "
-                               "--max-num-batched-tokens or --max-num-seqs") from e
-        num_blocks = kv_cache_blocks(profile, gpu_memory_utilization, self.kv_cache_bytes_per_block())
-        gib = 1 << 30
-        logger.info("GPU memory: %.1f GiB total x %.2f, peak %.2f GiB (weights and a %d-token step), %.2f GiB "
-                    "outside torch: %d KV blocks (%.1f GiB)", profile.total_bytes / gib, gpu_memory_utilization,
-                    profile.peak_torch_bytes / gib, sum(lens), profile.non_torch_bytes / gib, num_blocks,
-                    num_blocks * self.kv_cache_bytes_per_block() / gib)
-        return num_blocks
-
-    def capture_cuda_graphs(self, max_num_batched_tokens: int, max_capture_size: int | None = None) -> list[int]:
-        """Capture decode graphs at the bucket sizes (after initialize_kv_cache); returns the sizes."""
-        sizes = capture_sizes(self.max_num_reqs, max_num_batched_tokens, max_capture_size or MAX_CAPTURE_SIZE)
-        graphs = DecodeGraphs(self.model, self.kv_caches, sizes[-1], self.states.block_table.shape[1], self.device)
-        try:
-            with torch.inference_mode():
-                graphs.capture(sizes, capture_time_limit_s())
-        except Exception as e:
-            raise RuntimeError(f"CUDA graph capture failed ({e!r}); --enforce-eager runs without graphs") from e
-        self.graphs = graphs
-        return graphs.sizes
+        self.kv_caches = self.backend.allocate_kv_caches(self.hf_config, num_blocks, self.block_size, self.dtype)
 
     # ---- stop 5: update states ----------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -231,16 +169,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         batch = self._prepare_inputs(so)
         t1 = time.perf_counter()
-        meta = batch.attn_metadata
-        # A uniform decode batch replays a graph; None: it runs eagerly.
-        size = self.graphs.size_for(meta, batch.input_ids.shape[0]) if self.graphs is not None else None
-        if self.timeline is not None:
-            self.timeline.start("decode_graph" if size is not None else
-                                "decode_eager" if is_uniform_decode(meta, batch.input_ids.shape[0]) else "mixed")
-        if size is not None:
-            hidden = self.graphs.replay(size, batch.input_ids, batch.positions, meta)
-        else:
-            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, meta)
+        hidden = self.backend.forward(self, batch.input_ids, batch.positions, batch.attn_metadata)
         self._pending = (batch, hidden)
         self.num_steps += 1
         host = self.host_s
@@ -249,8 +178,8 @@ class ModelRunner:
 
     # ---- stop 9: logits for the sampled rows only, then the sampler ----------------------------
     @torch.inference_mode()
-    def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput | AsyncOutput:
-        """The step's output; on CUDA an AsyncOutput to await (its device-to-host copy is in flight)."""
+    def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> Any:
+        """The step's output, or what the backend's worker awaits for it (CUDA: a copy in flight)."""
         if self.fault_hook is not None:
             self.fault_hook("sample_tokens", None)
         if self._pending is None:
@@ -261,7 +190,7 @@ class ModelRunner:
         finally:
             self.host_s["sample"] += time.perf_counter() - t0
 
-    def _sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput | AsyncOutput:
+    def _sample_tokens(self, grammar_output: GrammarOutput | None) -> Any:
         batch, hidden = self._pending
         self._pending = None
         states = self.states
@@ -270,8 +199,7 @@ class ModelRunner:
         if (states.num_prompt_logprobs[batch.rows] >= 0).any():
             out.prompt_logprobs = self._prompt_logprobs(batch, hidden)
         if not batch.logits_indices.numel():
-            if self.timeline is not None:
-                self.timeline.end()
+            self.backend.end_step()
             return out
         sample_idx = np.flatnonzero(batch.sample_mask)
         sample_rows = batch.rows[sample_idx]
@@ -289,26 +217,7 @@ class ModelRunner:
             tensors += result.logprobs
             num_logprobs = states.num_logprobs[sample_rows].tolist()
         finish = functools.partial(_fill_output, out, sample_idx.tolist(), num_logprobs)
-        if self.timeline is not None:
-            self.timeline.end()
-        if self.copy_stream is not None:
-            return self._copy_to_host(tensors, finish)
-        return finish(*tensors)
-
-    def _copy_to_host(self, tensors: list[torch.Tensor], finish: Callable[..., ModelRunnerOutput]) -> AsyncOutput:
-        """Copy into pinned memory on the copy stream; an event (and a host function) marks the end."""
-        stream = self.copy_stream
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        host = []
-        with torch.cuda.stream(stream):
-            for t in tensors:
-                h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                h.copy_(t, non_blocking=True)
-                t.record_stream(stream)  # the allocator must not reuse t before the copy ran
-                host.append(h)
-            event = torch.cuda.Event()
-            event.record(stream)
-        return AsyncOutput(event, host_signal_after(stream), functools.partial(finish, *host))
+        return self.backend.finish_step(tensors, finish)
 
     def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
         return self.states.sampling_metadata(rows)

@@ -51,13 +51,14 @@ def randomize_(model: torch.nn.Module, seed: int = 0, std: float = 0.02) -> None
         p.normal_(1.0 if "norm" in name else 0.0, std, generator=gen)
 
 
-def build_random_model(name: str, dtype: torch.dtype, device: Any, seed: int = 0) -> tuple[Any, Any]:
-    """(our LlamaForCausalLM with random weights on ``device``, its HF config)."""
+def build_random_model(name: str, dtype: torch.dtype, device: Any, seed: int = 0, ops: Any = None) -> tuple[Any, Any]:
+    """(our LlamaForCausalLM with random weights on ``device``, built with ``ops``, its HF config)."""
+    from aioengine.gpu.backend import REFERENCE_OPS
     from aioengine.gpu.models.llama import LlamaForCausalLM
 
     config = random_config(name)
     with torch.no_grad():
-        model = LlamaForCausalLM(config, dtype=dtype, device=device)
+        model = LlamaForCausalLM(config, dtype=dtype, device=device, ops=ops or REFERENCE_OPS)
     randomize_(model, seed)
     model.requires_grad_(False)
     return model.eval(), config

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from aioengine.kernels import cpu_kernels
+from aioengine.gpu.backend import REFERENCE_OPS, Ops
 
 _EPS = 1e-5
 _NEG_INF = float("-inf")
@@ -183,20 +183,28 @@ def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor,
 
 
 class Sampler:
-    def __init__(self, seed: int, device: torch.device) -> None:
+    def __init__(self, seed: int, device: torch.device, ops: Ops = REFERENCE_OPS, top_p_from_candidates: bool = False,
+                 grammar_check_argmax_first: bool = False) -> None:
+        """The two switches pay where sorting or masking the whole vocabulary is dear (the CPU backend sets
+        them): ``top_p_from_candidates`` samples top-k / top-p rows among the 256 best tokens where their
+        nucleus lies within them; ``grammar_check_argmax_first`` masks only the greedy rows whose argmax
+        the grammar forbids."""
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        self.argmax = ops.argmax
+        self.top_p_from_candidates = top_p_from_candidates
+        self.grammar_check_argmax_first = grammar_check_argmax_first
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         """logits [B, V] (modified in place) -> sampled token ids int64 [B] and, if asked, logprobs."""
         if md.plain_greedy:  # nothing to apply: skip the sampler's float32 temporaries
-            return SamplerOutput(_greedy(logits))
+            return SamplerOutput(self.argmax(logits))
         if logits.dtype != torch.float32:
             logits = logits.float()
         # A greedy batch without logprobs checks its argmax against the bitmask first and masks only the
-        # rows whose argmax the grammar forbids (CPU; -inf commutes with bias and penalties).
-        check_first = (md.grammar is not None and md.all_greedy and md.max_num_logprobs is None
-                       and not logits.is_cuda)
+        # rows whose argmax the grammar forbids (-inf commutes with bias and penalties).
+        check_first = (self.grammar_check_argmax_first and md.grammar is not None and md.all_greedy
+                       and md.max_num_logprobs is None)
         if md.grammar is not None and not check_first:
             apply_grammar_bitmask(logits, *md.grammar)
         raw_logprobs = logits.log_softmax(-1) if md.max_num_logprobs is not None else None
@@ -237,11 +245,10 @@ class Sampler:
         scaled = logits / torch.where(is_greedy, 1.0, temp).unsqueeze(1)
         if md.min_p is not None:
             scaled = apply_top_k_top_p_min_p(scaled, md, top_k_top_p=False)
-        if (md.top_k is None and md.top_p is None) or scaled.is_cuda:
+        if (md.top_k is None and md.top_p is None) or not self.top_p_from_candidates:
             scaled = apply_top_k_top_p_min_p(scaled, md, min_p=False)
             return torch.where(is_greedy, greedy, self._race(scaled, md.generators))
-        # CPU: sorting the whole vocabulary (top-p) costs ~10x the step's other sampling work. Rows whose
-        # top-k / nucleus lies within the 256 best tokens sample among those; the others as before.
+        # Rows whose top-k / nucleus lies within the 256 best tokens sample among those; the others as before.
         vals, idx, restricted, in_cands = top_k_top_p_candidates(scaled, md.top_k, md.top_p)
         sampled = greedy.clone()
         sampling = ~is_greedy
@@ -284,16 +291,6 @@ class Sampler:
                 noise[row] = torch.rand(vocab_size, generator=gen, device=probs.device)[token_ids[row]]
         noise.log_().neg_()
         return (probs / noise).argmax(-1)
-
-
-def _greedy(logits: torch.Tensor) -> torch.Tensor:
-    """argmax of each row. Widening bf16 is exact (the same winner), and torch's CPU argmax is 5x faster on
-    float32 than on bf16; the C kernel skips the widened copy altogether."""
-    if logits.dtype == torch.float32 or logits.is_cuda:  # a GPU's bf16 argmax needs no widened [rows, vocab] copy
-        return logits.argmax(-1)
-    if logits.dim() == 2 and cpu_kernels.elementwise_ok(logits):  # bf16 on the CPU, unit inner stride
-        return cpu_kernels.argmax(logits)
-    return logits.float().argmax(-1)
 
 
 def _rows(t: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from aioengine.gpu.backend import Staging
 from aioengine.gpu.sampler import BadWords, Penalties, SamplingMetadata
-from aioengine.gpu.staging import HostStaging
 from aioengine.sched.output import NewRequestData
 
 _EPS = 1e-5
@@ -25,7 +25,7 @@ class RequestStates:
     """
 
     def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int,
-                 device: torch.device, vocab_size: int | None = None, staging: HostStaging | None = None) -> None:
+                 device: torch.device, vocab_size: int | None = None, *, staging: Staging) -> None:
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -40,7 +40,7 @@ class RequestStates:
         self.generators: dict[int, torch.Generator] = {}
         self.last_sampled_tokens = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)
         self.device = device
-        self.staging = staging or HostStaging(device)  # host arrays -> device without waiting for the GPU
+        self.staging = staging  # host arrays -> device (CUDA: without waiting for the GPU)
         self.row_of: dict[str, int] = {}
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
         # Penalties, min_tokens, logprobs (host knobs).

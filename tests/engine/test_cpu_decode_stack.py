@@ -1,15 +1,18 @@
 """cpu_decode_stack.c: a decode step's decoder layers in one C call give the Python path's bits exactly
 (hidden states and the KV cache it writes), and the stack steps aside where it does not apply."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
-import aioengine.gpu.layers as layers
-from aioengine.gpu.cpu_decode_stack import CpuDecodeStack
-from aioengine.gpu.cpu_linear import pack_linears
-from aioengine.gpu.loader import allocate_kv_caches, load_model
-from aioengine.kernels import cpu_kernels
-from aioengine.kernels.attention import AttentionMetadata
+from aioengine.config import KernelConfig
+from aioengine.gpu.cpu.backend import CpuBackend
+from aioengine.gpu.cpu.decode_stack import CpuDecodeStack
+from aioengine.gpu.cpu.linear import pack_linears
+from aioengine.gpu.loader import load_model
+from aioengine.kernels.cpu import clib as cpu_kernels
+from aioengine.kernels.metadata import AttentionMetadata
 from tests.engine.conftest import make_tiny_checkpoint
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.gemm_available(), reason="needs the AVX512-BF16 build of the C kernels")
@@ -20,27 +23,34 @@ def _model(tmp_path, arch: str, head_dim: int = 64):
     """A tiny random checkpoint (conftest's, heads of 64 or 128 for the AVX512-BF16 attention loop) in bf16, packed."""
     make_tiny_checkpoint(arch, tmp_path, hidden_size=384, intermediate_size=192, num_hidden_layers=3,
                          num_attention_heads=6, num_key_value_heads=2, head_dim=head_dim, vocab_size=300)
-    model, cfg = load_model(tmp_path, dtype=torch.bfloat16)
+    backend = CpuBackend()
+    model, cfg = load_model(tmp_path, dtype=torch.bfloat16, ops=backend.ops)
     pack_linears(model)
-    return model, cfg
+    return model, cfg, backend
 
 
-def _decode(model, cfg, stack: bool, seq_lens: list[int]):
-    """One decode step over caches filled with noise: (hidden states, caches after the step)."""
+def _kv(backend, cfg, num_blocks):
+    return backend.allocate_kv_caches(cfg, num_blocks, BLOCK, torch.bfloat16)
+
+
+def _decode(model, cfg, backend, stack: bool, seq_lens: list[int]):
+    """One decode step through the backend over caches filled with noise: (hidden states, caches after it)."""
     gen = torch.Generator().manual_seed(len(seq_lens))
     rows = len(seq_lens)
     max_blocks = -(-max(seq_lens) // BLOCK)
-    kv = allocate_kv_caches(cfg, rows * max_blocks + 3, BLOCK, torch.bfloat16, "cpu")
+    kv = _kv(backend, cfg, rows * max_blocks + 3)
     for cache in kv:
         cache.copy_(torch.randn(cache.shape, generator=gen))
     table = torch.randperm(rows * max_blocks + 3, generator=gen)[:rows * max_blocks].view(rows, max_blocks).int()
     ids = torch.randint(0, cfg.vocab_size, (rows,), generator=gen)
     positions = torch.tensor([n - 1 for n in seq_lens])
-    model.model.decode_stack = CpuDecodeStack.build(model, kv) if stack else None
-    assert (model.model.decode_stack is not None) == stack
+    runner = SimpleNamespace(model=model, kv_caches=kv)
+    backend.decode_stack = None
+    if stack:
+        backend.build_fast_paths(runner, None, 0)
+    assert (backend.decode_stack is not None) == stack
     with torch.inference_mode():
-        hidden = model(ids, positions, kv, AttentionMetadata.build([1] * rows, seq_lens, table, BLOCK))
-    model.model.decode_stack = None
+        hidden = backend.forward(runner, ids, positions, AttentionMetadata.build([1] * rows, seq_lens, table, BLOCK))
     return hidden, kv
 
 
@@ -48,38 +58,41 @@ def _decode(model, cfg, stack: bool, seq_lens: list[int]):
 @pytest.mark.parametrize("seq_lens", [[1], [17, 1, 40, 33, 16], [300] * 3, [5 + 7 * i for i in range(29)]])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_the_stack_gives_the_python_paths_bits(tmp_path, arch, seq_lens, head_dim):
-    model, cfg = _model(tmp_path, arch, head_dim)
-    want, want_kv = _decode(model, cfg, False, seq_lens)
-    got, got_kv = _decode(model, cfg, True, seq_lens)
+    model, cfg, backend = _model(tmp_path, arch, head_dim)
+    want, want_kv = _decode(model, cfg, backend, False, seq_lens)
+    got, got_kv = _decode(model, cfg, backend, True, seq_lens)
     assert torch.equal(got, want)
     assert all(torch.equal(g, w) for g, w in zip(got_kv, want_kv, strict=True))
 
 
-def test_the_stack_steps_aside_where_it_does_not_apply(tmp_path, monkeypatch):
-    model, cfg = _model(tmp_path, "llama")
-    kv = allocate_kv_caches(cfg, 8, BLOCK, torch.bfloat16, "cpu")
-    stack = CpuDecodeStack.build(model, kv)
+def test_the_stack_steps_aside_where_it_does_not_apply(tmp_path):
+    model, cfg, backend = _model(tmp_path, "llama")
+    kv = _kv(backend, cfg, 8)
+    stack = CpuDecodeStack.build(model, kv, backend.ops.rope_tables)
     table = torch.arange(8, dtype=torch.int32).view(2, 4)
     ids = torch.zeros(3, dtype=torch.int64)
     assert stack.takes(ids[:2], AttentionMetadata.build([1, 1], [5, 9], table, BLOCK))
     assert not stack.takes(ids, AttentionMetadata.build([1, 2], [5, 9], table, BLOCK))  # a prompt chunk
     assert not stack.takes(ids, AttentionMetadata.build([1, 1], [5, 9], table, BLOCK))  # padded rows
-    monkeypatch.setattr(layers, "use_cpu_kernels", False)  # the torch reference paths
-    assert not stack.takes(ids[:2], AttentionMetadata.build([1, 1], [5, 9], table, BLOCK))
-    monkeypatch.setenv("AIOENGINE_DECODE_STACK", "0")
-    assert CpuDecodeStack.build(model, kv) is None
+    runner = SimpleNamespace(model=model, kv_caches=kv)
+    for off in (KernelConfig(cpu_elementwise=False), KernelConfig(cpu_decode_stack=False)):  # torch paths; off
+        other = CpuBackend(off)
+        other.build_fast_paths(runner, None, 0)
+        assert other.decode_stack is None
+    backend.build_fast_paths(runner, None, 0)
+    assert backend.decode_stack is not None
 
 
 def test_qwen3_keeps_the_python_path(tmp_path):
-    model, cfg = _model(tmp_path / "q3", "qwen3")  # per-head q/k norms: not in the C stack
-    assert CpuDecodeStack.build(model, allocate_kv_caches(cfg, 4, BLOCK, torch.bfloat16, "cpu")) is None
+    model, cfg, backend = _model(tmp_path / "q3", "qwen3")  # per-head q/k norms: not in the C stack
+    assert CpuDecodeStack.build(model, _kv(backend, cfg, 4), backend.ops.rope_tables) is None
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_the_heads_greedy_pick_is_the_argmax_of_its_logits(tmp_path, arch):
     """model.compute_greedy (the runner's path for plain greedy rows) against compute_logits + argmax,
     tied (llama) and untied (qwen2) heads."""
-    model, cfg = _model(tmp_path, arch)
+    model, cfg, _ = _model(tmp_path, arch)
     hidden = torch.randn(37, cfg.hidden_size, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
     with torch.inference_mode():
         picked = model.compute_greedy(hidden)

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from aioengine.gpu.cpu_linear import PackedLinear, pack_linears, packing_enabled
+from aioengine.gpu.cpu.linear import PackedLinear, pack_linears, packing_enabled
 
 pytestmark = pytest.mark.skipif(not packing_enabled(torch.empty(1, dtype=torch.bfloat16)),
                                 reason="this CPU's oneDNN has no bf16 kernels")
@@ -14,13 +14,12 @@ pytestmark = pytest.mark.skipif(not packing_enabled(torch.empty(1, dtype=torch.b
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 17, 64, 200])
 @pytest.mark.parametrize("bias", [False, True])
-def test_onednn_packed_linear_equals_f_linear_bit_for_bit(rows, bias, monkeypatch):
-    monkeypatch.setenv("AIOENGINE_PACKED_LINEAR", "onednn")
+def test_onednn_packed_linear_equals_f_linear_bit_for_bit(rows, bias):
     gen = torch.Generator().manual_seed(rows)
     weight = torch.randn(96, 64, generator=gen).to(torch.bfloat16)
     b = torch.randn(96, generator=gen).to(torch.bfloat16) if bias else None
     x = torch.randn(rows, 64, generator=gen).to(torch.bfloat16)
-    packed = PackedLinear(weight, b)
+    packed = PackedLinear(weight, b, c_gemm=False)  # KernelConfig.cpu_linear='onednn'
     assert not packed.c_gemm
     assert torch.equal(packed(x), F.linear(x, weight, b))
     assert torch.equal(packed(x.view(1, rows, 64)), F.linear(x, weight, b).view(1, rows, 96))
@@ -44,6 +43,9 @@ def test_pack_linears_replaces_bf16_layers_and_a_tied_head():
         assert torch.equal(logits, F.linear(h, table))
 
 
-def test_packing_can_be_turned_off(monkeypatch):
-    monkeypatch.setenv("AIOENGINE_PACKED_LINEAR", "0")
-    assert not packing_enabled(torch.empty(1, dtype=torch.bfloat16))
+def test_packing_can_be_turned_off():
+    model = nn.Module()
+    model.proj = nn.Linear(32, 48, dtype=torch.bfloat16)
+    assert pack_linears(model, "torch") == 0  # KernelConfig.cpu_linear='torch'
+    assert type(model.proj) is nn.Linear
+    assert pack_linears(model, "onednn") == 1 and not model.proj.c_gemm

@@ -36,9 +36,9 @@ async def _run(path, prompts_, **kwargs):
     async with AsyncEngine(args) as engine:
         params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
         outs = await asyncio.gather(*(engine.generate(p, params) for p in prompts_))
-        runner = engine.runner
-        stats = await engine.run_on_worker(runner.timeline.stats)
-        replays = runner.graphs.num_replays if runner.graphs is not None else 0
+        stats = await engine.run_on_worker(engine.backend.timeline.stats)
+        graphs = engine.backend.graphs
+        replays = graphs.num_replays if graphs is not None else 0
         assert engine.kv_cache_usage() == 0.0
     return [o.outputs[0].token_ids for o in outs], replays, stats
 

@@ -8,9 +8,9 @@ import pathlib
 import pytest
 import torch
 
-from aioengine.gpu import huge_pages
-from aioengine.gpu.cpu_linear import PackedLinear, c_gemm_enabled, packing_enabled
-from aioengine.gpu.huge_pages import HugePageArena
+from aioengine.gpu.cpu import huge_pages
+from aioengine.gpu.cpu.huge_pages import HugePageArena
+from aioengine.gpu.cpu.linear import PackedLinear, c_gemm_enabled, packing_enabled
 
 _THP = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled")
 needs_thp = pytest.mark.skipif(not _THP.exists() or "[never]" in _THP.read_text(),

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from aioengine.gpu.quant import (
+from aioengine.gpu.cpu.quant import (
     QuantizedLinear,
     dequantize_int4,
     quantize_int4,

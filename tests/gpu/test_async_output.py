@@ -13,9 +13,9 @@ import pytest
 from aioengine.config import EngineArgs
 from aioengine.engine import AsyncEngine
 from aioengine.errors import EngineDeadError
-from aioengine.gpu import async_output
-from aioengine.gpu.async_output import AsyncOutput, HostSignal, await_cuda_event, host_signal_after
-from aioengine.gpu.timeline import GpuTimeline
+from aioengine.gpu.cuda import async_output
+from aioengine.gpu.cuda.async_output import AsyncOutput, HostSignal, await_cuda_event, host_signal_after
+from aioengine.gpu.cuda.timeline import GpuTimeline
 
 
 class FakeEvent:
@@ -163,7 +163,11 @@ async def _await(x):
 
 
 def _engine(step_timeout_s: float) -> AsyncEngine:
+    """An engine whose step results are awaited by the CUDA worker's ``output`` (no thread, no device)."""
+    from aioengine.gpu.cuda.worker import CudaWorker
+
     engine = AsyncEngine(EngineArgs(step_timeout_s=step_timeout_s))
+    engine._worker = object.__new__(CudaWorker)  # output() needs none of the thread's state
     return engine
 
 

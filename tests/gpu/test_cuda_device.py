@@ -15,13 +15,16 @@ BF16 = dict(atol=2e-2, rtol=2e-2)
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_layers_dispatch_to_triton_and_match_the_torch_path(dtype):
+    from aioengine.gpu.cuda.backend import CudaOps
     from aioengine.gpu.layers import RMSNorm, RotaryEmbedding, SiluAndMul
-    from aioengine.kernels.activation import silu_and_mul_reference
-    from aioengine.kernels.norm_rope import rms_norm_reference, rotary_reference
+    from aioengine.kernels.reference import add_rms_norm as rms_norm_reference
+    from aioengine.kernels.reference import rotary as rotary_reference
+    from aioengine.kernels.reference import silu_and_mul as silu_and_mul_reference
 
     torch.manual_seed(0)
     dev = "cuda"
-    norm = RMSNorm(4096, 1e-5, dtype, dev)
+    ops = CudaOps()  # what the CUDA backend hands the layers
+    norm = RMSNorm(4096, 1e-5, dtype, dev, ops)
     norm.weight.data.normal_(1.0, 0.1)
     x = torch.randn(37, 4096, dtype=dtype, device=dev)
     res = torch.randn_like(x)
@@ -29,13 +32,13 @@ def test_layers_dispatch_to_triton_and_match_the_torch_path(dtype):
     out, new_res = norm(x, res)
     torch.testing.assert_close(new_res, x + res, **BF16)
     torch.testing.assert_close(out, rms_norm_reference(x + res, norm.weight, 1e-5), **BF16)
-    head_norm = RMSNorm(128, 1e-6, dtype, dev)  # Qwen3's per-head norm on a strided view of qkv
+    head_norm = RMSNorm(128, 1e-6, dtype, dev, ops)  # Qwen3's per-head norm on a strided view of qkv
     qkv = torch.randn(37, 48 * 128, dtype=dtype, device=dev)
     q = qkv[:, : 32 * 128].view(37, 32, 128)
     torch.testing.assert_close(head_norm(q), rms_norm_reference(q, head_norm.weight, 1e-6), **BF16)
     rope = RotaryEmbedding(128, 4096, 500000.0, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 1024},
-                           dtype=dtype, device=dev)
+                           dtype=dtype, device=dev, ops=ops)
     k = qkv[:, 32 * 128: 40 * 128].view(37, 8, 128)
     positions = torch.randint(0, 4096, (37,), device=dev)
     q_rot, k_rot = rope(positions, q, k)
@@ -43,7 +46,7 @@ def test_layers_dispatch_to_triton_and_match_the_torch_path(dtype):
     torch.testing.assert_close(q_rot, q_ref, **BF16)
     torch.testing.assert_close(k_rot, k_ref, **BF16)
     gate_up = torch.randn(37, 2 * 14336, dtype=dtype, device=dev)
-    torch.testing.assert_close(SiluAndMul()(gate_up), silu_and_mul_reference(gate_up), **BF16)
+    torch.testing.assert_close(SiluAndMul(ops)(gate_up), silu_and_mul_reference(gate_up), **BF16)
 
 
 async def _with_ticker(coro):
@@ -65,7 +68,7 @@ async def _with_ticker(coro):
 
 @pytest.mark.parametrize("use_host_func", [True, False])
 def test_await_cuda_event_resumes_after_the_gpu_without_blocking_the_loop(use_host_func):
-    from aioengine.gpu.async_output import await_cuda_event, host_signal_after
+    from aioengine.gpu.cuda.async_output import await_cuda_event, host_signal_after
 
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
@@ -84,13 +87,14 @@ def test_await_cuda_event_resumes_after_the_gpu_without_blocking_the_loop(use_ho
 
 
 def test_decode_graph_replay_matches_eager():
-    from aioengine.gpu.cuda_graphs import DecodeGraphs
-    from aioengine.gpu.loader import allocate_kv_caches
+    from aioengine.gpu.cuda.backend import CudaBackend
+    from aioengine.gpu.cuda.graphs import DecodeGraphs
     from aioengine.gpu.random_model import build_random_model
-    from aioengine.kernels.attention import AttentionMetadata
+    from aioengine.kernels.metadata import AttentionMetadata
 
-    model, config = build_random_model("random:tiny", torch.float32, "cuda", seed=2)
-    kv = allocate_kv_caches(config, 64, 16, torch.float32, "cuda")
+    backend = CudaBackend()
+    model, config = build_random_model("random:tiny", torch.float32, "cuda", seed=2, ops=backend.ops)
+    kv = backend.allocate_kv_caches(config, 64, 16, torch.float32)
     for t in kv:
         t.normal_()
     seq_lens = [17, 40, 5]
@@ -109,9 +113,12 @@ def test_decode_graph_replay_matches_eager():
 
 
 def test_profile_kv_blocks_measures_the_device():
+    from aioengine.config import EngineArgs
+    from aioengine.gpu.cuda.backend import CudaBackend
     from aioengine.gpu.model_runner import ModelRunner
 
-    runner = ModelRunner("random:tiny", torch.bfloat16, torch.device("cuda"), 16, 512, 16, 0)
-    blocks = runner.profile_kv_blocks(2048, 16, 0.5)
+    backend = CudaBackend()
+    runner = ModelRunner("random:tiny", backend, torch.bfloat16, 16, 512, 16, 0)
+    blocks = backend.num_kv_blocks(runner, EngineArgs(gpu_memory_utilization=0.5), 2048, 16)
     free, total = torch.cuda.mem_get_info()
     assert 0 < blocks * runner.kv_cache_bytes_per_block() < total * 0.5

@@ -11,10 +11,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from aioengine.gpu.cuda_graphs import DecodeGraphs, bucket_for, capture_sizes  # noqa: E402
-from aioengine.gpu.loader import allocate_kv_caches  # noqa: E402
+from aioengine.gpu.cpu.backend import CpuBackend  # noqa: E402
+from aioengine.gpu.cuda.graphs import DecodeGraphs, bucket_for, capture_sizes  # noqa: E402
 from aioengine.gpu.random_model import build_random_model  # noqa: E402
-from aioengine.kernels.attention import AttentionMetadata  # noqa: E402
+from aioengine.kernels.metadata import AttentionMetadata  # noqa: E402
 
 
 def test_capture_sizes_follow_the_tour():
@@ -64,7 +64,7 @@ def _decode_meta(seq_lens: list[int], num_blocks: int) -> tuple[AttentionMetadat
 
 def test_load_pads_rows_past_the_batch(tiny):
     model, config = tiny
-    kv = allocate_kv_caches(config, 40, BLOCK, torch.float32, "cpu")
+    kv = CpuBackend().allocate_kv_caches(config, 40, BLOCK, torch.float32)
     graphs = DecodeGraphs(model, kv, max_size=8, max_blocks_per_req=16, device=torch.device("cpu"))
     meta, input_ids, positions = _decode_meta([5, 9, 3], 40)
     graphs.block_table.fill_(7)  # stale rows from an earlier step
@@ -92,19 +92,24 @@ def test_run_declines_batches_that_are_not_uniform_decodes(tiny):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter test; test_cuda_device replays real graphs")
-def test_static_forward_matches_eager_with_the_triton_kernels(tiny, monkeypatch):
+def test_static_forward_matches_eager_with_the_triton_kernels():
     """What a graph captures, run eagerly: padded rows write nothing and the real rows match."""
-    from aioengine.gpu.models import llama
-    from aioengine.kernels.kv_store import store_kv_triton
-    from aioengine.kernels.triton_attention import paged_attention_triton
+    from aioengine.gpu.backend import Ops
+    from aioengine.kernels.triton.attention import paged_attention_triton
+    from aioengine.kernels.triton.kv_store import store_kv_triton
 
-    monkeypatch.setattr(llama, "store_kv", store_kv_triton)
-    monkeypatch.setattr(llama, "paged_attention", paged_attention_triton)
-    model, config = tiny
+    class TritonAttentionOps(Ops):  # the KV store and attention of the CUDA backend, interpreted
+        def store_kv(self, key, value, kv_cache, slot_mapping):
+            store_kv_triton(key, value, kv_cache, slot_mapping)
+
+        def attention(self, query, kv_cache, meta, scale):
+            return paged_attention_triton(query, kv_cache, meta, scale)
+
+    model, config = build_random_model("random:tiny", torch.float32, "cpu", seed=3, ops=TritonAttentionOps())
     seq_lens = [6, 11, 3]
     meta, input_ids, positions = _decode_meta(seq_lens, 24)
     torch.manual_seed(0)
-    kv = [t.normal_() for t in allocate_kv_caches(config, 24, BLOCK, torch.float32, "cpu")]
+    kv = [t.normal_() for t in CpuBackend().allocate_kv_caches(config, 24, BLOCK, torch.float32)]
     kv_eager = [t.clone() for t in kv]
     with torch.inference_mode():
         expected = model(input_ids, positions, kv_eager, meta)

@@ -4,9 +4,10 @@ import pytest
 import torch
 import transformers
 
-from aioengine.gpu.loader import allocate_kv_caches, kv_cache_bytes_per_block, load_model
+from aioengine.gpu.cpu.backend import CpuBackend
+from aioengine.gpu.loader import kv_cache_bytes_per_block, load_model
 from aioengine.gpu.models import get_model_class
-from aioengine.kernels.attention import AttentionMetadata
+from aioengine.kernels.metadata import AttentionMetadata
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 24
@@ -72,7 +73,7 @@ def _step(model, kv_caches, ids, positions, query_lens, seq_lens, block_table):
 def test_prefill_then_greedy_decode_matches_hf(models):
     model, hf, config = models
     prompt = torch.randint(0, 256, (13,), generator=torch.Generator().manual_seed(1)).tolist()
-    kv_caches = allocate_kv_caches(config, NUM_BLOCKS, BLOCK_SIZE, torch.float32, "cpu")
+    kv_caches = CpuBackend().allocate_kv_caches(config, NUM_BLOCKS, BLOCK_SIZE, torch.float32)
     block_table = _block_tables(1, 6, seed=2)
     logits = _step(model, kv_caches, prompt, list(range(13)), [13], [13], block_table)
     assert logits.dtype == torch.float32 and logits.shape == (13, 256)
@@ -107,7 +108,7 @@ def test_mixed_batch_decode_and_second_chunk_match_hf(models):
     gen = torch.Generator().manual_seed(3)
     x = torch.randint(0, 256, (9,), generator=gen).tolist()
     y = torch.randint(0, 256, (13,), generator=gen).tolist()
-    kv_caches = allocate_kv_caches(config, NUM_BLOCKS, BLOCK_SIZE, torch.float32, "cpu")
+    kv_caches = CpuBackend().allocate_kv_caches(config, NUM_BLOCKS, BLOCK_SIZE, torch.float32)
     block_table = _block_tables(2, 4, seed=4)
     # Step 1: X's whole prompt and Y's first chunk of 6 tokens.
     logits = _step(model, kv_caches, x + y[:6], list(range(9)) + list(range(6)), [9, 6], [9, 6], block_table)
@@ -128,7 +129,7 @@ def test_registry_and_cache_sizing():
     assert get_model_class(config).__name__ == "LlamaForCausalLM"
     with pytest.raises(ValueError, match="unsupported model architectures"):
         get_model_class(transformers.LlamaConfig(**SMALL, architectures=["GPT2LMHeadModel"]))
-    caches = allocate_kv_caches(config, 5, 16, torch.bfloat16, "cpu")
+    caches = CpuBackend().allocate_kv_caches(config, 5, 16, torch.bfloat16)
     assert len(caches) == 2 and caches[0].shape == (2, 5, 16, 2, 16)
     assert kv_cache_bytes_per_block(config, 16, torch.bfloat16) == sum(c[:, 0].nbytes for c in caches)
 

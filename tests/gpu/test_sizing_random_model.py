@@ -13,8 +13,8 @@ import torch
 from aioengine import AsyncEngine, EngineArgs, SamplingParams
 from aioengine.bench import main as bench_main
 from aioengine.errors import InvalidRequestError
+from aioengine.gpu.cuda.memory import MemoryProfile, kv_cache_blocks, warmup_lengths
 from aioengine.gpu.loader import kv_cache_bytes_per_block
-from aioengine.gpu.memory import MemoryProfile, kv_cache_blocks, warmup_lengths
 from aioengine.gpu.random_model import build_random_model, is_random_model, random_config
 
 GIB = 1 << 30

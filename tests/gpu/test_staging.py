@@ -1,5 +1,5 @@
-"""HostStaging: a step's inputs reach the device through pinned memory without the launching thread waiting
-for the GPU (CUDA tests skip without one), and on CPU they are the arrays themselves."""
+"""Staging: on CUDA (HostStaging) a step's inputs reach the device through pinned memory without the launching
+thread waiting for the GPU (CUDA tests skip without one); on CPU (CpuStaging) they are the arrays themselves."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from aioengine.gpu.staging import HostStaging
+from aioengine.gpu.cpu.backend import CpuStaging
+from aioengine.gpu.cuda.staging import HostStaging
 
 CUDA = torch.cuda.is_available()
 cuda_only = pytest.mark.skipif(not CUDA, reason="needs CUDA")
@@ -19,7 +20,7 @@ ARRAYS = [np.arange(7, dtype=np.int64), np.arange(12, dtype=np.int32).reshape(3,
 
 
 def test_on_cpu_the_tensor_shares_the_arrays_memory():
-    staging = HostStaging(torch.device("cpu"))
+    staging = CpuStaging()
     staging.begin_step()
     a = np.arange(6, dtype=np.int64).reshape(2, 3)
     t = staging.to_device(a)

@@ -1,7 +1,7 @@
 """Triton kernels run under the CPU interpreter when there is no GPU.
 
 ``TRITON_INTERPRET`` is read when ``@triton.jit`` decorates a kernel, so it must be set before the
-kernel modules (``aioengine.kernels.kv_store`` etc.) are first imported; the CPU path never imports
+kernel modules (``aioengine.kernels.triton.kv_store`` etc.) are first imported; the CPU path never imports
 them, and this conftest loads before any test module of this directory. The test modules set it
 too (``os.environ.setdefault``) for runs that pick a single file.
 """

@@ -7,23 +7,32 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from aioengine.kernels.attention import (
-    AttentionMetadata,
-    paged_attention,
-    paged_attention_reference,
-    store_kv,
-)
+from aioengine.config import KernelConfig
+from aioengine.gpu.cpu.backend import CpuOps
+from aioengine.kernels import reference
+from aioengine.kernels.metadata import AttentionMetadata
+from aioengine.kernels.reference import paged_attention_reference
 
 HEAD_SIZE = 8
 NUM_KV_HEADS = 2
 
 
+OPS = CpuOps()
+
+
+def paged_attention(query, kv_cache, meta, scale):
+    return OPS.attention(query, kv_cache, meta, scale)
+
+
+def store_kv(key, value, kv_cache, slot_mapping):
+    OPS.store_kv(key, value, kv_cache, slot_mapping)
+
+
 @pytest.fixture(autouse=True, params=["c-kernel", "torch"])
 def decode_path(request, monkeypatch):
-    """Every test runs the decodes through the C kernel and through the torch path."""
-    import aioengine.kernels.attention as attention
-
-    monkeypatch.setattr(attention, "use_cpu_kernel", request.param == "c-kernel")
+    """Every test runs the decodes through the C kernel and through the torch path (the CPU backend's ops
+    with its C attention on or off)."""
+    monkeypatch.setattr(sys.modules[__name__], "OPS", CpuOps(KernelConfig(cpu_attention=request.param == "c-kernel")))
     return request.param
 
 
@@ -148,12 +157,9 @@ def test_low_precision_runs_close_to_fp32():
 
 
 def test_decodes_split_into_length_groups(monkeypatch):
-    import aioengine.kernels.attention as attention
-
-    monkeypatch.setattr(attention, "use_cpu_kernel", False)  # groups are the torch path's plan
-
-    monkeypatch.setattr(attention, "_MIN_SPLIT_TOKENS", 8)
-    monkeypatch.setattr(attention, "_MAX_GROUP_TOKENS", 60)
+    monkeypatch.setattr(sys.modules[__name__], "OPS", CpuOps(KernelConfig(cpu_attention=False)))  # the torch plan
+    monkeypatch.setattr(reference, "_MIN_SPLIT_TOKENS", 8)
+    monkeypatch.setattr(reference, "_MAX_GROUP_TOKENS", 60)
     batch = [(1, s) for s in (3, 40, 7, 22, 1, 9, 33, 5, 14)] + [(3, 11)]
     query, kv_cache, meta, dense = _setup(batch, 4, 3)
     out = paged_attention(query, kv_cache, meta, 0.3)
@@ -163,9 +169,7 @@ def test_decodes_split_into_length_groups(monkeypatch):
 
 
 def test_workspace_made_under_inference_mode_works_outside_it(monkeypatch):
-    import aioengine.kernels.attention as attention
-
-    monkeypatch.setattr(attention, "_workspace", attention._Workspace())
+    monkeypatch.setattr(reference, "_workspace", reference._Workspace())
     query, kv_cache, meta, _ = _setup([(1, 9), (4, 10)], 4, 2)
     with torch.inference_mode():
         expected = paged_attention(query, kv_cache, meta, 0.3)
@@ -174,7 +178,7 @@ def test_workspace_made_under_inference_mode_works_outside_it(monkeypatch):
 
 
 def test_the_c_decode_kernel_builds_here():
-    from aioengine.kernels import cpu_kernels
+    from aioengine.kernels.cpu import clib as cpu_kernels
 
     assert cpu_kernels.load() is not None, "gcc should build cpu_decode_attention.c on this machine"
 
@@ -182,7 +186,7 @@ def test_the_c_decode_kernel_builds_here():
 def test_loading_the_c_kernels_keeps_subnormal_floats():
     """gcc < 13 links -ffast-math's crtfastmath.o into shared libraries too: loading one would turn on
     flush-to-zero in the loading thread (hypothesis, numpy and torch then see subnormals vanish)."""
-    code = ("from aioengine.kernels import cpu_kernels; import torch\n"
+    code = ("from aioengine.kernels.cpu import clib as cpu_kernels; import torch\n"
             "assert cpu_kernels.load() is not None\n"
             "assert 5e-324 * 1.0 > 0 and (torch.tensor([1e-40]) * 1.0).item() > 0, 'flush-to-zero is on'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
@@ -191,7 +195,7 @@ def test_loading_the_c_kernels_keeps_subnormal_floats():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("block_size", "group", "head_dim"), [(16, 3, 64), (4, 1, 8), (32, 4, 128), (8, 8, 32)])
 def test_c_decode_kernel_matches_reference(dtype, block_size, group, head_dim):
-    from aioengine.kernels import cpu_kernels
+    from aioengine.kernels.cpu import clib as cpu_kernels
 
     gen = torch.Generator().manual_seed(block_size * group)
     seq_lens = [1, block_size, block_size + 1, 3 * block_size - 1, 77]
@@ -210,7 +214,7 @@ def test_c_decode_kernel_matches_reference(dtype, block_size, group, head_dim):
 @pytest.mark.parametrize("block_size", [16, 32, 8])
 def test_c_decode_kernel_ignores_stale_slots_holding_nan(block_size):
     """Slots past a request's length (freed by another request, never written) may hold any bits."""
-    from aioengine.kernels import cpu_kernels
+    from aioengine.kernels.cpu import clib as cpu_kernels
 
     gen = torch.Generator().manual_seed(7)
     seq_lens = [1, 5, block_size + 3, 2 * block_size - 1]
@@ -258,7 +262,7 @@ def test_store_kv_skips_padded_and_out_of_range_slots():
 def test_bf16_c_kernel_is_within_one_ulp_of_the_exact_answer(spread):
     """The C kernel sums in float32 (p.V with the probabilities as two bf16 parts), so its bf16 outputs sit
     within one ulp of the float64 answer; one bf16 rounding of p alone misses that."""
-    from aioengine.kernels import cpu_kernels
+    from aioengine.kernels.cpu import clib as cpu_kernels
 
     if cpu_kernels.load() is None or not cpu_kernels.load().decode_attention_bf16_vectorized():
         pytest.skip("the AVX512-BF16 loop is not built here")
@@ -285,7 +289,7 @@ def test_packed_prefill_kernel_is_within_one_ulp_of_the_exact_answer(q_len, seq_
     """cpu_prefill_attention.c: keys and values packed once per chunk, 64-key softmax updates; still float32
     sums and p.V in two bf16 parts, so outputs are within one ulp of the float64 answer (outputs near zero,
     where float32 sums of +-1 terms cancel, within 1e-5: the decode kernel's rows do the same)."""
-    from aioengine.kernels import cpu_kernels
+    from aioengine.kernels.cpu import clib as cpu_kernels
 
     if cpu_kernels.load() is None or not cpu_kernels.load().decode_attention_bf16_vectorized():
         pytest.skip("the AVX512-BF16 loop is not built here")
@@ -310,7 +314,7 @@ def _assert_within_one_ulp(out: torch.Tensor, exact: torch.Tensor) -> None:
 
 def test_decodes_and_prompt_chunks_share_one_batch(decode_path):
     """Decodes (decode kernel) and prompt chunks of 40, 5 and 64 tokens (packed kernel) in one bf16 step."""
-    from aioengine.kernels import cpu_kernels
+    from aioengine.kernels.cpu import clib as cpu_kernels
 
     batch = [(1, 50), (1, 9), (40, 40), (5, 60), (64, 130)]
     sys.modules[__name__].HEAD_SIZE, saved = 64, HEAD_SIZE
@@ -332,7 +336,7 @@ def test_a_prompts_bits_do_not_depend_on_its_chunking(block_size):
     """The packed prefill kernel gives every prompt token the same bits whether the prompt comes whole, in
     budget-sized chunks, or as the one-token tail a prefix-cache hit recomputes: a cached prefix must not
     change a greedy answer."""
-    from aioengine.kernels import cpu_kernels
+    from aioengine.kernels.cpu import clib as cpu_kernels
 
     if cpu_kernels.load() is None or not cpu_kernels.load().decode_attention_bf16_vectorized():
         pytest.skip("the AVX512-BF16 loop is not built here")
@@ -354,7 +358,7 @@ def test_a_prompts_bits_do_not_depend_on_its_chunking(block_size):
 def test_the_kernels_exp_is_within_two_ulp_of_the_exact_one():
     """exp16 (cpu_avx512.h) replaced libm's expf in both attention kernels: its range reduction and series must
     hold float32 accuracy over the whole range softmax feeds it, and keep -inf -> 0, NaN -> NaN, overflow -> inf."""
-    from aioengine.kernels import cpu_kernels
+    from aioengine.kernels.cpu import clib as cpu_kernels
 
     lib = cpu_kernels.load()
     x = torch.cat([torch.linspace(-87.0, 88.7, 200_003), torch.tensor([0.0, -0.0, 1e-30, -1e-30]),

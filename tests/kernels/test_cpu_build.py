@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from aioengine.kernels import cpu_kernels
+from aioengine.kernels.cpu import clib as cpu_kernels
 
 
 def _fake_gcc(monkeypatch, tune: str | None, cpu_flags: str = "flags : fpu sse2 avx2 avx512f avx512_bf16"):

@@ -1,23 +1,26 @@
-"""The fused bf16 C kernels (cpu_elementwise.c) against the torch ops they replace (aioengine/gpu/layers.py)."""
+"""The fused bf16 C kernels (cpu_elementwise.c) against the torch ops they replace (the CPU backend's ops with
+its elementwise kernels off)."""
 
 import pytest
 import torch
 
 import aioengine.gpu.layers as layers
-from aioengine.kernels import cpu_kernels
+from aioengine.config import KernelConfig
+from aioengine.gpu.cpu.backend import CpuOps
+from aioengine.kernels.cpu import clib as cpu_kernels
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler here")
 
 
-def _both(fn):
-    """fn() with the C kernels, then with the torch ops."""
-    try:
-        layers.use_cpu_kernels = True
-        fused = fn()
-        layers.use_cpu_kernels = False
-        return fused, fn()
-    finally:
-        layers.use_cpu_kernels = True
+def _both(fn, *modules):
+    """fn(ops) with the C kernels, then with the torch ops (each a fresh op set: no lookup is shared); the
+    ``modules`` are switched to that op set first."""
+    results = []
+    for ops in (CpuOps(), CpuOps(KernelConfig(cpu_elementwise=False))):
+        for module in modules:
+            module.ops = ops
+        results.append(fn(ops))
+    return tuple(results)
 
 
 def _ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -32,13 +35,13 @@ def test_add_rms_norm_matches_the_torch_ops(rows, hidden):
     norm.weight.data = torch.randn(hidden, generator=gen).to(torch.bfloat16)
     x = (3 * torch.randn(rows, hidden, generator=gen)).to(torch.bfloat16)
     residual = torch.randn(rows, 2 * hidden, generator=gen).to(torch.bfloat16)[:, :hidden]  # strided rows
-    (out_c, res_c), (out_t, res_t) = _both(lambda: norm(x, residual))
+    (out_c, res_c), (out_t, res_t) = _both(lambda ops: norm(x, residual), norm)
     assert torch.equal(res_c, res_t)  # the residual add rounds once either way
     # The mean of squares is summed in another order: a normalized value may move by one bf16 ulp, which
     # the weight's product can round to two.
     assert _ulps_apart(out_c, out_t).max() <= 2
     assert (out_c == out_t).float().mean() > 0.99
-    alone_c, alone_t = _both(lambda: norm(x))
+    alone_c, alone_t = _both(lambda ops: norm(x), norm)
     assert _ulps_apart(alone_c, alone_t).max() <= 2
 
 
@@ -51,9 +54,8 @@ def test_rotary_matches_the_torch_ops_bit_for_bit(tokens, head_dim):
     qk = qkv[:, : 5 * head_dim].view(tokens, 5, head_dim)  # q and k heads of a fused projection
     positions = torch.randint(0, 4096, (tokens,), generator=gen)
 
-    def rotate():
-        rope._memo = None
-        return rope.rotate(positions, qk)
+    def rotate(ops):
+        return ops.rotate(positions, qk, rope.cos_sin_cache)
 
     fused, reference = _both(rotate)
     assert fused.is_contiguous() and torch.equal(fused, reference)
@@ -97,9 +99,8 @@ def test_subnormals_and_nans_round_as_torch_rounds():
     qk = qkv[:, : 2 * head_dim].view(tokens, 2, head_dim)
     positions = torch.tensor([0, 3, 7])
 
-    def rotate():
-        rope._memo = None
-        return rope.rotate(positions, qk)
+    def rotate(ops):
+        return ops.rotate(positions, qk, rope.cos_sin_cache)
 
     fused, reference = _both(rotate)
     assert torch.equal(fused.view(torch.int16), reference.view(torch.int16))
@@ -108,5 +109,5 @@ def test_subnormals_and_nans_round_as_torch_rounds():
     norm = layers.RMSNorm(100, 1e-5, torch.bfloat16)
     norm.weight.data = torch.full((100,), 1e-39).to(torch.bfloat16)  # every output subnormal
     x = torch.randn(4, 100, generator=gen).to(torch.bfloat16)
-    out_c, out_t = _both(lambda: norm(x))
+    out_c, out_t = _both(lambda ops: norm(x), norm)
     assert (out_t.float() != 0).any() and _ulps_apart(out_c, out_t).max() <= 2

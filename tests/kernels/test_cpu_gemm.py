@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from aioengine.gpu.cpu_linear import PackedLinear
-from aioengine.kernels import cpu_kernels
+from aioengine.gpu.cpu.linear import PackedLinear
+from aioengine.kernels.cpu import clib as cpu_kernels
 
 needs_gemm = pytest.mark.skipif(not cpu_kernels.gemm_available(), reason="needs the AVX512-BF16 build of the C kernels")
 
@@ -124,7 +124,7 @@ def test_silu_and_mul_epilogue_matches_the_torch_ops(m, inter, k):
 def test_pack_linears_fuses_the_mlp_activation_into_gate_up():
     from torch import nn
 
-    from aioengine.gpu.cpu_linear import pack_linears
+    from aioengine.gpu.cpu.linear import pack_linears
     from aioengine.gpu.layers import SiluAndMul
 
     mlp = nn.Module()

@@ -14,13 +14,9 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from aioengine.kernels.attention import (  # noqa: E402
-    AttentionMetadata,
-    paged_attention,
-    paged_attention_reference,
-    store_kv,
-)
-from aioengine.kernels.triton_attention import (  # noqa: E402
+from aioengine.kernels.metadata import AttentionMetadata  # noqa: E402
+from aioengine.kernels.reference import paged_attention, paged_attention_reference, store_kv  # noqa: E402
+from aioengine.kernels.triton.attention import (  # noqa: E402
     _paged_attention_kernel,
     choose_block_m,
     paged_attention_triton,
@@ -170,7 +166,7 @@ def _gpu_batch(seed):
 def test_gpu_matches_reference_at_low_precision(dtype, group, head_dim, block_size):
     query, kv_cache, meta = _setup(_gpu_batch(group), block_size, group, head_dim, dtype=dtype)
     scale = head_dim**-0.5
-    out = paged_attention(query, kv_cache, meta, scale)  # dispatches to the kernel
+    out = paged_attention_triton(query, kv_cache, meta, scale)
     # The dense fp32 torch path on the GPU's inputs (the per-token reference is too slow here).
     cpu = _to(AttentionMetadata(**{f: getattr(meta, f) for f in meta.__slots__}), "cpu")
     expected = paged_attention(query.cpu().float(), kv_cache.cpu().float(), cpu, scale)

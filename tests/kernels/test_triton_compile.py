@@ -20,10 +20,10 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from aioengine.kernels.activation import _silu_and_mul_kernel
-from aioengine.kernels.kv_store import _store_kv_kernel
-from aioengine.kernels.norm_rope import _rms_norm_kernel, _rope_kernel
-from aioengine.kernels.triton_attention import _paged_attention_kernel
+from aioengine.kernels.triton.activation import _silu_and_mul_kernel
+from aioengine.kernels.triton.kv_store import _store_kv_kernel
+from aioengine.kernels.triton.norm_rope import _rms_norm_kernel, _rope_kernel
+from aioengine.kernels.triton.attention import _paged_attention_kernel
 
 TARGET = GPUTarget("cuda", 90, 32)
 

@@ -10,8 +10,9 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from aioengine.kernels.attention import AttentionMetadata, store_kv  # noqa: E402
-from aioengine.kernels.kv_store import _store_kv_kernel, store_kv_reference, store_kv_triton  # noqa: E402
+from aioengine.kernels.metadata import AttentionMetadata  # noqa: E402
+from aioengine.kernels.reference import store_kv, store_kv_reference  # noqa: E402
+from aioengine.kernels.triton.kv_store import _store_kv_kernel, store_kv_triton  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -85,5 +86,7 @@ def test_gpu_dispatch_matches_reference():
     key, value, kv_cache, slots = _case(16, 8, 128, dtype=torch.bfloat16, seed=3)
     expected = kv_cache.clone()
     store_kv_reference(key, value, expected, slots)
-    store_kv(key, value, kv_cache, slots)  # attention.store_kv dispatches CUDA tensors to the kernel
+    from aioengine.gpu.cuda.backend import CudaOps
+
+    CudaOps().store_kv(key, value, kv_cache, slots)  # the CUDA backend's op is the kernel
     assert torch.equal(kv_cache, expected)

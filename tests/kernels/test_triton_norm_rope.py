@@ -1,5 +1,5 @@
-"""Triton RMSNorm (+ fused residual add), neox RoPE and SiluAndMul against their torch references and against
-``aioengine.gpu.layers`` (the CPU path), interpreted on CPU without a GPU."""
+"""Triton RMSNorm (+ fused residual add), neox RoPE and SiluAndMul against their torch references
+(``aioengine.kernels.reference``, what the layers run by default), interpreted on CPU without a GPU."""
 
 import os
 
@@ -11,19 +11,24 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from aioengine.gpu.layers import RMSNorm, RotaryEmbedding, silu_and_mul  # noqa: E402
-from aioengine.kernels.activation import silu_and_mul_reference, silu_and_mul_triton  # noqa: E402
-from aioengine.kernels.norm_rope import (  # noqa: E402
+from aioengine.gpu.backend import REFERENCE_OPS  # noqa: E402
+from aioengine.gpu.cuda.backend import CudaOps  # noqa: E402
+from aioengine.gpu.layers import RMSNorm, RotaryEmbedding  # noqa: E402
+from aioengine.kernels.reference import add_rms_norm as rms_norm_reference  # noqa: E402
+from aioengine.kernels.reference import rotary as rotary_reference  # noqa: E402
+from aioengine.kernels.reference import silu_and_mul  # noqa: E402
+from aioengine.kernels.reference import silu_and_mul as silu_and_mul_reference  # noqa: E402
+from aioengine.kernels.triton.activation import silu_and_mul_triton  # noqa: E402
+from aioengine.kernels.triton.norm_rope import (  # noqa: E402
     _rms_norm_kernel,
     _rope_kernel,
-    rms_norm_reference,
     rms_norm_triton,
-    rotary_reference,
     rotary_triton,
 )
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
+OPS = CudaOps() if CUDA else REFERENCE_OPS  # what a layer on DEVICE runs: the kernels on a GPU
 
 
 def test_interpreter_is_on_without_a_gpu():
@@ -48,7 +53,7 @@ def test_rms_norm_matches_reference_and_layer(hidden, with_residual):
     residual = _randn(7, hidden, seed=3) if with_residual else None
     out = rms_norm_triton(x, weight, 1e-6, residual)
     ref = rms_norm_reference(x, weight, 1e-6, residual)
-    layer = RMSNorm(hidden, 1e-6, device=DEVICE)
+    layer = RMSNorm(hidden, 1e-6, device=DEVICE, ops=OPS)
     layer.weight.data.copy_(weight)
     with torch.no_grad():
         from_layer = layer(x, residual)
@@ -89,7 +94,7 @@ def test_rms_norm_low_precision(dtype):
 
 @pytest.mark.parametrize(("head_dim", "num_heads", "num_kv_heads"), [(24, 4, 2), (64, 3, 1), (64, 8, 8)])
 def test_rotary_matches_reference_and_layer(head_dim, num_heads, num_kv_heads):
-    rope = RotaryEmbedding(head_dim, 128, 10000.0, device=DEVICE)
+    rope = RotaryEmbedding(head_dim, 128, 10000.0, device=DEVICE, ops=OPS)
     positions = torch.tensor([0, 5, 6, 7, 127, 3, 64], device=DEVICE)
     t = positions.shape[0]
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim

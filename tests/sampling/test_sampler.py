@@ -13,6 +13,7 @@ from transformers import (
     SequenceBiasLogitsProcessor,
 )
 
+from aioengine.gpu.cpu.backend import CpuOps, CpuStaging
 from aioengine.gpu.sampler import (
     Sampler,
     SamplingMetadata,
@@ -30,6 +31,8 @@ from aioengine.sched.output import NewRequestData
 
 V = 64
 EOS = 2
+# The CPU backend's sampler: these tests cover its candidate top-p path and its grammar check.
+CPU_SAMPLER = dict(ops=CpuOps(), top_p_from_candidates=True, grammar_check_argmax_first=True)
 CPU = torch.device("cpu")
 
 
@@ -43,7 +46,7 @@ def one_thread():
 
 
 def make_states(*params: SamplingParams, prompts=None, outputs=None) -> RequestStates:
-    states = RequestStates(8, 128, 32, CPU, vocab_size=V)
+    states = RequestStates(8, 128, 32, CPU, vocab_size=V, staging=CpuStaging())
     for i, p in enumerate(params):
         prompt = prompts[i] if prompts else [10, 11, 12, 10]
         out = outputs[i] if outputs else []
@@ -103,7 +106,7 @@ def test_penalties_move_the_greedy_argmax_exactly_when_the_formula_says():
         states = make_states(SamplingParams(temperature=0, presence_penalty=penalty))
         feed(states, 40)  # 40 was generated once: presence moves it down by `penalty`
         md = states.sampling_metadata(np.arange(1))
-        assert Sampler(0, CPU)(logits.clone(), md).sampled.item() == winner
+        assert Sampler(0, CPU, **CPU_SAMPLER)(logits.clone(), md).sampled.item() == winner
 
 
 def test_logit_bias_matches_transformers_sequence_bias_and_is_clamped():
@@ -114,7 +117,7 @@ def test_logit_bias_matches_transformers_sequence_bias_and_is_clamped():
     expected = SequenceBiasLogitsProcessor({(3,): 2.5, (9,): -1.25, (17,): 100.0})(
         torch.tensor([[10, 11, 12, 10]]), logits.clone())
     torch.testing.assert_close(processed(states, logits), expected)
-    assert Sampler(0, CPU)(logits.clone(), states.sampling_metadata(np.arange(1))).sampled.item() == 17
+    assert Sampler(0, CPU, **CPU_SAMPLER)(logits.clone(), states.sampling_metadata(np.arange(1))).sampled.item() == 17
 
 
 def test_min_tokens_masks_eos_and_stop_ids_like_transformers_until_reached():
@@ -164,7 +167,7 @@ def test_allowed_token_ids_leave_only_those():
         md = states.sampling_metadata(np.arange(2))
         md.temperature = torch.ones(2)
         md.all_greedy = False
-        assert Sampler(0, CPU)(logits.clone(), md).sampled[0].item() in (4, 9, 33)
+        assert Sampler(0, CPU, **CPU_SAMPLER)(logits.clone(), md).sampled[0].item() in (4, 9, 33)
 
 
 def test_grammar_bitmask_unpacks_bit_j_of_word_w_to_token_32w_plus_j():
@@ -178,7 +181,7 @@ def test_grammar_bitmask_unpacks_bit_j_of_word_w_to_token_32w_plus_j():
     md = states.sampling_metadata(np.arange(1))
     md.grammar = ([0], bitmask)
     logits = logits_for()
-    out = Sampler(0, CPU)(logits.clone(), md)
+    out = Sampler(0, CPU, **CPU_SAMPLER)(logits.clone(), md)
     assert out.sampled.item() == allowed[int(logits[0, allowed].argmax())]
     # logprobs are taken after the grammar mask: a disallowed token has logprob -inf
     ids, lps, _ = out.logprobs
@@ -189,7 +192,7 @@ def test_a_row_with_no_allowed_token_samples_minus_one():
     states = make_states(SamplingParams(temperature=0, allowed_token_ids=[EOS], min_tokens=2),
                          SamplingParams(temperature=0.7))
     md = states.sampling_metadata(np.arange(2))
-    out = Sampler(0, CPU)(logits_for(2), md)
+    out = Sampler(0, CPU, **CPU_SAMPLER)(logits_for(2), md)
     assert out.sampled[0].item() == -1 and out.sampled[1].item() >= 0
     feed(states, *out.sampled.tolist())  # a dead-end row is finished; its state stays valid meanwhile
     assert states.last_sampled_tokens[0].item() == 0
@@ -199,7 +202,7 @@ def test_logprobs_are_the_raw_log_softmax_with_ranks():
     states = make_states(SamplingParams(temperature=0, logprobs=3, presence_penalty=2.0, logit_bias={1: 50}))
     logits = logits_for()
     md = states.sampling_metadata(np.arange(1))
-    out = Sampler(0, CPU)(logits.clone(), md)
+    out = Sampler(0, CPU, **CPU_SAMPLER)(logits.clone(), md)
     ref = logits.log_softmax(-1)[0]
     ids, lps, ranks = (t[0] for t in out.logprobs)
     assert ids[0].item() == 1  # the bias decided the token...
@@ -217,12 +220,12 @@ def test_seeded_rows_do_not_depend_on_the_batch():
     logits = logits_for(1)
     alone = []
     states = make_states(p)
-    sampler = Sampler(0, CPU)
+    sampler = Sampler(0, CPU, **CPU_SAMPLER)
     for _ in range(5):
         t = sampler(logits.clone(), states.sampling_metadata(np.arange(1))).sampled
         alone.append(t.item())
     states = make_states(SamplingParams(temperature=1.0), p, SamplingParams(temperature=0.5, seed=1))
-    sampler = Sampler(123, CPU)
+    sampler = Sampler(123, CPU, **CPU_SAMPLER)
     batch = logits_for(3, seed=5)
     batch[1] = logits[0]
     together = [sampler(batch.clone(), states.sampling_metadata(np.arange(3))).sampled[1].item() for _ in range(5)]
@@ -234,7 +237,7 @@ def test_temperature_draws_follow_the_softmax_and_never_pick_masked_tokens():
     logits[:, 10:20] = float("-inf")
     md = make_states(SamplingParams(temperature=0.5), SamplingParams(temperature=2.0)).sampling_metadata(
         np.arange(2))
-    sampler = Sampler(0, CPU)
+    sampler = Sampler(0, CPU, **CPU_SAMPLER)
     counts = torch.zeros(2, V)
     n = 20000
     big = logits.repeat(n // 100, 1)  # 100 draws per call keep the test fast
@@ -287,7 +290,7 @@ def test_top_k_top_p_draws_follow_the_masked_softmax(scale, top_k, top_p):
     batch = logits.repeat(rows, 1)
     md_b = SamplingMetadata(False, torch.ones(rows), torch.full((rows,), top_k), torch.full((rows,), top_p), None,
                             {})
-    sampler = Sampler(0, CPU)
+    sampler = Sampler(0, CPU, **CPU_SAMPLER)
     counts = torch.zeros(vocab)
     for _ in range(n // rows):
         counts += torch.bincount(sampler(batch.clone(), md_b).sampled, minlength=vocab).float()
@@ -306,7 +309,7 @@ def test_greedy_checks_the_argmax_against_the_bitmask_before_masking():
     feed(states, *range(6))
     md = states.sampling_metadata(np.arange(6))
     md.grammar = ([0, 2, 3, 5], bitmask)
-    got = Sampler(0, CPU)(logits.clone(), md).sampled
+    got = Sampler(0, CPU, **CPU_SAMPLER)(logits.clone(), md).sampled
     expected = logits.clone()
     apply_grammar_bitmask(expected, [0, 2, 3, 5], bitmask)
     apply_penalties(expected, md.penalties)

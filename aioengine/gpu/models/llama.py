@@ -14,8 +14,9 @@ import torch
 from torch import nn
 from torch.nn.utils import skip_init
 
+from aioengine.gpu.backend import REFERENCE_OPS, Ops
 from aioengine.gpu.layers import RMSNorm, RotaryEmbedding, SiluAndMul, get_rope
-from aioengine.kernels.attention import AttentionMetadata, paged_attention, store_kv
+from aioengine.kernels.metadata import AttentionMetadata
 
 
 def _linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device: Any) -> nn.Linear:
@@ -42,8 +43,10 @@ class LlamaAttention(nn.Module):
         o_bias: bool,
         qk_norm: bool,
         rotary_emb: RotaryEmbedding,
+        ops: Ops,
     ) -> None:
         super().__init__()
+        self.ops = ops
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = num_kv_heads_of(config)
         assert self.num_heads % self.num_kv_heads == 0, "GQA needs heads to be a multiple of KV heads"
@@ -61,8 +64,8 @@ class LlamaAttention(nn.Module):
         self.o_proj = _linear(self.q_size, hidden, o_bias, dtype, device)
         self.q_norm = self.k_norm = None
         if qk_norm:  # Qwen3: per-head RMSNorm on q and k before RoPE
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device)
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device, ops)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device, ops)
         self.rotary_emb = rotary_emb  # shared by all layers
 
     def forward(
@@ -75,24 +78,19 @@ class LlamaAttention(nn.Module):
         num_tokens = hidden_states.shape[0]
         qkv = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is None and not qkv.is_cuda:  # CPU: rotate q and k heads in one go
-            qk = self.rotary_emb.rotate(positions, qkv[:, : self.q_size + self.kv_size].view(
-                num_tokens, self.num_heads + self.num_kv_heads, self.head_dim))
-            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        else:
-            q = q.view(num_tokens, self.num_heads, self.head_dim)
-            k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-            if self.q_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)
-            q, k = self.rotary_emb(positions, q, k)
-        store_kv(k, v, kv_cache, meta.slot_mapping)
-        out = paged_attention(q, kv_cache, meta, self.scaling)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        self.ops.store_kv(k, v, kv_cache, meta.slot_mapping)
+        out = self.ops.attention(q, kv_cache, meta, self.scaling)
         return self.o_proj(out.view(num_tokens, self.q_size))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: Any, dtype: torch.dtype, device: Any) -> None:
+    def __init__(self, config: Any, dtype: torch.dtype, device: Any, ops: Ops) -> None:
         super().__init__()
         assert getattr(config, "hidden_act", "silu") == "silu", f"unsupported hidden_act {config.hidden_act}"
         inter = config.intermediate_size
@@ -100,19 +98,19 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = _linear(config.hidden_size, 2 * inter, bias, dtype, device)
         self.gate_up_proj.shard_offsets = {"gate_proj": (0, inter), "up_proj": (inter, inter)}
         self.down_proj = _linear(inter, config.hidden_size, bias, dtype, device)
-        self.act_fn = SiluAndMul()
+        self.act_fn = SiluAndMul(ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, dtype: torch.dtype, device: Any, **attn_switches: Any) -> None:
+    def __init__(self, config: Any, dtype: torch.dtype, device: Any, ops: Ops, **attn_switches: Any) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, dtype, device, **attn_switches)
-        self.mlp = LlamaMLP(config, dtype, device)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.self_attn = LlamaAttention(config, dtype, device, ops=ops, **attn_switches)
+        self.mlp = LlamaMLP(config, dtype, device, ops)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, ops)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, ops)
 
     def forward(
         self,
@@ -134,18 +132,17 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: Any, dtype: torch.dtype, device: Any, **attn_switches: bool) -> None:
+    def __init__(self, config: Any, dtype: torch.dtype, device: Any, ops: Ops, **attn_switches: bool) -> None:
         super().__init__()
         self.embed_tokens = skip_init(
             nn.Embedding, config.vocab_size, config.hidden_size, dtype=dtype, device=device
         )
-        rope = get_rope(head_dim_of(config), config.max_position_embeddings, config, dtype, device)
+        rope = get_rope(head_dim_of(config), config.max_position_embeddings, config, dtype, device, ops)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, dtype, device, rotary_emb=rope, **attn_switches)
+            LlamaDecoderLayer(config, dtype, device, ops, rotary_emb=rope, **attn_switches)
             for _ in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.decode_stack: Any = None  # the CPU's one-call decode path (gpu/cpu_decode_stack.py), set by the runner
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, ops)
 
     def forward(
         self,
@@ -156,9 +153,6 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         assert len(kv_caches) == len(self.layers), "one KV cache per layer"
         hidden_states = self.embed_tokens(input_ids)
-        if self.decode_stack is not None and self.decode_stack.takes(input_ids, meta):
-            hidden_states, residual = self.decode_stack.run(hidden_states, positions, meta)
-            return self.norm(hidden_states, residual)[0]
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden_states, residual = layer(positions, hidden_states, residual, kv_cache, meta)
@@ -177,11 +171,14 @@ class LlamaForCausalLM(nn.Module):
         bias = bool(getattr(config, "attention_bias", False))
         return bias, bias
 
-    def __init__(self, config: Any, dtype: torch.dtype = torch.float32, device: Any = "cpu") -> None:
+    def __init__(self, config: Any, dtype: torch.dtype = torch.float32, device: Any = "cpu",
+                 ops: Ops = REFERENCE_OPS) -> None:
+        """``ops``: the backend's op set (the torch references by default)."""
         super().__init__()
         self.config = config
+        self.ops = ops
         qkv_bias, o_bias = self.attention_biases(config)
-        self.model = LlamaModel(config, dtype, device, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=self.qk_norm)
+        self.model = LlamaModel(config, dtype, device, ops, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=self.qk_norm)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens  # same weight; the checkpoint may omit lm_head
@@ -214,7 +211,7 @@ class LlamaForCausalLM(nn.Module):
         table = layers[0].self_attn.rotary_emb.cos_sin_cache if len(layers) else None
         if table is None or table.shape[0] >= max_model_len:
             return
-        rope = get_rope(head_dim_of(self.config), max_model_len, self.config, table.dtype, table.device)
+        rope = get_rope(head_dim_of(self.config), max_model_len, self.config, table.dtype, table.device, self.ops)
         for layer in layers:
             layer.self_attn.rotary_emb = rope
 

@@ -8,6 +8,7 @@ context, cuBLAS workspaces, other processes). The arithmetic lives here, apart, 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,21 +38,21 @@ def warmup_lengths(num_tokens: int, max_model_len: int, max_num_seqs: int) -> li
     return lens
 
 
-def profile_memory(model: Any, hf_config: Any, dtype: Any, device: Any, block_size: int, lens: list[int],
-                   num_logit_rows: int) -> MemoryProfile:
-    """Run prompts of ``lens`` through ``model`` (a throwaway KV cache just big enough), then logits and
-    sampling temporaries for ``num_logit_rows`` rows; measure the peak (CUDA only; blocks the caller)."""
+def profile_memory(model: Any, allocate_kv_caches: Callable[[int], list[Any]], device: Any, block_size: int,
+                   lens: list[int], num_logit_rows: int) -> MemoryProfile:
+    """Run prompts of ``lens`` through ``model`` (a throwaway KV cache just big enough, from
+    ``allocate_kv_caches(num_blocks)``), then logits and sampling temporaries for ``num_logit_rows`` rows;
+    measure the peak (CUDA only; blocks the caller)."""
     import torch
 
-    from aioengine.gpu.loader import allocate_kv_caches
-    from aioengine.kernels.attention import AttentionMetadata
+    from aioengine.kernels.metadata import AttentionMetadata
 
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     blocks = [-(-n // block_size) for n in lens]
     with torch.inference_mode():
-        kv_caches = allocate_kv_caches(hf_config, sum(blocks) + 1, block_size, dtype, device)
+        kv_caches = allocate_kv_caches(sum(blocks) + 1)
         kv_bytes = sum(t.numel() * t.element_size() for t in kv_caches)
         table = torch.zeros(len(lens), max(blocks), dtype=torch.int32)
         first = 1  # block 0 is the null block

@@ -10,9 +10,9 @@ start mid-sequence (prefix hits, chunked prefill) and whole prompts are one case
 
 The grid depends only on shapes (``num_tokens // BLOCK_Q + num_reqs`` programs per KV head; each
 finds its request by a binary search over ``query_start_loc``), so a launch can be captured in a
-CUDA graph. The torch reference is ``attention.paged_attention_reference`` (re-exported here).
+CUDA graph. The torch reference is ``reference.paged_attention_reference``.
 
-Importing this module imports triton; ``attention.paged_attention`` imports it for CUDA tensors only.
+Importing this module imports triton; only the CUDA backend does.
 """
 
 from __future__ import annotations
@@ -23,10 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from aioengine.kernels.attention import AttentionMetadata, paged_attention_reference
-from aioengine.kernels.triton_utils import cast_to, interpreted
-
-__all__ = ["paged_attention_reference", "paged_attention_triton", "choose_block_m"]
+from aioengine.kernels.metadata import AttentionMetadata
+from aioengine.kernels.triton.utils import cast_to, interpreted
 
 
 @triton.jit

@@ -1,109 +1,72 @@
-"""Paged attention over a block-structured KV cache: metadata, KV store and the torch (CPU) path.
+"""The torch ops: what every backend's kernels must equal, and the path that runs where no kernel applies.
 
-Layout (vLLM's): ``kv_cache[layer]`` is ``[2, num_blocks, block_size, num_kv_heads, head_size]``;
+One reference for each op the layers call (RMSNorm, rotary, SiluAndMul, the KV store, paged attention):
+the CPU backend falls back to these, and the C and Triton kernels are tested against them.
+
+KV cache layout (vLLM's): ``kv_cache[layer]`` is ``[2, num_blocks, block_size, num_kv_heads, head_size]``;
 index 0 holds keys, 1 values. A token's slot is ``block_id * block_size + offset``. On the CPU the same
-shape is a view of head-major memory (``[2, num_blocks, num_kv_heads, block_size, head_size]``,
-``gpu/loader.py``); every function here takes either.
-
-The flat batch is sorted decodes first: requests ``0..num_decodes-1`` have exactly one query token.
-The j-th query token of request i sits at position ``seq_lens[i] - q_len_i + j`` and attends
-causally to cache positions ``0..position`` (its own K/V are stored before attention runs).
+shape is a view of head-major memory (``[2, num_blocks, num_kv_heads, block_size, head_size]``); every
+function here takes either.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from aioengine.kernels import cpu_kernels
-
-# The C decode kernel when it builds here (tests turn it off to exercise the torch path).
-use_cpu_kernel = True
-use_cpu_prefill = True  # bf16 prompt chunks through the packed prefill kernel (cpu_prefill_attention.c)
+from aioengine.kernels.metadata import AttentionMetadata
 
 # enable_gqa appeared in torch 2.5; older torch gets explicit repeats on the prefill path.
 _HAS_ENABLE_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
 
 
-@dataclass(slots=True)
-class AttentionMetadata:
-    num_reqs: int
-    num_decodes: int  # the first num_decodes requests are decodes: 1 query token each, past the prompt
-    num_actual_tokens: int
-    max_query_len: int
-    max_seq_len: int
-    query_start_loc: torch.Tensor  # int32 [num_reqs + 1], cumulative query lengths
-    seq_lens: torch.Tensor  # int32 [num_reqs], tokens in the KV cache after this step
-    block_table: torch.Tensor  # int32 [num_reqs, max_blocks_per_req], physical block ids
-    slot_mapping: torch.Tensor  # int64 [num_actual_tokens], slot of each new token
-    query_start_loc_cpu: list[int]  # host copies used by CPU loops
-    seq_lens_cpu: list[int]
-    # Torch path only: decode grouping planned by the first layer of a step, reused by the others.
-    decode_groups: list[_DecodeGroup] | None = None
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's order: normalise in fp32, cast back, then scale (so bf16 outputs match HF bit for bit)."""
+    # torch's fused rms_norm on the fp32 copy: the same bits as x * rsqrt(mean(x^2) + eps), fewer ops.
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
-    @classmethod
-    def build(
-        cls,
-        query_lens: list[int],
-        seq_lens: list[int],
-        block_table: torch.Tensor,
-        block_size: int,
-        num_decodes: int | None = None,
-    ) -> AttentionMetadata:
-        """Metadata from per-request lists (tests and simple callers; the runner builds its own).
 
-        By default the leading run of 1-token queries counts as decodes (a 1-token chunk attends
-        exactly like a decode); a 1-token query after it takes the per-request path.
-        """
-        assert len(query_lens) == len(seq_lens) == block_table.shape[0]
-        assert all(0 < q <= s for q, s in zip(query_lens, seq_lens, strict=True))
-        if num_decodes is None:
-            num_decodes = 0
-            while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
-                num_decodes += 1
-        assert all(q == 1 for q in query_lens[:num_decodes]), "decodes come first, one token each"
-        starts = [0]
-        slots: list[int] = []
-        table = block_table.tolist()
-        for i, (q_len, seq_len) in enumerate(zip(query_lens, seq_lens, strict=True)):
-            starts.append(starts[-1] + q_len)
-            slots += [
-                table[i][p // block_size] * block_size + p % block_size
-                for p in range(seq_len - q_len, seq_len)
-            ]
-        device = block_table.device
-        return cls(
-            num_reqs=len(query_lens),
-            num_decodes=num_decodes,
-            num_actual_tokens=starts[-1],
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            block_table=block_table.to(torch.int32),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            query_start_loc_cpu=starts,
-            seq_lens_cpu=list(seq_lens),
-        )
+def add_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``norm(x)``; with ``residual``: ``(norm(x + residual), x + residual)`` like vLLM's fused op."""
+    if residual is None:
+        return rms_norm(x, weight, eps)
+    residual = x + residual
+    return rms_norm(residual, weight, eps), residual
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(x[..., :d]) * x[..., d:]`` for the fused gate_up projection."""
+    d = x.shape[-1] // 2
+    return F.silu(x[..., :d]) * x[..., d:]
+
+
+def rotary(
+    positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox rotation of query ``[T, Hq, D]`` / key ``[T, Hkv, D]`` by ``positions`` from a
+    ``[max_position, D]`` cache holding ``cos | sin`` (HF's rotate_half, in its roundings)."""
+    cos, sin = cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+    return rotate(query), rotate(key)
 
 
 def store_kv(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """Write key/value ``[T, Hkv, D]`` into the cache slots named by ``slot_mapping`` ``[T]``."""
-    if kv_cache.is_cuda:  # Triton kernel (imported lazily: the CPU path never needs triton)
-        from aioengine.kernels.kv_store import store_kv_triton
-
-        return store_kv_triton(key, value, kv_cache, slot_mapping)
     num_tokens = slot_mapping.shape[0]
     if key.shape[0] != num_tokens:  # padded past num_tokens
         key, value = key[:num_tokens], value[:num_tokens]
-    if use_cpu_kernel and cpu_kernels.store_ok(key, kv_cache):
-        cpu_kernels.store_kv(key, value, kv_cache, slot_mapping)
-        return
     num_slots = kv_cache.shape[1] * kv_cache.shape[2]
     valid = (slot_mapping >= 0) & (slot_mapping < num_slots)  # -1: a padded row, as the kernels skip it
     if not bool(valid.all()):
@@ -117,6 +80,18 @@ def store_kv(
         blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
         views.key_blocks[blocks, offsets] = key
         views.value_blocks[blocks, offsets] = value
+
+
+def store_kv_reference(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Token by token: the dumbest correct store (tests only). Negative slots are skipped."""
+    block_size = kv_cache.shape[2]
+    for t, slot in enumerate(slot_mapping.tolist()):
+        if slot < 0:
+            continue
+        kv_cache[0, slot // block_size, slot % block_size] = key[t]
+        kv_cache[1, slot // block_size, slot % block_size] = value[t]
 
 
 @dataclass(slots=True)
@@ -260,9 +235,6 @@ def _decodes(
 ) -> torch.Tensor:
     """Attention for the first ``num_decodes`` requests, whose query rows are ``query[:num_decodes]``."""
     nd = meta.num_decodes
-    if use_cpu_kernel and cpu_kernels.supports(query, kv_cache) and cpu_kernels.load() is not None:
-        # Straight from the blocks: no gather, no padding (cpu_decode_attention.c).
-        return cpu_kernels.decode_attention(query[:nd], kv_cache, meta.block_table, meta.seq_lens, scale)
     if meta.decode_groups is None:  # planned by the first layer, reused by the rest
         meta.decode_groups = _plan_decode_groups(meta.seq_lens_cpu[:nd], query.device)
     if query.shape[0] != nd:
@@ -306,41 +278,23 @@ def _prefill_attention(
     return out[0].transpose(0, 1)  # [q_len, Hq, D]
 
 
-def _cpu_mixed(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """bf16 on AVX512-BF16 (cpu_kernels.fast_prefill): decodes through the decode kernel, every prompt chunk
-    (one token or thousands) through the packed prefill kernel, whose per-row arithmetic ignores how the
-    prompt was chunked: a prefix-cache hit gives the same bits as computing the prompt afresh."""
-    n, starts, nd = meta.num_actual_tokens, meta.query_start_loc_cpu, meta.num_decodes
-    output = torch.zeros_like(query) if query.shape[0] > n else torch.empty_like(query)
-    if nd:
-        output[:nd] = cpu_kernels.decode_attention(query[:nd], kv_cache, meta.block_table[:nd], meta.seq_lens[:nd],
-                                                   scale)
-    for i in range(nd, meta.num_reqs):
-        output[starts[i]:starts[i + 1]] = cpu_kernels.prefill_attention(
-            query[starts[i]:starts[i + 1]], kv_cache, meta.block_table[i], meta.seq_lens_cpu[i], scale)
-    return output
-
-
 def paged_attention(
-    query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+    decodes: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Causal attention of query ``[T, Hq, D]`` against the paged cache; returns ``[T, Hq, D]``.
 
-    Rows past ``num_actual_tokens`` (padding) come back zero.
+    Rows past ``num_actual_tokens`` (padding) come back zero. ``decodes`` replaces the SDPA path for the
+    leading decode rows (a backend's kernel: ``decodes(query, kv_cache, meta, scale)``).
     """
-    if query.is_cuda:  # one Triton varlen kernel (imported lazily: the CPU path never needs triton)
-        from aioengine.kernels.triton_attention import paged_attention_triton
-
-        return paged_attention_triton(query, kv_cache, meta, scale)
     assert query.shape[1] % kv_cache.shape[-2] == 0, "query heads must be a multiple of KV heads"
     num_decodes = meta.num_decodes
+    decodes = decodes or _decodes
     if meta.num_reqs == num_decodes and query.shape[0] == num_decodes:
-        return _decodes(query, kv_cache, meta, scale)  # pure decode: no extra copy
-    if use_cpu_kernel and use_cpu_prefill and cpu_kernels.fast_prefill(query, kv_cache):
-        return _cpu_mixed(query, kv_cache, meta, scale)
+        return decodes(query, kv_cache, meta, scale)  # pure decode: no extra copy
     output = torch.zeros_like(query) if query.shape[0] > meta.num_actual_tokens else torch.empty_like(query)
     if num_decodes > 0:
-        output[:num_decodes] = _decodes(query, kv_cache, meta, scale)
+        output[:num_decodes] = decodes(query, kv_cache, meta, scale)
     starts = meta.query_start_loc_cpu
     for i in range(num_decodes, meta.num_reqs):
         start, end = starts[i], starts[i + 1]

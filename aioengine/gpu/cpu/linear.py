@@ -12,21 +12,19 @@ blocked layout (``mkldnn._reorder_linear_weight``, what inductor's freezing pass
 ``F.linear``'s bits, 1.5-2x faster than ``F.linear`` re-laying the weight out on every call.
 float32 is left alone: it is the dtype of the parity tests, and MKL's sgemm is already fast.
 
-``AIOENGINE_PACKED_LINEAR=0`` keeps plain weights; ``AIOENGINE_PACKED_LINEAR=onednn`` skips the C GEMM (to
-measure the difference).
+``KernelConfig.cpu_linear`` picks: "auto" (cpu_gemm.c where built), "onednn", or "torch" (plain weights).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 from torch import nn
 
-from aioengine.gpu import huge_pages
+from aioengine.gpu.cpu import huge_pages
 from aioengine.gpu.layers import SiluAndMul
-from aioengine.kernels import cpu_kernels
+from aioengine.kernels.cpu import clib as cpu_kernels
 
 
 @functools.cache
@@ -35,14 +33,13 @@ def _bf16_supported() -> bool:
 
 
 def packing_enabled(weight: torch.Tensor) -> bool:
-    """Whether a weight of this dtype/device gets packed (bf16 on a CPU whose oneDNN has bf16 kernels)."""
-    return (os.environ.get("AIOENGINE_PACKED_LINEAR", "1") != "0" and weight.device.type == "cpu"
-            and weight.dtype == torch.bfloat16 and _bf16_supported())
+    """Whether a weight of this dtype can be packed here (bf16 on a CPU whose oneDNN has bf16 kernels)."""
+    return weight.dtype == torch.bfloat16 and _bf16_supported()
 
 
 def c_gemm_enabled() -> bool:
-    """Whether packed weights take cpu_gemm.c's layout (else oneDNN's)."""
-    return os.environ.get("AIOENGINE_PACKED_LINEAR", "1") != "onednn" and cpu_kernels.gemm_available()
+    """Whether cpu_gemm.c is built here (packed weights then take its layout unless told otherwise)."""
+    return cpu_kernels.gemm_available()
 
 
 class PackedLinear(nn.Module):
@@ -51,14 +48,15 @@ class PackedLinear(nn.Module):
     logits that round to the same bf16 no longer tie, so greedy follows the float32 model more often)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, batch_size_hint: int = 64,
-                 float32_out: bool = False, silu_and_mul: bool = False) -> None:
+                 float32_out: bool = False, silu_and_mul: bool = False, c_gemm: bool | None = None) -> None:
         """``silu_and_mul``: a fused gate_up weight whose output is ``silu(gate) * up`` (half the width), from the
-        GEMM's epilogue; only where ``fuses_silu_and_mul`` says so."""
+        GEMM's epilogue; only where ``fuses_silu_and_mul`` says so. ``c_gemm``: cpu_gemm.c's layout (default:
+        where it is built), else oneDNN's."""
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.dtype = weight.dtype
-        self.c_gemm = c_gemm_enabled()
-        assert not silu_and_mul or self.fuses_silu_and_mul(weight, bias)
+        self.c_gemm = c_gemm_enabled() if c_gemm is None else c_gemm
+        assert not silu_and_mul or (self.c_gemm and self.fuses_silu_and_mul(weight, bias))
         self.epilogue = (cpu_kernels.GEMM_SILU_MUL if silu_and_mul else
                          cpu_kernels.GEMM_F32 if float32_out and self.c_gemm else cpu_kernels.GEMM_BF16)
         if self.c_gemm:  # on huge pages: every decode step streams the whole weight
@@ -89,7 +87,7 @@ class PackedLinear(nn.Module):
 
     @staticmethod
     def fuses_silu_and_mul(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-        """Whether a gate_up weight can take the fused epilogue (cpu_gemm.c, no bias, 64 | rows)."""
+        """Whether a gate_up weight can take the fused epilogue of cpu_gemm.c (no bias, 64 | rows)."""
         return bias is None and weight.shape[0] % 64 == 0 and packing_enabled(weight) and c_gemm_enabled()
 
     def extra_repr(self) -> str:
@@ -99,28 +97,34 @@ class PackedLinear(nn.Module):
                 f"{out.get(self.epilogue, '')}")
 
 
-def pack_linears(model: nn.Module) -> int:
+def pack_linears(model: nn.Module, mode: str = "auto") -> int:
     """Replace the model's bf16 ``nn.Linear`` layers (and a tied LM head) in place; returns how many.
+
+    ``mode`` (``KernelConfig.cpu_linear``): "auto" packs for cpu_gemm.c where it is built, else for oneDNN;
+    "onednn" always for oneDNN; "torch" packs nothing.
 
     A tied head gets a packed copy: the embedding lookup keeps the original table. The head gives float32
     logits where cpu_gemm.c runs it, and an MLP's fused gate_up projection takes over its SiluAndMul (which
     becomes an identity): the activation is the GEMM's epilogue, in torch's roundings.
     """
+    if mode == "torch":
+        return 0
+    c_gemm = mode == "auto" and c_gemm_enabled()
     done = 0
     for module in list(model.modules()):
         gate_up = getattr(module, "gate_up_proj", None)
-        if (type(gate_up) is nn.Linear and isinstance(getattr(module, "act_fn", None), SiluAndMul)
+        if (c_gemm and type(gate_up) is nn.Linear and isinstance(getattr(module, "act_fn", None), SiluAndMul)
                 and PackedLinear.fuses_silu_and_mul(gate_up.weight, gate_up.bias)):
-            module.gate_up_proj = PackedLinear(gate_up.weight, None, silu_and_mul=True)
+            module.gate_up_proj = PackedLinear(gate_up.weight, None, silu_and_mul=True, c_gemm=True)
             module.act_fn = nn.Identity()
             done += 1
     head = getattr(model, "lm_head", None)
     if isinstance(head, nn.Linear | nn.Embedding) and packing_enabled(head.weight):
-        model.lm_head = PackedLinear(head.weight, getattr(head, "bias", None), float32_out=True)
+        model.lm_head = PackedLinear(head.weight, getattr(head, "bias", None), float32_out=True, c_gemm=c_gemm)
         done += 1
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if type(child) is nn.Linear and packing_enabled(child.weight):
-                setattr(module, name, PackedLinear(child.weight, child.bias))
+                setattr(module, name, PackedLinear(child.weight, child.bias, c_gemm=c_gemm))
                 done += 1
     return done

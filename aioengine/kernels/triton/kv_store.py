@@ -1,11 +1,10 @@
-"""Write new K/V into the paged cache by ``slot_mapping``: a Triton kernel and its torch reference.
+"""Write new K/V into the paged cache by ``slot_mapping``: a Triton kernel (reference: ``reference.store_kv_reference``).
 
 The cache layout is ``kv_cache`` ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (0 = keys,
 1 = values); a token's slot is ``block_id * block_size + offset``. A negative slot (a padded row of a
 CUDA-graph batch) is skipped by the kernel.
 
-Importing this module imports triton: the CPU path (``attention.store_kv``) never does; it imports
-this module lazily for CUDA tensors only.
+Importing this module imports triton; only the CUDA backend does.
 """
 
 from __future__ import annotations
@@ -14,19 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from aioengine.kernels.triton_utils import cast_to, interpreted
-
-
-def store_kv_reference(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    """Token by token: the dumbest correct store (tests only). Negative slots are skipped."""
-    block_size = kv_cache.shape[2]
-    for t, slot in enumerate(slot_mapping.tolist()):
-        if slot < 0:
-            continue
-        kv_cache[0, slot // block_size, slot % block_size] = key[t]
-        kv_cache[1, slot // block_size, slot % block_size] = value[t]
+from aioengine.kernels.triton.utils import cast_to, interpreted
 
 
 @triton.jit

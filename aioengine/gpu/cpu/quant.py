@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from aioengine.gpu.cpu_linear import PackedLinear, packing_enabled
+from aioengine.gpu.cpu.linear import PackedLinear, c_gemm_enabled, packing_enabled
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,8 @@ class QuantizedLinear(nn.Module):
     """``y = x W^T + b`` for a quantized ``W``: the packed kernel for a few rows, a GEMM for many."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, method: str,
-                 max_rows_quantized: int = MAX_ROWS_QUANTIZED) -> None:
+                 max_rows_quantized: int = MAX_ROWS_QUANTIZED, linear: str = "auto") -> None:
+        """``linear``: how the large-batch GEMM runs (``KernelConfig.cpu_linear``)."""
         super().__init__()
         assert method in QUANTIZATION_METHODS, method
         assert weight.device.type == "cpu", "the packed kernels are CPU kernels"
@@ -84,7 +85,9 @@ class QuantizedLinear(nn.Module):
         self.weight = nn.Parameter(dequantized.to(dtype), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         # Large batches: the same dequantized values, prepacked for oneDNN when bf16 (same bits, faster).
-        self.gemm = PackedLinear(self.weight, self.bias) if packing_enabled(self.weight) else None
+        self.gemm = None
+        if linear != "torch" and packing_enabled(self.weight):
+            self.gemm = PackedLinear(self.weight, self.bias, c_gemm=linear == "auto" and c_gemm_enabled())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # the runner's batches are 2-D
@@ -110,7 +113,7 @@ def can_quantize(weight_shape: torch.Size, method: str) -> bool:
     return True
 
 
-def quantize_model(model: nn.Module, method: str) -> int:
+def quantize_model(model: nn.Module, method: str, linear: str = "auto") -> int:
     """Replace the decoder's linear layers and the LM head in place; returns how many were quantized.
 
     A tied head gets its own quantized copy: the embedding lookup keeps the original table.
@@ -127,12 +130,12 @@ def quantize_model(model: nn.Module, method: str) -> int:
             if not can_quantize(child.weight.shape, method):
                 skipped += 1
                 continue
-            setattr(module, name, QuantizedLinear(child.weight.data, child.bias, method))
+            setattr(module, name, QuantizedLinear(child.weight.data, child.bias, method, linear=linear))
             done += 1
     head = getattr(model, "lm_head", None)
     if isinstance(head, nn.Embedding):  # tied: quantize a copy for the logits
         if can_quantize(head.weight.shape, method):
-            model.lm_head = QuantizedLinear(head.weight.data, None, method)
+            model.lm_head = QuantizedLinear(head.weight.data, None, method, linear=linear)
             done += 1
         else:
             skipped += 1

@@ -2,11 +2,11 @@
 cpu_decode_stack.c): built once per machine with the C compiler into one library, loaded with ctypes,
 and called on the worker thread (ctypes releases the GIL).
 
-Built with -march=native into ``$AIOENGINE_CACHE_DIR/kernels`` (default ``~/.cache/aioengine``) under
-a name that hashes the sources, the compiler and the CPU flags; the engine starts the build on a thread
-at the top of ``start()``. It links libgomp, which resolves to the
-copy torch has already loaded, so the kernel and torch's ops share one OpenMP thread pool. Without a
-compiler (or with ``AIOENGINE_CPU_KERNELS=0``) the torch path runs instead.
+Built with -march=native into the cache directory's ``kernels/`` (``aioengine.env.cache_dir``) under a
+name that hashes the sources, the compiler and the CPU flags; the CPU backend starts the build on a thread
+when it is made. It links libgomp, which resolves to the copy torch has already loaded, so the kernel and
+torch's ops share one OpenMP thread pool. Without a compiler the torch path runs instead (and a backend
+told ``KernelConfig.cpu_kernels=False`` never loads it).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import functools
 import hashlib
 import logging
 import os
-import shutil
 import subprocess
 import tempfile
 import threading
@@ -25,6 +24,8 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from aioengine import env
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +44,7 @@ _FUNCS = {torch.float32: "decode_attention_f32", torch.bfloat16: "decode_attenti
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("AIOENGINE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "aioengine")
-    return Path(root) / "kernels"
+    return env.cache_dir() / "kernels"
 
 
 def _cpu_flags() -> str:
@@ -100,10 +100,7 @@ def load() -> ctypes.CDLL | None:
     with _lock:
         if _lib is not None or _failed:
             return _lib
-        if os.environ.get("AIOENGINE_CPU_KERNELS", "1") == "0":
-            _failed = True
-            return None
-        compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+        compiler = env.c_compiler()
         try:
             if compiler is None:
                 raise FileNotFoundError("no C compiler (gcc or cc) on PATH")

@@ -1,11 +1,11 @@
-"""RMSNorm (with the fused residual add) and neox RoPE: Triton kernels and their torch references.
+"""RMSNorm (with the fused residual add) and neox RoPE as Triton kernels.
 
-The references restate ``aioengine.gpu.layers`` (``RMSNorm.forward`` and ``RotaryEmbedding.forward``)
-op for op; the kernels compute in fp32 but round every intermediate the torch version rounds
+Their references are ``aioengine.kernels.reference.add_rms_norm`` and ``.rotary``; the kernels compute
+in fp32 but round every intermediate the torch version rounds
 (the residual sum, the normalised activations, each RoPE product), so for bf16/fp16 they agree with
 the torch path to the last bit up to reduction order (RMSNorm's variance) and fused multiply-adds.
 
-Importing this module imports triton; the model imports it for CUDA tensors only.
+Importing this module imports triton; only the CUDA backend does.
 """
 
 from __future__ import annotations
@@ -14,38 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from aioengine.kernels.triton_utils import cast_to, interpreted
-
-# ---------------------------------------------------------------- references (torch)
-
-
-def rms_norm_reference(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """``norm(x)``; with ``residual``: ``(norm(x + residual), x + residual)`` (``RMSNorm.forward``)."""
-    if residual is not None:
-        residual = x + residual
-        x = residual
-    orig_dtype = x.dtype
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    out = weight * h.to(orig_dtype)
-    return out if residual is None else (out, residual)
-
-
-def rotary_reference(
-    positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Neox rotation of query ``[T, Hq, D]`` / key ``[T, Hkv, D]`` by ``positions`` from a
-    ``[max_position, D]`` cache holding ``cos | sin`` (``RotaryEmbedding.forward``)."""
-    cos, sin = cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
-
-    def rotate(x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-    return rotate(query), rotate(key)
-
+from aioengine.kernels.triton.utils import cast_to, interpreted
 
 # ---------------------------------------------------------------- RMSNorm
 
@@ -99,7 +68,7 @@ def _rows(t: torch.Tensor) -> tuple[int, int, int]:
 def rms_norm_triton(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as ``rms_norm_reference``; ``x`` is ``[T, N]`` or ``[T, H, N]`` (a strided
+    """Same contract as ``reference.add_rms_norm``; ``x`` is ``[T, N]`` or ``[T, H, N]`` (a strided
     per-head view of a fused qkv is fine). Outputs are new contiguous tensors."""
     n_cols = x.shape[-1]
     assert weight.shape == (n_cols,)
@@ -230,7 +199,7 @@ def rotary_triton(
     *,
     inplace: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as ``rotary_reference``. ``query``/``key`` may be strided views (of a fused
+    """Same contract as ``reference.rotary``. ``query``/``key`` may be strided views (of a fused
     qkv); ``inplace=True`` writes the rotation back into them (vLLM's convention) and returns them.
     """
     num_tokens, num_q_heads, head_dim = query.shape

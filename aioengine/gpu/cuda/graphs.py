@@ -15,18 +15,16 @@ from __future__ import annotations
 
 import bisect
 import logging
-import os
 import time
 from typing import Any
 
 import torch
 
-from aioengine.kernels.attention import AttentionMetadata
+from aioengine.kernels.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
 MAX_CAPTURE_SIZE = 512  # the tour's cap: min(max_num_seqs x 1 x 2, 512) on an H100 (--max-cudagraph-capture-size)
-DEFAULT_CAPTURE_TIME_LIMIT_S = 180.0
 
 
 def capture_sizes(max_num_seqs: int, max_num_batched_tokens: int, cap: int = MAX_CAPTURE_SIZE) -> list[int]:
@@ -50,10 +48,6 @@ def bucket_for(n: int, sizes: list[int]) -> int | None:
     """The smallest of the (sorted) ``sizes`` that holds ``n`` rows, or None."""
     i = bisect.bisect_left(sizes, n)
     return sizes[i] if i < len(sizes) else None
-
-
-def capture_time_limit_s() -> float:
-    return float(os.environ.get("AIOENGINE_CUDA_GRAPH_CAPTURE_S", DEFAULT_CAPTURE_TIME_LIMIT_S))
 
 
 class DecodeGraphs:

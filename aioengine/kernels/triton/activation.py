@@ -1,23 +1,16 @@
-"""SiluAndMul for the fused gate_up projection: a Triton kernel and its torch reference.
+"""SiluAndMul for the fused gate_up projection as a Triton kernel (reference: ``reference.silu_and_mul``).
 
 ``out = silu(x[..., :d]) * x[..., d:]``, rounding like torch (silu's result, then the product, each to
-the activation dtype). Importing this module imports triton; the model imports it for CUDA only.
+the activation dtype). Importing this module imports triton; only the CUDA backend does.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from aioengine.kernels.triton_utils import cast_to, interpreted
-
-
-def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
-    """``aioengine.gpu.layers.silu_and_mul``, restated."""
-    d = x.shape[-1] // 2
-    return F.silu(x[..., :d]) * x[..., d:]
+from aioengine.kernels.triton.utils import cast_to, interpreted
 
 
 @triton.jit
@@ -33,7 +26,7 @@ def _silu_and_mul_kernel(out_ptr, x_ptr, stride_x, d, BLOCK: tl.constexpr, INTER
 
 
 def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
-    """Same contract as the reference for ``x`` ``[..., 2d]`` whose rows are contiguous."""
+    """Same contract as ``reference.silu_and_mul`` for ``x`` ``[..., 2d]`` whose rows are contiguous."""
     d = x.shape[-1] // 2
     x2 = x.reshape(-1, 2 * d)  # a view for the [T, 2d] output of a linear layer
     assert x2.stride(-1) == 1

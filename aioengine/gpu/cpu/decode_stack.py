@@ -2,23 +2,21 @@
 
 Applies to bf16 Llama-family layers (Llama, Mistral, SmolLM, Qwen2) once ``pack_linears`` has packed every
 linear for cpu_gemm.c and fused the MLP's activation into gate_up; Qwen3's q/k norms, float32, and mixed
-steps with prompt chunks keep the Python path. ``AIOENGINE_DECODE_STACK=0`` turns it off (to measure).
+steps with prompt chunks keep the Python path. ``KernelConfig.cpu_decode_stack=False`` turns it off.
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-import aioengine.gpu.layers as layers
-import aioengine.kernels.attention as attention
-from aioengine.gpu.cpu_linear import PackedLinear
-from aioengine.kernels import cpu_kernels
-from aioengine.kernels.attention import AttentionMetadata
+from aioengine.gpu.cpu.linear import PackedLinear
+from aioengine.kernels.cpu import clib as cpu_kernels
+from aioengine.kernels.metadata import AttentionMetadata
 
 _P, _I64, _F, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 
@@ -48,7 +46,8 @@ def _packed(module: Any, epilogue: int) -> bool:
 class CpuDecodeStack:
     """The layers' pointers, gathered once; ``run`` fills a step's inputs and makes the call."""
 
-    def __init__(self, model: nn.Module, kv_caches: list[torch.Tensor]) -> None:
+    def __init__(self, model: nn.Module, kv_caches: list[torch.Tensor], cos2: torch.Tensor,
+                 sin2: torch.Tensor) -> None:
         decoder = model.model
         first = decoder.layers[0]
         attn, mlp = first.self_attn, first.mlp
@@ -61,22 +60,23 @@ class CpuDecodeStack:
             w.o, w.o_bias = _ptr(a.o_proj.packed), _ptr(a.o_proj.bias)
             w.gate_up, w.down, w.down_bias = _ptr(m.gate_up_proj.packed), _ptr(m.down_proj.packed), _ptr(m.down_proj.bias)
             w.key_cache, w.value_cache = cpu_kernels.cache_pointers(kv)
-        rope = attn.rotary_emb
         self.args = _StackArgs(
             hidden=attn.o_proj.out_features, intermediate=mlp.gate_up_proj.out_features // 2,
             num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
-            eps=first.input_layernorm.variance_epsilon, scale=attn.scaling, cos2=_ptr(rope.cos2), sin2=_ptr(rope.sin2),
+            eps=first.input_layernorm.variance_epsilon, scale=attn.scaling, cos2=_ptr(cos2), sin2=_ptr(sin2),
             block_size=cache.shape[2], block_stride=cache.stride(1), token_stride=cache.stride(2),
             head_stride=cache.stride(3), num_slots=cache.shape[1] * cache.shape[2],
             silu_table=cpu_kernels.silu_table().data_ptr())
         self.widths = {"normed": self.args.hidden, "qkv_out": attn.q_size + 2 * attn.kv_size,
                        "qk_rotated": attn.q_size + attn.kv_size, "attn": attn.q_size, "act": self.args.intermediate}
-        self._kv_caches = kv_caches  # the pointers above stay valid while these live
+        self._keep = (kv_caches, cos2, sin2)  # the pointers above stay valid while these live
 
     @staticmethod
-    def build(model: nn.Module, kv_caches: list[torch.Tensor]) -> CpuDecodeStack | None:
-        """The stack for this model and cache, or None where the C call does not apply."""
-        if os.environ.get("AIOENGINE_DECODE_STACK", "1") == "0" or not kv_caches:
+    def build(model: nn.Module, kv_caches: list[torch.Tensor],
+              rope_tables: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]) -> CpuDecodeStack | None:
+        """The stack for this model and cache, or None where the C call does not apply. ``rope_tables(cache)``
+        gives the full-width ``(cos2, sin2)`` tables of a rotary ``cos_sin_cache``."""
+        if not kv_caches:
             return None
         decoder = getattr(model, "model", None)
         if not getattr(decoder, "layers", None) or kv_caches[0].dtype != torch.bfloat16:
@@ -92,16 +92,16 @@ class CpuDecodeStack:
                     or layer.post_attention_layernorm.variance_epsilon != eps):
                 return None
         attn = decoder.layers[0].self_attn
-        rope = attn.rotary_emb
-        if rope.cos2 is None or rope.cos2.dtype != torch.bfloat16 or not rope.cos2.is_contiguous():
+        cos2, sin2 = rope_tables(attn.rotary_emb.cos_sin_cache)
+        if cos2.dtype != torch.bfloat16 or not cos2.is_contiguous():
             return None
         query = torch.empty(1, attn.num_heads, attn.head_dim, dtype=torch.bfloat16)  # the decode kernel's limits
-        return CpuDecodeStack(model, kv_caches) if cpu_kernels.supports(query, kv_caches[0]) else None
+        return CpuDecodeStack(model, kv_caches, cos2, sin2) if cpu_kernels.supports(query, kv_caches[0]) else None
 
-    def takes(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> bool:
-        """A step of decodes only (no prompt chunk, no padding), with the C paths switched on."""
-        return (meta.num_decodes == meta.num_reqs == input_ids.shape[0] > 0 and layers.use_cpu_kernels
-                and attention.use_cpu_kernel)
+    @staticmethod
+    def takes(input_ids: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """A step of decodes only (no prompt chunk, no padding)."""
+        return meta.num_decodes == meta.num_reqs == input_ids.shape[0] > 0
 
     def run(self, hidden: torch.Tensor, positions: torch.Tensor,
             meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:

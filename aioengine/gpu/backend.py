@@ -1,0 +1,142 @@
+"""The one interface a device implements (CPU, CUDA): picked once per engine; nothing else tests the device.
+
+A backend owns what differs by device: the worker, how a step's output is awaited (the worker's
+``output``), the KV cache's layout and size, the op set the layers call (``Ops``), the fast paths (the
+CPU's one-call decode stack, CUDA graphs) and how a step's inputs reach the device (``Staging``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from torch import nn
+
+from aioengine.config import EngineArgs
+from aioengine.kernels import reference
+from aioengine.kernels.metadata import AttentionMetadata
+from aioengine.sched.output import ModelRunnerOutput
+
+
+class Ops:
+    """The ops the model's layers call. This base runs the torch references; a backend overrides them."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``norm(x)``; with ``residual``: ``(norm(x + residual), x + residual)``."""
+        return reference.add_rms_norm(x, weight, eps, residual)
+
+    def rotary(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+               cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate query ``[T, Hq, D]`` and key ``[T, Hkv, D]`` (views of one fused qkv row may be given)."""
+        return reference.rotary(positions, query, key, cos_sin_cache)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return reference.silu_and_mul(x)
+
+    def store_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        reference.store_kv(key, value, kv_cache, slot_mapping)
+
+    def attention(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                  scale: float) -> torch.Tensor:
+        return reference.paged_attention(query, kv_cache, meta, scale)
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each row's argmax (int64; torch's: first maximum, NaN wins), for a plain greedy batch."""
+        return logits.argmax(-1)
+
+
+REFERENCE_OPS = Ops()
+
+
+class Staging(Protocol):
+    """How a step's host arrays reach the device."""
+
+    def begin_step(self) -> None: ...
+
+    def to_device(self, array: np.ndarray) -> torch.Tensor: ...
+
+
+class Worker(Protocol):
+    """Runs the runner's calls in submission order; ``output`` awaits what a step call returned."""
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future: ...
+
+    async def output(self, fut: concurrent.futures.Future) -> ModelRunnerOutput: ...
+
+    def shutdown(self) -> None: ...
+
+
+class RunnerParts(Protocol):
+    """What a backend reads of the model runner it serves."""
+
+    model: nn.Module
+    hf_config: Any
+    dtype: torch.dtype
+    block_size: int
+    max_model_len: int
+    max_num_reqs: int
+    max_blocks_per_req: int
+    kv_caches: list[torch.Tensor]
+
+    def kv_cache_bytes_per_block(self) -> int: ...
+
+
+class Backend(ABC):
+    """One per engine. ``ops`` is handed to the model's layers when they are built."""
+
+    name: str
+    device: torch.device
+    ops: Ops
+    default_max_num_seqs: int
+    default_max_num_batched_tokens: int
+    # Sampler knobs that pay on one device and not the other (see Sampler).
+    sample_top_p_from_candidates: bool = False
+    grammar_check_argmax_first: bool = False
+    timeline: Any = None  # CUDA: a GpuTimeline of events around each step (the bench reports the GPU's idle time)
+
+    @abstractmethod
+    def default_dtype(self) -> str:
+        """The dtype "auto" means here."""
+
+    @abstractmethod
+    def make_worker(self) -> Worker: ...
+
+    @abstractmethod
+    def make_staging(self) -> Staging: ...
+
+    @abstractmethod
+    def prepare_model(self, model: nn.Module, quantization: str | None) -> None:
+        """After loading: quantize and repack the weights for this device's kernels."""
+
+    @abstractmethod
+    def allocate_kv_caches(self, hf_config: Any, num_blocks: int, block_size: int,
+                           dtype: torch.dtype) -> list[torch.Tensor]:
+        """One zeroed cache per layer, in this device's layout behind the shape of ``kv_cache_shape``."""
+
+    @abstractmethod
+    def num_kv_blocks(self, runner: RunnerParts, args: EngineArgs, max_num_batched_tokens: int,
+                      max_num_seqs: int) -> int:
+        """How many KV blocks fit this device's budget (runs on the worker)."""
+
+    @abstractmethod
+    def build_fast_paths(self, runner: RunnerParts, args: EngineArgs, max_num_batched_tokens: int) -> None:
+        """After the KV cache exists: the decode stack (CPU) or the captured decode graphs (CUDA)."""
+
+    @abstractmethod
+    def forward(self, runner: RunnerParts, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """The step's hidden states, through a fast path where one applies."""
+
+    @abstractmethod
+    def finish_step(self, tensors: list[torch.Tensor],
+                    finish: Callable[..., ModelRunnerOutput]) -> Any:
+        """``finish(*host copies of tensors)``, or an awaitable that gives it once the copy is done."""
+
+    def end_step(self) -> None:  # noqa: B027 (a hook: most backends record nothing)
+        """A step with nothing to sample ends here."""

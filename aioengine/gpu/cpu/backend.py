@@ -1,0 +1,223 @@
+"""The CPU backend: C kernels where they apply (else the torch references), packed weights, the decode stack.
+
+Every choice comes from the engine's ``KernelConfig``, so two engines in one process may differ.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from aioengine.config import EngineArgs, KernelConfig, cpu_has_fast_bf16
+from aioengine.gpu.backend import Backend, Ops, RunnerParts
+from aioengine.gpu.cpu.decode_stack import CpuDecodeStack
+from aioengine.gpu.cpu.linear import pack_linears
+from aioengine.gpu.cpu.quant import quantize_model
+from aioengine.gpu.cpu.worker import CpuWorker
+from aioengine.gpu.loader import kv_cache_shape
+from aioengine.kernels import reference
+from aioengine.kernels.cpu import clib
+from aioengine.kernels.metadata import AttentionMetadata
+from aioengine.sched.output import ModelRunnerOutput
+
+DEFAULT_KV_CACHE_BYTES = 2 << 30
+
+
+class CpuOps(Ops):
+    """The layers' ops on the CPU: bf16 C kernels where ``KernelConfig`` allows them and the shapes fit."""
+
+    def __init__(self, kernels: KernelConfig | None = None) -> None:
+        kernels = kernels or KernelConfig()
+        self.c_kernels = kernels.cpu_kernels
+        self.elementwise = kernels.cpu_kernels and kernels.cpu_elementwise
+        self.c_attention = kernels.cpu_kernels and kernels.cpu_attention
+        self.c_prefill = self.c_attention and kernels.cpu_prefill_attention
+        # Full-width rotary tables (cos|cos, -sin|sin) per cos_sin_cache, and the last step's gathered rows.
+        self._tables: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._memo: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self.elementwise and x.dim() == 2 and clib.elementwise_ok(x):  # bf16: one fused pass
+            if residual is None:
+                return clib.add_rms_norm(None, x, weight, eps)[0]
+            return clib.add_rms_norm(x, residual, weight, eps)
+        return reference.add_rms_norm(x, weight, eps, residual)
+
+    def rope_tables(self, cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos2, sin2)``: a rotation is then ``x * cos2 + roll(x) * sin2`` (4 ops for q and k together
+        instead of 8 each; the same roundings as HF's rotate_half, so the same bits)."""
+        entry = self._tables.get(id(cos_sin_cache))
+        if entry is None or entry[0] is not cos_sin_cache:
+            cos, sin = cos_sin_cache.chunk(2, dim=-1)
+            entry = (cos_sin_cache, torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1))
+            self._tables[id(cos_sin_cache)] = entry
+        return entry[1], entry[2]
+
+    def rotary(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+               cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        num_heads = query.shape[1]
+        if _adjacent_heads(query, key):  # q and k heads of one fused qkv row: rotate them in one go
+            both = query.as_strided((query.shape[0], num_heads + key.shape[1], query.shape[2]), query.stride())
+            q, k = self.rotate(positions, both, cos_sin_cache).split([num_heads, key.shape[1]], dim=1)
+            return q, k
+        return self.rotate(positions, query, cos_sin_cache), self.rotate(positions, key, cos_sin_cache)
+
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x`` ``[T, H, D]`` (heads contiguous within a token) by ``positions``."""
+        cos2, sin2 = self.rope_tables(cos_sin_cache)
+        if (self.elementwise and cos2.dtype == x.dtype and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+                and positions.dtype == torch.int64 and positions.is_contiguous() and clib.elementwise_ok(x)):
+            return clib.rotary(x, positions, cos2, sin2)  # bf16: one pass, the same roundings
+        memo = self._memo
+        if memo is not None and memo[0] is positions and memo[1] is cos2:  # the layers of a step share one lookup
+            rows_cos, rows_sin = memo[2], memo[3]
+        else:
+            rows_cos = cos2.index_select(0, positions).unsqueeze(1)
+            rows_sin = sin2.index_select(0, positions).unsqueeze(1)
+            self._memo = (positions, cos2, rows_cos, rows_sin)
+        return x * rows_cos + x.roll(x.shape[2] // 2, -1) * rows_sin
+
+    def store_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        num_tokens = slot_mapping.shape[0]
+        if key.shape[0] != num_tokens:  # padded past num_tokens
+            key, value = key[:num_tokens], value[:num_tokens]
+        if self.c_attention and clib.store_ok(key, kv_cache):
+            clib.store_kv(key, value, kv_cache, slot_mapping)
+        else:
+            reference.store_kv(key, value, kv_cache, slot_mapping)
+
+    def attention(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                  scale: float) -> torch.Tensor:
+        if not self.c_attention:
+            return reference.paged_attention(query, kv_cache, meta, scale)
+        pure_decode = meta.num_reqs == meta.num_decodes and query.shape[0] == meta.num_decodes
+        if not pure_decode and self.c_prefill and clib.fast_prefill(query, kv_cache):
+            return _c_mixed(query, kv_cache, meta, scale)
+        if clib.supports(query, kv_cache) and clib.load() is not None:
+            return reference.paged_attention(query, kv_cache, meta, scale, decodes=_c_decodes)
+        return reference.paged_attention(query, kv_cache, meta, scale)
+
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Widening bf16 is exact (the same winner), and torch's CPU argmax is 5x faster on float32 than on
+        bf16; the C kernel skips the widened copy altogether."""
+        if logits.dtype == torch.float32:
+            return logits.argmax(-1)
+        if self.c_kernels and logits.dim() == 2 and clib.elementwise_ok(logits):  # bf16, unit inner stride
+            return clib.argmax(logits)
+        return logits.float().argmax(-1)
+
+
+def _adjacent_heads(query: torch.Tensor, key: torch.Tensor) -> bool:
+    """Whether key's heads follow query's in memory with the same token stride (views of one qkv row)."""
+    return (query.dtype == key.dtype and query.stride() == key.stride() and query.stride(2) == 1
+            and query.stride(1) == query.shape[2] == key.shape[2] and query.shape[0] == key.shape[0]
+            and key.data_ptr() == query.data_ptr() + query.shape[1] * query.shape[2] * query.element_size())
+
+
+def _c_decodes(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """The decode rows straight from the blocks: no gather, no padding (cpu_decode_attention.c)."""
+    return clib.decode_attention(query[:meta.num_decodes], kv_cache, meta.block_table, meta.seq_lens, scale)
+
+
+def _c_mixed(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """bf16 on AVX512-BF16: decodes through the decode kernel, every prompt chunk (one token or thousands)
+    through the packed prefill kernel, whose per-row arithmetic ignores how the prompt was chunked: a
+    prefix-cache hit gives the same bits as computing the prompt afresh."""
+    n, starts, nd = meta.num_actual_tokens, meta.query_start_loc_cpu, meta.num_decodes
+    output = torch.zeros_like(query) if query.shape[0] > n else torch.empty_like(query)
+    if nd:
+        output[:nd] = clib.decode_attention(query[:nd], kv_cache, meta.block_table[:nd], meta.seq_lens[:nd], scale)
+    for i in range(nd, meta.num_reqs):
+        output[starts[i]:starts[i + 1]] = clib.prefill_attention(
+            query[starts[i]:starts[i + 1]], kv_cache, meta.block_table[i], meta.seq_lens_cpu[i], scale)
+    return output
+
+
+class CpuStaging:
+    """On the CPU a step's arrays are its tensors: ``torch.from_numpy`` shares their memory."""
+
+    def begin_step(self) -> None:
+        pass
+
+    def to_device(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array))
+
+
+class CpuBackend(Backend):
+    name = "cpu"
+    device = torch.device("cpu")
+    default_max_num_seqs = 128
+    default_max_num_batched_tokens = 512
+    # Sorting the whole vocabulary for top-p costs ~10x a step's other sampling work on a CPU.
+    sample_top_p_from_candidates = True
+    grammar_check_argmax_first = True
+
+    def __init__(self, kernels: KernelConfig | None = None, num_threads: int = 1) -> None:
+        self.kernels = kernels or KernelConfig()
+        self.num_threads = num_threads
+        self.ops = CpuOps(self.kernels)
+        self.decode_stack: CpuDecodeStack | None = None
+        if self.kernels.cpu_kernels:  # gcc builds the C kernels (seconds when cold) while the model loads
+            threading.Thread(target=clib.load, name="aioengine-cpu-kernels", daemon=True).start()
+
+    def default_dtype(self) -> str:
+        return "bfloat16" if cpu_has_fast_bf16() else "float32"
+
+    def make_worker(self) -> CpuWorker:
+        return CpuWorker(self.num_threads)
+
+    def make_staging(self) -> CpuStaging:
+        return CpuStaging()
+
+    def prepare_model(self, model: nn.Module, quantization: str | None) -> None:
+        linear = self.kernels.cpu_linear if self.kernels.cpu_kernels else _without_c(self.kernels.cpu_linear)
+        if quantization is not None:
+            quantize_model(model, quantization, linear=linear)
+        pack_linears(model, linear)
+        if self.kernels.cpu_kernels:
+            clib.load()  # built now (seconds), not inside the first step
+
+    def allocate_kv_caches(self, hf_config: Any, num_blocks: int, block_size: int,
+                           dtype: torch.dtype) -> list[torch.Tensor]:
+        """Head-major memory (``[2, blocks, heads, block_size, D]``) behind the usual shape: a decode reads one
+        KV head's rows of a block as one contiguous run, which DRAM serves faster than rows strided by the
+        other heads. Zeroed: padded attention reads slots nobody wrote (0 * NaN = NaN)."""
+        two, blocks, size, heads, dim = kv_cache_shape(hf_config, num_blocks, block_size)
+        with torch.inference_mode(False):  # normal tensors: writable under inference_mode and no_grad alike
+            return [torch.zeros((two, blocks, heads, size, dim), dtype=dtype).transpose(2, 3)
+                    for _ in range(hf_config.num_hidden_layers)]
+
+    def num_kv_blocks(self, runner: RunnerParts, args: EngineArgs, max_num_batched_tokens: int,
+                      max_num_seqs: int) -> int:
+        return (args.kv_cache_memory_bytes or DEFAULT_KV_CACHE_BYTES) // runner.kv_cache_bytes_per_block()
+
+    def build_fast_paths(self, runner: RunnerParts, args: EngineArgs, max_num_batched_tokens: int) -> None:
+        k = self.kernels
+        if k.cpu_kernels and k.cpu_decode_stack and k.cpu_elementwise and k.cpu_attention:
+            self.decode_stack = CpuDecodeStack.build(runner.model, runner.kv_caches, self.ops.rope_tables)
+
+    def forward(self, runner: RunnerParts, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        stack = self.decode_stack
+        if stack is not None and stack.takes(input_ids, meta):  # every layer in one C call, the same bits
+            decoder = runner.model.model
+            hidden, residual = stack.run(decoder.embed_tokens(input_ids), positions, meta)
+            return decoder.norm(hidden, residual)[0]
+        return runner.model(input_ids, positions, runner.kv_caches, meta)
+
+    def finish_step(self, tensors: list[torch.Tensor],
+                    finish: Callable[..., ModelRunnerOutput]) -> ModelRunnerOutput:
+        return finish(*tensors)
+
+
+def _without_c(linear: str) -> str:
+    """Without the C kernels, "auto" means oneDNN's layout."""
+    return "onednn" if linear == "auto" else linear

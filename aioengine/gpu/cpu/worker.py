@@ -1,0 +1,42 @@
+"""The CPU's worker: one thread computes every runner call in submission order (it plays a CUDA stream).
+
+torch's ops and the C kernels release the GIL, so the event loop keeps serving while a step computes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from aioengine.sched.output import ModelRunnerOutput
+
+
+class CpuWorker:
+    def __init__(self, num_threads: int) -> None:
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="aioengine-step")
+        self._pool.submit(self._init_thread, num_threads).result()
+
+    @staticmethod
+    def _init_thread(num_threads: int) -> None:
+        import torch
+
+        # Compute yields to the event loop: this thread and the OpenMP threads it spawns (they inherit it) run
+        # at a lower priority, so when both want a core the loop wins and answers at once (503s, tokens).
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + 5)
+        torch.set_num_threads(num_threads)
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
+        return self._pool.submit(fn, *args)
+
+    async def output(self, fut: concurrent.futures.Future) -> ModelRunnerOutput:
+        """A step's output: on the CPU the worker's result is the output itself."""
+        return await asyncio.wrap_future(fut)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
