@@ -13,40 +13,9 @@ from tqdm import tqdm
 
 from aioengine.bench import write_json
 from aioengine.bench.datasets import add_dataset_args, build_dataset
-from aioengine.cli import run_in_loop
-from aioengine.config import EngineArgs
+from aioengine.cli_common import add_engine_args, engine_args_from, run_in_loop
 from aioengine.engine import AsyncEngine
 from aioengine.sampling_params import SamplingParams
-
-
-def add_engine_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--model", default="default", help="a checkpoint directory, 'default', or random:NAME "
-                    "(random weights of a known shape made on the device: random:llama-3.1-8b, random:tiny)")
-    ap.add_argument("--tokenizer", help="default: the model's (random:NAME has none: prompts are token ids)")
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--max-num-batched-tokens", type=int)
-    ap.add_argument("--max-num-seqs", type=int)
-    ap.add_argument("--max-model-len", type=int)
-    ap.add_argument("--num-kv-blocks", type=int)
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--no-enable-prefix-caching", action="store_true")
-    ap.add_argument("--num-threads", type=int)
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    ap.add_argument("--max-cudagraph-capture-size", type=int,
-                    help="largest decode batch that replays a CUDA graph (default 512)")
-    ap.add_argument("--quantization", choices=["int8", "int4"], help="CPU weight-only quantization")
-
-
-def engine_args_from(args) -> EngineArgs:
-    return EngineArgs(model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
-                      gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
-                      max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                      max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
-                      block_size=args.block_size, enable_prefix_caching=not args.no_enable_prefix_caching,
-                      num_threads=args.num_threads, quantization=args.quantization,
-                      max_cudagraph_capture_size=args.max_cudagraph_capture_size)
 
 
 async def run_throughput(args) -> dict:

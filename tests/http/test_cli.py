@@ -16,6 +16,7 @@ import orjson
 import pytest
 
 from aioengine import EngineArgs, cli
+from aioengine.config import KernelConfig
 from aioengine.http.serve import serve_engine
 from aioengine.http.server import ServerConfig, bound_port, build_app, start_server
 from tests.http.fake_engine import FakeEngine
@@ -25,8 +26,9 @@ def test_every_engine_arg_has_a_vllm_style_flag():
     parser = cli.build_parser()
     flags = {a for action in parser._subparsers._group_actions[0].choices["serve"]._actions
              for a in action.option_strings}
-    for f in dataclasses.fields(EngineArgs):
-        assert "--" + f.name.replace("_", "-") in flags, f.name
+    for f in (*dataclasses.fields(EngineArgs), *dataclasses.fields(KernelConfig)):
+        if f.name != "kernels":  # the group: one flag per KernelConfig field
+            assert "--" + f.name.replace("_", "-") in flags, f.name
     assert {"--no-enable-prefix-caching", "--enforce-eager", "--api-key", "--max-num-queued-reqs",
             "--log-requests", "--log-level", "--host", "--port"} <= flags
 
@@ -46,6 +48,15 @@ def test_flags_build_engine_args():
                             device="cpu", seed=7, served_model_name="a", enforce_eager=True)
     assert args.served_model_name == ["a", "b"]
     assert cli.engine_args_from(cli.build_parser().parse_args(["serve"])) == EngineArgs()
+
+
+def test_kernel_flags_build_the_kernel_config():
+    args = cli.build_parser().parse_args(["serve", "--no-cpu-kernels", "--cpu-linear", "onednn",
+                                          "--no-cpu-decode-stack", "--cuda-graph-capture-timeout-s", "30"])
+    assert cli.engine_args_from(args).kernels == KernelConfig(cpu_kernels=False, cpu_linear="onednn",
+                                                              cpu_decode_stack=False, cuda_graph_capture_timeout_s=30)
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["serve", "--cpu-linear", "mkl"])
 
 
 @pytest.mark.parametrize(("text", "value"), [("4096", 4096), ("2K", 2048), ("512MiB", 512 << 20),
