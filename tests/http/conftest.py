@@ -20,12 +20,14 @@ import pytest
 
 from aioengine import AsyncEngine, EngineArgs
 from aioengine.http.server import bound_port, build_app, start_server
+from tests.timing import HANG_S
 
 API_KEY = "test-key-123"
 QUEUE_LIMIT = 2
 OVERLOAD_QUEUE_LIMIT = 128
 MAX_NUM_SEQS = 16
 ACCESS_LOGGED = ("keyed", "logged")  # apps started with an access log, as `serve --log-requests` does
+IDLE_STEPS = 4  # a finished or aborted request has left the engine within this many steps (two are in flight)
 
 
 class LiveServer:
@@ -87,14 +89,25 @@ class LiveServer:
         return self.call(lambda: {"running": len(e.scheduler.running), "waiting": len(e.scheduler.waiting),
                                   "kv_usage": e.kv_cache_usage(), "unfinished": e.num_unfinished_requests()})
 
-    def wait_idle(self, timeout: float = 2.0) -> dict:
-        """Poll until no request is left and no KV block is used; returns the last state seen."""
+    def steps(self) -> int:
+        """How many steps the engine has finished so far (its own counter)."""
+        e = self.engine
+        return self.call(lambda: e.host_s["steps"])
+
+    def wait_idle(self, max_steps: int = IDLE_STEPS, since: int | None = None, timeout: float = HANG_S) -> dict:
+        """Poll until no request is left and no KV block is used; returns the last state seen.
+
+        Gives up, returning a busy state, once the engine has finished more than `max_steps` steps since
+        `since` (a `steps()` value; default: now): requests that are done or aborted leave within a step or
+        two (the ones in flight), however long a step takes on this machine. `timeout` only stops a hang.
+        """
+        since = self.steps() if since is None else since
         deadline = time.monotonic() + timeout
         while True:
             state = self.engine_state()
             if (state["running"], state["waiting"], state["unfinished"], state["kv_usage"]) == (0, 0, 0, 0.0):
                 return state
-            if time.monotonic() > deadline:
+            if self.steps() - since > max_steps or time.monotonic() > deadline:
                 return state
             time.sleep(0.02)
 

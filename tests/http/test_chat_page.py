@@ -65,4 +65,4 @@ def test_stop_button_cancels(page, server):
     page.click("#stop")
     page.wait_for_selector('.msg.assistant:last-of-type[data-state="done"]', timeout=10_000)
     assert "abort" in reply.locator(".meta").inner_text()
-    assert server.wait_idle(2.0)["unfinished"] == 0
+    assert server.wait_idle()["unfinished"] == 0

@@ -65,7 +65,7 @@ def test_no_server_error(server, schema, method, path, mode):
 
     run()
     print(f"\n[fuzz] {method} {path} {mode.value}: {len(seen)} requests, statuses {sorted(set(seen))}")
-    assert seen and server.wait_idle(5.0)["unfinished"] == 0
+    assert seen and server.wait_idle()["unfinished"] == 0
 
 
 def test_json_integers_may_be_written_as_floats_and_top_k_minus_one_is_off(http):

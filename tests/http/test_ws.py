@@ -117,7 +117,7 @@ def test_closing_the_socket_aborts_its_generations(server):
         assert server.engine_state()["unfinished"] == 3
 
     run_ws(server, fn)
-    assert server.wait_idle(2.0) == {"running": 0, "waiting": 0, "kv_usage": 0.0, "unfinished": 0}
+    assert server.wait_idle() == {"running": 0, "waiting": 0, "kv_usage": 0.0, "unfinished": 0}
 
 
 @pytest.mark.parametrize(("message", "status", "param"), [
