@@ -1,4 +1,4 @@
-"""EngineArgs: every knob of the engine, named as vLLM names them, and how defaults are derived."""
+"""EngineArgs and its KernelConfig: every knob of the engine, named as vLLM names them, and their defaults."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ class EngineArgs:
     enforce_eager: bool = False
     # Largest decode batch a CUDA graph is captured for (default: the tour's 512; bigger batches run eagerly).
     max_cudagraph_capture_size: int | None = None
-    quantization: str | None = None  # CPU only: int8 | int4 weight-only (aioengine/gpu/quant.py)
+    quantization: str | None = None  # CPU only: int8 | int4 weight-only (aioengine/gpu/cpu/quant.py)
     step_timeout_s: float = 300.0  # watchdog: a step running longer marks the engine dead
     kernels: KernelConfig = field(default_factory=KernelConfig)
 

@@ -20,12 +20,12 @@ exec > >(tee "$LOG") 2>&1
 cd "$ROOT"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PIP_NO_INDEX=1 TOKENIZERS_PARALLELISM=false
-export AIOENGINE_CUDA_GRAPH_CAPTURE_S=${AIOENGINE_CUDA_GRAPH_CAPTURE_S:-90}
 export PYTHONFAULTHANDLER=1  # a stage stopped by its time limit (SIGABRT) prints every thread's stack
 PY=${PYTHON:-python3}  # the GPU images' python3 holds torch; plain `python` may not exist
 TOTAL_S=${GPU_CHECK_TOTAL_S:-470}  # the whole script stays under 8 minutes
 TESTS_S=${GPU_CHECK_TESTS_S:-120}
-BENCH_S=${GPU_CHECK_BENCH_S:-100}      # each run of the bench (engine start ~16 s, 1000 prompts ~25 s on an H200)
+BENCH_S=${GPU_CHECK_BENCH_S:-100}      # each run of the bench: engine start, graph capture and 1000 prompts
+CAPTURE_S=${GPU_CHECK_CAPTURE_S:-90}   # --cuda-graph-capture-timeout-s of each bench run (sizes not reached run eagerly)
 REPEATS=${GPU_CHECK_REPEATS:-3}        # runs of the default engine (the report takes their median)
 AB_FLAGS=${GPU_CHECK_AB_FLAGS:-}       # one more run with these engine flags, e.g. "--max-cudagraph-capture-size 1024"
 PEER_S=${GPU_CHECK_PEER_S:-180}
@@ -65,7 +65,7 @@ bench() {  # bench NAME [ENGINE FLAGS...]
          "(budget $(budget "$BENCH_S") s)"
     timeout -s ABRT -k 10 "$(budget "$BENCH_S")" "$PY" -m aioengine bench throughput --model random:llama-3.1-8b \
         --device cuda --dataset sharegpt --num-prompts 1000 --max-model-len 2048 --no-progress \
-        --output-json "$OUT/$name.json" "$@"
+        --cuda-graph-capture-timeout-s "$CAPTURE_S" --output-json "$OUT/$name.json" "$@"
     rc_of "$name" $?
 }
 for i in $(seq 1 "$REPEATS"); do
@@ -86,7 +86,7 @@ if [[ -n "${GPU_CHECK_PROFILE_PROMPTS:-}" ]] && (( $(left) > 40 )); then  # wher
     echo "== 2p. the same bench with --profile-host on $GPU_CHECK_PROFILE_PROMPTS prompts (budget $(budget "$BENCH_S") s)"
     timeout -s ABRT -k 10 "$(budget "$BENCH_S")" "$PY" -m aioengine bench throughput --model random:llama-3.1-8b \
         --device cuda --dataset sharegpt --num-prompts "$GPU_CHECK_PROFILE_PROMPTS" --max-model-len 2048 --no-progress \
-        --profile-host "$OUT/host_profile.txt"
+        --cuda-graph-capture-timeout-s "$CAPTURE_S" --profile-host "$OUT/host_profile.txt"
     rc_of profile $?
 fi
 echo "== 4. report"

@@ -1,1 +1,1 @@
-"""aioengine.gpu: the model runner — persistent request state, flat batches, models and the sampler."""
+"""aioengine.gpu: the model runner (request state, flat batches, models, sampler) and its backends (cpu/, cuda/)."""

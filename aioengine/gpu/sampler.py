@@ -93,7 +93,7 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 def apply_grammar_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
     """Disallowed tokens of these rows -> -inf, in place (float32 logits); bitmask row i masks logits row i.
 
-    xgrammar's kernel (C++ on CPU, CUDA/Triton on GPU) is ~3x faster than unpacking in torch on a CPU.
+    xgrammar's kernel (C++ on CPU, CUDA/Triton on GPU) is faster than unpacking in torch on a CPU.
     """
     try:
         import xgrammar
@@ -280,8 +280,8 @@ class Sampler:
         """
         probs = logits.softmax(-1)
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, and a small change of the logits
-        # (another batch shape) rarely changes the winner. E = -log(U): uniforms are ~6x cheaper to draw
-        # on a CPU than exponential_(); U = 0 gives E = inf, a lost race (probability 2^-24 per token).
+        # (another batch shape) rarely changes the winner. E = -log(U): uniforms are cheaper to draw on a
+        # CPU than exponential_(); U = 0 gives E = inf, a lost race (probability 2^-24 per token).
         # Seeded rows draw from their own generator, so their tokens do not depend on the batch.
         noise = torch.rand(probs.shape, generator=self.generator, device=probs.device)
         for row, gen in generators.items():

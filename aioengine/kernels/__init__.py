@@ -1,1 +1,1 @@
-"""aioengine.kernels: hot ops (attention, KV store) with a torch reference and a Triton kernel."""
+"""aioengine.kernels: the layers' hot ops: torch references (reference.py), CPU C kernels (cpu/), Triton (triton/)."""

@@ -1,16 +1,14 @@
 """Host tensors on transparent huge pages, for the weights the CPU's GEMMs stream every step.
 
-A decode step reads every packed weight once (~270 MB for SmolLM2-135M in bf16). On 4 KiB pages that is
-~65,000 TLB misses a step, each a page walk, and in a virtual machine a two-level one: the 30 layers' GEMMs
-at 64 rows took 16.3 ms on 4 KiB pages against 15.3 ms on 2 MiB ones (docs/benchmarks.md, eighth session).
+A decode step reads every packed weight once. On 4 KiB pages that is a TLB miss every 4 KiB of weights,
+each a page walk, and in a virtual machine a two-level one; 2 MiB pages take nearly all of them away.
 Linux only backs memory with huge pages where asked (``transparent_hugepage/enabled`` is ``madvise`` on most
 distributions), so the tensors come from anonymous mappings advised ``MADV_HUGEPAGE`` before their first touch;
 elsewhere they are ordinary zeroed tensors.
 
-Not the KV cache (measured, docs/benchmarks.md): left to fault in during a run, each huge page's first touch
-(zeroing, maybe compaction) stalled a step and the offline bench ran 15% slower; populated at allocation
-(MADV_POPULATE_WRITE) it ran 1.5% faster (4 pairs) but the engine took 7.0-7.6 s to start instead of
-3.3-3.8 s, the kernel compacting memory to find 2 GiB of huge pages.
+Not the KV cache: left to fault in during a run, each huge page's first touch (zeroing, maybe compaction)
+stalls a step; populated at allocation (MADV_POPULATE_WRITE), the engine's start waits while the kernel
+compacts memory to find the cache's huge pages, for a small gain (docs/benchmarks.md has the figures).
 """
 
 from __future__ import annotations

@@ -1,15 +1,15 @@
 """Linear layers with bf16 weights packed once at load time for the CPU's GEMM kernels.
 
-Where the C kernels are built for AVX512-BF16 (``kernels/cpu_gemm.c``), the weight is packed into that
+Where the C kernels are built for AVX512-BF16 (``kernels/cpu/cpu_gemm.c``), the weight is packed into that
 kernel's panels: a decode step streams every weight from DRAM, and that kernel prefetches the next panel
-while it computes one (measured in docs/benchmarks.md: 64 rows 1.3x oneDNN's speed, one row 1.25x). The
-panels live on transparent huge pages (gpu/huge_pages.py), which saves the stream its TLB misses.
+while it computes one, where oneDNN's waits on the stream. The panels live on transparent huge pages
+(gpu/cpu/huge_pages.py), which saves the stream its TLB misses.
 Its float32 sums run over k in order, so results can differ from ``F.linear``'s by one bf16 ulp in rare
 elements (tests/kernels/test_cpu_gemm.py bounds the error against float64).
 
 Elsewhere (oneDNN with bf16 but no AVX512-BF16 build), the weight is reordered once into oneDNN's
 blocked layout (``mkldnn._reorder_linear_weight``, what inductor's freezing pass does); that gives
-``F.linear``'s bits, 1.5-2x faster than ``F.linear`` re-laying the weight out on every call.
+``F.linear``'s bits without ``F.linear``'s re-laying of the weight on every call.
 float32 is left alone: it is the dtype of the parity tests, and MKL's sgemm is already fast.
 
 ``KernelConfig.cpu_linear`` picks: "auto" (cpu_gemm.c where built), "onednn", or "torch" (plain weights).

@@ -58,8 +58,7 @@ def _cpu_flags() -> str:
 def _tune_flags(compiler: str) -> list[str]:
     """``-mtune=sapphirerapids`` where the compiler's native tuning is for an AMD core without AVX-512 (znver1-3)
     on a CPU that has it: gcc 12 does not know Zen 4/5 and tunes them as Zen 3. Tuned for a core with AVX-512,
-    the same kernels (same bits) ran the offline bench 1.4% faster on this project's Zen 5 (median of 5
-    alternated pairs; ``-mtune=icelake-server``, 4 pairs: 2.6%)."""
+    the same kernels (same bits) ran the offline bench faster on a Zen 5."""
     if "avx512f" not in _cpu_flags().split():
         return []
     try:
@@ -289,8 +288,8 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
 def fast_prefill(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """Whether a batch with prompt chunks takes the C kernels (prompt chunks through prefill_attention, decodes
     through decode_attention): bf16 on the AVX512-BF16 build, head_dim a multiple of 32, shapes `supports`
-    takes. Even one row per query token beat gather + SDPA for bf16 (2.4x at 3 x 170 tokens, 1.2x at 512
-    over 2048); for float32 SDPA's GEMMs win, so float32 keeps them."""
+    takes. Even one row per query token beats gather + SDPA for bf16, short prompts and long contexts alike;
+    for float32 SDPA's GEMMs win, so float32 keeps them."""
     lib = load()
     return (lib is not None and query.dtype == torch.bfloat16 and query.shape[2] % 32 == 0
             and bool(lib.decode_attention_bf16_vectorized()) and supports(query, kv_cache))

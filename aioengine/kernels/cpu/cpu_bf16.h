@@ -1,5 +1,6 @@
-/* bf16 <-> float32 for the CPU kernels (cpu_decode_attention.c, cpu_elementwise.c): widening is exact; narrowing
- * rounds to nearest even and keeps a NaN a NaN, as torch does. Integer ops only, so -ffast-math cannot change them. */
+/* bf16 <-> float32 for the CPU kernels (the attention and elementwise kernels, cpu_avx512.h): widening is
+ * exact; narrowing rounds to nearest even and keeps a NaN a NaN, as torch does. Integer ops only, so
+ * -ffast-math cannot change them. */
 #ifndef AIOENGINE_CPU_BF16_H
 #define AIOENGINE_CPU_BF16_H
 

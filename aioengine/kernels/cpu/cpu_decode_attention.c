@@ -5,17 +5,15 @@
  * once, scores the query heads of its GQA group against each key, and keeps a running softmax
  * (flash-decoding's rescaling per block), so there is no gather, no padding and no mask.
  *
- * Layouts (aioengine/kernels/attention.py): key/value caches [num_blocks, block_size, Hkv, D] with any
+ * Layouts (aioengine/kernels/reference.py): key/value caches [num_blocks, block_size, Hkv, D] with any
  * block, token and head strides (elements; D contiguous): token-major, or the CPU's head-major memory;
  * query [B, Hq, D] with a token stride; block_table [B, table_stride] int32; seq_lens [B] int32.
  * Accumulation is in float32; bf16 inputs are widened exactly and the output rounded to nearest even.
  *
  * Where the compiler targets AVX512-BF16 (-march=native on such a CPU), bf16 with a head_dim that is a
  * multiple of 32 runs decode_attention_bf16_avx512 below instead: 16 tokens a tile, dot products on bf16
- * pairs, and software prefetch (three blocks ahead into L2, the next one into L1). Measured in the engine
- * (SmolLM2-135M, 64 decodes of 64-384 tokens): 657 us per layer for the generic loop, 460 us for this one
- * with a prefetch of two blocks into L1; with the current prefetch and an inline exp, 270 us cold and 183
- * us warm (docs/benchmarks.md, sixth session): DRAM's latency still costs more than the arithmetic left.
+ * pairs, and software prefetch (three blocks ahead into L2, the next one into L1): a decode's blocks are
+ * scattered in DRAM, whose latency still costs more than the arithmetic left.
  */
 #include <math.h>
 #include <stdint.h>
@@ -140,7 +138,7 @@ static inline __attribute__((always_inline)) void tile_bf16_avx512(
     }
     const __mmask16 live = (__mmask16)((1u << m) - 1);
     /* probabilities of token pairs (2c, 2c + 1) as bf16 pairs, split in two: p = hi + lo to ~16 bits, so
-     * p.V loses nothing a float32 p.V would keep (one bf16 p costs logits ~0.1 nat against float32) */
+     * p.V loses nothing a float32 p.V would keep (a single bf16 p would move the logits against float32) */
     int32_t pd_hi[MAX_GROUP][8], pd_lo[MAX_GROUP][8];
     __m512 acc_lo[MAX_GROUP][MAX_HEAD_DIM / 32], acc_hi[MAX_GROUP][MAX_HEAD_DIM / 32];
     for (int g = 0; g < group; g++) {
@@ -184,10 +182,10 @@ static inline __attribute__((always_inline)) void tile_bf16_avx512(
         }
 }
 
-#define PF_FAR 3 /* blocks ahead prefetched into L2 (the next one goes to L1); measured best of 2-6 */
+#define PF_FAR 3 /* blocks ahead prefetched into L2 (the next one goes to L1) */
 
 /* Prefetch one head's key and value rows of block NJ with HINT (a macro: as an inlined function with the hint
- * as a parameter, gcc's code ran 4% slower). */
+ * as a parameter, gcc's code ran slower). */
 #define PREFETCH_BLOCK(NJ, HINT)                                                                         \
     do {                                                                                                 \
         const int64_t nb = (int64_t)blocks[NJ] * block_stride;                                           \

@@ -1,7 +1,7 @@
 /* A decode step's whole decoder stack in one call: for each layer, the same C kernels in the same order as
- * the Python path (llama.py with bf16 on the CPU), so the same bits, without Python, torch's dispatch and
- * ctypes' argument conversion between them (one SmolLM2 forward alone: 64 rows 34.9 -> 31.0 ms, one row
- * 9.9 -> 5.0 ms). aioengine/gpu/cpu_decode_stack.py fills the structs and decides when it applies: decodes
+ * the Python path (gpu/models/llama.py with bf16 on the CPU), so the same bits, without Python, torch's
+ * dispatch and ctypes' argument conversion between them: a small model's decode step is short enough for
+ * them to count. aioengine/gpu/cpu/decode_stack.py fills the structs and decides when it applies: decodes
  * only, Llama/Qwen2 layers whose linears are packed for cpu_gemm.c with the activation fused.
  */
 #include <stddef.h>

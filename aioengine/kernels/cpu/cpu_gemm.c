@@ -8,10 +8,9 @@
  * to bf16 at the end (the accuracy of oneDNN's kernel; its blocking sums some products in another order,
  * so the two can differ by one bf16 ulp in rare elements).
  *
- * Why not oneDNN: a decode step reads every weight from DRAM (SmolLM2-135M: 269 MB per step, the cache
- * holds 32 MB), and oneDNN's kernel waits on it. Here each 6-row block of a panel prefetches its share of
- * the thread's next panel into L2, spread over its k loop. Measured (docs/benchmarks.md, 30 layers of
- * distinct weights cycled as a step sees them, 2 threads): 64 rows 933 vs 710 GFLOP/s; one row 48 vs 38.
+ * Why not oneDNN: a decode step reads every weight from DRAM (the weights are larger than the last-level
+ * cache), and oneDNN's kernel waits on it. Here each 6-row block of a panel prefetches its share of the
+ * thread's next panel into L2, spread over its k loop.
  *
  * Work is split between threads in units of (panel, 6-row block), contiguous per thread, so a 9-panel
  * weight splits evenly too. Where the compiler does not target AVX512-BF16, gemm_bf16_vectorized() is 0

@@ -5,7 +5,7 @@
 #define AIOENGINE_CPU_KERNELS_H
 #include <stdint.h>
 
-/* gemm_bf16's epilogues (cpu_kernels.py's GEMM_*) */
+/* gemm_bf16's epilogues (clib.py's GEMM_*) */
 #define OUT_BF16 0
 #define OUT_F32 1
 #define OUT_SILU_MUL 2 /* silu(gate) * up in torch's roundings: bf16 after each op, silu by table */

@@ -14,7 +14,7 @@
  * cached prefix cannot change a greedy answer). Every prompt token comes here, one-token chunks too; the
  * decode kernel (cpu_decode_attention.c) serves decodes only.
  *
- * Layouts (aioengine/kernels/attention.py): caches [num_blocks, block_size, Hkv, D] with any block, token and
+ * Layouts (aioengine/kernels/reference.py): caches [num_blocks, block_size, Hkv, D] with any block, token and
  * head strides (elements, D contiguous); query [q_len, Hq, D] with a token stride; out [q_len, Hq, D]
  * contiguous. Query token i sits at position seq_len - q_len + i and sees positions 0..that one.
  */
@@ -221,6 +221,6 @@ int prefill_attention_bf16(const uint16_t *query, int64_t query_stride, const ui
                            const uint16_t *value_cache, const int32_t *blocks, int q_len, int seq_len, uint16_t *out,
                            int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
                            int64_t block_stride, int64_t token_stride, int64_t head_stride, int num_threads) {
-    return -3; /* not built: cpu_kernels.fast_prefill routes nothing here without AVX512-BF16 */
+    return -3; /* not built: clib.fast_prefill routes nothing here without AVX512-BF16 */
 }
 #endif

@@ -168,7 +168,7 @@ def paged_attention_triton(
 ) -> torch.Tensor:
     """Causal attention of query ``[T, Hq, D]`` against the paged cache; returns ``[T, Hq, D]``.
 
-    Same contract as ``attention.paged_attention``: rows past ``num_actual_tokens`` come back zero.
+    Same contract as ``reference.paged_attention``: rows past ``num_actual_tokens`` come back zero.
     Uses ``meta.query_start_loc``, ``seq_lens`` and ``block_table`` (device tensors) and the host
     ints ``num_actual_tokens`` / ``max_query_len``; nothing is copied from the device.
     """

@@ -60,7 +60,7 @@ def store_kv_triton(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """Write key/value ``[T', Hkv, D]`` (``T' >= T``; views of a fused qkv are fine) into the slots
-    ``slot_mapping`` ``[T]`` names. Same contract as ``attention.store_kv``, plus: slot < 0 is skipped.
+    ``slot_mapping`` ``[T]`` names. Same contract as ``reference.store_kv``, plus: slot < 0 is skipped.
     """
     num_tokens = slot_mapping.shape[0]
     if num_tokens == 0:
