@@ -5,7 +5,7 @@ kernel's panels: a decode step streams every weight from DRAM, and that kernel p
 while it computes one, where oneDNN's waits on the stream. The panels live on transparent huge pages
 (gpu/cpu/huge_pages.py), which saves the stream its TLB misses.
 Its float32 sums run over k in order, so results can differ from ``F.linear``'s by one bf16 ulp in rare
-elements (tests/kernels/test_cpu_gemm.py bounds the error against float64).
+elements (tests/kernels/cpu/test_gemm.py bounds the error against float64).
 
 Elsewhere (oneDNN with bf16 but no AVX512-BF16 build), the weight is reordered once into oneDNN's
 blocked layout (``mkldnn._reorder_linear_weight``, what inductor's freezing pass does); that gives

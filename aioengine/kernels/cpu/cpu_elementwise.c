@@ -3,7 +3,7 @@
  *
  * They round where the torch path rounds, so they give its bits except where a float32 sum is evaluated
  * in another order (rms_norm's mean of squares): then a bf16 result can move by one ulp. The torch path
- * stays the reference (tests/kernels/test_cpu_elementwise.py). silu_and_mul is not here: torch's
+ * stays the reference (tests/kernels/cpu/test_elementwise.py). silu_and_mul is not here: torch's
  * vectorized exp already runs it as fast as a C loop does (measured).
  * Rows are independent; large calls split them over OpenMP threads (torch's pool: libgomp is shared).
  * With AVX512-BF16 the norm and rotary run 16 lanes a step, rounding with vcvtneps2bf16, faster than gcc's

@@ -1,5 +1,5 @@
 """Awaiting the device without blocking the loop, proven on CPU with fake events and a fake host-function
-launcher (the real cudaLaunchHostFunc path is in test_cuda_device.py, on a GPU)."""
+launcher (the real cudaLaunchHostFunc path is in tests/gpu/cuda/test_device.py, on a GPU)."""
 
 from __future__ import annotations
 

@@ -9,6 +9,7 @@ the cubins the engine's launches will ask for.
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -75,7 +76,7 @@ print("compiled")
 def test_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silence 3.9's notice; fusion is its default
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = str(Path(__file__).resolve().parents[3])  # the repository root
     proc = subprocess.run(
         [sys.executable, "-c", SCRIPT], cwd=root, env=env, capture_output=True, text=True, timeout=300
     )

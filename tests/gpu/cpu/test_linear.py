@@ -1,5 +1,5 @@
 """Prepacked bf16 linears: oneDNN's layout gives F.linear's bits for any row count; pack_linears swaps them
-in. (cpu_gemm.c's layout, the default where it is built: tests/kernels/test_cpu_gemm.py.)"""
+in. (cpu_gemm.c's layout, the default where it is built: tests/kernels/cpu/test_gemm.py.)"""
 
 import pytest
 import torch

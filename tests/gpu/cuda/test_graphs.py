@@ -91,7 +91,7 @@ def test_run_declines_batches_that_are_not_uniform_decodes(tiny):
     assert graphs.run(ids, pos, big) is None  # 5 rows: no bucket holds them
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter test; test_cuda_device replays real graphs")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter test; tests/gpu/cuda/test_device.py replays real graphs")
 def test_static_forward_matches_eager_with_the_triton_kernels():
     """What a graph captures, run eagerly: padded rows write nothing and the real rows match."""
     from aioengine.gpu.backend import Ops

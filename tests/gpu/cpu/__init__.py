@@ -1,0 +1,1 @@
+"""Tests of the CPU backend (aioengine/gpu/cpu/)."""

@@ -1,0 +1,1 @@
+"""Tests of the CPU C kernels (aioengine/kernels/cpu/)."""

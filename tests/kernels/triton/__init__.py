@@ -1,0 +1,1 @@
+"""Tests of the Triton kernels (aioengine/kernels/triton/), interpreted on CPU without a GPU."""
