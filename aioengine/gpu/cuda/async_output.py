@@ -31,15 +31,16 @@ logger = logging.getLogger(__name__)
 
 POLL_FIRST_S = 50e-6
 POLL_MAX_S = 1e-3
-HOST_FN_GRACE_S = 0.1  # how often a wait on a host function checks that its event has not long completed
+HOST_FN_GRACE_S = 0.1  # default: how often a wait on a host function checks that its event has not long completed
 
 
 class HostSignal:
     """Set once from any thread (a CUDA host function); awaited once on an event loop."""
 
-    __slots__ = ("_lock", "_done", "_loop", "_fut")
+    __slots__ = ("_lock", "_done", "_loop", "_fut", "_owner")
 
-    def __init__(self) -> None:
+    def __init__(self, owner: HostFunctions | None = None) -> None:
+        self._owner = owner  # told when this signal's host function is lost
         self._lock = threading.Lock()
         self._done = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -58,8 +59,8 @@ class HostSignal:
 
     async def wait(self, event: Any = None) -> None:
         """Until ``set()``; with ``event``, also once the event has been complete for two looks in a row
-        ``HOST_FN_GRACE_S`` apart and the host function still has not run (a lost callback must not hang
-        the engine: it logs, and later outputs are polled)."""
+        the owner's ``grace_s`` apart and the host function still has not run (a lost callback must not hang
+        the engine: the owner logs, and polls later outputs)."""
         with self._lock:
             if self._done:
                 return
@@ -69,6 +70,7 @@ class HostSignal:
             await fut
             return
         seen_complete = False
+        grace_s = self._owner.grace_s if self._owner is not None else HOST_FN_GRACE_S
 
         def look() -> None:
             nonlocal handle, seen_complete
@@ -76,13 +78,14 @@ class HostSignal:
                 return
             if event.query():
                 if seen_complete:
-                    _host_fn_lost()
+                    if self._owner is not None:
+                        self._owner.lost()
                     fut.set_result(None)
                     return
                 seen_complete = True
-            handle = loop.call_later(HOST_FN_GRACE_S, look)
+            handle = loop.call_later(grace_s, look)
 
-        handle = loop.call_later(HOST_FN_GRACE_S, look)
+        handle = loop.call_later(grace_s, look)
         try:
             await fut
         finally:
@@ -123,50 +126,57 @@ class _HostFuncLauncher:
         return err == self.cudart.cudaError_t.cudaSuccess
 
 
-_launcher: _HostFuncLauncher | None | bool = False  # False: not tried yet; None: unavailable
-
-
-def _host_fn_lost() -> None:
-    """An event completed but its host function never ran: poll events from now on."""
-    global _launcher
-    if _launcher is not None:
-        logger.warning("a CUDA host function did not run after its event completed: step outputs are "
-                       "awaited by polling CUDA events from now on")
-        _launcher = None
-
-
-def _get_launcher() -> _HostFuncLauncher | None:
-    global _launcher
-    if _launcher is False:
-        try:
-            try:
-                from cuda.bindings import runtime as cudart
-            except ImportError:  # cuda-python < 12.6 spells it cuda.cudart
-                from cuda import cudart
-            _launcher = _HostFuncLauncher(cudart)
-        except Exception as e:  # not installed, or no CUDA runtime library
-            logger.info("cuda-python is not usable (%s): step outputs are awaited by polling CUDA events", e)
-            _launcher = None
-    return _launcher
-
-
-def host_signal_after(stream: Any, launcher: Callable[[int, int], bool] | None = None) -> HostSignal | None:
-    """Enqueue a host function on ``stream`` (a ``torch.cuda.Stream`` or anything with ``cuda_stream``)
-    that sets the returned signal when the stream's work so far is done; None if that cannot be done."""
-    launch = launcher if launcher is not None else _get_launcher()
-    if launch is None:
-        return None
-    token = next(_tokens)
-    signal = _signals[token] = HostSignal()
+def _cuda_python_launcher() -> _HostFuncLauncher | None:
     try:
-        ok = launch(int(stream.cuda_stream), token)
-    except Exception as e:
-        logger.warning("cudaLaunchHostFunc failed (%s): falling back to polling", e)
-        ok = False
-    if not ok:
-        _signals.pop(token, None)
+        try:
+            from cuda.bindings import runtime as cudart
+        except ImportError:  # cuda-python < 12.6 spells it cuda.cudart
+            from cuda import cudart
+        return _HostFuncLauncher(cudart)
+    except Exception as e:  # not installed, or no CUDA runtime library
+        logger.info("cuda-python is not usable (%s): step outputs are awaited by polling CUDA events", e)
         return None
-    return signal
+
+
+class HostFunctions:
+    """One engine's host functions: cuda-python's launcher (found on first use) or ``launcher`` if given,
+    until one is lost; from then on this engine's outputs are polled."""
+
+    def __init__(self, launcher: Callable[[int, int], bool] | None = None, grace_s: float = HOST_FN_GRACE_S) -> None:
+        self.grace_s = grace_s
+        self._launcher: Callable[[int, int], bool] | None = launcher
+        self._looked = launcher is not None
+        self.polling = False  # a host function was lost: poll from now on
+
+    def launcher(self) -> Callable[[int, int], bool] | None:
+        if not self._looked:
+            self._launcher, self._looked = _cuda_python_launcher(), True
+        return None if self.polling else self._launcher
+
+    def lost(self) -> None:
+        """An event completed but its host function never ran."""
+        if not self.polling:
+            logger.warning("a CUDA host function did not run after its event completed: step outputs are "
+                           "awaited by polling CUDA events from now on")
+            self.polling = True
+
+    def signal_after(self, stream: Any) -> HostSignal | None:
+        """Enqueue a host function on ``stream`` (a ``torch.cuda.Stream`` or anything with ``cuda_stream``)
+        that sets the returned signal when the stream's work so far is done; None if that cannot be done."""
+        launch = self.launcher()
+        if launch is None:
+            return None
+        token = next(_tokens)
+        signal = _signals[token] = HostSignal(self)
+        try:
+            ok = launch(int(stream.cuda_stream), token)
+        except Exception as e:
+            logger.warning("cudaLaunchHostFunc failed (%s): falling back to polling", e)
+            ok = False
+        if not ok:
+            _signals.pop(token, None)
+            return None
+        return signal
 
 
 async def await_cuda_event(event: Any, signal: HostSignal | None = None) -> None:

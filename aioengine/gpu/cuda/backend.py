@@ -13,7 +13,7 @@ from torch import nn
 
 from aioengine.config import EngineArgs, KernelConfig
 from aioengine.gpu.backend import Backend, Ops, RunnerParts
-from aioengine.gpu.cuda.async_output import AsyncOutput, host_signal_after
+from aioengine.gpu.cuda.async_output import AsyncOutput, HostFunctions
 from aioengine.gpu.cuda.graphs import MAX_CAPTURE_SIZE, DecodeGraphs, capture_sizes, is_uniform_decode
 from aioengine.gpu.cuda.memory import kv_cache_blocks, profile_memory, warmup_lengths
 from aioengine.gpu.cuda.staging import HostStaging
@@ -73,6 +73,7 @@ class CudaBackend(Backend):
         self.graphs: DecodeGraphs | None = None
         self.timeline = GpuTimeline()  # CUDA events around each step: how long the GPU idled between them
         self._copy_stream: torch.cuda.Stream | None = None  # sampled tokens go to pinned memory on it
+        self.host_functions = HostFunctions()  # wake the loop when a copy is done (or poll, once one is lost)
 
     def default_dtype(self) -> str:
         return "bfloat16"
@@ -167,4 +168,4 @@ class CudaBackend(Backend):
                 host.append(h)
             event = torch.cuda.Event()
             event.record(stream)
-        return AsyncOutput(event, host_signal_after(stream), functools.partial(finish, *host))
+        return AsyncOutput(event, self.host_functions.signal_after(stream), functools.partial(finish, *host))

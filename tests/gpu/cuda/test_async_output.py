@@ -14,7 +14,7 @@ from aioengine.config import EngineArgs
 from aioengine.engine import AsyncEngine
 from aioengine.errors import EngineDeadError
 from aioengine.gpu.cuda import async_output
-from aioengine.gpu.cuda.async_output import AsyncOutput, HostSignal, await_cuda_event, host_signal_after
+from aioengine.gpu.cuda.async_output import AsyncOutput, HostFunctions, HostSignal, await_cuda_event
 from aioengine.gpu.cuda.timeline import GpuTimeline
 
 
@@ -77,7 +77,7 @@ def test_host_signal_set_from_another_thread(set_first):
 
 
 def test_host_function_pointer_sets_the_signal_it_was_armed_for():
-    """host_signal_after hands (stream, token) to the launcher; a CUDA driver thread would later call
+    """signal_after hands (stream, token) to the launcher; a CUDA driver thread would later call
     the C function pointer with the token. Here a thread calls that pointer through ctypes."""
     calls = []
 
@@ -91,7 +91,7 @@ def test_host_function_pointer_sets_the_signal_it_was_armed_for():
         cuda_stream = 1234
 
     async def main() -> None:
-        sig = host_signal_after(Stream(), launcher)
+        sig = HostFunctions(launcher).signal_after(Stream())
         assert sig is not None and not sig.is_set()
         await asyncio.wait_for(await_cuda_event(FakeEvent(None), sig), 5)
 
@@ -100,17 +100,17 @@ def test_host_function_pointer_sets_the_signal_it_was_armed_for():
     assert calls[0][1] not in async_output._signals  # popped by the callback
 
 
-def test_a_host_function_that_never_runs_cannot_hang_the_wait(monkeypatch, caplog):
+def test_a_host_function_that_never_runs_cannot_hang_the_wait(caplog):
     """A launch that reports success but whose callback never comes: once the event has been complete for
-    two looks, the wait ends, with a warning, and later outputs are polled (the default launcher is off)."""
-    monkeypatch.setattr(async_output, "HOST_FN_GRACE_S", 0.02)
-    monkeypatch.setattr(async_output, "_launcher", object())
+    two looks, the wait ends, with a warning, and that engine's later outputs are polled."""
+    host_functions = HostFunctions(lambda s, t: True, grace_s=0.02)
+    other = HostFunctions(lambda s, t: True, grace_s=0.02)  # another engine's: unaffected
 
     class Stream:
         cuda_stream = 1
 
     async def main() -> HostSignal:
-        sig = host_signal_after(Stream(), lambda s, t: True)
+        sig = host_functions.signal_after(Stream())
         assert sig is not None
         await asyncio.wait_for(await_cuda_event(FakeEvent(0.01), sig), 5)
         return sig
@@ -119,36 +119,37 @@ def test_a_host_function_that_never_runs_cannot_hang_the_wait(monkeypatch, caplo
     sig = asyncio.run(main())
     assert time.monotonic() - t0 < 1.0
     assert not sig.is_set()  # only the host function sets it
-    assert async_output._launcher is None and "did not run" in caplog.text
+    assert host_functions.polling and "did not run" in caplog.text
+    assert host_functions.signal_after(Stream()) is None  # polled from now on
+    assert not other.polling and other.signal_after(Stream()) is not None
     async_output._signals.clear()
 
 
-def test_a_host_function_that_runs_keeps_the_launcher(monkeypatch):
-    monkeypatch.setattr(async_output, "HOST_FN_GRACE_S", 0.01)
-    launcher = object()
-    monkeypatch.setattr(async_output, "_launcher", launcher)
+def test_a_host_function_that_runs_keeps_the_launcher():
 
     def launch(stream_handle: int, token: int) -> bool:
         threading.Timer(0.05, async_output._on_host_func, args=(token,)).start()
         return True
 
+    host_functions = HostFunctions(launch, grace_s=0.01)
+
     class Stream:
         cuda_stream = 1
 
     async def main() -> None:
-        sig = host_signal_after(Stream(), launch)
+        sig = host_functions.signal_after(Stream())
         await asyncio.wait_for(await_cuda_event(FakeEvent(None), sig), 5)  # the event never looks complete
         assert sig.is_set()
 
     asyncio.run(main())
-    assert async_output._launcher is launcher
+    assert not host_functions.polling and host_functions.launcher() is launch
 
 
 def test_failed_launch_falls_back_to_polling():
     class Stream:
         cuda_stream = 0
 
-    assert host_signal_after(Stream(), lambda s, t: False) is None
+    assert HostFunctions(lambda s, t: False).signal_after(Stream()) is None
     assert not async_output._signals
 
 

@@ -68,14 +68,14 @@ async def _with_ticker(coro):
 
 @pytest.mark.parametrize("use_host_func", [True, False])
 def test_await_cuda_event_resumes_after_the_gpu_without_blocking_the_loop(use_host_func):
-    from aioengine.gpu.cuda.async_output import await_cuda_event, host_signal_after
+    from aioengine.gpu.cuda.async_output import HostFunctions, await_cuda_event
 
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU spinning
         event = torch.cuda.Event()
         event.record(stream)
-    signal = host_signal_after(stream) if use_host_func else None
+    signal = HostFunctions().signal_after(stream) if use_host_func else None
     if use_host_func:
         pytest.importorskip("cuda.bindings.runtime", reason="cuda-python is not installed")
         assert signal is not None, "cudaLaunchHostFunc failed"
