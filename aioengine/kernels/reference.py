@@ -177,9 +177,10 @@ _MAX_GROUP_TOKENS = 32768
 _MIN_SPLIT_TOKENS = 2048
 
 
-def _plan_decode_groups(seq_lens: list[int], device: torch.device) -> list[_DecodeGroup]:
+def plan_decode_groups(seq_lens: list[int], device: torch.device, min_split_tokens: int = _MIN_SPLIT_TOKENS,
+                       max_group_tokens: int = _MAX_GROUP_TOKENS) -> list[_DecodeGroup]:
     """Split decodes into groups of similar length so the padded gather wastes little."""
-    if len(seq_lens) * max(seq_lens) <= _MIN_SPLIT_TOKENS:
+    if len(seq_lens) * max(seq_lens) <= min_split_tokens:
         return [_DecodeGroup(None, max(seq_lens))]
     order = sorted(range(len(seq_lens)), key=seq_lens.__getitem__)
     groups: list[list[int]] = [[]]
@@ -188,7 +189,7 @@ def _plan_decode_groups(seq_lens: list[int], device: torch.device) -> list[_Deco
         group = groups[-1]
         padded = (len(group) + 1) * seq_lens[i]  # sorted: the newcomer is the longest
         useful += seq_lens[i]
-        if group and (padded > _MAX_GROUP_TOKENS or (padded > _MIN_SPLIT_TOKENS and padded > 2 * useful)):
+        if group and (padded > max_group_tokens or (padded > min_split_tokens and padded > 2 * useful)):
             groups.append([i])
             useful = seq_lens[i]
         else:
@@ -236,7 +237,7 @@ def _decodes(
     """Attention for the first ``num_decodes`` requests, whose query rows are ``query[:num_decodes]``."""
     nd = meta.num_decodes
     if meta.decode_groups is None:  # planned by the first layer, reused by the rest
-        meta.decode_groups = _plan_decode_groups(meta.seq_lens_cpu[:nd], query.device)
+        meta.decode_groups = plan_decode_groups(meta.seq_lens_cpu[:nd], query.device)
     if query.shape[0] != nd:
         query = query[:nd]
     groups = meta.decode_groups

@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -158,23 +159,32 @@ def test_low_precision_runs_close_to_fp32():
 
 def test_decodes_split_into_length_groups(monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "OPS", CpuOps(KernelConfig(cpu_attention=False)))  # the torch plan
-    monkeypatch.setattr(reference, "_MIN_SPLIT_TOKENS", 8)
-    monkeypatch.setattr(reference, "_MAX_GROUP_TOKENS", 60)
     batch = [(1, s) for s in (3, 40, 7, 22, 1, 9, 33, 5, 14)] + [(3, 11)]
     query, kv_cache, meta, dense = _setup(batch, 4, 3)
+    # Small thresholds, so this small batch splits; the first layer's plan is what later layers reuse.
+    meta.decode_groups = reference.plan_decode_groups(meta.seq_lens_cpu[: meta.num_decodes], query.device,
+                                                      min_split_tokens=8, max_group_tokens=60)
     out = paged_attention(query, kv_cache, meta, 0.3)
-    assert meta.decode_groups is not None and len(meta.decode_groups) > 2
+    assert len(meta.decode_groups) > 2
     torch.testing.assert_close(out, _dense_attention(batch, dense, 0.3), atol=1e-5, rtol=0)
     torch.testing.assert_close(out, paged_attention(query, kv_cache, meta, 0.3))  # reused plan
 
 
-def test_workspace_made_under_inference_mode_works_outside_it(monkeypatch):
-    monkeypatch.setattr(reference, "_workspace", reference._Workspace())
+def test_workspace_made_under_inference_mode_works_outside_it():
     query, kv_cache, meta, _ = _setup([(1, 9), (4, 10)], 4, 2)
-    with torch.inference_mode():
-        expected = paged_attention(query, kv_cache, meta, 0.3)
-    with torch.no_grad():
-        torch.testing.assert_close(paged_attention(query, kv_cache, meta, 0.3), expected)
+    results = []
+
+    def run() -> None:  # a fresh thread: its workspace (thread-local) is first made under inference_mode
+        with torch.inference_mode():
+            results.append(paged_attention(query, kv_cache, meta, 0.3))
+        with torch.no_grad():
+            results.append(paged_attention(query, kv_cache, meta, 0.3))
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    assert len(results) == 2
+    torch.testing.assert_close(results[1], results[0])
 
 
 def test_the_c_decode_kernel_builds_here():
