@@ -7,15 +7,6 @@ import sys
 _MODES = ("throughput", "latency", "serve", "hf-peer")
 
 
-def write_json(path: str | None, result: dict) -> None:
-    """--output-json / --save-result: the report as indented JSON (nothing when path is None)."""
-    if path:
-        import orjson
-
-        with open(path, "wb") as f:
-            f.write(orjson.dumps(result, option=orjson.OPT_INDENT_2))
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in _MODES:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from aioengine.bench import write_json
 from aioengine.bench.datasets import BenchRequest, add_dataset_args, build_dataset
+from aioengine.bench.report import write_json
 
 
 def run_continuous_batching(model, requests: list[BenchRequest],

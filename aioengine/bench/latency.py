@@ -7,7 +7,7 @@ import asyncio
 import statistics
 import time
 
-from aioengine.bench import write_json
+from aioengine.bench.report import write_json
 from aioengine.cli_common import add_engine_args, engine_args_from, run_in_loop
 from aioengine.engine import AsyncEngine
 from aioengine.sampling_params import SamplingParams

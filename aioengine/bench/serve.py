@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import aiohttp
 import orjson
 
-from aioengine.bench import write_json
 from aioengine.bench.datasets import add_dataset_args, build_dataset
+from aioengine.bench.report import write_json
 
 
 @dataclass(slots=True)

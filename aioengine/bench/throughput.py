@@ -11,8 +11,8 @@ import time
 
 from tqdm import tqdm
 
-from aioengine.bench import write_json
 from aioengine.bench.datasets import add_dataset_args, build_dataset
+from aioengine.bench.report import write_json
 from aioengine.cli_common import add_engine_args, engine_args_from, run_in_loop
 from aioengine.engine import AsyncEngine
 from aioengine.sampling_params import SamplingParams
