@@ -20,12 +20,18 @@ HANG_S = 60.0  # only stops a test that hangs: nothing is asserted about it
 
 def median_s(fn: Callable[[], Any], n: int = 9) -> float:
     """The median duration of n calls of fn(), in seconds."""
-    times = []
+    return medians_s([fn], n)[0]
+
+
+def medians_s(fns: list[Callable[[], Any]], n: int = 9) -> list[float]:
+    """The median duration of n calls of each fn, the calls taken in turn (so each sees the same load)."""
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for fn, ts in zip(fns, times, strict=True):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+    return [statistics.median(ts) for ts in times]
 
 
 class StepClock:
