@@ -8,7 +8,7 @@ from typing import Any
 
 import orjson
 
-from aioengine.errors import InvalidRequestError
+from aioengine.errors import AioEngineError, InvalidRequestError
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,8 +65,12 @@ def bad(message: str, param: str | None = None, code: str | None = None) -> APIE
     return APIError(400, message, param, code)
 
 
-def from_invalid(e: InvalidRequestError) -> APIError:
-    return APIError(400, e.message, e.param, e.code)
+def api_error(e: AioEngineError) -> APIError:
+    """The one mapping from the engine's errors to API errors: a request that can never run
+    (InvalidRequestError) -> 400 with its param and code; a dead or stopped engine -> 503."""
+    if isinstance(e, InvalidRequestError):
+        return APIError(400, e.message, e.param, e.code)
+    return APIError(503, f"The engine is not serving: {e}", code="engine_dead")
 
 
 def not_supported(param: str, what: str | None = None) -> APIError:

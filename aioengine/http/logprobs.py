@@ -5,27 +5,32 @@ from __future__ import annotations
 from typing import Any
 
 from aioengine.engine_client import EngineClient
+from aioengine.outputs import Logprob
 
 _FLOOR = -9999.0  # -inf is not JSON; vLLM clamps the same way
 
+TokenLogprobs = dict[int, Logprob]  # one token's: the chosen token first, then the top-k by rank
+LegacyLogprobs = dict[str, list[Any]]  # {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
 
-def _text(engine: EngineClient, tid: int, lp: Any) -> str:
+
+def _text(engine: EngineClient, tid: int, lp: Logprob) -> str:
     return lp.decoded_token if lp.decoded_token is not None else engine.tokenizer.decode([tid])
 
 
-def _top(d: dict, k: int) -> list[tuple[int, Any]]:
+def _top(d: TokenLogprobs, k: int) -> list[tuple[int, Logprob]]:
     """The k best entries by rank (the chosen token is listed first in `d` even when it ranks lower)."""
     if k <= 0:
         return []
     return sorted(d.items(), key=lambda kv: kv[1].rank if kv[1].rank is not None else 1 << 30)[:k]
 
 
-def _chosen(d: dict, tid: int) -> Any:
+def _chosen(d: TokenLogprobs, tid: int) -> Logprob:
     lp = d.get(tid)
     return lp if lp is not None else next(iter(d.values()))
 
 
-def chat_logprobs(engine: EngineClient, token_ids: list[int], logprobs: list[dict] | None, k: int) -> dict:
+def chat_logprobs(engine: EngineClient, token_ids: list[int], logprobs: list[TokenLogprobs] | None,
+                  k: int) -> dict[str, list[dict[str, Any]]]:
     """{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}, ...]}, one entry per token."""
     content = []
     for tid, d in zip(token_ids, logprobs or [], strict=False):
@@ -45,12 +50,13 @@ class CompletionLogprobs:
         self.k = k
         self.offset = offset
 
-    def render(self, token_ids: list[int], logprobs: list[dict | None] | None) -> dict:
+    def render(self, token_ids: list[int], logprobs: list[TokenLogprobs] | list[TokenLogprobs | None] | None
+               ) -> LegacyLogprobs:
         """Entries for these tokens; a token without logprobs (None: the first prompt token, when `echo`
         shows the prompt) gets null, as in OpenAI's and vLLM's answers."""
         tokens: list[str] = []
         token_logprobs: list[float | None] = []
-        top: list[dict | None] = []
+        top: list[dict[str, float] | None] = []
         text_offset: list[int] = []
         for tid, d in zip(token_ids, logprobs or [], strict=False):
             lp = _chosen(d, tid) if d else None

@@ -17,9 +17,9 @@ from aioengine.http.fields import (
     RequestLimits,
     _at_most,
     _ints,
+    api_error,
     bad,
     error_dict,
-    from_invalid,
     not_supported,
     parse_json_body,
 )
@@ -29,7 +29,7 @@ from aioengine.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOu
 
 # Re-exported: the routes import the wire basics from here.
 __all__ = ["DEFAULT_LIMITS", "RESERVED_TEMPLATE_KWARGS", "APIError", "ChatRequest", "CompletionRequest", "Fields",
-           "GenerationRequest", "RequestLimits", "bad", "error_dict", "from_invalid", "not_supported",
+           "GenerationRequest", "RequestLimits", "bad", "api_error", "error_dict", "not_supported",
            "parse_chat_request", "parse_completion_request", "parse_detokenize_request", "parse_json_body",
            "parse_messages", "parse_prompt", "parse_tokenize_request"]
 
@@ -149,7 +149,7 @@ def _sampling_params(f: Fields, max_tokens: int | None, logprobs: int | None, li
             logit_bias=bias or None,
             allowed_token_ids=allowed, bad_words=bad_words, structured_outputs=_structured_outputs(f))
     except InvalidRequestError as e:
-        raise from_invalid(e) from None
+        raise api_error(e) from None
 
 
 def _top_k(f: Fields, default: int) -> int:

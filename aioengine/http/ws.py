@@ -9,23 +9,27 @@ closes the socket with 1003, a message over --max-request-bytes with 1009.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
 from contextlib import aclosing, suppress
-from typing import Any
 
 import orjson
 from aiohttp import WSCloseCode, WSMsgType, web
 
+from aioengine.engine_client import RequestHandle
 from aioengine.errors import AioEngineError
-from aioengine.http import serving
+from aioengine.http import admission
+from aioengine.http.admission import Admitted
+from aioengine.http.context import CONFIG, ENGINE, STATE
+from aioengine.http.fields import APIError, api_error, bad, parse_json_body
 from aioengine.http.logprobs import chat_logprobs
+from aioengine.http.openai_completions import prompt_text
 from aioengine.http.protocol import (
-    APIError,
-    bad,
+    ChatRequest,
+    CompletionRequest,
     parse_chat_request,
     parse_completion_request,
-    parse_json_body,
 )
-from aioengine.http.server import CONFIG, ENGINE, STATE, _check_model, admit, allow_priority, log_start
+from aioengine.http.streaming import JSON, Tally, abort_all, merged
 from aioengine.http.tools import extract
 
 MAX_ACTIVE_PER_SOCKET = 64
@@ -60,11 +64,11 @@ class _Session:
         self.app = app
         self.engine = app[ENGINE]
         self.ws = ws
-        self.active: dict[str, tuple[asyncio.Task, list]] = {}
+        self.active: dict[str, tuple[asyncio.Task[None], list[RequestHandle]]] = {}
         self.send_lock = asyncio.Lock()
         self.next_id = 0
 
-    async def send(self, obj: dict) -> None:
+    async def send(self, obj: JSON) -> None:
         async with self.send_lock:
             await self.ws.send_str(orjson.dumps(obj).decode())
 
@@ -94,9 +98,9 @@ class _Session:
         except APIError as e:
             await self.send_error(gen_id, e)
         except AioEngineError as e:
-            await self.send_error(gen_id, serving.engine_error(e))
+            await self.send_error(gen_id, api_error(e))
 
-    async def start(self, kind: str, gen_id: str | None, msg: dict) -> str:
+    async def start(self, kind: str, gen_id: str | None, msg: JSON) -> str:
         for key in msg:
             if key not in ("type", "id", "body"):
                 raise bad(f"Unrecognized message field: {key}", key)
@@ -108,41 +112,37 @@ class _Session:
         if len(self.active) >= MAX_ACTIVE_PER_SOCKET:
             raise APIError(429, f"At most {MAX_ACTIVE_PER_SOCKET} generations may run on one socket.",
                            code="too_many_generations")
-        admit(self.app)
+        admission.check_capacity(self.app)
         body = msg.get("body")
         if not isinstance(body, dict):
             raise bad("body must be a JSON object: the same body as the HTTP route takes.", "body")
         body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}  # always streamed
-        policy, limits = allow_priority(self.engine), self.app[CONFIG].limits
-        defaults = self.engine.default_sampling_params
-        req = (parse_chat_request(body, policy, limits, defaults) if kind == "chat"
-               else parse_completion_request(body, policy, limits, defaults))
-        model = _check_model(self.app, req.model)
-        rid = serving.new_request_id(req.request_id, "chatcmpl" if kind == "chat" else "cmpl")
-        await serving.prepare(self.engine, req)
-        admit(self.app)  # again, after that wait
+        adm: Admitted[ChatRequest] | Admitted[CompletionRequest]
         if kind == "chat":
-            handles = serving.start_chat(self.engine, req, rid)
+            adm = await admission.admit_body(self.app, body, parse_chat_request, None, "chatcmpl")
+            handles = [admission.start_chat(self.app, adm, "websocket chat")]
         else:
-            handles = await serving.start_completions(self.engine, req, rid)
-        log_start(self.app, rid, req, f"websocket {kind}")
-        task = asyncio.create_task(self.run(gen_id, kind, req, handles, rid, model))
+            adm = await admission.admit_body(self.app, body, parse_completion_request, None, "cmpl")
+            handles = await admission.start_completions(self.app, adm, "websocket completion")
+        task = asyncio.create_task(self.run(gen_id, adm, handles))
         self.active[gen_id] = (task, handles)
         return gen_id
 
-    async def run(self, gen_id: str, kind: str, req: Any, handles: list, rid: str, model: str) -> None:
+    async def run(self, gen_id: str, adm: Admitted[ChatRequest] | Admitted[CompletionRequest],
+                  handles: list[RequestHandle]) -> None:
+        req = adm.req
         n = req.params.n
-        tally = serving.Tally([0] * len(handles), [0] * len(handles))
-        finish: dict[int, dict] = {}
-        tools = getattr(req, "tools", None)
-        tools = tools if tools is not None and tools.choice != "none" else None
+        tally = Tally([0] * len(handles), [0] * len(handles))
+        finish: dict[int, JSON] = {}
+        tools = req.tools if isinstance(req, ChatRequest) and req.tools is not None and req.tools.choice != "none" \
+            else None
         texts: dict[int, str] = {}  # with tools: each choice's text, parsed into calls when it finishes
         try:
-            await self.send({"type": "start", "id": gen_id, "request_id": rid, "model": model})
-            async with aclosing(serving.merged(handles)) as deltas:
-                if kind == "completion" and req.echo:
+            await self.send({"type": "start", "id": gen_id, "request_id": adm.request_id, "model": adm.model})
+            async with aclosing(merged(handles)) as deltas:
+                if isinstance(req, CompletionRequest) and req.echo:
                     for i, p in enumerate(req.prompts):
-                        text = serving.prompt_text(self.engine, p)
+                        text = prompt_text(self.engine, p)
                         for j in range(n):
                             await self.send({"type": "delta", "id": gen_id, "index": i * n + j, "text": text})
                 async for i, out in deltas:
@@ -168,14 +168,14 @@ class _Session:
             await self.send({"type": "done", "id": gen_id, "choices": [finish[k] for k in sorted(finish)],
                              "usage": tally.usage()})
         except AioEngineError as e:
-            await self._try(self.send_error(gen_id, serving.engine_error(e)))
+            await self._try(self.send_error(gen_id, api_error(e)))
         except ConnectionResetError:
             pass  # the socket went away; its requests are aborted below
         finally:
             self.active.pop(gen_id, None)
-            await serving.abort_all(self.engine, handles)
+            await abort_all(self.engine, handles)
 
-    async def _try(self, coro: Any) -> None:
+    async def _try(self, coro: Awaitable[None]) -> None:
         with suppress(ConnectionResetError):
             await coro
 
@@ -192,6 +192,6 @@ class _Session:
         for task, _ in entries:
             task.cancel()
         for _, handles in entries:  # a task cancelled before its first step never runs its finally
-            await serving.abort_all(self.engine, handles)
+            await abort_all(self.engine, handles)
         if entries:
             await asyncio.gather(*(task for task, _ in entries), return_exceptions=True)

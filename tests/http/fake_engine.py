@@ -67,11 +67,10 @@ class FakeHandle:
 
     def __await__(self) -> Generator[Any, None, RequestOutput]:
         async def final() -> RequestOutput:
-            out = None
             async for out in self:
-                pass
-            assert out is not None
-            return out
+                if out.finished:
+                    return out
+            raise AssertionError("the stream ended without a finished output")
         return final().__await__()
 
 

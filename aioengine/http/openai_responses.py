@@ -1,5 +1,5 @@
-"""OpenAI's Responses API (`POST /v1/responses`) for text: a request becomes a chat request, its output a
-`response` object, or a stream of `response.*` events.
+"""POST /v1/responses: OpenAI's Responses API for text. The request becomes a chat request (admitted and
+run as /v1/chat/completions runs one), its output a `response` object, or a stream of `response.*` events.
 
 Supported: `input` (a string, or message items whose content is text), `instructions`, `max_output_tokens`,
 `temperature`, `top_p`, `stream`, `text.format` (text, json_object, json_schema), `reasoning.effort`,
@@ -11,10 +11,18 @@ from __future__ import annotations
 
 import time
 import uuid
+from contextlib import aclosing
 from typing import Any
 
+from aiohttp import web
+
+from aioengine.engine_client import EngineClient, RequestHandle
+from aioengine.http import admission
+from aioengine.http.context import ENGINE, json_response
+from aioengine.http.fields import APIError, Fields, bad, not_supported
 from aioengine.http.messages import content_text
-from aioengine.http.protocol import Fields, bad, not_supported
+from aioengine.http.protocol import parse_chat_request
+from aioengine.http.streaming import JSON, SSEWriter, Tally, guarded_sse, merged
 
 RESPONSE_FIELDS = frozenset({
     "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream", "text", "reasoning",
@@ -25,7 +33,61 @@ _ROLES = frozenset({"user", "assistant", "system", "developer"})
 _TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
 
 
-def to_chat_body(data: dict) -> dict:
+async def responses(request: web.Request) -> web.StreamResponse:
+    admission.check_capacity(request.app)
+    data = await admission.read_json(request)
+    adm = await admission.admit_body(request.app, to_chat_body(data), parse_chat_request,
+                                     request.headers.get("X-Request-Id"), "resp")
+    handle = admission.start_chat(request.app, adm, f"response, {len(adm.req.messages)} messages")
+    builder = ResponseBuilder(data, adm.request_id, adm.model)
+    engine = request.app[ENGINE]
+    if adm.req.stream:
+        return await stream_response(request, engine, handle, adm.request_id, builder)
+    out = await handle
+    c = out.outputs[0]
+    return json_response(builder.response("completed", c.text, c.finish_reason, Tally.of([out]).usage()),
+                         headers={"X-Request-Id": adm.request_id})
+
+
+async def stream_response(request: web.Request, engine: EngineClient, handle: RequestHandle, request_id: str,
+                          builder: ResponseBuilder) -> web.StreamResponse:
+    """The Responses API's events: created, the message item and its text part opening, one text delta per
+    engine delta, then the closing events and `response.completed` (or `response.incomplete`) with usage."""
+    tally = Tally([0], [0])
+
+    async def write(sse: SSEWriter) -> None:
+        text, finish = "", None
+        await sse.send_event(builder.event("response.created", response=builder.response("in_progress")))
+        await sse.send_event(builder.event("response.in_progress", response=builder.response("in_progress")))
+        await sse.send_event(builder.event("response.output_item.added", output_index=0,
+                                           item=builder.message(None, "in_progress")))
+        await sse.send_event(builder.text_event("response.content_part.added", part=builder.part("")))
+        async with aclosing(merged([handle])) as deltas:
+            async for i, out in deltas:
+                tally.add(i, out)
+                c = out.outputs[0]
+                finish = c.finish_reason or finish
+                if c.text:
+                    text += c.text
+                    await sse.send_event(builder.text_event("response.output_text.delta", delta=c.text, logprobs=[]))
+        await sse.send_event(builder.text_event("response.output_text.done", text=text, logprobs=[]))
+        await sse.send_event(builder.text_event("response.content_part.done", part=builder.part(text)))
+        final = builder.response("completed", text, finish, tally.usage())
+        await sse.send_event(builder.event("response.output_item.done", output_index=0, item=final["output"][0]))
+        kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
+        await sse.send_event(builder.event(kind, response=final))
+        await sse.resp.write_eof()
+
+    async def write_error(sse: SSEWriter, err: APIError) -> None:
+        await sse.send_event(builder.event("error", code=err.code, message=err.message, param=None))
+        await sse.resp.write_eof()
+
+    return await guarded_sse(request, engine, [handle], request_id, write, write_error)
+
+
+# ---- the request: a chat-completions body ------------------------------------------------------------------
+
+def to_chat_body(data: JSON) -> JSON:
     """The chat-completions body this Responses request asks for (then parsed by parse_chat_request)."""
     f = Fields(data, RESPONSE_FIELDS)
     for name, what in (("previous_response_id", "previous_response_id (nothing is stored)"),
@@ -68,7 +130,7 @@ def to_chat_body(data: dict) -> dict:
     return body
 
 
-def _messages(raw: Any) -> list[dict]:
+def _messages(raw: object) -> list[JSON]:
     if raw is None:
         raise bad("input is required.", "input")
     if isinstance(raw, str):
@@ -95,7 +157,7 @@ def _messages(raw: Any) -> list[dict]:
     return out
 
 
-def _response_format(fmt: Any) -> dict:
+def _response_format(fmt: object) -> JSON:
     if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
         raise bad("text.format.type must be text, json_object or json_schema.", "text.format")
     if fmt["type"] != "json_schema":
@@ -109,7 +171,7 @@ def _response_format(fmt: Any) -> dict:
 class ResponseBuilder:
     """One response's ids and settings; renders it in progress, finished, and the stream's events."""
 
-    def __init__(self, data: dict, request_id: str, model: str) -> None:
+    def __init__(self, data: JSON, request_id: str, model: str) -> None:
         self.id = "resp_" + request_id.split("-", 1)[-1]
         self.item_id = "msg_" + uuid.uuid4().hex
         self.created_at = int(time.time())
@@ -118,8 +180,8 @@ class ResponseBuilder:
         self.sequence = 0
 
     def response(self, status: str, text: str | None = None, finish_reason: str | None = None,
-                 usage: dict | None = None) -> dict:
-        """The response object; ``usage`` as serving.Tally.usage() counts it."""
+                 usage: JSON | None = None) -> JSON:
+        """The response object; ``usage`` as streaming.Tally.usage() counts it."""
         d = self.data
         fmt = (d.get("text") or {}).get("format") or {"type": "text"}
         obj: dict[str, Any] = {
@@ -144,17 +206,17 @@ class ResponseBuilder:
             obj["completed_at"] = int(time.time())
         return obj
 
-    def message(self, text: str | None, status: str) -> dict:
+    def message(self, text: str | None, status: str) -> JSON:
         content = [] if text is None else [self.part(text)]
         return {"type": "message", "id": self.item_id, "status": status, "role": "assistant", "content": content}
 
     @staticmethod
-    def part(text: str) -> dict:
+    def part(text: str) -> JSON:
         return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
-    def event(self, kind: str, **fields: Any) -> dict:
+    def event(self, kind: str, **fields: Any) -> JSON:
         self.sequence += 1
         return {"type": kind, "sequence_number": self.sequence - 1, **fields}
 
-    def text_event(self, kind: str, **fields: Any) -> dict:
+    def text_event(self, kind: str, **fields: Any) -> JSON:
         return self.event(kind, item_id=self.item_id, output_index=0, content_index=0, **fields)

@@ -1,0 +1,69 @@
+"""What every route module shares: the server's settings, the app's keys and state, and JSON replies."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import orjson
+from aiohttp import web
+
+from aioengine.engine_client import EngineClient
+from aioengine.http.fields import APIError, RequestLimits
+
+if TYPE_CHECKING:  # metrics.py imports prometheus_client; only its type is named here
+    from aioengine.http.metrics import EngineMetrics
+
+DEFAULT_MAX_BODY = 4 << 20
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    api_key: str | None = None  # every /v1 route (and /tokenize, /detokenize) then needs it
+    max_num_queued_reqs: int | None = None  # waiting engine requests beyond which new ones get 503
+    client_max_size: int = DEFAULT_MAX_BODY  # request bodies and websocket messages, in bytes
+    served_model_names: list[str] = field(default_factory=list)  # default: the engine's model_name
+    log_requests: bool = False
+    loop_lag_interval: float = 0.05
+    retry_after_s: int = 1
+    limits: RequestLimits = field(default_factory=RequestLimits)  # caps on one request's fields (400 beyond)
+
+
+@dataclass(slots=True, eq=False)
+class AppState:
+    """What the app learns at startup and changes while serving (the app itself is frozen by then)."""
+
+    metrics: EngineMetrics | None = None
+    lag_task: asyncio.Task[None] | None = None
+    websockets: set[web.WebSocketResponse] = field(default_factory=set)
+    draining: bool = False  # shutting down: new generations get 503
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+ENGINE = web.AppKey[EngineClient]("aioengine_engine")
+CONFIG = web.AppKey("aioengine_config", ServerConfig)
+STATE = web.AppKey("aioengine_state", AppState)
+
+
+def model_names(app: web.Application) -> list[str]:
+    return app[CONFIG].served_model_names or [app[ENGINE].model_name]
+
+
+def check_model(app: web.Application, model: str | None) -> str:
+    """The served name a request asks for (404 for another), or the first one."""
+    names = model_names(app)
+    if model is not None and model not in names:
+        raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
+    return model or names[0]
+
+
+def json_response(obj: object, status: int = 200, headers: Mapping[str, str] | None = None) -> web.Response:
+    return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json",
+                        headers=headers)
+
+
+def error_response(err: APIError) -> web.Response:
+    return json_response(err.to_dict(), err.status, err.headers)
