@@ -428,3 +428,27 @@ def test_start_moves_what_startup_built_out_of_the_collectors_reach(tiny_llama):
         assert gc.get_freeze_count() == 0  # and go back once no engine runs: exit collects them as before
 
     run(main())
+
+
+def test_precompile_hands_its_grammar_to_generate(tiny_llama):
+    """The server compiles a request's grammar off the loop (precompile) and passes it on: generate does
+    not compile (nor look up) it again; without it, generate compiles it itself (here a cache hit)."""
+    from aioengine.sampling_params import StructuredOutputsParams
+
+    path, _ = tiny_llama
+
+    async def main():
+        async with AsyncEngine(tiny_args(path)) as engine:
+            params = SamplingParams(temperature=0, max_tokens=5,
+                                    structured_outputs=StructuredOutputsParams(regex="[ab]{3}"))
+            assert await engine.precompile(SamplingParams(max_tokens=5)) is None  # no grammar, nothing to do
+            grammar = await engine.precompile(params)
+            assert grammar is not None and grammar.spec is params.structured_outputs
+            manager = engine._structured_output_manager()
+            lookups = manager.cache_hits + manager.cache_misses
+            assert (await engine.generate("Hello", params, grammar=grammar)).finished
+            assert manager.cache_hits + manager.cache_misses == lookups
+            assert (await engine.generate("Hello", params)).finished
+            assert manager.cache_hits + manager.cache_misses == lookups + 1
+
+    run(main())
