@@ -75,14 +75,22 @@ class Worker(Protocol):
 class RunnerParts(Protocol):
     """What a backend reads of the model runner it serves."""
 
-    model: nn.Module
-    hf_config: Any
-    dtype: torch.dtype
-    block_size: int
-    max_model_len: int
-    max_num_reqs: int
-    max_blocks_per_req: int
-    kv_caches: list[torch.Tensor]
+    @property
+    def model(self) -> nn.Module: ...
+    @property
+    def hf_config(self) -> Any: ...
+    @property
+    def dtype(self) -> torch.dtype: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def max_model_len(self) -> int: ...
+    @property
+    def max_num_reqs(self) -> int: ...
+    @property
+    def max_blocks_per_req(self) -> int: ...
+    @property
+    def kv_caches(self) -> list[torch.Tensor]: ...
 
     def kv_cache_bytes_per_block(self) -> int: ...
 

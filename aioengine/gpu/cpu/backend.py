@@ -152,6 +152,7 @@ class CpuStaging:
 
 
 class CpuBackend(Backend):
+    ops: CpuOps
     name = "cpu"
     device = torch.device("cpu")
     default_max_num_seqs = 128
@@ -208,7 +209,7 @@ class CpuBackend(Backend):
                 meta: AttentionMetadata) -> torch.Tensor:
         stack = self.decode_stack
         if stack is not None and stack.takes(input_ids, meta):  # every layer in one C call, the same bits
-            decoder = runner.model.model
+            decoder: Any = runner.model.model  # a Llama-family decoder (the stack checked it when built)
             hidden, residual = stack.run(decoder.embed_tokens(input_ids), positions, meta)
             return decoder.norm(hidden, residual)[0]
         return runner.model(input_ids, positions, runner.kv_caches, meta)
