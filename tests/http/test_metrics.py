@@ -6,6 +6,8 @@ import time
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.timing import HANG_S
+
 EXPECTED = {
     "aioengine:num_requests_running", "aioengine:num_requests_waiting", "aioengine:kv_cache_usage_perc",
     "aioengine:prefix_cache_queries", "aioengine:prefix_cache_hits", "aioengine:num_preemptions",
@@ -33,12 +35,19 @@ def test_counters_move_after_traffic(http, server):
         assert r.status == 200
     r = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 30, "stop": ["party"], "temperature": 0})
     assert r.status == 200 and r.json()["choices"][0]["finish_reason"] == "stop"
-    time.sleep(0.2)
-    after = scrape(http)
 
     def delta(name: str, **labels: str) -> float:
         key = (name, tuple(sorted(labels.items())))
         return after.get(key, 0.0) - before.get(key, 0.0)
+
+    # Scrape until the last request's end is recorded and the loop-lag timer has ticked (no fixed sleep).
+    deadline = time.monotonic() + HANG_S
+    while True:
+        after = scrape(http)
+        if (delta("aioengine:e2e_request_latency_seconds_count") >= 3
+                and delta("aioengine:event_loop_lag_seconds_count") > 0) or time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
 
     assert delta("aioengine:generation_tokens_total") >= 12
     assert delta("aioengine:prompt_tokens_total") >= 2 * 40
