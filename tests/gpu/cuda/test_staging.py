@@ -3,8 +3,6 @@ thread waiting for the GPU (CUDA tests skip without one); on CPU (CpuStaging) th
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 import torch
@@ -51,19 +49,18 @@ def test_copies_do_not_wait_for_the_gpu_and_a_buffer_waits_for_its_copies():
         big = np.arange(4096, dtype=np.int64)
         staging.begin_step()  # slot 1
         torch.cuda._sleep(300_000_000)  # ~0.15-0.3 s of GPU spinning ahead of the copies
-        t0 = time.perf_counter()
+        spun = torch.cuda.Event()
+        spun.record()  # complete once the GPU is past the spin: the unit both orderings below are read in
         first = staging.to_device(big)
         second = staging.to_device(big * 2)
-        queued_s = time.perf_counter() - t0
-        assert queued_s < 0.05, f"to_device waited {queued_s:.3f} s for the GPU"
+        assert not spun.query(), "to_device waited for the GPU"  # the copies are queued, the GPU still spins
         staging.begin_step()  # slot 0: never used, no wait
         other = staging.to_device(big * 3)
-        t0 = time.perf_counter()
-        staging.begin_step()  # slot 1 again: its copies are still behind the sleep, so this must wait
-        waited_s = time.perf_counter() - t0
+        assert not spun.query(), "the GPU finished spinning before the test could see a wait: spin longer"
+        staging.begin_step()  # slot 1 again: its copies are still behind the spin, so this must wait
+        assert spun.query(), "begin_step reopened a buffer whose copies had not run"
         staging.to_device(np.zeros(4096, dtype=np.int64))  # overwrites slot 1's pinned bytes
         torch.cuda.synchronize()
-    assert waited_s > 0.02
     assert np.array_equal(first.cpu().numpy(), big) and np.array_equal(second.cpu().numpy(), big * 2)
     assert np.array_equal(other.cpu().numpy(), big * 3)
 
