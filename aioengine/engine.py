@@ -11,7 +11,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aioengine import gc_freeze
 from aioengine.checkpoint import RANDOM_PREFIX, generation_defaults, load_engine_tokenizer, read_config
@@ -26,6 +26,10 @@ from aioengine.sched.request import Request, RequestStatus
 from aioengine.sched.scheduler import Scheduler, SchedulerConfig
 from aioengine.tokenizer import IncrementalDetokenizer, apply_chat_template
 
+if TYPE_CHECKING:  # importing these imports torch: start() does, lazily
+    from aioengine.gpu.backend import Backend, Worker
+    from aioengine.gpu.model_runner import ModelRunner
+
 logger = logging.getLogger(__name__)
 
 class AsyncEngine:
@@ -33,8 +37,8 @@ class AsyncEngine:
         self.args = args if args is not None else EngineArgs(**kwargs)
         self.args.validate()
         self.tokenizer: Any = None
-        self.runner: Any = None
-        self.backend: Any = None  # gpu.backend.Backend, picked in start() (importing it imports torch)
+        self.runner: ModelRunner | None = None
+        self.backend: Backend | None = None  # picked in start() (importing it imports torch)
         self.scheduler: Scheduler | None = None
         self.model_path: str | None = None
         self.model_name = self.args.served_model_name or self.args.model
@@ -43,12 +47,12 @@ class AsyncEngine:
         self.vocab_size = 0
         self.eos_token_id: int | None = None
         self.kv_capacity_tokens = 0
-        self._worker: Any = None
+        self._worker: Worker | None = None
         self._states: dict[str, RequestState] = {}
         self._children: dict[str, tuple[RequestState, int]] = {}
         self._batch_queue: collections.deque = collections.deque()
         # Seconds the loop spent per phase of the step coroutine, summed ("steps": how many were awaited).
-        self.host_s: collections.Counter[str] = collections.Counter()
+        self.host_s: collections.defaultdict[str, float] = collections.defaultdict(float)
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._dead: EngineDeadError | None = None
@@ -68,12 +72,13 @@ class AsyncEngine:
         from aioengine.gpu.backends import make_backend
 
         t0 = time.perf_counter()
-        self.backend = make_backend(self.args)  # the one choice of device (the CPU's kernel build starts here)
+        self.backend = backend = make_backend(self.args)  # the one choice of device (the CPU's kernels build now)
         cfg_probe = await self._resolve_model()
-        config = self._resolve_config(cfg_probe)
-        await self._load(config, cfg_probe)
+        config = self._resolve_config(backend, cfg_probe)
+        await self._load(backend, config, cfg_probe)
         num_blocks = await self._size_kv_cache(config)
         await self._initialize_kv_cache(config, num_blocks)
+        assert self._structured_build is not None
         with contextlib.suppress(Exception):  # a failure (no tokenizer, no xgrammar) is raised per structured request
             await asyncio.wrap_future(self._structured_build)
         # What start-up built (torch, transformers, the model's modules) lives as long as the engine: out of the
@@ -102,9 +107,9 @@ class AsyncEngine:
         await loop.run_in_executor(None, _import_heavy_modules)
         return await loop.run_in_executor(None, read_config, self.model_path)
 
-    def _resolve_config(self, cfg_probe: dict[str, Any]) -> EngineConfig:
+    def _resolve_config(self, backend: Backend, cfg_probe: dict[str, Any]) -> EngineConfig:
         """EngineArgs, the checkpoint's limits and the backend's defaults -> the engine's sizes."""
-        args, backend = self.args, self.backend
+        args = self.args
         return EngineConfig(
             device=backend.name,
             dtype=args.dtype if args.dtype != "auto" else backend.default_dtype(),
@@ -113,18 +118,18 @@ class AsyncEngine:
             max_num_seqs=args.max_num_seqs or backend.default_max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens or backend.default_max_num_batched_tokens)
 
-    async def _load(self, config: EngineConfig, cfg_probe: dict[str, Any]) -> None:
+    async def _load(self, backend: Backend, config: EngineConfig, cfg_probe: dict[str, Any]) -> None:
         """The worker, the model on it and the tokenizer beside it; xgrammar's tables start building."""
         import torch
 
         from aioengine.gpu.model_runner import ModelRunner
 
-        args, loop = self.args, asyncio.get_running_loop()
-        tokenizer_fut = loop.run_in_executor(None, load_engine_tokenizer, args, self.model_path,
-                                             cfg_probe["vocab_size"])
-        self._worker = self.backend.make_worker()
-        self.runner = await asyncio.wrap_future(self._worker.submit(
-            ModelRunner, self.model_path, self.backend, getattr(torch, config.dtype), config.max_num_seqs,
+        args, loop, model_path = self.args, asyncio.get_running_loop(), self.model_path
+        assert model_path is not None
+        tokenizer_fut = loop.run_in_executor(None, load_engine_tokenizer, args, model_path, cfg_probe["vocab_size"])
+        self._worker = worker = backend.make_worker()
+        self.runner = await asyncio.wrap_future(worker.submit(
+            ModelRunner, model_path, backend, getattr(torch, config.dtype), config.max_num_seqs,
             config.max_model_len, args.block_size, args.seed, args.quantization))
         self.tokenizer = await tokenizer_fut
         self.vocab_size = cfg_probe["vocab_size"]
@@ -149,8 +154,9 @@ class AsyncEngine:
         if args.num_kv_blocks is not None:
             num_blocks = args.num_kv_blocks
         else:
-            fits = await asyncio.wrap_future(self._worker.submit(
-                self.backend.num_kv_blocks, self.runner, args, config.max_num_batched_tokens, config.max_num_seqs))
+            backend, worker, runner = self._device()
+            fits = await asyncio.wrap_future(worker.submit(
+                backend.num_kv_blocks, runner, args, config.max_num_batched_tokens, config.max_num_seqs))
             num_blocks = min(fits, config.max_num_seqs * -(-config.max_model_len // args.block_size) + 1)
         if num_blocks < 2:
             raise ValueError(f"the KV cache budget fits {num_blocks} blocks; at least 2 are needed")
@@ -160,15 +166,21 @@ class AsyncEngine:
         """Allocate the cache and the backend's fast paths over it (CUDA graphs are captured here), then the
         scheduler that hands its blocks out."""
         args = self.args
-        await asyncio.wrap_future(self._worker.submit(self.runner.initialize_kv_cache, num_blocks))
-        await asyncio.wrap_future(self._worker.submit(
-            self.backend.build_fast_paths, self.runner, args, config.max_num_batched_tokens))
+        backend, worker, runner = self._device()
+        await asyncio.wrap_future(worker.submit(runner.initialize_kv_cache, num_blocks))
+        await asyncio.wrap_future(worker.submit(backend.build_fast_paths, runner, args, config.max_num_batched_tokens))
         self.kv_capacity_tokens = (num_blocks - 1) * args.block_size
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
             max_model_len=config.max_model_len, num_blocks=num_blocks, block_size=args.block_size,
             enable_prefix_caching=args.enable_prefix_caching,
             long_prefill_token_threshold=args.long_prefill_token_threshold, policy=args.scheduling_policy))
+
+    def _device(self) -> tuple[Backend, Worker, ModelRunner]:
+        """The backend, its worker and the runner on it (all there once start() has loaded the model)."""
+        backend, worker, runner = self.backend, self._worker, self.runner
+        assert backend is not None and worker is not None and runner is not None, "the engine is not started"
+        return backend, worker, runner
 
     async def __aenter__(self) -> AsyncEngine:
         return await self.start()
@@ -338,6 +350,7 @@ class AsyncEngine:
             except Exception:  # e.g. xgrammar missing: build again here, so the request gets the error
                 manager = None
             self._structured = manager or self._new_structured_output_manager()
+            assert self.scheduler is not None
             self.scheduler.structured_output_manager = self._structured
         return self._structured
 
@@ -369,6 +382,9 @@ class AsyncEngine:
     def _emit(self, state: RequestState, completions: list[CompletionOutput], keep: bool = False) -> None:
         """One step's ``completions`` of ``state``: to the listeners, then to the consumer's queue with the
         deltas kept for it before; or, with ``keep`` (only the final output is awaited), kept for it."""
+        if keep and not self.request_listeners:  # nobody to show this step to: no output object
+            state.buffered.extend(completions)
+            return
         out = RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions, state.finished,
                             state.num_cached_tokens, {"arrival_time": state.arrival_time,
                                                       "first_token_time": state.first_token_time})
@@ -387,9 +403,11 @@ class AsyncEngine:
     # ---- the step coroutine -------------------------------------------------------------------
     async def _run(self) -> None:
         self._stopped.clear()  # started (again)
+        scheduler = self.scheduler
+        assert scheduler is not None
         try:
             while not self._stopping:
-                if not self.scheduler.has_requests() and not self._batch_queue:
+                if not scheduler.has_requests() and not self._batch_queue:
                     self._wakeup.clear()
                     await self._wakeup.wait()
                     continue
@@ -408,6 +426,8 @@ class AsyncEngine:
         Returns whether it awaited the device.
         """
         scheduler = self.scheduler
+        assert scheduler is not None
+        _, worker, runner = self._device()
         scheduled = False
         deferred = None
         host = self.host_s
@@ -418,7 +438,7 @@ class AsyncEngine:
             if so.scheduled_new_reqs:
                 self._mark_scheduled(so.scheduled_new_reqs)
             if so.total_num_scheduled_tokens or so.finished_req_ids or so.preempted_req_ids:
-                exec_fut = self._worker.submit(self.runner.execute_model, so)  # stops 4-7
+                exec_fut = worker.submit(runner.execute_model, so)  # stops 4-7
                 scheduled = so.total_num_scheduled_tokens > 0
                 if so.pending_structured_output_tokens and self._batch_queue:
                     # Stop 8: a structured request still has a token in flight and its bitmask needs it:
@@ -427,7 +447,7 @@ class AsyncEngine:
                 else:
                     # Stop 8: the grammar bitmask (None without grammars), filled here while the forward runs.
                     bitmask = scheduler.get_grammar_bitmask(so)
-                    sample_fut = self._worker.submit(self.runner.sample_tokens, bitmask)  # stop 9
+                    sample_fut = worker.submit(runner.sample_tokens, bitmask)  # stop 9
                     self._batch_queue.appendleft((exec_fut, sample_fut, so))
         if not self._batch_queue:
             return False
@@ -446,7 +466,7 @@ class AsyncEngine:
         host["steps"] += 1
         if deferred is not None:  # its grammars now know every token: bitmask, then sample (stops 8-9)
             exec_fut, so = deferred
-            sample_fut = self._worker.submit(self.runner.sample_tokens, scheduler.get_grammar_bitmask(so))
+            sample_fut = worker.submit(runner.sample_tokens, scheduler.get_grammar_bitmask(so))
             self._batch_queue.appendleft((exec_fut, sample_fut, so))
         if self.stat_listeners:
             stats = scheduler.make_stats()
@@ -465,7 +485,9 @@ class AsyncEngine:
     async def _await_step(self, fut: concurrent.futures.Future) -> ModelRunnerOutput:
         """The step's output, as the backend's worker awaits it (CUDA: an event behind the device-to-host copy,
         without blocking the loop), under the watchdog."""
-        output = asyncio.ensure_future(self._worker.output(fut))
+        worker = self._worker
+        assert worker is not None
+        output = asyncio.ensure_future(worker.output(fut))
         # asyncio.wait, not wait_for: wait_for can swallow a cancellation that races the result (3.11).
         done, _ = await asyncio.wait((output,), timeout=self.args.step_timeout_s)
         if not done:
@@ -475,9 +497,13 @@ class AsyncEngine:
 
     def run_on_worker(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
         """Run ``fn(*args)`` on the device worker, after the steps already submitted (e.g. runner stats)."""
-        return asyncio.wrap_future(self._worker.submit(fn, *args))
+        worker = self._worker
+        assert worker is not None, "the engine is not started"
+        return asyncio.wrap_future(worker.submit(fn, *args))
 
     def _process_outputs(self, outputs: list[EngineCoreOutput]) -> None:
+        scheduler = self.scheduler
+        assert scheduler is not None
         grouped: dict[int, tuple[RequestState, list[CompletionOutput]]] = {}
         now = time.monotonic()
         for o in outputs:
@@ -490,7 +516,7 @@ class AsyncEngine:
             text = detok.add_tokens(o.new_token_ids, finish_reason is not None)
             if detok.stop_reason is not None:
                 if finish_reason is None:  # a stop string: end this completion now
-                    self.scheduler.finish_requests(o.request_id, RequestStatus.FINISHED_STOPPED)
+                    scheduler.finish_requests(o.request_id, RequestStatus.FINISHED_STOPPED)
                 finish_reason, stop_reason = "stop", detok.stop_reason
             if state.first_token_time is None and o.new_token_ids:
                 state.first_token_time = now
