@@ -92,7 +92,7 @@ class LiveServer:
     def steps(self) -> int:
         """How many steps the engine has finished so far (its own counter)."""
         e = self.engine
-        return self.call(lambda: e.host_s["steps"])
+        return int(self.call(lambda: e.host_s["steps"]))
 
     def wait_idle(self, max_steps: int = IDLE_STEPS, since: int | None = None, timeout: float = HANG_S) -> dict:
         """Poll until no request is left and no KV block is used; returns the last state seen.
