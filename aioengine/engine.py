@@ -19,9 +19,10 @@ from aioengine.config import EngineArgs, EngineConfig, resolve_max_model_len
 from aioengine.engine_client import EngineStats, PrecompiledGrammar, RequestListener, StatListener
 from aioengine.errors import EngineDeadError, EngineNotStartedError, InvalidRequestError
 from aioengine.handle import GenerateHandle, RequestState
-from aioengine.outputs import CompletionOutput, Logprob, RequestOutput
+from aioengine.output_processor import OutputProcessor
+from aioengine.outputs import CompletionOutput
 from aioengine.sampling_params import SamplingParams
-from aioengine.sched.output import EngineCoreOutput, ModelRunnerOutput, NewRequestData, TokenLogprobs
+from aioengine.sched.output import ModelRunnerOutput, NewRequestData
 from aioengine.sched.request import Request, RequestStatus
 from aioengine.sched.scheduler import Scheduler, SchedulerConfig
 from aioengine.tokenizer import IncrementalDetokenizer, apply_chat_template
@@ -48,8 +49,9 @@ class AsyncEngine:
         self.eos_token_id: int | None = None
         self.kv_capacity_tokens = 0
         self._worker: Worker | None = None
-        self._states: dict[str, RequestState] = {}
-        self._children: dict[str, tuple[RequestState, int]] = {}
+        self._outputs = OutputProcessor()  # stop 12, and the live requests
+        self._states = self._outputs.states
+        self._children = self._outputs.children
         self._batch_queue: collections.deque = collections.deque()
         # Seconds the loop spent per phase of the step coroutine, summed ("steps": how many were awaited).
         self.host_s: collections.defaultdict[str, float] = collections.defaultdict(float)
@@ -59,9 +61,8 @@ class AsyncEngine:
         self._stopping = False
         self._structured: Any = None  # StructuredOutputManager, built on a thread during start()
         self._structured_build: concurrent.futures.Future | None = None
-        self._token_text: dict[int, str] = {}  # decoded single tokens, for logprobs
         self.stat_listeners: list[StatListener] = []
-        self.request_listeners: list[RequestListener] = []
+        self.request_listeners: list[RequestListener] = self._outputs.request_listeners
         self._stopped = asyncio.Event()  # set once the step loop has ended: dead or shut down
 
     # ---- lifecycle ----------------------------------------------------------------------------
@@ -131,7 +132,7 @@ class AsyncEngine:
         self.runner = await asyncio.wrap_future(worker.submit(
             ModelRunner, model_path, backend, getattr(torch, config.dtype), config.max_num_seqs,
             config.max_model_len, args.block_size, args.seed, args.quantization))
-        self.tokenizer = await tokenizer_fut
+        self.tokenizer = self._outputs.tokenizer = await tokenizer_fut
         self.vocab_size = cfg_probe["vocab_size"]
         self.eos_token_id = cfg_probe["eos_token_id"]
         if self.eos_token_id is None:
@@ -372,33 +373,7 @@ class AsyncEngine:
         for cid in live:
             self._children.pop(cid, None)
         state.child_done = [True] * len(state.child_ids)
-        self._finish_state(state, completions)
-
-    def _finish_state(self, state: RequestState, completions: list[CompletionOutput]) -> None:
-        state.finished = True
-        self._states.pop(state.request_id, None)
-        self._emit(state, completions)
-
-    def _emit(self, state: RequestState, completions: list[CompletionOutput], keep: bool = False) -> None:
-        """One step's ``completions`` of ``state``: to the listeners, then to the consumer's queue with the
-        deltas kept for it before; or, with ``keep`` (only the final output is awaited), kept for it."""
-        if keep and not self.request_listeners:  # nobody to show this step to: no output object
-            state.buffered.extend(completions)
-            return
-        out = RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions, state.finished,
-                            state.num_cached_tokens, {"arrival_time": state.arrival_time,
-                                                      "first_token_time": state.first_token_time})
-        if not keep and state.pending_prompt_logprobs is not None:
-            out.prompt_logprobs, state.pending_prompt_logprobs = state.pending_prompt_logprobs, None
-        for listener in self.request_listeners:
-            listener(out, state)
-        if keep:
-            state.buffered.extend(completions)
-            return
-        if state.buffered:
-            out = replace(out, outputs=state.buffered + completions)
-            state.buffered = []
-        state.queue.put_nowait(out)
+        self._outputs.finish(state, completions)
 
     # ---- the step coroutine -------------------------------------------------------------------
     async def _run(self) -> None:
@@ -460,7 +435,7 @@ class AsyncEngine:
         t0 = time.perf_counter()
         outputs = scheduler.update_from_output(so, result)  # stop 11
         t1 = time.perf_counter()
-        self._process_outputs(outputs)  # stop 12: straight to each request's stream
+        self._outputs.process(outputs, scheduler)  # stop 12: straight to each request's stream
         host["update"] += t1 - t0
         host["outputs"] += time.perf_counter() - t1
         host["steps"] += 1
@@ -500,62 +475,6 @@ class AsyncEngine:
         worker = self._worker
         assert worker is not None, "the engine is not started"
         return asyncio.wrap_future(worker.submit(fn, *args))
-
-    def _process_outputs(self, outputs: list[EngineCoreOutput]) -> None:
-        scheduler = self.scheduler
-        assert scheduler is not None
-        grouped: dict[int, tuple[RequestState, list[CompletionOutput]]] = {}
-        now = time.monotonic()
-        for o in outputs:
-            entry = self._children.get(o.request_id)
-            if entry is None:
-                continue
-            state, idx = entry
-            detok = state.detokenizers[idx]
-            finish_reason, stop_reason = o.finish_reason, o.stop_reason
-            text = detok.add_tokens(o.new_token_ids, finish_reason is not None)
-            if detok.stop_reason is not None:
-                if finish_reason is None:  # a stop string: end this completion now
-                    scheduler.finish_requests(o.request_id, RequestStatus.FINISHED_STOPPED)
-                finish_reason, stop_reason = "stop", detok.stop_reason
-            if state.first_token_time is None and o.new_token_ids:
-                state.first_token_time = now
-            if o.num_cached_tokens:
-                state.num_cached_tokens = o.num_cached_tokens
-            if finish_reason is not None:
-                state.child_done[idx] = True
-                del self._children[o.request_id]
-            logprobs = None
-            if o.new_logprobs is not None:
-                logprobs = [self._logprob_dict(e) for e in o.new_logprobs]
-            elif state.params.logprobs is not None:
-                logprobs = []
-            if o.new_prompt_logprobs is not None and state.prompt_logprobs is None:
-                state.prompt_logprobs = [None] + [self._logprob_dict(e) for e in o.new_prompt_logprobs]
-                state.pending_prompt_logprobs = state.prompt_logprobs
-            grouped.setdefault(id(state), (state, []))[1].append(
-                CompletionOutput(idx, text, o.new_token_ids, finish_reason, stop_reason, logprobs))
-        for state, completions in grouped.values():
-            if all(state.child_done):
-                self._finish_state(state, completions)
-            else:
-                # Only the final output awaited (vLLM's FINAL_ONLY): keep the deltas for it instead of waking
-                # the consumer every step; the listeners still see each step.
-                self._emit(state, completions, keep=state.final_only)
-
-    def _logprob_dict(self, entry: TokenLogprobs) -> dict[int, Logprob]:
-        """{chosen token: its Logprob, then the top-k by rank}; ranks are 1-based."""
-        ids, lps, rank = entry
-        cache = self._token_text
-        out: dict[int, Logprob] = {}
-        for j, (tid, lp) in enumerate(zip(ids, lps, strict=True)):
-            if tid in out:
-                continue
-            text = cache.get(tid)
-            if text is None:
-                text = cache[tid] = self.tokenizer.decode([tid])
-            out[tid] = Logprob(lp, rank if j == 0 else j, text)
-        return out
 
     def _die(self, exc: BaseException) -> None:
         logger.error("engine step failed; the engine is dead", exc_info=exc)
