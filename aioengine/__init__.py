@@ -8,6 +8,14 @@ from aioengine.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 __all__ = [
-    "AioEngineError", "AsyncEngine", "CompletionOutput", "EngineArgs", "EngineDeadError",
-    "EngineNotStartedError", "GenerateHandle", "InvalidRequestError", "RequestOutput", "SamplingParams",
+    "AioEngineError",
+    "AsyncEngine",
+    "CompletionOutput",
+    "EngineArgs",
+    "EngineDeadError",
+    "EngineNotStartedError",
+    "GenerateHandle",
+    "InvalidRequestError",
+    "RequestOutput",
+    "SamplingParams",
 ]

@@ -47,10 +47,15 @@ def generation_defaults(source: str, model_generation_config: dict) -> dict:
     elif os.path.isfile(os.path.join(source, "generation_config.json")):
         config = _generation_config(source)
     else:
-        raise ValueError(f"generation_config must be auto, vllm or a directory with a generation_config.json; "
-                         f"got {source!r}")
-    return {k: config[k] for k in _GENERATION_DEFAULTS if isinstance(config.get(k), int | float)
-            and not isinstance(config.get(k), bool)}
+        raise ValueError(
+            f"generation_config must be auto, vllm or a directory with a generation_config.json; "
+            f"got {source!r}"
+        )
+    return {
+        k: config[k]
+        for k in _GENERATION_DEFAULTS
+        if isinstance(config.get(k), int | float) and not isinstance(config.get(k), bool)
+    }
 
 
 def read_config(path: str) -> dict:
@@ -60,8 +65,12 @@ def read_config(path: str) -> dict:
         from aioengine.gpu.random_model import random_config
 
         cfg = random_config(path)
-        return {"max_position_embeddings": cfg.max_position_embeddings, "vocab_size": cfg.vocab_size,
-                "eos_token_id": cfg.eos_token_id, "generation_config": {}}
+        return {
+            "max_position_embeddings": cfg.max_position_embeddings,
+            "vocab_size": cfg.vocab_size,
+            "eos_token_id": cfg.eos_token_id,
+            "generation_config": {},
+        }
     with open(os.path.join(path, "config.json")) as f:
         cfg = json.load(f)
     generation = _generation_config(path)
@@ -71,6 +80,10 @@ def read_config(path: str) -> dict:
     from aioengine.gpu.models import sliding_window
 
     text_cfg = cfg.get("text_config", cfg)
-    return {"max_position_embeddings": text_cfg.get("max_position_embeddings", 2048),
-            "vocab_size": text_cfg["vocab_size"], "eos_token_id": eos, "sliding_window": sliding_window(text_cfg),
-            "generation_config": generation}
+    return {
+        "max_position_embeddings": text_cfg.get("max_position_embeddings", 2048),
+        "vocab_size": text_cfg["vocab_size"],
+        "eos_token_id": eos,
+        "sliding_window": sliding_window(text_cfg),
+        "generation_config": generation,
+    }

@@ -20,29 +20,56 @@ from aioengine.cli_common import (
 
 logger = logging.getLogger("aioengine.serve")
 
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="aioengine", description="An LLM inference engine in one event loop.")
+    parser = argparse.ArgumentParser(
+        prog="aioengine", description="An LLM inference engine in one event loop."
+    )
     sub = parser.add_subparsers(dest="command", metavar="{serve,bench,chat}")
-    serve = sub.add_parser("serve", help="serve the OpenAI-compatible API, websocket and chat page",
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    serve = sub.add_parser(
+        "serve",
+        help="serve the OpenAI-compatible API, websocket and chat page",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     serve.add_argument("model_tag", nargs="?", metavar="MODEL", help="same as --model")
     srv = serve.add_argument_group("server")
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on")
     srv.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
-    srv.add_argument("--api-key", default=None,  # read from the env later: --help must not print it
-                     help="require 'Authorization: Bearer KEY' on /v1 routes (default: env AIOENGINE_API_KEY)")
-    srv.add_argument("--max-num-queued-reqs", type=int, default=None,
-                     help="answer 503 + Retry-After while this many requests wait in the engine")
-    srv.add_argument("--max-request-bytes", type=parse_bytes, default=4 << 20,
-                     help="largest request body or websocket message (413 beyond)")
-    srv.add_argument("--request-limit", type=parse_request_limit, action="append", default=[], metavar="NAME=N",
-                     help="override one per-request cap (docs/api.md), e.g. max_n=16; repeatable")
+    srv.add_argument(
+        "--api-key",
+        default=None,  # read from the env later: --help must not print it
+        help="require 'Authorization: Bearer KEY' on /v1 routes (default: env AIOENGINE_API_KEY)",
+    )
+    srv.add_argument(
+        "--max-num-queued-reqs",
+        type=int,
+        default=None,
+        help="answer 503 + Retry-After while this many requests wait in the engine",
+    )
+    srv.add_argument(
+        "--max-request-bytes",
+        type=parse_bytes,
+        default=4 << 20,
+        help="largest request body or websocket message (413 beyond)",
+    )
+    srv.add_argument(
+        "--request-limit",
+        type=parse_request_limit,
+        action="append",
+        default=[],
+        metavar="NAME=N",
+        help="override one per-request cap (docs/api.md), e.g. max_n=16; repeatable",
+    )
     srv.add_argument("--log-requests", action="store_true", help="log every request and the access log")
     srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
     srv.add_argument("--disable-log-stats", action="store_true", help="no periodic stats line")
     srv.add_argument("--stats-interval", type=float, default=10.0, help="seconds between stats lines")
-    srv.add_argument("--shutdown-timeout", type=float, default=5.0,
-                     help="on SIGINT/SIGTERM, seconds in-flight requests may take to finish before abort")
+    srv.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=5.0,
+        help="on SIGINT/SIGTERM, seconds in-flight requests may take to finish before abort",
+    )
     add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
     sub.add_parser("bench", help="benchmarks (aioengine bench --help)", add_help=False)
@@ -79,8 +106,12 @@ def cmd_bench(argv: list[str]) -> int:
 
 
 def configure_logging(level: str) -> None:
-    logging.basicConfig(level=getattr(logging, level.upper()), stream=sys.stderr,
-                        format="%(levelname)s %(asctime)s [%(name)s] %(message)s", datefmt="%m-%d %H:%M:%S")
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        stream=sys.stderr,
+        format="%(levelname)s %(asctime)s [%(name)s] %(message)s",
+        datefmt="%m-%d %H:%M:%S",
+    )
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -94,10 +125,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from aioengine.http.protocol import RequestLimits
     from aioengine.http.server import ServerConfig
 
-    config = ServerConfig(api_key=args.api_key or os.environ.get("AIOENGINE_API_KEY") or None, max_num_queued_reqs=args.max_num_queued_reqs,
-                          client_max_size=args.max_request_bytes, served_model_names=args.served_model_name or [],
-                          log_requests=args.log_requests,
-                          limits=dataclasses.replace(RequestLimits(), **dict(args.request_limit)))
+    config = ServerConfig(
+        api_key=args.api_key or os.environ.get("AIOENGINE_API_KEY") or None,
+        max_num_queued_reqs=args.max_num_queued_reqs,
+        client_max_size=args.max_request_bytes,
+        served_model_names=args.served_model_name or [],
+        log_requests=args.log_requests,
+        limits=dataclasses.replace(RequestLimits(), **dict(args.request_limit)),
+    )
     return run_in_loop(_serve_main(args, engine_args, config))
 
 
@@ -121,9 +156,16 @@ async def _serve_main(args: argparse.Namespace, engine_args: Any, config: Any) -
         logger.error("the engine failed to start", exc_info=start.exception())
         await engine.shutdown()
         return 1
-    return await serve_engine(engine, config, args.host, args.port, stop,
-                              stats_interval=None if args.disable_log_stats else args.stats_interval,
-                              shutdown_timeout=args.shutdown_timeout, access_log=args.log_requests)
+    return await serve_engine(
+        engine,
+        config,
+        args.host,
+        args.port,
+        stop,
+        stats_interval=None if args.disable_log_stats else args.stats_interval,
+        shutdown_timeout=args.shutdown_timeout,
+        access_log=args.log_requests,
+    )
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -131,4 +173,3 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
     api_key = args.api_key or os.environ.get("AIOENGINE_API_KEY")
     return run_in_loop(chat_repl(args.url, api_key, args.temperature, args.max_tokens, args.system))
-

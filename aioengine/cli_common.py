@@ -14,13 +14,13 @@ from aioengine.config import CPU_LINEAR_CHOICES, EngineArgs, KernelConfig
 # Help for the EngineArgs fields; a field added to EngineArgs later still gets a flag (with generic help).
 _ENGINE_HELP = {
     "model": "'default' (the embedded SmolLM2-135M-Instruct), a Hugging Face checkpoint directory, or random:NAME "
-             "(random weights of a known shape made on the device: random:llama-3.1-8b, random:tiny)",
+    "(random weights of a known shape made on the device: random:llama-3.1-8b, random:tiny)",
     "tokenizer": "tokenizer directory (default: the model's)",
     "skip_tokenizer_init": "no tokenizer: prompts must be token ids and outputs carry no text",
     "served_model_name": "name(s) the API answers to; the first is reported (default: the model)",
     "chat_template": "a Jinja chat template file, or the template itself (default: the tokenizer's)",
     "generation_config": "default sampling parameters: auto (the model's generation_config.json), vllm (none), "
-                         "or a directory with a generation_config.json",
+    "or a directory with a generation_config.json",
     "dtype": "weights and activations dtype (auto: float32 on CPU, bfloat16 on CUDA)",
     "device": "where the model runs",
     "seed": "seed of the sampler's generator",
@@ -37,7 +37,7 @@ _ENGINE_HELP = {
     "num_threads": "torch intra-op threads on CPU (default: all cores)",
     "enforce_eager": "never capture CUDA graphs",
     "max_cudagraph_capture_size": "largest decode batch that replays a CUDA graph (default 512; larger batches "
-                                  "run eagerly)",
+    "run eagerly)",
     "step_timeout_s": "watchdog: a step running longer marks the engine dead",
     "quantization": "CPU weight-only quantization of the linear layers (int4: groups of 32, like GGUF Q4_1)",
     # KernelConfig
@@ -49,9 +49,13 @@ _ENGINE_HELP = {
     "cpu_decode_stack": "CPU: a step of decodes only runs every layer in one C call",
     "cuda_graph_capture_timeout_s": "seconds CUDA graph capture may take (sizes not reached run eagerly)",
 }
-_CHOICES = {"dtype": ["auto", "float32", "bfloat16", "float16"], "device": ["auto", "cpu", "cuda"],
-            "scheduling_policy": ["fcfs", "priority"], "quantization": ["int8", "int4"],
-            "cpu_linear": list(CPU_LINEAR_CHOICES)}
+_CHOICES = {
+    "dtype": ["auto", "float32", "bfloat16", "float16"],
+    "device": ["auto", "cpu", "cuda"],
+    "scheduling_policy": ["fcfs", "priority"],
+    "quantization": ["int8", "int4"],
+    "cpu_linear": list(CPU_LINEAR_CHOICES),
+}
 _BYTES = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 
 
@@ -106,8 +110,9 @@ def _add_fields(group: argparse._ArgumentGroup, cls: type, skip: set[str]) -> No
         elif str(f.type) == "bool":
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
         else:
-            group.add_argument(flag, type=_field_type(f), default=default, choices=_CHOICES.get(f.name),
-                               help=help_text)
+            group.add_argument(
+                flag, type=_field_type(f), default=default, choices=_CHOICES.get(f.name), help=help_text
+            )
 
 
 def engine_args_from(args: argparse.Namespace) -> EngineArgs:

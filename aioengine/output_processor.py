@@ -40,9 +40,15 @@ class OutputProcessor:
         if keep and not self.request_listeners:  # nobody to show this step to: no output object
             state.buffered.extend(completions)
             return
-        out = RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions, state.finished,
-                            state.num_cached_tokens, {"arrival_time": state.arrival_time,
-                                                      "first_token_time": state.first_token_time})
+        out = RequestOutput(
+            state.request_id,
+            state.prompt,
+            state.prompt_token_ids,
+            completions,
+            state.finished,
+            state.num_cached_tokens,
+            {"arrival_time": state.arrival_time, "first_token_time": state.first_token_time},
+        )
         if not keep and state.pending_prompt_logprobs is not None:
             out.prompt_logprobs, state.pending_prompt_logprobs = state.pending_prompt_logprobs, None
         for listener in self.request_listeners:
@@ -88,7 +94,8 @@ class OutputProcessor:
                 state.prompt_logprobs = [None] + [self._logprob_dict(e) for e in o.new_prompt_logprobs]
                 state.pending_prompt_logprobs = state.prompt_logprobs
             grouped.setdefault(id(state), (state, []))[1].append(
-                CompletionOutput(idx, text, o.new_token_ids, finish_reason, stop_reason, logprobs))
+                CompletionOutput(idx, text, o.new_token_ids, finish_reason, stop_reason, logprobs)
+            )
         for state, completions in grouped.values():
             if all(state.child_done):
                 self.finish(state, completions)

@@ -36,30 +36,40 @@ class StructuredOutputsParams:
         if len(kinds) > 1:
             raise InvalidRequestError(
                 f"You can only use one kind of structured outputs constraint but multiple are specified: "
-                f"{kinds}", param="structured_outputs")
+                f"{kinds}",
+                param="structured_outputs",
+            )
         if not kinds:
             raise InvalidRequestError(
                 "You must use one kind of structured outputs constraint but none are specified.",
-                param="structured_outputs")
+                param="structured_outputs",
+            )
         if self.choice is not None:
             if not isinstance(self.choice, list | tuple) or not all(isinstance(c, str) for c in self.choice):
                 raise InvalidRequestError("choice must be a list of strings.", param="structured_outputs")
             if not self.choice:
-                raise InvalidRequestError(f"Choice '{list(self.choice)}' cannot be an empty list",
-                                          param="structured_outputs")
+                raise InvalidRequestError(
+                    f"Choice '{list(self.choice)}' cannot be an empty list", param="structured_outputs"
+                )
             self.choice = list(self.choice)
         if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
-            raise InvalidRequestError("structured_outputs.grammar cannot be an empty string",
-                                      param="structured_outputs")
+            raise InvalidRequestError(
+                "structured_outputs.grammar cannot be an empty string", param="structured_outputs"
+            )
         if self.regex is not None and not isinstance(self.regex, str):
             raise InvalidRequestError("structured_outputs.regex must be a string", param="structured_outputs")
         if self.json is not None and not isinstance(self.json, str | dict | bool):
-            raise InvalidRequestError("structured_outputs.json must be a JSON schema (an object or JSON text)",
-                                      param="structured_outputs")
+            raise InvalidRequestError(
+                "structured_outputs.json must be a JSON schema (an object or JSON text)",
+                param="structured_outputs",
+            )
 
     def kinds(self) -> list[str]:
-        return [k for k in ("json", "regex", "choice", "grammar", "json_object")
-                if getattr(self, k) not in (None, False)]
+        return [
+            k
+            for k in ("json", "regex", "choice", "grammar", "json_object")
+            if getattr(self, k) not in (None, False)
+        ]
 
     def cache_key(self) -> tuple[str, str]:
         """(kind, spec): equal keys compile to the same grammar."""
@@ -106,7 +116,9 @@ class SamplingParams:
             try:
                 self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
             except TypeError as e:
-                raise InvalidRequestError(f"Invalid structured_outputs: {e}", param="structured_outputs") from None
+                raise InvalidRequestError(
+                    f"Invalid structured_outputs: {e}", param="structured_outputs"
+                ) from None
         if self.logit_bias is not None:
             self.logit_bias = _clamped_logit_bias(self.logit_bias)
         if isinstance(self.bad_words, str):
@@ -135,14 +147,23 @@ class SamplingParams:
         for name in ("n", "top_k", "min_tokens"):
             if type(getattr(self, name)) is not int:
                 raise bad(name, f"{name} must be an integer, got {getattr(self, name)!r}.")
-        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-                     "repetition_penalty"):
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
                 raise bad(name, f"{name} must be a number, got {value!r}.")
             if abs(value) > _FLOAT32_MAX:  # the device keeps them as float32: beyond, they would become inf
                 raise bad(name, f"{name} must be a finite float32, got {value!r}.")
-        for name in ("top_k", "min_tokens"):  # kept as 64-bit ints: a bigger int kills the step that stores it
+        for name in (
+            "top_k",
+            "min_tokens",
+        ):  # kept as 64-bit ints: a bigger int kills the step that stores it
             if getattr(self, name) > _INT32_MAX:
                 raise bad(name, f"{name} must be at most {_INT32_MAX}, got {getattr(self, name)}.")
         if self.n < 1:
@@ -156,13 +177,18 @@ class SamplingParams:
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", f"min_p must be in [0, 1], got {self.min_p}.")
         if not -2.0 <= self.presence_penalty <= 2.0:
-            raise bad("presence_penalty", f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
+            raise bad(
+                "presence_penalty", f"presence_penalty must be in [-2, 2], got {self.presence_penalty}."
+            )
         if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise bad("frequency_penalty",
-                      f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
+            raise bad(
+                "frequency_penalty", f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}."
+            )
         if not self.repetition_penalty > 0.0:
-            raise bad("repetition_penalty",
-                      f"repetition_penalty must be greater than zero, got {self.repetition_penalty}.")
+            raise bad(
+                "repetition_penalty",
+                f"repetition_penalty must be greater than zero, got {self.repetition_penalty}.",
+            )
         if self.max_tokens is not None:
             if type(self.max_tokens) is not int:
                 raise bad("max_tokens", f"max_tokens must be an integer, got {self.max_tokens!r}.")
@@ -171,8 +197,11 @@ class SamplingParams:
         if self.min_tokens < 0:
             raise bad("min_tokens", f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise bad("min_tokens", f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
-                                    f"got {self.min_tokens}.")
+            raise bad(
+                "min_tokens",
+                f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
+                f"got {self.min_tokens}.",
+            )
         if self.seed is not None and (type(self.seed) is not int or not -(2**63) <= self.seed < 2**63):
             raise bad("seed", f"seed must be a 64-bit integer, got {self.seed!r}.")
         if not isinstance(self.stop, list | tuple) or not all(isinstance(s, str) for s in self.stop):
@@ -180,7 +209,8 @@ class SamplingParams:
         if any(s == "" for s in self.stop):
             raise bad("stop", "stop cannot contain an empty string.")
         if not isinstance(self.stop_token_ids, list | tuple) or not all(
-                type(t) is int and t >= 0 for t in self.stop_token_ids):
+            type(t) is int and t >= 0 for t in self.stop_token_ids
+        ):
             raise bad("stop_token_ids", "stop_token_ids must be a list of non-negative integers.")
         for name, what in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
             value = getattr(self, name)
@@ -191,21 +221,28 @@ class SamplingParams:
             if value < 0:
                 raise bad(name, f"{name} must be non-negative, got {value}.")
             if value > MAX_LOGPROBS:
-                raise bad(name, f"Requested {what} logprobs of {value}, which is greater than max allowed: "
-                                f"{MAX_LOGPROBS}")
+                raise bad(
+                    name,
+                    f"Requested {what} logprobs of {value}, which is greater than max allowed: "
+                    f"{MAX_LOGPROBS}",
+                )
         if self.n > 1 and self.greedy:
             raise bad("n", f"n must be 1 when using greedy sampling, got {self.n}.")
         if self.allowed_token_ids is not None:
             if not isinstance(self.allowed_token_ids, list | tuple) or not all(
-                    type(t) is int for t in self.allowed_token_ids):
+                type(t) is int for t in self.allowed_token_ids
+            ):
                 raise bad("allowed_token_ids", "allowed_token_ids must be a list of token ids.")
             if not self.allowed_token_ids:
                 raise bad("allowed_token_ids", "allowed_token_ids is not None and empty!")
-        if self.bad_words is not None and (not isinstance(self.bad_words, list | tuple) or not all(
-                isinstance(w, str) for w in self.bad_words)):
+        if self.bad_words is not None and (
+            not isinstance(self.bad_words, list | tuple)
+            or not all(isinstance(w, str) for w in self.bad_words)
+        ):
             raise bad("bad_words", "bad_words must be a list of strings.")
-        if self.structured_outputs is not None and not isinstance(self.structured_outputs,
-                                                                  StructuredOutputsParams):
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
             raise bad("structured_outputs", "structured_outputs must be a StructuredOutputsParams.")
 
     def verify_vocab(self, vocab_size: int) -> None:
@@ -213,20 +250,30 @@ class SamplingParams:
         if self.logit_bias:
             invalid = [t for t in self.logit_bias if not 0 <= t < vocab_size]
             if invalid:
-                raise InvalidRequestError(f"token_id(s) {invalid} in logit_bias contain out-of-vocab token ids. "
-                                          f"Vocabulary size: {vocab_size}", param="logit_bias")
-        if self.allowed_token_ids is not None and not all(0 <= t < vocab_size for t in self.allowed_token_ids):
-            raise InvalidRequestError("allowed_token_ids contains out-of-vocab token id!",
-                                      param="allowed_token_ids")
+                raise InvalidRequestError(
+                    f"token_id(s) {invalid} in logit_bias contain out-of-vocab token ids. "
+                    f"Vocabulary size: {vocab_size}",
+                    param="logit_bias",
+                )
+        if self.allowed_token_ids is not None and not all(
+            0 <= t < vocab_size for t in self.allowed_token_ids
+        ):
+            raise InvalidRequestError(
+                "allowed_token_ids contains out-of-vocab token id!", param="allowed_token_ids"
+            )
         if self.stop_token_ids and not all(t < vocab_size for t in self.stop_token_ids):
-            raise InvalidRequestError("stop_token_ids contains out-of-vocab token id!", param="stop_token_ids")
+            raise InvalidRequestError(
+                "stop_token_ids contains out-of-vocab token id!", param="stop_token_ids"
+            )
         if self.bad_words_token_ids:
             invalid = sorted({t for ids in self.bad_words_token_ids for t in ids if not 0 <= t < vocab_size})
             if invalid:
                 raise InvalidRequestError(
                     f"The model vocabulary size is {vocab_size}, but the following tokens were specified as "
                     f"bad: {invalid}. All token id values should be integers satisfying: "
-                    f"0 <= token_id < {vocab_size}.", param="bad_words")
+                    f"0 <= token_id < {vocab_size}.",
+                    param="bad_words",
+                )
 
     def bad_words_to_token_ids(self, tokenizer: Any) -> list[list[int]]:
         """vLLM's rule: each bad word as tokenized alone and, when it tokenizes differently to as many
@@ -251,9 +298,12 @@ def _clamped_logit_bias(bias: Any) -> dict[int, float]:
         try:
             tid = int(token)
         except (TypeError, ValueError):
-            raise InvalidRequestError(f"logit_bias keys must be token ids, got {token!r}.",
-                                      param="logit_bias") from None
+            raise InvalidRequestError(
+                f"logit_bias keys must be token ids, got {token!r}.", param="logit_bias"
+            ) from None
         if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
-            raise InvalidRequestError(f"logit_bias values must be numbers, got {value!r}.", param="logit_bias")
+            raise InvalidRequestError(
+                f"logit_bias values must be numbers, got {value!r}.", param="logit_bias"
+            )
         out[tid] = min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, float(value)))
     return out

@@ -59,8 +59,9 @@ class NullTokenizer:
         return ""
 
 
-def apply_chat_template(tokenizer: Any, messages: list[dict], add_generation_prompt: bool = True,
-                        **kwargs: Any) -> list[int]:
+def apply_chat_template(
+    tokenizer: Any, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any
+) -> list[int]:
     """Token ids of a chat conversation; malformed messages raise InvalidRequestError."""
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError("messages must be a non-empty list", param="messages")
@@ -70,8 +71,9 @@ def apply_chat_template(tokenizer: Any, messages: list[dict], add_generation_pro
     if getattr(tokenizer, "chat_template", None) is None:
         raise InvalidRequestError("this model's tokenizer has no chat template", param="messages")
     try:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                            tokenize=True, **kwargs)
+        ids = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=True, **kwargs
+        )
     except Exception as e:  # jinja errors from user content: the request is bad, the engine is fine
         raise InvalidRequestError(f"could not apply the chat template: {e}", param="messages") from e
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
@@ -91,8 +93,13 @@ def raw_decoder(tokenizer: Any) -> Callable[[list[int], bool], str] | None:
         return None
     backend = getattr(tokenizer, "_tokenizer", None)
     cls = type(tokenizer)
-    if (not isinstance(tokenizer, TokenizersBackend) or backend is None or not hasattr(backend, "decode")
-            or cls.decode is not PreTrainedTokenizerBase.decode or cls._decode is not TokenizersBackend._decode):
+    if (
+        not isinstance(tokenizer, TokenizersBackend)
+        or backend is None
+        or not hasattr(backend, "decode")
+        or cls.decode is not PreTrainedTokenizerBase.decode
+        or cls._decode is not TokenizersBackend._decode
+    ):
         return None
     if getattr(tokenizer, "clean_up_tokenization_spaces", False):
         return None  # transformers may rewrite the text (or skip that for BPE, with a warning): keep its path
@@ -106,8 +113,14 @@ class IncrementalDetokenizer:
     holds back the tail that could still become a stop string, so the stop string never reaches the user.
     """
 
-    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], stop: list[str],
-                 include_stop_str_in_output: bool = False, skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_token_ids: list[int],
+        stop: list[str],
+        include_stop_str_in_output: bool = False,
+        skip_special_tokens: bool = True,
+    ) -> None:
         self.tokenizer = tokenizer
         context = prompt_token_ids[-_PREFIX_CONTEXT:]
         self.ids: list[int] = list(context)
@@ -131,10 +144,10 @@ class IncrementalDetokenizer:
         """Append tokens; returns the new text to emit. Sets stop_reason when a stop string matched."""
         if self.stop_reason is None and new_token_ids:
             self.ids.extend(new_token_ids)
-            prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
-            full = self._decode(self.ids[self.prefix_offset:])
+            prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+            full = self._decode(self.ids[self.prefix_offset :])
             if len(full) > len(prefix) and (finished or not full.endswith("\ufffd")):
-                new_text = full[len(prefix):]
+                new_text = full[len(prefix) :]
                 self.prefix_offset = self.read_offset
                 self.read_offset = len(self.ids)
                 start = len(self.text)
@@ -145,7 +158,7 @@ class IncrementalDetokenizer:
             end = len(self.text)
         else:
             end = max(self.emitted, len(self.text) - self.hold_back)
-        delta = self.text[self.emitted:end]
+        delta = self.text[self.emitted : end]
         self.emitted = end
         return delta
 

@@ -12,8 +12,15 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 KEYS = ("output_tokens_per_s", "mean_ttft_ms", "mean_tpot_ms", "num_requests", "output_tokens", "elapsed_s")
-ENGINE_KEYS = ("engine_start_s", "input_tokens", "gpu_steps", "gpu_idle_fraction", "matmul_gflops",
-               "fraction_of_roofline", "host_ms_per_step")
+ENGINE_KEYS = (
+    "engine_start_s",
+    "input_tokens",
+    "gpu_steps",
+    "gpu_idle_fraction",
+    "matmul_gflops",
+    "fraction_of_roofline",
+    "host_ms_per_step",
+)
 
 
 def _read_json(path: Path) -> dict | None:
@@ -39,8 +46,11 @@ def _tests(out: Path, rc: int | None) -> dict:
         suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
         for k in ("tests", "failures", "errors", "skipped"):
             res[k] = int(suite.get(k, 0))
-        res["failed"] = [f"{c.get('classname')}::{c.get('name')}" for c in suite.iter("testcase")
-                         if c.find("failure") is not None or c.find("error") is not None]
+        res["failed"] = [
+            f"{c.get('classname')}::{c.get('name')}"
+            for c in suite.iter("testcase")
+            if c.find("failure") is not None or c.find("error") is not None
+        ]
     except (OSError, ET.ParseError, AttributeError):
         pass
     return res
@@ -66,16 +76,24 @@ def main(out_dir: str) -> int:
     if ab is not None:
         flags = (out / "ab_flags.txt").read_text().strip() if (out / "ab_flags.txt").exists() else "?"
         results["aioengine_ab"] = {"flags": flags, **_engine_run(ab)}
-    results["hf_peer"] = None if peer is None else {**{k: peer.get(k) for k in KEYS},
-                                                    "finished_requests": peer.get("finished_requests"),
-                                                    "note": peer.get("note")}
+    results["hf_peer"] = (
+        None
+        if peer is None
+        else {
+            **{k: peer.get(k) for k in KEYS},
+            "finished_requests": peer.get("finished_requests"),
+            "note": peer.get("note"),
+        }
+    )
     if ours and peer and peer.get("output_tokens_per_s"):
         results["output_tokens_per_s_ratio"] = ours["output_tokens_per_s"] / peer["output_tokens_per_s"]
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
 
     t = results["gpu_tests"]
-    print(f"GPU tests: rc={t.get('rc')} tests={t.get('tests')} failures={t.get('failures')} "
-          f"errors={t.get('errors')} skipped={t.get('skipped')} {t.get('failed') or ''}")
+    print(
+        f"GPU tests: rc={t.get('rc')} tests={t.get('tests')} failures={t.get('failures')} "
+        f"errors={t.get('errors')} skipped={t.get('skipped')} {t.get('failed') or ''}"
+    )
     named = [(f"aioengine run {i + 1} (1000 prompts)", _engine_run(r)) for i, r in enumerate(runs)]
     if ab is not None:
         named.append((f"aioengine {results['aioengine_ab']['flags']}", results["aioengine_ab"]))
@@ -85,13 +103,22 @@ def main(out_dir: str) -> int:
             print(f"{name}: no result")
             continue
         idle = r.get("gpu_idle_fraction")
-        kinds = ", ".join(f"{k.removeprefix('gpu_idle_fraction_')} {100 * v:.1f}%" for k, v in sorted(r.items())
-                          if k.startswith("gpu_idle_fraction_"))
-        print(f"{name}: {r['output_tokens_per_s']:.0f} output tok/s, mean TTFT {r['mean_ttft_ms']:.0f} ms, "
-              f"mean TPOT {r['mean_tpot_ms']:.1f} ms" + ("" if idle is None else f", GPU idle {100 * idle:.1f}%")
-              + (f" ({kinds})" if kinds else "") + (f"; {r['note']}" if r.get("note") else ""))
+        kinds = ", ".join(
+            f"{k.removeprefix('gpu_idle_fraction_')} {100 * v:.1f}%"
+            for k, v in sorted(r.items())
+            if k.startswith("gpu_idle_fraction_")
+        )
+        print(
+            f"{name}: {r['output_tokens_per_s']:.0f} output tok/s, mean TTFT {r['mean_ttft_ms']:.0f} ms, "
+            f"mean TPOT {r['mean_tpot_ms']:.1f} ms"
+            + ("" if idle is None else f", GPU idle {100 * idle:.1f}%")
+            + (f" ({kinds})" if kinds else "")
+            + (f"; {r['note']}" if r.get("note") else "")
+        )
     if "output_tokens_per_s_ratio" in results:
-        print(f"output tokens/s, aioengine (median run) / transformers: {results['output_tokens_per_s_ratio']:.2f}x")
+        print(
+            f"output tokens/s, aioengine (median run) / transformers: {results['output_tokens_per_s_ratio']:.2f}x"
+        )
     ok = t.get("rc") == 0 and ours is not None and peer is not None
     return 0 if ok else 1
 

@@ -121,7 +121,9 @@ def test_lazy_and_type_checking_imports_count(tmp_path):
     (pkg / "sub").mkdir(parents=True)
     (pkg / "__init__.py").write_text("from pkg.a import f\n")  # parents' __init__ imports do not count
     (pkg / "a.py").write_text("def f():\n    from pkg import b\n")
-    (pkg / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .sub.c import C\n")
+    (pkg / "b.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .sub.c import C\n"
+    )
     (pkg / "sub" / "__init__.py").write_text("")
     (pkg / "sub" / "c.py").write_text("import pkg.a\nclass C: ...\n")
     graph = import_graph(pkg)

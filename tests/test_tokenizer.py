@@ -22,8 +22,8 @@ def _samples(tokenizer, n=200, seed=0):
     pieces = tokenizer("héllo → 世界 🎉 <|im_start|> done", add_special_tokens=False)["input_ids"]
     for _ in range(n):
         ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randint(0, 12))]
-        ids[rng.randint(0, len(ids)):0] = rng.sample(special, min(2, len(special)))
-        ids[rng.randint(0, len(ids)):0] = pieces[rng.randint(0, len(pieces)):]
+        ids[rng.randint(0, len(ids)) : 0] = rng.sample(special, min(2, len(special)))
+        ids[rng.randint(0, len(ids)) : 0] = pieces[rng.randint(0, len(pieces)) :]
         yield ids
 
 
@@ -32,7 +32,9 @@ def test_the_raw_decoder_returns_what_transformers_decode_does(tokenizer, skip_s
     raw = raw_decoder(tokenizer)
     assert raw is not None, "the default model's fast tokenizer should take the fast path"
     for ids in _samples(tokenizer):
-        assert raw(ids, skip_special_tokens) == tokenizer.decode(ids, skip_special_tokens=skip_special_tokens), ids
+        assert raw(ids, skip_special_tokens) == tokenizer.decode(
+            ids, skip_special_tokens=skip_special_tokens
+        ), ids
 
 
 def test_detokenizer_text_is_the_same_on_both_paths(tokenizer, monkeypatch):
@@ -43,8 +45,11 @@ def test_detokenizer_text_is_the_same_on_both_paths(tokenizer, monkeypatch):
         texts = []
         for stream in streams:
             detok = IncrementalDetokenizer(tokenizer, prompt, stop=["ab"])
-            texts.append("".join(detok.add_tokens([t], finished=False) for t in stream)
-                         + detok.add_tokens([], finished=True) + repr(detok.stop_reason))
+            texts.append(
+                "".join(detok.add_tokens([t], finished=False) for t in stream)
+                + detok.add_tokens([], finished=True)
+                + repr(detok.stop_reason)
+            )
         return texts
 
     fast = run()

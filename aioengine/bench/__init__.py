@@ -10,7 +10,10 @@ _MODES = ("throughput", "latency", "serve", "hf-peer")
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in _MODES:
-        print(f"usage: aioengine bench {{{','.join(_MODES)}}} [options]  (each mode has --help)", file=sys.stderr)
+        print(
+            f"usage: aioengine bench {{{','.join(_MODES)}}} [options]  (each mode has --help)",
+            file=sys.stderr,
+        )
         return 2
     mode, rest = argv[0], argv[1:]
     if mode == "throughput":

@@ -30,23 +30,35 @@ def shared_workload(tokenizer, num_prompts: int, output_len: int, seed: int = 0)
     """The workload of ../shared/bench/hf_peer.py: prompts of 64-256 tokens cut from a fixed text."""
     ids = tokenizer(_TEXT * 200)["input_ids"]
     rng = random.Random(seed)
-    return [BenchRequest(ids[rng.randrange(0, 100):][: rng.randint(64, 256)], output_len)
-            for _ in range(num_prompts)]
+    return [
+        BenchRequest(ids[rng.randrange(0, 100) :][: rng.randint(64, 256)], output_len)
+        for _ in range(num_prompts)
+    ]
 
 
-def random_workload(tokenizer, num_prompts: int, input_len: int, output_len: int, range_ratio: float = 0.0,
-                    seed: int = 0) -> list[BenchRequest]:
+def random_workload(
+    tokenizer, num_prompts: int, input_len: int, output_len: int, range_ratio: float = 0.0, seed: int = 0
+) -> list[BenchRequest]:
     """vLLM's `random` dataset: lengths uniform in [len*(1-r), len*(1+r)]."""
     rng = random.Random(seed)
 
     def draw(n: int) -> int:
         return max(1, rng.randint(int(n * (1 - range_ratio)), int(n * (1 + range_ratio))))
 
-    return [BenchRequest(_vocab_ids(tokenizer, draw(input_len), rng), draw(output_len)) for _ in range(num_prompts)]
+    return [
+        BenchRequest(_vocab_ids(tokenizer, draw(input_len), rng), draw(output_len))
+        for _ in range(num_prompts)
+    ]
 
 
-def sharegpt_workload(tokenizer, num_prompts: int, seed: int = 0, input_mean: int = 220,
-                      output_mean: int = 200, max_len: int = 1024) -> list[BenchRequest]:
+def sharegpt_workload(
+    tokenizer,
+    num_prompts: int,
+    seed: int = 0,
+    input_mean: int = 220,
+    output_mean: int = 200,
+    max_len: int = 1024,
+) -> list[BenchRequest]:
     """Synthetic conversations with ShareGPT-like, long-tailed lengths (lognormal around the means)."""
     rng = random.Random(seed)
     import math
@@ -55,22 +67,37 @@ def sharegpt_workload(tokenizer, num_prompts: int, seed: int = 0, input_mean: in
         sigma = 0.8
         return max(4, min(max_len, int(rng.lognormvariate(math.log(mean) - sigma**2 / 2, sigma))))
 
-    return [BenchRequest(_vocab_ids(tokenizer, lognormal(input_mean), rng), lognormal(output_mean))
-            for _ in range(num_prompts)]
+    return [
+        BenchRequest(_vocab_ids(tokenizer, lognormal(input_mean), rng), lognormal(output_mean))
+        for _ in range(num_prompts)
+    ]
 
 
-def prefix_repetition_workload(tokenizer, num_prompts: int, prefix_len: int, suffix_len: int, output_len: int,
-                               num_prefixes: int = 4, seed: int = 0) -> list[BenchRequest]:
+def prefix_repetition_workload(
+    tokenizer,
+    num_prompts: int,
+    prefix_len: int,
+    suffix_len: int,
+    output_len: int,
+    num_prefixes: int = 4,
+    seed: int = 0,
+) -> list[BenchRequest]:
     """Requests that share one of a few long prefixes (the prefix cache's best case)."""
     rng = random.Random(seed)
     prefixes = [_vocab_ids(tokenizer, prefix_len, rng) for _ in range(num_prefixes)]
-    return [BenchRequest(prefixes[i % num_prefixes] + _vocab_ids(tokenizer, suffix_len, rng), output_len)
-            for i in range(num_prompts)]
+    return [
+        BenchRequest(prefixes[i % num_prefixes] + _vocab_ids(tokenizer, suffix_len, rng), output_len)
+        for i in range(num_prompts)
+    ]
 
 
 def add_dataset_args(ap) -> None:
-    ap.add_argument("--dataset", choices=["shared", "random", "sharegpt", "prefix-repetition"], default="shared",
-                    help="shared: the hf_peer.py workload (64-256 token prompts cut from a fixed text)")
+    ap.add_argument(
+        "--dataset",
+        choices=["shared", "random", "sharegpt", "prefix-repetition"],
+        default="shared",
+        help="shared: the hf_peer.py workload (64-256 token prompts cut from a fixed text)",
+    )
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=128, help="random: mean prompt length")
     ap.add_argument("--output-len", type=int, default=128)
@@ -85,9 +112,13 @@ def build_dataset(args, tokenizer) -> list[BenchRequest]:
     if args.dataset == "shared":
         return shared_workload(tokenizer, args.num_prompts, args.output_len, args.dataset_seed)
     if args.dataset == "random":
-        return random_workload(tokenizer, args.num_prompts, args.input_len, args.output_len, args.range_ratio,
-                               args.dataset_seed)
+        return random_workload(
+            tokenizer, args.num_prompts, args.input_len, args.output_len, args.range_ratio, args.dataset_seed
+        )
     if args.dataset == "sharegpt":
-        return sharegpt_workload(tokenizer, args.num_prompts, args.dataset_seed, max_len=args.sharegpt_max_len)
-    return prefix_repetition_workload(tokenizer, args.num_prompts, args.prefix_len, args.suffix_len,
-                                      args.output_len, seed=args.dataset_seed)
+        return sharegpt_workload(
+            tokenizer, args.num_prompts, args.dataset_seed, max_len=args.sharegpt_max_len
+        )
+    return prefix_repetition_workload(
+        tokenizer, args.num_prompts, args.prefix_len, args.suffix_len, args.output_len, seed=args.dataset_seed
+    )

@@ -15,28 +15,40 @@ from aioengine.bench.datasets import BenchRequest, add_dataset_args, build_datas
 from aioengine.bench.report import write_json
 
 
-def run_continuous_batching(model, requests: list[BenchRequest],
-                            time_limit_s: float | None = None) -> tuple[float, list, int]:
+def run_continuous_batching(
+    model, requests: list[BenchRequest], time_limit_s: float | None = None
+) -> tuple[float, list, int]:
     """(seconds from the first submission to the last result, finished GenerationOutputs in order, output
     tokens). With ``time_limit_s`` the requests stream (each new token is seen) and the run stops at the
     limit: the tokens are then those made so far, finished requests or not."""
     from transformers import GenerationConfig
 
-    gc = GenerationConfig(max_new_tokens=max(r.output_len for r in requests), do_sample=False,
-                          eos_token_id=None, pad_token_id=0)
+    gc = GenerationConfig(
+        max_new_tokens=max(r.output_len for r in requests), do_sample=False, eos_token_id=None, pad_token_id=0
+    )
     results: dict[str, object] = {}
     made: dict[str, int] = {}  # streaming: tokens so far per request
     streaming = time_limit_s is not None
     with model.continuous_batching_context_manager(generation_config=gc, block=True, timeout=5) as manager:
         t0 = time.perf_counter()  # after the manager's warm-up (its CUDA graphs)
         deadline = None if time_limit_s is None else t0 + time_limit_s
-        ids = [manager.add_request(r.prompt_token_ids, request_id=f"r{i}", max_new_tokens=r.output_len,
-                                   record_timestamps=True, eos_token_id=-1, streaming=streaming)
-               for i, r in enumerate(requests)]
+        ids = [
+            manager.add_request(
+                r.prompt_token_ids,
+                request_id=f"r{i}",
+                max_new_tokens=r.output_len,
+                record_timestamps=True,
+                eos_token_id=-1,
+                streaming=streaming,
+            )
+            for i, r in enumerate(requests)
+        ]
         while len(results) < len(requests):
             if deadline is not None and time.perf_counter() >= deadline:
                 break
-            res = manager.get_result(timeout=1 if deadline is None else max(0.01, min(1, deadline - time.perf_counter())))
+            res = manager.get_result(
+                timeout=1 if deadline is None else max(0.01, min(1, deadline - time.perf_counter()))
+            )
             if res is None:
                 if not manager.is_running():
                     raise RuntimeError("transformers' continuous batching thread stopped early")
@@ -48,7 +60,11 @@ def run_continuous_batching(model, requests: list[BenchRequest],
                 results[res.request_id] = res
         elapsed = time.perf_counter() - t0
     finished = [results[i] for i in ids if i in results]
-    return elapsed, finished, sum(made.values()) if streaming else sum(len(o.generated_tokens) for o in finished)
+    return (
+        elapsed,
+        finished,
+        sum(made.values()) if streaming else sum(len(o.generated_tokens) for o in finished),
+    )
 
 
 def run_generate_batch(model, requests: list[BenchRequest]) -> tuple[float, list]:
@@ -71,7 +87,10 @@ def latency_stats(outputs: list) -> dict:
             ttft.append(ts[0] - o.created_time)
         if len(ts) > 1:
             tpot.append((ts[-1] - ts[0]) / (len(ts) - 1))
-    return {"mean_ttft_ms": 1e3 * sum(ttft) / max(len(ttft), 1), "mean_tpot_ms": 1e3 * sum(tpot) / max(len(tpot), 1)}
+    return {
+        "mean_ttft_ms": 1e3 * sum(ttft) / max(len(ttft), 1),
+        "mean_tpot_ms": 1e3 * sum(tpot) / max(len(tpot), 1),
+    }
 
 
 def load_peer_model(name: str, device: str, dtype_name: str):
@@ -95,8 +114,11 @@ def main(argv: list[str]) -> dict:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto", help="auto: bfloat16 on CUDA, float32 on CPU")
     add_dataset_args(ap)
-    ap.add_argument("--time-limit", type=float,
-                    help="stop after this many seconds and count the tokens made so far (requests stream)")
+    ap.add_argument(
+        "--time-limit",
+        type=float,
+        help="stop after this many seconds and count the tokens made so far (requests stream)",
+    )
     ap.add_argument("--output-json")
     args = ap.parse_args(argv)
     import torch
@@ -118,20 +140,34 @@ def main(argv: list[str]) -> dict:
     if hasattr(model, "continuous_batching_context_manager"):
         elapsed, outputs, out_tokens = run_continuous_batching(model, requests, args.time_limit)
         if len(outputs) < len(requests):
-            note = (f"stopped at the {args.time_limit:g} s time limit with {len(outputs)} of {len(requests)} "
-                    "requests finished: output tokens are those made until then")
+            note = (
+                f"stopped at the {args.time_limit:g} s time limit with {len(outputs)} of {len(requests)} "
+                "requests finished: output tokens are those made until then"
+            )
     else:
         note = "generate_batch fallback: every request generates the mean output length"
         elapsed, outputs = run_generate_batch(model, requests)
         out_tokens = sum(len(o.generated_tokens) for o in outputs)
     in_tokens = sum(len(r.prompt_token_ids) for r in requests)
-    result = {"mode": "hf-peer", "model": args.model, "device": device, "dtype": dtype,
-              "num_requests": len(requests), "elapsed_s": elapsed, "input_tokens": in_tokens,
-              "output_tokens": out_tokens, "output_tokens_per_s": out_tokens / elapsed,
-              "requests_per_s": len(requests) / elapsed, "finished_requests": len(outputs), "note": note,
-              **latency_stats(outputs)}
-    print(f"transformers continuous batching: {result['output_tokens_per_s']:.1f} output tokens/s ({len(requests)} "
-          f"requests, {out_tokens} output tokens in {elapsed:.2f} s); mean TTFT {result['mean_ttft_ms']:.1f} ms, "
-          f"mean TPOT {result['mean_tpot_ms']:.2f} ms" + (f" ({note})" if note else ""))
+    result = {
+        "mode": "hf-peer",
+        "model": args.model,
+        "device": device,
+        "dtype": dtype,
+        "num_requests": len(requests),
+        "elapsed_s": elapsed,
+        "input_tokens": in_tokens,
+        "output_tokens": out_tokens,
+        "output_tokens_per_s": out_tokens / elapsed,
+        "requests_per_s": len(requests) / elapsed,
+        "finished_requests": len(outputs),
+        "note": note,
+        **latency_stats(outputs),
+    }
+    print(
+        f"transformers continuous batching: {result['output_tokens_per_s']:.1f} output tokens/s ({len(requests)} "
+        f"requests, {out_tokens} output tokens in {elapsed:.2f} s); mean TTFT {result['mean_ttft_ms']:.1f} ms, "
+        f"mean TPOT {result['mean_tpot_ms']:.2f} ms" + (f" ({note})" if note else "")
+    )
     write_json(args.output_json, result)
     return result

@@ -37,11 +37,16 @@ async def run_latency(args) -> dict:
     finally:
         await engine.shutdown()
     step = statistics.median(step_times)
-    return {"mode": "latency", "batch_size": args.batch_size, "input_len": args.input_len,
-            "output_len": args.output_len, "e2e_s_median": statistics.median(e2e),
-            "decode_step_ms_median": step * 1e3,
-            "decode_step_ms_p99": sorted(step_times)[int(0.99 * (len(step_times) - 1))] * 1e3,
-            "decode_tokens_per_s": args.batch_size / step}
+    return {
+        "mode": "latency",
+        "batch_size": args.batch_size,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "e2e_s_median": statistics.median(e2e),
+        "decode_step_ms_median": step * 1e3,
+        "decode_step_ms_p99": sorted(step_times)[int(0.99 * (len(step_times) - 1))] * 1e3,
+        "decode_tokens_per_s": args.batch_size / step,
+    }
 
 
 def main(argv: list[str]) -> dict:
@@ -59,8 +64,10 @@ def main(argv: list[str]) -> dict:
     if args.num_iters < 1:
         ap.error("--num-iters must be at least 1")
     r = run_in_loop(run_latency(args))  # uvloop, as `aioengine serve` runs
-    print(f"Latency: batch {r['batch_size']}, decode step {r['decode_step_ms_median']:.2f} ms median "
-          f"({r['decode_step_ms_p99']:.2f} ms p99) = {r['decode_tokens_per_s']:.1f} tokens/s; "
-          f"request end-to-end {r['e2e_s_median']:.2f} s for {r['output_len']} tokens")
+    print(
+        f"Latency: batch {r['batch_size']}, decode step {r['decode_step_ms_median']:.2f} ms median "
+        f"({r['decode_step_ms_p99']:.2f} ms p99) = {r['decode_tokens_per_s']:.1f} tokens/s; "
+        f"request end-to-end {r['e2e_s_median']:.2f} s for {r['output_len']} tokens"
+    )
     write_json(args.output_json, r)
     return r

@@ -5,8 +5,14 @@ from __future__ import annotations
 import time
 
 
-def matmul_gflops(dtype_name: str, num_threads: int | None = None, n: int | None = None, iters: int = 5,
-                  repeats: int = 5, device: str = "cpu") -> float:
+def matmul_gflops(
+    dtype_name: str,
+    num_threads: int | None = None,
+    n: int | None = None,
+    iters: int = 5,
+    repeats: int = 5,
+    device: str = "cpu",
+) -> float:
     """The best of ``repeats`` timings of ``iters`` n x n matmuls on ``device``: a roofline is the machine's
     peak, and one timing on a shared machine can come out far low, which would inflate every fraction of
     it. ``n``: 2048 on CPU, 8192 on a GPU (big enough to fill it)."""

@@ -111,9 +111,17 @@ async def run_serve(args) -> dict:
         rng = random.Random(args.seed)
 
         async def limited(req) -> RequestResult:
-            payload = {"model": model, "prompt": tokenizer.decode(req.prompt_token_ids), "max_tokens": req.output_len,
-                       "temperature": args.temperature, "stream": True, "stream_options": {"include_usage": True}}
-            if args.ignore_eos:  # an extension (vLLM's): strict servers refuse unknown fields, so only when asked
+            payload = {
+                "model": model,
+                "prompt": tokenizer.decode(req.prompt_token_ids),
+                "max_tokens": req.output_len,
+                "temperature": args.temperature,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            if (
+                args.ignore_eos
+            ):  # an extension (vLLM's): strict servers refuse unknown fields, so only when asked
                 payload["ignore_eos"] = True
             async with sem:
                 return await _one(session, args.base_url + "/v1/completions", payload, headers)
@@ -130,17 +138,35 @@ async def run_serve(args) -> dict:
     out_tokens = sum(r.output_tokens for r in ok)
     tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     summary = {
-        "base_url": args.base_url, "model": model, "num_requests": len(results), "completed": len(ok),
-        "failed": len(results) - len(ok), "errors": sorted({r.error for r in results if not r.ok})[:5],
-        "duration_s": duration, "request_rate": args.request_rate, "max_concurrency": args.max_concurrency,
-        "output_tokens": out_tokens, "output_tokens_per_s": out_tokens / duration,
+        "base_url": args.base_url,
+        "model": model,
+        "num_requests": len(results),
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+        "duration_s": duration,
+        "request_rate": args.request_rate,
+        "max_concurrency": args.max_concurrency,
+        "output_tokens": out_tokens,
+        "output_tokens_per_s": out_tokens / duration,
         "requests_per_s": len(ok) / duration,
-        "ttft_s": _stats([r.ttft for r in ok]), "tpot_s": _stats(tpot),
-        "itl_s": _stats([x for r in ok for x in r.itl]), "e2el_s": _stats([r.e2e for r in ok]),
+        "ttft_s": _stats([r.ttft for r in ok]),
+        "tpot_s": _stats(tpot),
+        "itl_s": _stats([x for r in ok for x in r.itl]),
+        "e2el_s": _stats([r.e2e for r in ok]),
     }
     if getattr(args, "save_detailed", False):  # vLLM's --save-detailed: every request's own timings
-        summary["requests"] = [{"start_s": r.start - t0, "ttft_s": r.ttft, "itl_s": r.itl, "e2el_s": r.e2e,
-                                "output_tokens": r.output_tokens, "error": r.error} for r in results]
+        summary["requests"] = [
+            {
+                "start_s": r.start - t0,
+                "ttft_s": r.ttft,
+                "itl_s": r.itl,
+                "e2el_s": r.e2e,
+                "output_tokens": r.output_tokens,
+                "error": r.error,
+            }
+            for r in results
+        ]
     summary["_results"] = (ok, t0)  # for --plot, dropped before saving
     return summary
 
@@ -157,7 +183,9 @@ def _plot(path: str, summary: dict, ok: list[RequestResult], t0: float) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     names = ["ttft_s", "tpot_s", "itl_s", "e2el_s"]
     for i, q in enumerate(["p50", "p90", "p99"]):
-        ax1.bar([j + i * 0.27 for j in range(len(names))], [summary[n][q] * 1e3 for n in names], 0.27, label=q)
+        ax1.bar(
+            [j + i * 0.27 for j in range(len(names))], [summary[n][q] * 1e3 for n in names], 0.27, label=q
+        )
     ax1.set_xticks([j + 0.27 for j in range(len(names))], [n.removesuffix("_s").upper() for n in names])
     ax1.set_ylabel("ms")
     ax1.set_yscale("log")
@@ -190,18 +218,25 @@ def main(argv: list[str]) -> dict:
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--save-result", help="write the summary as JSON here")
-    ap.add_argument("--save-detailed", action="store_true",
-                    help="with --save-result: each request's start, TTFT, inter-token gaps and end-to-end latency")
+    ap.add_argument(
+        "--save-detailed",
+        action="store_true",
+        help="with --save-result: each request's start, TTFT, inter-token gaps and end-to-end latency",
+    )
     ap.add_argument("--plot", help="write a PNG of latency percentiles and tokens/s over time")
     add_dataset_args(ap)
     args = ap.parse_args(argv)
     s = asyncio.run(run_serve(args))
     ms = {k: {q: v * 1e3 for q, v in s[k].items()} for k in ("ttft_s", "tpot_s", "itl_s", "e2el_s")}
-    print(f"Serving: {s['completed']}/{s['num_requests']} completed in {s['duration_s']:.2f} s, "
-          f"{s['output_tokens_per_s']:.1f} output tokens/s, {s['requests_per_s']:.2f} requests/s")
+    print(
+        f"Serving: {s['completed']}/{s['num_requests']} completed in {s['duration_s']:.2f} s, "
+        f"{s['output_tokens_per_s']:.1f} output tokens/s, {s['requests_per_s']:.2f} requests/s"
+    )
     for k, name in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2el_s", "E2E")):
         m = ms[k]
-        print(f"  {name:5s} ms: mean {m['mean']:.1f}  p50 {m['p50']:.1f}  p90 {m['p90']:.1f}  p99 {m['p99']:.1f}")
+        print(
+            f"  {name:5s} ms: mean {m['mean']:.1f}  p50 {m['p50']:.1f}  p90 {m['p90']:.1f}  p99 {m['p99']:.1f}"
+        )
     if s["failed"]:
         print(f"  failed: {s['failed']} ({s['errors']})")
     ok, t0 = s.pop("_results")

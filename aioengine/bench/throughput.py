@@ -61,14 +61,25 @@ async def run_throughput(args) -> dict:
     in_tokens = sum(len(r.prompt_token_ids) for r in requests)
     out_tokens = sum(o.num_generated_tokens for o in outs)
     return {
-        "mode": "throughput", "num_requests": len(requests), "elapsed_s": elapsed, "engine_start_s": start_s,
-        "requests_per_s": len(requests) / elapsed, "input_tokens": in_tokens, "output_tokens": out_tokens,
-        "input_tokens_per_s": in_tokens / elapsed, "output_tokens_per_s": out_tokens / elapsed,
+        "mode": "throughput",
+        "num_requests": len(requests),
+        "elapsed_s": elapsed,
+        "engine_start_s": start_s,
+        "requests_per_s": len(requests) / elapsed,
+        "input_tokens": in_tokens,
+        "output_tokens": out_tokens,
+        "input_tokens_per_s": in_tokens / elapsed,
+        "output_tokens_per_s": out_tokens / elapsed,
         "total_tokens_per_s": (in_tokens + out_tokens) / elapsed,
-        "dtype": dtype_name, "device": device, "num_parameters": num_params, "matmul_gflops": gflops,
+        "dtype": dtype_name,
+        "device": device,
+        "num_parameters": num_params,
+        "matmul_gflops": gflops,
         "roofline_tokens_per_s": roofline_tokens_per_s(gflops, num_params),
         "fraction_of_roofline": out_tokens / elapsed / roofline_tokens_per_s(gflops, num_params),
-        **latency_stats(outs), **gpu, "host_ms_per_step": host,
+        **latency_stats(outs),
+        **gpu,
+        "host_ms_per_step": host,
     }
 
 
@@ -126,7 +137,10 @@ def latency_stats(outs) -> dict:
         n = o.num_generated_tokens
         if n > 1:
             tpot.append((m["finish_time"] - m["first_token_time"]) / (n - 1))
-    return {"mean_ttft_ms": 1e3 * sum(ttft) / max(len(ttft), 1), "mean_tpot_ms": 1e3 * sum(tpot) / max(len(tpot), 1)}
+    return {
+        "mean_ttft_ms": 1e3 * sum(ttft) / max(len(ttft), 1),
+        "mean_tpot_ms": 1e3 * sum(tpot) / max(len(tpot), 1),
+    }
 
 
 def main(argv: list[str]) -> dict:
@@ -134,27 +148,44 @@ def main(argv: list[str]) -> dict:
     add_engine_args(ap)
     add_dataset_args(ap)
     ap.add_argument("--no-progress", action="store_true")
-    ap.add_argument("--profile-host", metavar="FILE",
-                    help="cProfile the loop and the device worker during the run; write the top functions to FILE")
+    ap.add_argument(
+        "--profile-host",
+        metavar="FILE",
+        help="cProfile the loop and the device worker during the run; write the top functions to FILE",
+    )
     ap.add_argument("--output-json")
     args = ap.parse_args(argv)
     result = run_in_loop(run_throughput(args))  # uvloop, as `aioengine serve` runs
-    print(f"Throughput: {result['requests_per_s']:.2f} requests/s, {result['total_tokens_per_s']:.1f} total "
-          f"tokens/s, {result['output_tokens_per_s']:.1f} output tokens/s "
-          f"({result['num_requests']} requests, {result['input_tokens']} input + {result['output_tokens']} output "
-          f"tokens in {result['elapsed_s']:.2f} s; engine start {result['engine_start_s']:.1f} s)")
-    print(f"Roofline ({result['dtype']} on {result['device']}): matmul {result['matmul_gflops']:.0f} GFLOP/s / (2 x "
-          f"{result['num_parameters'] / 1e6:.1f}M params) = {result['roofline_tokens_per_s']:.0f} tokens/s; "
-          f"output tokens/s is {100 * result['fraction_of_roofline']:.1f}% of it")
+    print(
+        f"Throughput: {result['requests_per_s']:.2f} requests/s, {result['total_tokens_per_s']:.1f} total "
+        f"tokens/s, {result['output_tokens_per_s']:.1f} output tokens/s "
+        f"({result['num_requests']} requests, {result['input_tokens']} input + {result['output_tokens']} output "
+        f"tokens in {result['elapsed_s']:.2f} s; engine start {result['engine_start_s']:.1f} s)"
+    )
+    print(
+        f"Roofline ({result['dtype']} on {result['device']}): matmul {result['matmul_gflops']:.0f} GFLOP/s / (2 x "
+        f"{result['num_parameters'] / 1e6:.1f}M params) = {result['roofline_tokens_per_s']:.0f} tokens/s; "
+        f"output tokens/s is {100 * result['fraction_of_roofline']:.1f}% of it"
+    )
     host = result["host_ms_per_step"]
     if host:
         print("Host ms per step: " + ", ".join(f"{k} {v:.2f}" for k, v in host.items()))
     kinds = sorted(k.removeprefix("gpu_steps_") for k in result if k.startswith("gpu_steps_"))
     if kinds:
-        print("GPU idle by step kind: " + ", ".join(
-            f"{k} {100 * result['gpu_idle_fraction_' + k]:.1f}% of {result['gpu_steps_' + k]} steps" for k in kinds))
-    print(f"Latency: mean TTFT {result['mean_ttft_ms']:.1f} ms, mean TPOT {result['mean_tpot_ms']:.2f} ms"
-          + (f"; GPU idle between steps {100 * result['gpu_idle_fraction']:.1f}% of {result['gpu_steps']} steps"
-             if "gpu_idle_fraction" in result else ""))
+        print(
+            "GPU idle by step kind: "
+            + ", ".join(
+                f"{k} {100 * result['gpu_idle_fraction_' + k]:.1f}% of {result['gpu_steps_' + k]} steps"
+                for k in kinds
+            )
+        )
+    print(
+        f"Latency: mean TTFT {result['mean_ttft_ms']:.1f} ms, mean TPOT {result['mean_tpot_ms']:.2f} ms"
+        + (
+            f"; GPU idle between steps {100 * result['gpu_idle_fraction']:.1f}% of {result['gpu_steps']} steps"
+            if "gpu_idle_fraction" in result
+            else ""
+        )
+    )
     write_json(args.output_json, result)
     return result

@@ -25,25 +25,29 @@ from aioengine.sched.output import ModelRunnerOutput
 class Ops:
     """The ops the model's layers call. This base runs the torch references; a backend overrides them."""
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``norm(x)``; with ``residual``: ``(norm(x + residual), x + residual)``."""
         return reference.add_rms_norm(x, weight, eps, residual)
 
-    def rotary(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
-               cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotary(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate query ``[T, Hq, D]`` and key ``[T, Hkv, D]`` (views of one fused qkv row may be given)."""
         return reference.rotary(positions, query, key, cos_sin_cache)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return reference.silu_and_mul(x)
 
-    def store_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
+    def store_kv(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
         reference.store_kv(key, value, kv_cache, slot_mapping)
 
-    def attention(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                  scale: float) -> torch.Tensor:
+    def attention(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
         return reference.paged_attention(query, kv_cache, meta, scale)
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
@@ -106,7 +110,9 @@ class Backend(ABC):
     # Sampler knobs that pay on one device and not the other (see Sampler).
     sample_top_p_from_candidates: bool = False
     grammar_check_argmax_first: bool = False
-    timeline: Any = None  # CUDA: a GpuTimeline of events around each step (the bench reports the GPU's idle time)
+    timeline: Any = (
+        None  # CUDA: a GpuTimeline of events around each step (the bench reports the GPU's idle time)
+    )
 
     @abstractmethod
     def default_dtype(self) -> str:
@@ -123,13 +129,15 @@ class Backend(ABC):
         """After loading: quantize and repack the weights for this device's kernels."""
 
     @abstractmethod
-    def allocate_kv_caches(self, hf_config: Any, num_blocks: int, block_size: int,
-                           dtype: torch.dtype) -> list[torch.Tensor]:
+    def allocate_kv_caches(
+        self, hf_config: Any, num_blocks: int, block_size: int, dtype: torch.dtype
+    ) -> list[torch.Tensor]:
         """One zeroed cache per layer, in this device's layout behind the shape of ``kv_cache_shape``."""
 
     @abstractmethod
-    def num_kv_blocks(self, runner: RunnerParts, args: EngineArgs, max_num_batched_tokens: int,
-                      max_num_seqs: int) -> int:
+    def num_kv_blocks(
+        self, runner: RunnerParts, args: EngineArgs, max_num_batched_tokens: int, max_num_seqs: int
+    ) -> int:
         """How many KV blocks fit this device's budget (runs on the worker)."""
 
     @abstractmethod
@@ -137,13 +145,13 @@ class Backend(ABC):
         """After the KV cache exists: the decode stack (CPU) or the captured decode graphs (CUDA)."""
 
     @abstractmethod
-    def forward(self, runner: RunnerParts, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, runner: RunnerParts, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         """The step's hidden states, through a fast path where one applies."""
 
     @abstractmethod
-    def finish_step(self, tensors: list[torch.Tensor],
-                    finish: Callable[..., ModelRunnerOutput]) -> Any:
+    def finish_step(self, tensors: list[torch.Tensor], finish: Callable[..., ModelRunnerOutput]) -> Any:
         """``finish(*host copies of tensors)``, or an awaitable that gives it once the copy is done."""
 
     def end_step(self) -> None:  # noqa: B027 (a hook: most backends record nothing)

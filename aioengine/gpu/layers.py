@@ -17,7 +17,11 @@ from aioengine.gpu.backend import REFERENCE_OPS, Ops
 
 class RMSNorm(nn.Module):
     def __init__(
-        self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None, device: Any = None,
+        self,
+        hidden_size: int,
+        eps: float = 1e-6,
+        dtype: torch.dtype | None = None,
+        device: Any = None,
         ops: Ops = REFERENCE_OPS,
     ) -> None:
         super().__init__()
@@ -93,8 +97,10 @@ class RotaryEmbedding(nn.Module):
             if rope_type == "llama3":
                 inv_freq = _llama3_inv_freq(inv_freq, rope_scaling)
             elif rope_type != "default":
-                raise NotImplementedError(f"rope_scaling type {rope_type!r} is not supported "
-                                          f"(supported: default, {', '.join(('llama3', *_STATIC_HF_ROPE))})")
+                raise NotImplementedError(
+                    f"rope_scaling type {rope_type!r} is not supported "
+                    f"(supported: default, {', '.join(('llama3', *_STATIC_HF_ROPE))})"
+                )
         t = torch.arange(max_position, dtype=torch.float32, device=device)
         freqs = torch.outer(t, inv_freq.to(device=device, dtype=torch.float32))
         cos, sin = freqs.cos() * attention_scaling, freqs.sin() * attention_scaling  # as HF: scale, then cast
@@ -115,7 +121,12 @@ _STATIC_HF_ROPE = ("linear", "yarn")
 
 
 def get_rope(
-    head_dim: int, max_position: int, config: Any, dtype: torch.dtype, device: Any = None, ops: Ops = REFERENCE_OPS
+    head_dim: int,
+    max_position: int,
+    config: Any,
+    dtype: torch.dtype,
+    device: Any = None,
+    ops: Ops = REFERENCE_OPS,
 ) -> RotaryEmbedding:
     """The rotary embedding a HF config asks for (a model builds one and shares it across its layers)."""
     base, scaling = rope_parameters(config)
@@ -126,6 +137,15 @@ def get_rope(
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
         inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
-        return RotaryEmbedding(head_dim, max_position, base, scaling, dtype=dtype, device=device,
-                               inv_freq=inv_freq, attention_scaling=float(attention_scaling), ops=ops)
+        return RotaryEmbedding(
+            head_dim,
+            max_position,
+            base,
+            scaling,
+            dtype=dtype,
+            device=device,
+            inv_freq=inv_freq,
+            attention_scaling=float(attention_scaling),
+            ops=ops,
+        )
     return RotaryEmbedding(head_dim, max_position, base, scaling or None, dtype=dtype, device=device, ops=ops)

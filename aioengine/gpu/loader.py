@@ -43,7 +43,10 @@ def iterate_weights(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_model(
-    path: str | os.PathLike[str], dtype: torch.dtype = torch.float32, device: Any = "cpu", ops: Ops = REFERENCE_OPS
+    path: str | os.PathLike[str],
+    dtype: torch.dtype = torch.float32,
+    device: Any = "cpu",
+    ops: Ops = REFERENCE_OPS,
 ) -> tuple[LlamaForCausalLM, PretrainedConfig]:
     """(model in eval mode on ``device`` with ``dtype`` weights, its layers calling ``ops``, its HF config).
     Never uses the network.

@@ -38,8 +38,17 @@ class ModelRunner:
     """Runs on the backend's worker: execute_model() then sample_tokens(), in order. What differs by device
     (kernels, KV layout, fast paths, staging, the output copy) is the backend's."""
 
-    def __init__(self, model_path: str, backend: Backend, dtype: torch.dtype, max_num_reqs: int,
-                 max_model_len: int, block_size: int, seed: int, quantization: str | None = None) -> None:
+    def __init__(
+        self,
+        model_path: str,
+        backend: Backend,
+        dtype: torch.dtype,
+        max_num_reqs: int,
+        max_model_len: int,
+        block_size: int,
+        seed: int,
+        quantization: str | None = None,
+    ) -> None:
         """``max_model_len`` is the engine's, already within the model's limits (``EngineConfig``)."""
         self.backend = backend
         self.device = device = backend.device
@@ -52,11 +61,22 @@ class ModelRunner:
         self.model.cover_positions(max_model_len)  # a max_model_len past max_position_embeddings extrapolates
         self._num_parameters = sum(p.numel() for p in self.model.parameters())  # before any repacking
         backend.prepare_model(self.model, quantization)
-        self.sampler = Sampler(seed, device, backend.ops, top_p_from_candidates=backend.sample_top_p_from_candidates,
-                               grammar_check_argmax_first=backend.grammar_check_argmax_first)
+        self.sampler = Sampler(
+            seed,
+            device,
+            backend.ops,
+            top_p_from_candidates=backend.sample_top_p_from_candidates,
+            grammar_check_argmax_first=backend.grammar_check_argmax_first,
+        )
         self.staging = backend.make_staging()
-        self.states = RequestStates(max_num_reqs, max_model_len, self.max_blocks_per_req, device,
-                                    vocab_size=self.hf_config.vocab_size, staging=self.staging)
+        self.states = RequestStates(
+            max_num_reqs,
+            max_model_len,
+            self.max_blocks_per_req,
+            device,
+            vocab_size=self.hf_config.vocab_size,
+            staging=self.staging,
+        )
         self.kv_caches: list[torch.Tensor] = []
         self._pending: tuple[InputBatch, torch.Tensor] | None = None
         self.fault_hook: Callable[[str, SchedulerOutput | None], None] | None = None  # tests inject faults
@@ -73,7 +93,9 @@ class ModelRunner:
         return kv_cache_bytes_per_block(self.hf_config, self.block_size, self.dtype)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.kv_caches = self.backend.allocate_kv_caches(self.hf_config, num_blocks, self.block_size, self.dtype)
+        self.kv_caches = self.backend.allocate_kv_caches(
+            self.hf_config, num_blocks, self.block_size, self.dtype
+        )
 
     # ---- stop 5: update states ----------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -117,7 +139,9 @@ class ModelRunner:
         rows_tok = rows[tok_req]
         seq_lens = start + n
         known = positions < prefill_len[tok_req]
-        input_ids_np = np.where(known, states.token_ids[rows_tok, np.minimum(positions, self.max_model_len - 1)], 0)
+        input_ids_np = np.where(
+            known, states.token_ids[rows_tok, np.minimum(positions, self.max_model_len - 1)], 0
+        )
         bs = self.block_size
         slot_mapping = states.block_table[rows_tok, positions // bs].astype(np.int64) * bs + positions % bs
         max_seq_len = int(seq_lens.max())
@@ -209,7 +233,11 @@ class ModelRunner:
         hidden = hidden[batch.logits_indices]
         # Plain greedy rows on the CPU: the head's GEMM picks each argmax without writing [rows, vocab] logits.
         greedy = self.model.compute_greedy(hidden) if md.plain_greedy else None
-        result = SamplerOutput(greedy) if greedy is not None else self.sampler(self.model.compute_logits(hidden), md)
+        result = (
+            SamplerOutput(greedy)
+            if greedy is not None
+            else self.sampler(self.model.compute_logits(hidden), md)
+        )
         states.update_after_sample(sample_rows, result.sampled)  # device state for step k+1
         tensors = [result.sampled]
         num_logprobs = None
@@ -222,8 +250,9 @@ class ModelRunner:
     def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
         return self.states.sampling_metadata(rows)
 
-    def _grammar_rows(self, batch: InputBatch, sample_idx: np.ndarray,
-                      grammar_output: GrammarOutput) -> tuple[list[int], torch.Tensor] | None:
+    def _grammar_rows(
+        self, batch: InputBatch, sample_idx: np.ndarray, grammar_output: GrammarOutput
+    ) -> tuple[list[int], torch.Tensor] | None:
         """Map the bitmask's requests to the rows of this step's logits (decodes-first order)."""
         pos = {batch.req_ids[i]: j for j, i in enumerate(sample_idx.tolist())}
         rows, keep = [], []
@@ -258,7 +287,7 @@ class ModelRunner:
                 hi = min(end, lo + 256)
                 idx = torch.arange(cu[i] + lo - start, cu[i] + hi - start, device=self.device)
                 logprobs = self.model.compute_logits(hidden[idx]).float().log_softmax(-1)
-                targets = self.staging.to_device(states.token_ids[row, lo + 1:hi + 1])
+                targets = self.staging.to_device(states.token_ids[row, lo + 1 : hi + 1])
                 ids, lps, ranks = (t.tolist() for t in gather_logprobs(logprobs, targets, k))
                 acc.extend(zip(ids, lps, ranks, strict=True))
             if batch.sample_mask[i]:
@@ -267,8 +296,13 @@ class ModelRunner:
         return done or None
 
 
-def _fill_output(out: ModelRunnerOutput, sample_idx: list[int], num_logprobs: list[int] | None,
-                 sampled: torch.Tensor, *logprobs: torch.Tensor) -> ModelRunnerOutput:
+def _fill_output(
+    out: ModelRunnerOutput,
+    sample_idx: list[int],
+    num_logprobs: list[int] | None,
+    sampled: torch.Tensor,
+    *logprobs: torch.Tensor,
+) -> ModelRunnerOutput:
     """Put the sampled tokens (and logprobs), host tensors by now, into the output's per-request lists."""
     tokens = sampled.tolist()
     for j, i in enumerate(sample_idx):
@@ -279,6 +313,6 @@ def _fill_output(out: ModelRunnerOutput, sample_idx: list[int], num_logprobs: li
         for j, i in enumerate(sample_idx):
             k = num_logprobs[j]
             if k >= 0:
-                per_req[i] = (ids[j][:k + 1], lps[j][:k + 1], ranks[j])
+                per_req[i] = (ids[j][: k + 1], lps[j][: k + 1], ranks[j])
         out.logprobs = per_req
     return out

@@ -13,17 +13,44 @@ import torch
 
 RANDOM_PREFIX = "random:"
 
-_LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 8192}
+_LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 SHAPES: dict[str, dict[str, Any]] = {
-    "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                         num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072,
-                         rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=_LLAMA3_ROPE,
-                         tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001),
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024, rms_norm_eps=1e-5,
-                 rope_theta=500000.0, rope_scaling={**_LLAMA3_ROPE, "original_max_position_embeddings": 64},
-                 tie_word_embeddings=False, bos_token_id=1, eos_token_id=2),
+    "llama-3.1-8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        rope_scaling=_LLAMA3_ROPE,
+        tie_word_embeddings=False,
+        bos_token_id=128000,
+        eos_token_id=128001,
+    ),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        rope_scaling={**_LLAMA3_ROPE, "original_max_position_embeddings": 64},
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
 }
 
 
@@ -37,7 +64,9 @@ def random_config(name: str) -> Any:
 
     key = name.removeprefix(RANDOM_PREFIX)
     if key not in SHAPES:
-        raise ValueError(f"unknown random model {name!r}; known: {', '.join(RANDOM_PREFIX + k for k in SHAPES)}")
+        raise ValueError(
+            f"unknown random model {name!r}; known: {', '.join(RANDOM_PREFIX + k for k in SHAPES)}"
+        )
     return LlamaConfig(architectures=["LlamaForCausalLM"], **SHAPES[key])
 
 
@@ -51,7 +80,9 @@ def randomize_(model: torch.nn.Module, seed: int = 0, std: float = 0.02) -> None
         p.normal_(1.0 if "norm" in name else 0.0, std, generator=gen)
 
 
-def build_random_model(name: str, dtype: torch.dtype, device: Any, seed: int = 0, ops: Any = None) -> tuple[Any, Any]:
+def build_random_model(
+    name: str, dtype: torch.dtype, device: Any, seed: int = 0, ops: Any = None
+) -> tuple[Any, Any]:
     """(our LlamaForCausalLM with random weights on ``device``, built with ``ops``, its HF config)."""
     from aioengine.gpu.backend import REFERENCE_OPS
     from aioengine.gpu.models.llama import LlamaForCausalLM

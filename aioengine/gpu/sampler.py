@@ -64,9 +64,16 @@ class SamplingMetadata:
     @property
     def plain_greedy(self) -> bool:
         """Every row greedy, with nothing that changes the logits and no logprobs."""
-        return (self.all_greedy and self.max_num_logprobs is None and self.grammar is None
-                and self.penalties is None and self.banned is None and self.logit_bias is None
-                and self.allowed is None and self.bad_words is None)
+        return (
+            self.all_greedy
+            and self.max_num_logprobs is None
+            and self.grammar is None
+            and self.penalties is None
+            and self.banned is None
+            and self.logit_bias is None
+            and self.allowed is None
+            and self.bad_words is None
+        )
 
     @property
     def may_dead_end(self) -> bool:
@@ -146,8 +153,9 @@ def apply_constraints(logits: torch.Tensor, md: SamplingMetadata) -> None:
         logits.index_put_((rows, ids), vals, accumulate=True)
 
 
-def apply_top_k_top_p_min_p(logits: torch.Tensor, md: SamplingMetadata, min_p: bool = True,
-                            top_k_top_p: bool = True) -> torch.Tensor:
+def apply_top_k_top_p_min_p(
+    logits: torch.Tensor, md: SamplingMetadata, min_p: bool = True, top_k_top_p: bool = True
+) -> torch.Tensor:
     """Mask (to -inf) every token outside the top-k / nucleus / min-p set of its row (by sorting)."""
     if min_p and md.min_p is not None:
         probs = logits.softmax(-1)
@@ -170,8 +178,9 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, md: SamplingMetadata, min_p: b
     return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
 
 
-def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor,
-                    k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def gather_logprobs(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(ids [N, 1 + k], logprobs [N, 1 + k], ranks [N]) for token_ids [N]; columns 1.. are the top-k."""
     token_ids = token_ids.clamp(min=0).unsqueeze(1)
     chosen = logprobs.gather(1, token_ids)
@@ -183,8 +192,14 @@ def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor,
 
 
 class Sampler:
-    def __init__(self, seed: int, device: torch.device, ops: Ops = REFERENCE_OPS, top_p_from_candidates: bool = False,
-                 grammar_check_argmax_first: bool = False) -> None:
+    def __init__(
+        self,
+        seed: int,
+        device: torch.device,
+        ops: Ops = REFERENCE_OPS,
+        top_p_from_candidates: bool = False,
+        grammar_check_argmax_first: bool = False,
+    ) -> None:
         """The two switches pay where sorting or masking the whole vocabulary is dear (the CPU backend sets
         them): ``top_p_from_candidates`` samples top-k / top-p rows among the 256 best tokens where their
         nucleus lies within them; ``grammar_check_argmax_first`` masks only the greedy rows whose argmax
@@ -203,8 +218,12 @@ class Sampler:
             logits = logits.float()
         # A greedy batch without logprobs checks its argmax against the bitmask first and masks only the
         # rows whose argmax the grammar forbids (-inf commutes with bias and penalties).
-        check_first = (self.grammar_check_argmax_first and md.grammar is not None and md.all_greedy
-                       and md.max_num_logprobs is None)
+        check_first = (
+            self.grammar_check_argmax_first
+            and md.grammar is not None
+            and md.all_greedy
+            and md.max_num_logprobs is None
+        )
         if md.grammar is not None and not check_first:
             apply_grammar_bitmask(logits, *md.grammar)
         raw_logprobs = logits.log_softmax(-1) if md.max_num_logprobs is not None else None
@@ -265,13 +284,19 @@ class Sampler:
             elif kind == 1:  # no top-k / top-p: the whole vocabulary
                 sampled[rows] = self._race(scaled.index_select(0, rows), gens)
             else:  # a nucleus wider than the candidates (a flat distribution): sort the whole rows
-                sub = SamplingMetadata(False, temp.index_select(0, rows), _rows(md.top_k, rows),
-                                       _rows(md.top_p, rows), None, {})
+                sub = SamplingMetadata(
+                    False, temp.index_select(0, rows), _rows(md.top_k, rows), _rows(md.top_p, rows), None, {}
+                )
                 sampled[rows] = self._race(apply_top_k_top_p_min_p(scaled.index_select(0, rows), sub), gens)
         return sampled
 
-    def _race(self, logits: torch.Tensor, generators: dict[int, torch.Generator],
-              token_ids: torch.Tensor | None = None, vocab_size: int = 0) -> torch.Tensor:
+    def _race(
+        self,
+        logits: torch.Tensor,
+        generators: dict[int, torch.Generator],
+        token_ids: torch.Tensor | None = None,
+        vocab_size: int = 0,
+    ) -> torch.Tensor:
         """One draw per row from softmax(logits): the column index of the winner.
 
         token_ids: the token of each column when the columns are candidates. A seeded row then still draws
@@ -297,8 +322,9 @@ def _rows(t: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:
     return None if t is None else t.index_select(0, rows)
 
 
-def top_k_top_p_candidates(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
-                           num_candidates: int = 256) -> tuple[torch.Tensor, ...]:
+def top_k_top_p_candidates(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, num_candidates: int = 256
+) -> tuple[torch.Tensor, ...]:
     """The best tokens of each row, with those outside its top-k / nucleus set to -inf.
 
     Returns (values [B, K] sorted, token ids [B, K], restricted [B], in_candidates [B]): restricted where

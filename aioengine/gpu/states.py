@@ -24,8 +24,16 @@ class RequestStates:
     tokens were sampled (num_output, for min_tokens) are host arrays: the worker knows which rows sampled.
     """
 
-    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int,
-                 device: torch.device, vocab_size: int | None = None, *, staging: Staging) -> None:
+    def __init__(
+        self,
+        max_num_reqs: int,
+        max_model_len: int,
+        max_blocks_per_req: int,
+        device: torch.device,
+        vocab_size: int | None = None,
+        *,
+        staging: Staging,
+    ) -> None:
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -112,10 +120,14 @@ class RequestStates:
             if stop_ids:
                 self.min_tokens_stop_ids[row] = stop_ids
         if p.logit_bias:
-            self.logit_bias[row] = (self.staging.to_device(np.array(list(p.logit_bias), dtype=np.int64)),
-                                    self.staging.to_device(np.array(list(p.logit_bias.values()), dtype=np.float32)))
+            self.logit_bias[row] = (
+                self.staging.to_device(np.array(list(p.logit_bias), dtype=np.int64)),
+                self.staging.to_device(np.array(list(p.logit_bias.values()), dtype=np.float32)),
+            )
         if p.allowed_token_ids is not None:
-            self.allowed_token_ids[row] = self.staging.to_device(np.array(p.allowed_token_ids, dtype=np.int64))
+            self.allowed_token_ids[row] = self.staging.to_device(
+                np.array(p.allowed_token_ids, dtype=np.int64)
+            )
         if p.bad_words_token_ids:
             single = [ids[0] for ids in p.bad_words_token_ids if len(ids) == 1]
             multi = [list(ids) for ids in p.bad_words_token_ids if len(ids) > 1]
@@ -126,11 +138,12 @@ class RequestStates:
                 hist = self._output_hist()
                 if num_output:
                     hist[row, :num_output] = self.staging.to_device(
-                        np.asarray(data.prompt_token_ids[num_prompt:], dtype=np.int64))
+                        np.asarray(data.prompt_token_ids[num_prompt:], dtype=np.int64)
+                    )
 
     def append_blocks(self, row: int, block_ids: list[int]) -> None:
         start = self.num_blocks[row]
-        self.block_table[row, start:start + len(block_ids)] = block_ids
+        self.block_table[row, start : start + len(block_ids)] = block_ids
         self.num_blocks[row] = start + len(block_ids)
 
     def remove(self, req_id: str) -> None:
@@ -138,8 +151,14 @@ class RequestStates:
         if row is None:
             return  # e.g. preempted earlier, finished before resuming
         self.generators.pop(row, None)
-        for sparse in (self.min_tokens_stop_ids, self.logit_bias, self.allowed_token_ids, self.bad_words_single,
-                       self.bad_words_multi, self.prompt_logprobs):
+        for sparse in (
+            self.min_tokens_stop_ids,
+            self.logit_bias,
+            self.allowed_token_ids,
+            self.bad_words_single,
+            self.bad_words_multi,
+            self.prompt_logprobs,
+        ):
             sparse.pop(row, None)
         self.has_penalties[row] = False
         self.num_logprobs[row] = -1
@@ -156,8 +175,9 @@ class RequestStates:
 
     def _output_hist(self) -> torch.Tensor:
         if self.output_hist is None:
-            self.output_hist = torch.zeros((self.max_num_reqs, self.max_model_len), dtype=torch.int64,
-                                           device=self.device)
+            self.output_hist = torch.zeros(
+                (self.max_num_reqs, self.max_model_len), dtype=torch.int64, device=self.device
+            )
         return self.output_hist
 
     # ---- per step --------------------------------------------------------------------------------
@@ -199,8 +219,13 @@ class RequestStates:
                 frequency=opt(self.frequency[rows[pen]], 0.0),
                 repetition=opt(self.repetition[rows[pen]], 1.0),
             )
-        if not (self.min_tokens_stop_ids or self.logit_bias or self.allowed_token_ids or self.bad_words_single
-                or self.bad_words_multi):
+        if not (
+            self.min_tokens_stop_ids
+            or self.logit_bias
+            or self.allowed_token_ids
+            or self.bad_words_single
+            or self.bad_words_multi
+        ):
             return md
         row_list = rows.tolist()
         banned_rows: list[int] = []
@@ -235,13 +260,18 @@ class RequestStates:
                 n_out = int(self.num_output[row])
                 multi += [(j, row, w) for w in words if len(w) - 1 <= n_out]
         if banned_ids:
-            md.banned = (to_device(np.array(banned_rows, dtype=np.int64)),
-                         to_device(np.array(banned_ids, dtype=np.int64)))
+            md.banned = (
+                to_device(np.array(banned_rows, dtype=np.int64)),
+                to_device(np.array(banned_ids, dtype=np.int64)),
+            )
         if bias_ids:
             md.logit_bias = (torch.cat(bias_rows), torch.cat(bias_ids), torch.cat(bias_vals))
         if allowed_ids:
-            md.allowed = (to_device(np.array(allowed_batch_rows, dtype=np.int64)),
-                          torch.cat(allowed_rows), torch.cat(allowed_ids))
+            md.allowed = (
+                to_device(np.array(allowed_batch_rows, dtype=np.int64)),
+                torch.cat(allowed_rows),
+                torch.cat(allowed_ids),
+            )
         if multi:
             md.bad_words = self._bad_words(multi)
         return md
@@ -255,17 +285,19 @@ class RequestStates:
         cols = np.zeros((len(multi), width), dtype=np.int64)
         for k, (_, row, w) in enumerate(multi):
             plen = len(w) - 1
-            prefix[k, width - plen:] = w[:-1]
+            prefix[k, width - plen :] = w[:-1]
             start = int(self.num_output[row]) - plen  # the last plen outputs, right-aligned
-            cols[k, width - plen:] = np.arange(start, start + plen)
+            cols[k, width - plen :] = np.arange(start, start + plen)
         to_device = self.staging.to_device
         state_rows = to_device(np.array([r for _, r, _ in multi], dtype=np.int64))
         recent = hist[state_rows.unsqueeze(1), to_device(cols)]
         prefix_t = to_device(prefix)
         match = ((recent == prefix_t) | (prefix_t < 0)).all(1)
-        return BadWords(batch_rows=to_device(np.array([j for j, _, _ in multi], dtype=np.int64)),
-                        last_token=to_device(np.array([w[-1] for _, _, w in multi], dtype=np.int64)),
-                        match=match)
+        return BadWords(
+            batch_rows=to_device(np.array([j for j, _, _ in multi], dtype=np.int64)),
+            last_token=to_device(np.array([w[-1] for _, _, w in multi], dtype=np.int64)),
+            match=match,
+        )
 
     def update_after_sample(self, rows: np.ndarray, tokens: torch.Tensor) -> None:
         """Write what sampling produced for these rows: last tokens, penalty counts, bad-word history."""
@@ -278,8 +310,11 @@ class RequestStates:
             pen = np.flatnonzero(self.has_penalties[rows])
             if pen.size:
                 pen_t = to_device(pen)
-                self.output_counts.index_put_((rows_t[pen_t], tokens[pen_t]),
-                                              torch.ones(pen.size, dtype=torch.int32, device=dev), accumulate=True)
+                self.output_counts.index_put_(
+                    (rows_t[pen_t], tokens[pen_t]),
+                    torch.ones(pen.size, dtype=torch.int32, device=dev),
+                    accumulate=True,
+                )
         if self.bad_words_multi:
             sel = np.fromiter((r in self.bad_words_multi for r in rows.tolist()), dtype=bool, count=rows.size)
             if sel.any():

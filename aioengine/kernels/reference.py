@@ -110,8 +110,9 @@ def _views(kv_cache: torch.Tensor) -> _CacheViews:
         k, v = kv_cache.unbind(0)
         h, d = kv_cache.shape[-2], kv_cache.shape[-1]
         flat = k.is_contiguous()  # token-major; the CPU's head-major cache is a transposed view
-        views = kv_cache._aioengine_views = _CacheViews(k, v, k.view(-1, h, d) if flat else None,
-                                                        v.view(-1, h, d) if flat else None)
+        views = kv_cache._aioengine_views = _CacheViews(
+            k, v, k.view(-1, h, d) if flat else None, v.view(-1, h, d) if flat else None
+        )
     return views
 
 
@@ -177,8 +178,12 @@ _MAX_GROUP_TOKENS = 32768
 _MIN_SPLIT_TOKENS = 2048
 
 
-def plan_decode_groups(seq_lens: list[int], device: torch.device, min_split_tokens: int = _MIN_SPLIT_TOKENS,
-                       max_group_tokens: int = _MAX_GROUP_TOKENS) -> list[_DecodeGroup]:
+def plan_decode_groups(
+    seq_lens: list[int],
+    device: torch.device,
+    min_split_tokens: int = _MIN_SPLIT_TOKENS,
+    max_group_tokens: int = _MAX_GROUP_TOKENS,
+) -> list[_DecodeGroup]:
     """Split decodes into groups of similar length so the padded gather wastes little."""
     if len(seq_lens) * max(seq_lens) <= min_split_tokens:
         return [_DecodeGroup(None, max(seq_lens))]
@@ -221,7 +226,10 @@ def _decode_attention(
         group.key, group.value = _gather_buffers(views, group.block_ids.shape[0])
     torch.index_select(views.key_blocks, 0, group.block_ids, out=group.key)
     torch.index_select(views.value_blocks, 0, group.block_ids, out=group.value)
-    key, value = group.key.view(b, -1, num_kv_heads, d), group.value.view(b, -1, num_kv_heads, d)  # [B, S, Hkv, D]
+    key, value = (
+        group.key.view(b, -1, num_kv_heads, d),
+        group.value.view(b, -1, num_kv_heads, d),
+    )  # [B, S, Hkv, D]
     # One query token per request: fold the query heads of a KV group into SDPA's length axis,
     # so GQA costs no repeat of K/V and every row of a request shares one padding mask.
     q = query.reshape(b, num_kv_heads, hq // num_kv_heads, d)
@@ -245,7 +253,9 @@ def _decodes(
         return _decode_attention(query, kv_cache, meta, groups[0], scale)
     output = torch.empty_like(query)
     for g in groups:
-        output.index_copy_(0, g.indices, _decode_attention(query.index_select(0, g.indices), kv_cache, meta, g, scale))
+        output.index_copy_(
+            0, g.indices, _decode_attention(query.index_select(0, g.indices), kv_cache, meta, g, scale)
+        )
     return output
 
 
@@ -280,7 +290,10 @@ def _prefill_attention(
 
 
 def paged_attention(
-    query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
     decodes: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Causal attention of query ``[T, Hq, D]`` against the paged cache; returns ``[T, Hq, D]``.

@@ -17,9 +17,15 @@ from aioengine.sched.scheduler import Scheduler, SchedulerConfig
 
 def bench(num_reqs: int, steps: int, prompt_len: int = 128) -> float:
     """Median µs per request per step, with the batch queue of 2 the engine uses."""
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=max(8192, num_reqs * prompt_len),
-                                      max_num_seqs=num_reqs, max_model_len=4096,
-                                      num_blocks=num_reqs * 32 + 1, block_size=16))
+    sched = Scheduler(
+        SchedulerConfig(
+            max_num_batched_tokens=max(8192, num_reqs * prompt_len),
+            max_num_seqs=num_reqs,
+            max_model_len=4096,
+            num_blocks=num_reqs * 32 + 1,
+            block_size=16,
+        )
+    )
     params = SamplingParams(max_tokens=100_000, ignore_eos=True)
     for i in range(num_reqs):
         sched.add_request(Request(f"req-{i}", [i % 50_000 + 1] * prompt_len, params))
@@ -45,8 +51,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=200)
     args = ap.parse_args(argv)
     for n in args.num_reqs:
-        print(f"running decode requests={n}: {bench(n, args.steps):.2f} µs per request per step "
-              f"(schedule + update_from_output, median of {args.steps} steps)")
+        print(
+            f"running decode requests={n}: {bench(n, args.steps):.2f} µs per request per step "
+            f"(schedule + update_from_output, median of {args.steps} steps)"
+        )
 
 
 if __name__ == "__main__":

@@ -8,7 +8,9 @@ from dataclasses import dataclass
 NONE_HASH = 0
 
 
-def hash_block_tokens(parent_hash: int, token_ids: Sequence[int], extra_keys: tuple[Hashable, ...] | None = None) -> int:
+def hash_block_tokens(
+    parent_hash: int, token_ids: Sequence[int], extra_keys: tuple[Hashable, ...] | None = None
+) -> int:
     """Chained block hash: equal hashes mean equal token prefixes (and equal extra keys, e.g. a cache salt)."""
     return hash((parent_hash, tuple(token_ids), extra_keys))
 
@@ -133,8 +135,13 @@ class BlockPool:
             if block.ref_cnt == 0 and not block.is_null:
                 self.free_block_queue.append(block)
 
-    def cache_full_blocks(self, blocks: list[KVCacheBlock], block_hashes: list[int],
-                          num_cached_blocks: int, num_full_blocks: int) -> None:
+    def cache_full_blocks(
+        self,
+        blocks: list[KVCacheBlock],
+        block_hashes: list[int],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+    ) -> None:
         """Publish blocks [num_cached_blocks, num_full_blocks) of a request under their chained hashes."""
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]

@@ -25,8 +25,9 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, max_model_len: int,
-                 enable_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, max_model_len: int, enable_caching: bool = True
+    ) -> None:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
@@ -48,7 +49,7 @@ class KVCacheManager:
         for i in range(len(hashes), len(tokens) // bs):
             parent = hashes[-1] if hashes else NONE_HASH
             # The salt only enters the first block: the chain carries it to the rest.
-            hashes.append(hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs], extra if i == 0 else None))
+            hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs], extra if i == 0 else None))
 
     # ---- lookup and allocation ----------------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
@@ -74,8 +75,13 @@ class KVCacheManager:
             stats.queries += request.num_tokens
             stats.hits += num_hit_tokens
 
-    def allocate_slots(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
-                       new_computed_blocks: list[KVCacheBlock] | None = None) -> list[KVCacheBlock] | None:
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
+    ) -> list[KVCacheBlock] | None:
         """Reserve slots for num_new_tokens after the computed ones; None when the pool cannot fit them.
 
         Returns the blocks added to the request (cache hits first, then fresh blocks).
@@ -124,8 +130,9 @@ class KVCacheManager:
         num_full = min(num_tokens // self.block_size, len(request.block_hashes))
         if num_full <= num_cached:
             return
-        self.block_pool.cache_full_blocks(self.req_to_blocks[request.request_id], request.block_hashes,
-                                          num_cached, num_full)
+        self.block_pool.cache_full_blocks(
+            self.req_to_blocks[request.request_id], request.block_hashes, num_cached, num_full
+        )
         self.num_cached_block[request.request_id] = num_full
 
     def free(self, request: Request) -> None:

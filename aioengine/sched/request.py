@@ -63,7 +63,9 @@ class Request:
     stop_reason: int | str | None = None
     num_cached_tokens: int = -1  # prompt tokens served by the prefix cache at first admission
     num_preemptions: int = 0
-    block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks of all_token_ids
+    block_hashes: list[int] = field(
+        default_factory=list
+    )  # chained hashes of the full blocks of all_token_ids
     # Structured output: the grammar state (aioengine.structured.Grammar), advanced as tokens arrive.
     structured_output: Grammar | None = None
     max_tokens: int = field(init=False)

@@ -47,8 +47,9 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self.max_model_len = config.max_model_len
-        self.kv_cache_manager = KVCacheManager(config.num_blocks, config.block_size, config.max_model_len,
-                                               config.enable_prefix_caching)
+        self.kv_cache_manager = KVCacheManager(
+            config.num_blocks, config.block_size, config.max_model_len, config.enable_prefix_caching
+        )
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(config.policy)
         self.running: list[Request] = []
@@ -119,8 +120,10 @@ class Scheduler:
             request = running[i]
             placeholders = request.num_output_placeholders
             num_tokens = len(request.all_token_ids)
-            if placeholders and (num_tokens - request.num_prompt_tokens + placeholders >= request.max_tokens
-                                 or num_tokens + placeholders >= max_model_len):
+            if placeholders and (
+                num_tokens - request.num_prompt_tokens + placeholders >= request.max_tokens
+                or num_tokens + placeholders >= max_model_len
+            ):
                 i += 1  # every remaining token is already in flight: no extra step
                 continue
             need = num_tokens + placeholders - request.num_computed_tokens
@@ -192,9 +195,15 @@ class Scheduler:
 
         # Build the output before the counters advance (the runner needs the values before this step).
         new_reqs = [
-            NewRequestData(r.request_id, list(r.all_token_ids), r.sampling_params,
-                           kv.get_block_ids(r.request_id), r.num_computed_tokens, r.num_prompt_tokens,
-                           r.eos_token_id)
+            NewRequestData(
+                r.request_id,
+                list(r.all_token_ids),
+                r.sampling_params,
+                kv.get_block_ids(r.request_id),
+                r.num_computed_tokens,
+                r.num_prompt_tokens,
+                r.eos_token_id,
+            )
             for r in scheduled_new
         ]
         cached = CachedRequestData(
@@ -225,7 +234,8 @@ class Scheduler:
             request = requests[req_id]
             request.num_computed_tokens += n
             request.is_prefill_chunk = request.num_computed_tokens < (
-                request.num_tokens + request.num_output_placeholders)
+                request.num_tokens + request.num_output_placeholders
+            )
             if request.is_prefill_chunk:
                 continue
             if request.structured_output is not None:
@@ -269,8 +279,9 @@ class Scheduler:
         self.waiting.prepend(request)
 
     # ---- update -------------------------------------------------------------------------------
-    def update_from_output(self, scheduler_output: SchedulerOutput,
-                           runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
         """Apply one finished step: append tokens, drop placeholders, check stops; outputs only where changed."""
         outputs: list[EngineCoreOutput] = []
         requests = self.requests
@@ -294,9 +305,11 @@ class Scheduler:
             for n, token in enumerate(new_token_ids, 1):
                 if token < 0 or (grammar is not None and not grammar.accept_token(token)):
                     # No token was allowed (a dead end), or the grammar refused this one: finish, never hang.
-                    request.stop_reason = STOP_REASON_NO_ALLOWED_TOKENS if token < 0 else STOP_REASON_GRAMMAR_REJECTED
+                    request.stop_reason = (
+                        STOP_REASON_NO_ALLOWED_TOKENS if token < 0 else STOP_REASON_GRAMMAR_REJECTED
+                    )
                     status = RequestStatus.FINISHED_ERROR
-                    del new_token_ids[n - 1:]
+                    del new_token_ids[n - 1 :]
                     break
                 request.all_token_ids.append(token)
                 status = self._check_stop(request, token)
@@ -314,11 +327,16 @@ class Scheduler:
                 self._free_request(request)
             elif request.num_computed_tokens // block_size > num_cached_block.get(req_id, 1 << 62):
                 kv.cache_blocks(request, request.num_computed_tokens)  # a block just filled up
-            out = EngineCoreOutput(req_id, new_token_ids, status.finish_reason if status else None,
-                                   request.stop_reason, max(request.num_cached_tokens, 0))
+            out = EngineCoreOutput(
+                req_id,
+                new_token_ids,
+                status.finish_reason if status else None,
+                request.stop_reason,
+                max(request.num_cached_tokens, 0),
+            )
             sampled_logprobs = logprobs[i] if logprobs is not None else None
             if sampled_logprobs is not None:
-                out.new_logprobs = [sampled_logprobs][:len(new_token_ids)]
+                out.new_logprobs = [sampled_logprobs][: len(new_token_ids)]
             if prompt_logprobs:
                 out.new_prompt_logprobs = prompt_logprobs.get(req_id)
             outputs.append(out)

@@ -64,21 +64,29 @@ async def main(args: argparse.Namespace) -> dict:
         rows = []
         for _ in range(args.rounds):
             wall_s, counts, tpot_s = await _run(
-                engine, [params(i, max_tokens=args.max_tokens, structured_outputs=so) for i in range(args.n)])
+                engine, [params(i, max_tokens=args.max_tokens, structured_outputs=so) for i in range(args.n)]
+            )
             wall_u, counts_u, tpot_u = await _run(
-                engine, [params(i, max_tokens=c, ignore_eos=True) for i, c in enumerate(counts)])
+                engine, [params(i, max_tokens=c, ignore_eos=True) for i, c in enumerate(counts)]
+            )
             assert counts_u == counts
             rows.append((sum(counts), wall_s, wall_u, statistics.mean(tpot_s), statistics.mean(tpot_u)))
         best_s = min(r[1] for r in rows)
         best_u = min(r[2] for r in rows)
         tokens = rows[0][0]
         result = {
-            "n": args.n, "tokens": tokens, "temperature": args.temperature,
-            "structured_tok_s": round(tokens / best_s, 1), "unconstrained_tok_s": round(tokens / best_u, 1),
+            "n": args.n,
+            "tokens": tokens,
+            "temperature": args.temperature,
+            "structured_tok_s": round(tokens / best_s, 1),
+            "unconstrained_tok_s": round(tokens / best_u, 1),
             "structured_tpot_ms": round(1e3 * min(r[3] for r in rows), 2),
             "unconstrained_tpot_ms": round(1e3 * min(r[4] for r in rows), 2),
             "extra_time_per_token_pct": round(100 * (best_s / best_u - 1), 1),
-            "grammar_cache": {"hits": engine._structured.cache_hits, "misses": engine._structured.cache_misses},
+            "grammar_cache": {
+                "hits": engine._structured.cache_hits,
+                "misses": engine._structured.cache_misses,
+            },
         }
         return result
 

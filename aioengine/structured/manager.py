@@ -41,15 +41,22 @@ class Grammar:
 
 
 class StructuredOutputManager:
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_id: int | None, max_threads: int = 2,
-                 cache_size: int = 512) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        eos_token_id: int | None,
+        max_threads: int = 2,
+        cache_size: int = 512,
+    ) -> None:
         import xgrammar as xgr
 
         self._xgr = xgr
         stop = [eos_token_id] if eos_token_id is not None else None
         self.vocab_size = vocab_size
-        self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                                 stop_token_ids=stop)
+        self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=stop
+        )
         self.compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads)
         self.bitmask_width = (vocab_size + 31) // 32
         self._batch = xgr.BatchGrammarMatcher(max_threads)
@@ -86,13 +93,16 @@ class StructuredOutputManager:
                     try:
                         schema = json.loads(schema)
                     except ValueError as e:
-                        raise InvalidRequestError(f"Invalid JSON schema: not valid JSON ({e})",
-                                                  param="structured_outputs") from None
+                        raise InvalidRequestError(
+                            f"Invalid JSON schema: not valid JSON ({e})", param="structured_outputs"
+                        ) from None
                 if not isinstance(schema, dict | bool):
-                    raise InvalidRequestError("Invalid JSON schema: it must be an object",
-                                              param="structured_outputs")
-                return self.compiler.compile_json_schema(json.dumps(schema),
-                                                         any_whitespace=not p.disable_any_whitespace)
+                    raise InvalidRequestError(
+                        "Invalid JSON schema: it must be an object", param="structured_outputs"
+                    )
+                return self.compiler.compile_json_schema(
+                    json.dumps(schema), any_whitespace=not p.disable_any_whitespace
+                )
             if kind == "json_object":
                 # OpenAI's JSON mode: an object, not any JSON value; compact, because free whitespace let
                 # a small model emit newlines until max_tokens (SmolLM2-135M did).
@@ -106,11 +116,17 @@ class StructuredOutputManager:
         except InvalidRequestError:
             raise
         except Exception as e:  # xgrammar reports bad specs as RuntimeError / ValueError
-            what = {"json": "JSON schema", "json_object": "JSON grammar", "regex": "regular expression",
-                    "choice": "choice", "grammar": "grammar"}[kind]
+            what = {
+                "json": "JSON schema",
+                "json_object": "JSON grammar",
+                "regex": "regular expression",
+                "choice": "choice",
+                "grammar": "grammar",
+            }[kind]
             msg = _XGR_PREFIX.sub("", str(e).strip())
-            raise InvalidRequestError(f"Invalid {what} for structured outputs: {msg}",
-                                      param="structured_outputs") from None
+            raise InvalidRequestError(
+                f"Invalid {what} for structured outputs: {msg}", param="structured_outputs"
+            ) from None
 
     def new_grammar(self, compiled: Any) -> Grammar:
         return Grammar(self._xgr.GrammarMatcher(compiled))

@@ -26,9 +26,32 @@ def tiny(tmp_path_factory):
 @pytest.mark.parametrize("dataset", ["shared", "random", "sharegpt", "prefix-repetition"])
 def test_bench_throughput_reports(tiny, tmp_path, dataset, capsys):
     out = tmp_path / "r.json"
-    rc = bench_main(["throughput", "--model", str(tiny), "--dataset", dataset, "--num-prompts", "6",
-                     "--output-len", "5", "--input-len", "20", "--prefix-len", "40", "--suffix-len", "8",
-                     "--max-model-len", "512", "--sharegpt-max-len", "200", "--no-progress", "--output-json", str(out)])
+    rc = bench_main(
+        [
+            "throughput",
+            "--model",
+            str(tiny),
+            "--dataset",
+            dataset,
+            "--num-prompts",
+            "6",
+            "--output-len",
+            "5",
+            "--input-len",
+            "20",
+            "--prefix-len",
+            "40",
+            "--suffix-len",
+            "8",
+            "--max-model-len",
+            "512",
+            "--sharegpt-max-len",
+            "200",
+            "--no-progress",
+            "--output-json",
+            str(out),
+        ]
+    )
     assert rc == 0
     r = json.loads(out.read_text())
     assert r["num_requests"] == 6
@@ -37,8 +60,14 @@ def test_bench_throughput_reports(tiny, tmp_path, dataset, capsys):
     assert r["output_tokens_per_s"] > 0 and r["input_tokens"] > 0 and r["elapsed_s"] > 0
     assert r["matmul_gflops"] > 0 and r["fraction_of_roofline"] > 0 and r["device"] == "cpu"
     host = r["host_ms_per_step"]  # every phase of the loop and of the worker, per step, measured
-    assert set(host) == {"loop_schedule", "loop_update", "loop_outputs", "worker_prepare", "worker_forward",
-                         "worker_sample"}
+    assert set(host) == {
+        "loop_schedule",
+        "loop_update",
+        "loop_outputs",
+        "worker_prepare",
+        "worker_forward",
+        "worker_sample",
+    }
     assert all(v > 0 for v in host.values()) and host["worker_forward"] < 1e3 * r["elapsed_s"]
     out = capsys.readouterr().out
     assert "output tokens/s" in out and "Host ms per step: loop_outputs" in out
@@ -46,8 +75,26 @@ def test_bench_throughput_reports(tiny, tmp_path, dataset, capsys):
 
 def test_bench_latency_reports(tiny, tmp_path):
     out = tmp_path / "l.json"
-    assert bench_main(["latency", "--model", str(tiny), "--batch-size", "2", "--output-len", "6",
-                       "--num-iters", "1", "--num-iters-warmup", "0", "--output-json", str(out)]) == 0
+    assert (
+        bench_main(
+            [
+                "latency",
+                "--model",
+                str(tiny),
+                "--batch-size",
+                "2",
+                "--output-len",
+                "6",
+                "--num-iters",
+                "1",
+                "--num-iters-warmup",
+                "0",
+                "--output-json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     r = json.loads(out.read_text())
     assert r["batch_size"] == 2 and r["decode_step_ms_median"] > 0 and r["decode_tokens_per_s"] > 0
 
@@ -86,9 +133,23 @@ def test_bench_serve_reports_against_a_live_server(tiny, tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "aioengine", "serve", str(tiny), "--port", str(port),
-                               "--max-model-len", "512", "--block-size", "4"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "aioengine",
+            "serve",
+            str(tiny),
+            "--port",
+            str(port),
+            "--max-model-len",
+            "512",
+            "--block-size",
+            "4",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         for _ in range(120):
             try:
@@ -97,9 +158,28 @@ def test_bench_serve_reports_against_a_live_server(tiny, tmp_path):
             except OSError:
                 time.sleep(0.5)
         out, png = tmp_path / "s.json", tmp_path / "s.png"
-        assert bench_main(["serve", "--base-url", f"http://127.0.0.1:{port}", "--max-concurrency", "3",
-                           "--num-prompts", "6", "--output-len", "5", "--ignore-eos",
-                           "--save-result", str(out), "--save-detailed", "--plot", str(png)]) == 0
+        assert (
+            bench_main(
+                [
+                    "serve",
+                    "--base-url",
+                    f"http://127.0.0.1:{port}",
+                    "--max-concurrency",
+                    "3",
+                    "--num-prompts",
+                    "6",
+                    "--output-len",
+                    "5",
+                    "--ignore-eos",
+                    "--save-result",
+                    str(out),
+                    "--save-detailed",
+                    "--plot",
+                    str(png),
+                ]
+            )
+            == 0
+        )
         r = json.loads(out.read_text())
         detail = r["requests"]  # --save-detailed: every request's own timings
         assert len(detail) == 6 and all(d["output_tokens"] == 5 and len(d["itl_s"]) == 4 for d in detail)
@@ -127,9 +207,29 @@ def test_the_roofline_takes_the_best_of_its_timings(monkeypatch):
 
 def test_bench_throughput_profile_host_writes_both_threads(tiny, tmp_path):
     prof = tmp_path / "host.txt"
-    assert bench_main(["throughput", "--model", str(tiny), "--dataset", "random", "--num-prompts", "3",
-                       "--output-len", "4", "--input-len", "16", "--max-model-len", "512", "--no-progress",
-                       "--profile-host", str(prof)]) == 0
+    assert (
+        bench_main(
+            [
+                "throughput",
+                "--model",
+                str(tiny),
+                "--dataset",
+                "random",
+                "--num-prompts",
+                "3",
+                "--output-len",
+                "4",
+                "--input-len",
+                "16",
+                "--max-model-len",
+                "512",
+                "--no-progress",
+                "--profile-host",
+                str(prof),
+            ]
+        )
+        == 0
+    )
     text = prof.read_text()
     assert "==== loop thread, by tottime" in text and "scheduler.py" in text  # the loop plans steps
     assert "execute_model" in text  # the worker's steps: its own profiler, or (3.12+) the loop's covers it

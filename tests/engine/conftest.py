@@ -10,13 +10,31 @@ import transformers
 
 from aioengine.model_files import resolve_model
 
-SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, vocab_size=49152, max_position_embeddings=512, eos_token_id=2)
+SMALL = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=49152,
+    max_position_embeddings=512,
+    eos_token_id=2,
+)
 TINY = {
-    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
-              dict(tie_word_embeddings=True, rope_scaling={"rope_type": "llama3", "factor": 8.0,
-                                                           "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                                           "original_max_position_embeddings": 64})),
+    "llama": (
+        transformers.LlamaConfig,
+        transformers.LlamaForCausalLM,
+        dict(
+            tie_word_embeddings=True,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+    ),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(tie_word_embeddings=False)),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(head_dim=24)),
 }

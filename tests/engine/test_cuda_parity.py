@@ -31,8 +31,15 @@ def checkpoint(request, tmp_path_factory):
 
 
 async def _run(path, prompts_, **kwargs):
-    args = EngineArgs(model=str(path), device="cuda", dtype="float32", block_size=16, skip_tokenizer_init=True,
-                      max_num_seqs=16, **kwargs)
+    args = EngineArgs(
+        model=str(path),
+        device="cuda",
+        dtype="float32",
+        block_size=16,
+        skip_tokenizer_init=True,
+        max_num_seqs=16,
+        **kwargs,
+    )
     async with AsyncEngine(args) as engine:
         params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
         outs = await asyncio.gather(*(engine.generate(p, params) for p in prompts_))

@@ -82,7 +82,9 @@ def test_aborts_free_every_block(tiny_llama):
             assert not engine.scheduler.kv_cache_manager.req_to_blocks
             assert "abort" in results and "done" in results and "left" in results
             # The engine still serves after all that.
-            out = await engine.generate([5, 6, 7], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+            out = await engine.generate(
+                [5, 6, 7], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+            )
             assert len(out.outputs[0].token_ids) == 3
 
     run(main())
@@ -135,12 +137,15 @@ def test_same_seed_same_tokens_alone_or_in_a_batch(tiny_llama):
     async def main():
         async with AsyncEngine(tiny_args(path)) as engine:
             alone = (await engine.generate(prompt, params)).outputs[0].token_ids
-            others = [engine.generate([20 + i] * (3 + i), SamplingParams(temperature=1.0, max_tokens=12))
-                      for i in range(15)]
+            others = [
+                engine.generate([20 + i] * (3 + i), SamplingParams(temperature=1.0, max_tokens=12))
+                for i in range(15)
+            ]
             batched = engine.generate(prompt, params)
             results = await asyncio.gather(batched, *others)
-            unseeded = await engine.generate(prompt, SamplingParams(temperature=0.9, max_tokens=12,
-                                                                    ignore_eos=True))
+            unseeded = await engine.generate(
+                prompt, SamplingParams(temperature=0.9, max_tokens=12, ignore_eos=True)
+            )
             return alone, results[0].outputs[0].token_ids, unseeded.outputs[0].token_ids
 
     alone, batched, unseeded = run(main())
@@ -153,8 +158,10 @@ def test_n_completions_share_the_prompt(tiny_llama):
 
     async def main():
         async with AsyncEngine(tiny_args(path)) as engine:
-            out = await engine.generate(list(range(100, 140)),
-                                        SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=6, ignore_eos=True))
+            out = await engine.generate(
+                list(range(100, 140)),
+                SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=6, ignore_eos=True),
+            )
             assert [c.index for c in out.outputs] == [0, 1, 2]
             assert all(len(c.token_ids) == 6 and c.finish_reason == "length" for c in out.outputs)
             assert engine.scheduler.kv_cache_manager.total_prefix_cache.hits > 0
@@ -168,7 +175,9 @@ def test_exception_in_a_step_kills_the_engine_cleanly(tiny_llama):
     async def main():
         engine = AsyncEngine(tiny_args(path))
         await engine.start()
-        handles = [engine.generate([5 + i] * 8, SamplingParams(max_tokens=50, ignore_eos=True)) for i in range(4)]
+        handles = [
+            engine.generate([5 + i] * 8, SamplingParams(max_tokens=50, ignore_eos=True)) for i in range(4)
+        ]
         steps = {"n": 0}
 
         def hook(where, so):
@@ -214,14 +223,23 @@ def test_stop_strings_never_reach_the_output(tiny_llama):
             full = (await engine.generate("Once upon a time", params)).outputs[0].text
             assert len(full) > 10
             stop = full[5:9]
-            out = await engine.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=20,
-                                                                           ignore_eos=True, stop=[stop]))
+            out = await engine.generate(
+                "Once upon a time", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop])
+            )
             c = out.outputs[0]
             assert c.finish_reason == "stop" and c.stop_reason == stop
             assert c.text == full[: full.index(stop)]
             streamed = ""
-            async for d in engine.generate("Once upon a time", SamplingParams(
-                    temperature=0, max_tokens=20, ignore_eos=True, stop=[stop], include_stop_str_in_output=True)):
+            async for d in engine.generate(
+                "Once upon a time",
+                SamplingParams(
+                    temperature=0,
+                    max_tokens=20,
+                    ignore_eos=True,
+                    stop=[stop],
+                    include_stop_str_in_output=True,
+                ),
+            ):
                 streamed += d.outputs[0].text if d.outputs else ""
             assert streamed == full[: full.index(stop) + len(stop)]
             assert engine.kv_cache_usage() == 0.0
@@ -255,8 +273,10 @@ def test_detokenizer_holds_back_a_stop_string_spanning_tokens():
 def test_default_model_knows_the_capital_of_france():
     async def main():
         async with AsyncEngine(EngineArgs(model="default", max_model_len=2048)) as engine:
-            out = await engine.chat([{"role": "user", "content": "What is the capital of France?"}],
-                                    SamplingParams(temperature=0, max_tokens=30))
+            out = await engine.chat(
+                [{"role": "user", "content": "What is the capital of France?"}],
+                SamplingParams(temperature=0, max_tokens=30),
+            )
             return out.outputs[0].text
 
     text = asyncio.run(main())
@@ -270,7 +290,9 @@ def test_handle_abort_and_stats_count_every_scheduled_token(tiny_llama):
         async with AsyncEngine(tiny_args(path)) as engine:
             scheduled = []
             engine.stat_listeners.append(lambda stats, outputs: scheduled.append(stats.num_scheduled_tokens))
-            await engine.generate(list(range(3, 103)), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+            await engine.generate(
+                list(range(3, 103)), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+            )
             # 100 prompt tokens in chunks of 64, then 7 decodes: the last token is never fed back.
             assert sum(scheduled) == 100 + 7
             h = engine.generate([1, 2, 3], SamplingParams(max_tokens=500, ignore_eos=True))
@@ -294,7 +316,9 @@ def test_chat_template_flag_replaces_the_tokenizers(tiny_llama, tmp_path):
             read_chat_template(bad)
 
     async def main():
-        async with AsyncEngine(EngineArgs(model=str(tiny_llama[0]), dtype="float32", chat_template=str(path))) as eng:
+        async with AsyncEngine(
+            EngineArgs(model=str(tiny_llama[0]), dtype="float32", chat_template=str(path))
+        ) as eng:
             out = await eng.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=1))
             return out.prompt_token_ids, eng.tokenizer
 
@@ -312,11 +336,14 @@ def test_generation_config_supplies_default_sampling_parameters(tiny_llama, tmp_
     model = tmp_path / "model"
     shutil.copytree(tiny_llama[0], model)
     gen = json.loads((model / "generation_config.json").read_text())
-    (model / "generation_config.json").write_text(json.dumps({**gen, "temperature": 0.0, "top_k": 7,
-                                                              "do_sample": True, "max_length": 99}))
+    (model / "generation_config.json").write_text(
+        json.dumps({**gen, "temperature": 0.0, "top_k": 7, "do_sample": True, "max_length": 99})
+    )
 
     async def main(source: str):
-        async with AsyncEngine(EngineArgs(model=str(model), dtype="float32", generation_config=source)) as eng:
+        async with AsyncEngine(
+            EngineArgs(model=str(model), dtype="float32", generation_config=source)
+        ) as eng:
             prompt = list(range(5, 25))
             outs = [await eng.generate(prompt, None) for _ in range(2)]
             return eng.default_sampling_params, [o.outputs[0].token_ids for o in outs]
@@ -325,7 +352,9 @@ def test_generation_config_supplies_default_sampling_parameters(tiny_llama, tmp_
     assert defaults == {"temperature": 0.0, "top_k": 7}
     assert a == b  # greedy by default now
     assert asyncio.run(main("vllm"))[0] == {}
-    chat = parse_chat_request({"messages": [{"role": "user", "content": "x"}], "top_p": 0.5}, defaults=defaults)
+    chat = parse_chat_request(
+        {"messages": [{"role": "user", "content": "x"}], "top_p": 0.5}, defaults=defaults
+    )
     assert (chat.params.temperature, chat.params.top_k, chat.params.top_p) == (0.0, 7, 0.5)
     comp = parse_completion_request({"prompt": "x", "temperature": 0.8}, defaults=defaults)
     assert (comp.params.temperature, comp.params.top_k) == (0.8, 7)  # the request's own values win
@@ -341,14 +370,24 @@ def test_a_prefix_cache_hit_gives_the_same_bits_in_bfloat16():
     async def main():
         async with AsyncEngine(EngineArgs(model="default", dtype="bfloat16", max_model_len=512)) as eng:
             tok = load_tokenizer(eng.model_path)
-            text = "The history of computing is a story of abstraction layers, from relays to transistors. " * 4
+            text = (
+                "The history of computing is a story of abstraction layers, from relays to transistors. " * 4
+            )
             prompts = [tok.encode(text)[:33], tok.encode(text)[:45], tok.encode(text)[3:70]]
             params = SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True)
             runs = []
             for _ in range(2):
                 outs = await asyncio.gather(*(eng.generate(p, params) for p in prompts))
-                runs.append([(o.num_cached_tokens, o.outputs[0].token_ids,
-                              [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs]) for o in outs])
+                runs.append(
+                    [
+                        (
+                            o.num_cached_tokens,
+                            o.outputs[0].token_ids,
+                            [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs],
+                        )
+                        for o in outs
+                    ]
+                )
             return runs
 
     first, second = asyncio.run(main())
@@ -361,8 +400,16 @@ def test_an_awaited_request_gets_one_wakeup_and_the_same_output_as_a_stream(tiny
     consumer every step; a request listener (the server's metrics) still sees every step's output, and the
     awaited consumer is still woken once."""
     path, _ = tiny_llama
-    params = SamplingParams(n=2, temperature=0.8, seed=11, max_tokens=10, ignore_eos=True, logprobs=2,
-                            prompt_logprobs=1, stop=["zz"])
+    params = SamplingParams(
+        n=2,
+        temperature=0.8,
+        seed=11,
+        max_tokens=10,
+        ignore_eos=True,
+        logprobs=2,
+        prompt_logprobs=1,
+        stop=["zz"],
+    )
 
     async def main():
         async with AsyncEngine(tiny_args(path)) as engine:
@@ -392,10 +439,14 @@ def test_an_awaited_request_gets_one_wakeup_and_the_same_output_as_a_stream(tiny
             puts.clear()
             again = await counting(engine.generate("Hello there", params))
             assert len(puts) == 1 and len(seen) > 2  # woken once; the listener saw each step
-            assert [d.outputs for d in seen[:-1]] != [again.outputs] * (len(seen) - 1)  # deltas, not the final
+            assert [d.outputs for d in seen[:-1]] != [again.outputs] * (
+                len(seen) - 1
+            )  # deltas, not the final
             streamed = {i: "".join(c.text for d in seen for c in d.outputs if c.index == i) for i in range(2)}
             assert streamed == {c.index: c.text for c in again.outputs}
-            assert [(c.text, c.token_ids) for c in again.outputs] == [(c.text, c.token_ids) for c in awaited.outputs]
+            assert [(c.text, c.token_ids) for c in again.outputs] == [
+                (c.text, c.token_ids) for c in awaited.outputs
+            ]
 
             # A listener that arrives mid-request (an app built on a running engine): the kept deltas still
             # come first, so the final text is in order.
@@ -410,7 +461,9 @@ def test_an_awaited_request_gets_one_wakeup_and_the_same_output_as_a_stream(tiny
             engine.stat_listeners.append(arrive_after_three_steps)
             late = await engine.generate("Hello there", params)
             assert engine.request_listeners, "the listener should have arrived during the request"
-            assert [(c.text, c.token_ids) for c in late.outputs] == [(c.text, c.token_ids) for c in awaited.outputs]
+            assert [(c.text, c.token_ids) for c in late.outputs] == [
+                (c.text, c.token_ids) for c in awaited.outputs
+            ]
 
     run(main())
 
@@ -424,7 +477,9 @@ def test_start_moves_what_startup_built_out_of_the_collectors_reach(tiny_llama):
     async def main():
         gc.unfreeze()
         async with AsyncEngine(tiny_args(path)):
-            assert gc.get_freeze_count() > len(gc.get_objects())  # most objects now sit in the permanent generation
+            assert gc.get_freeze_count() > len(
+                gc.get_objects()
+            )  # most objects now sit in the permanent generation
         assert gc.get_freeze_count() == 0  # and go back once no engine runs: exit collects them as before
 
     run(main())
@@ -439,8 +494,9 @@ def test_precompile_hands_its_grammar_to_generate(tiny_llama):
 
     async def main():
         async with AsyncEngine(tiny_args(path)) as engine:
-            params = SamplingParams(temperature=0, max_tokens=5,
-                                    structured_outputs=StructuredOutputsParams(regex="[ab]{3}"))
+            params = SamplingParams(
+                temperature=0, max_tokens=5, structured_outputs=StructuredOutputsParams(regex="[ab]{3}")
+            )
             assert await engine.precompile(SamplingParams(max_tokens=5)) is None  # no grammar, nothing to do
             grammar = await engine.precompile(params)
             assert grammar is not None and grammar.spec is params.structured_outputs

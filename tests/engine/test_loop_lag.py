@@ -17,12 +17,15 @@ def test_loop_lag_p99_while_32_requests_decode():
             params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
             with StepClock(engine) as clock:
                 probe = LoopLagProbe().start()
-                await asyncio.gather(*(engine.generate(list(range(100 + i, 164 + i)), params) for i in range(32)))
+                await asyncio.gather(
+                    *(engine.generate(list(range(100 + i, 164 + i)), params) for i in range(32))
+                )
                 await probe.stop()
             return probe, clock.median_step_s()
 
     probe, step_s = asyncio.run(main())
     assert len(probe.lags) > 200
     # One step (32 decodes, measured here) is the unit: p99 of the loop's lag within half of it.
-    assert probe.percentile(0.99) < LAG_P99_PER_STEP * step_s, \
+    assert probe.percentile(0.99) < LAG_P99_PER_STEP * step_s, (
         f"loop lag p99 {probe.percentile(0.99) * 1e3:.1f} ms, one step {step_s * 1e3:.1f} ms"
+    )

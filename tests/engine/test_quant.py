@@ -51,7 +51,7 @@ def test_quantized_linear_matches_its_dequantized_weight(method, dtype, rows):
     lin = nn.Linear(64, 48, bias=True)
     q = QuantizedLinear(lin.weight.data.to(dtype), lin.bias.data.to(dtype), method)
     x = torch.randn(rows, 64, dtype=dtype)
-    ref = (x.double() @ q.weight.double().t() + q.bias.double())
+    ref = x.double() @ q.weight.double().t() + q.bias.double()
     tol = 1e-4 if dtype == torch.float32 else 0.1
     torch.testing.assert_close(q(x).double(), ref, rtol=tol, atol=tol)
     assert q(x).shape == (rows, 48)

@@ -28,8 +28,11 @@ def test_scaled_rope_matches_transformers(tmp_path, name):
     expected = [hf_greedy(hf, p) for p in prompts]
 
     async def run() -> list[list[int]]:
-        async with AsyncEngine(EngineArgs(model=str(tmp_path), dtype="float32", device="cpu", block_size=4,
-                                          max_num_batched_tokens=64)) as engine:
+        async with AsyncEngine(
+            EngineArgs(
+                model=str(tmp_path), dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=64
+            )
+        ) as engine:
             params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
             outs = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
             return [o.outputs[0].token_ids for o in outs]
@@ -50,9 +53,18 @@ def test_the_scaled_tables_differ_from_the_default(tmp_path, name):
     assert not torch.allclose(plain.cos_sin_cache, scaled.cos_sin_cache, atol=1e-3)
 
 
-@pytest.mark.parametrize("scaling", [{"rope_type": "dynamic", "factor": 2.0},
-                                     {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
-                                      "original_max_position_embeddings": 64}])
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        {"rope_type": "dynamic", "factor": 2.0},
+        {
+            "rope_type": "longrope",
+            "short_factor": [1.0] * 8,
+            "long_factor": [2.0] * 8,
+            "original_max_position_embeddings": 64,
+        },
+    ],
+)
 def test_length_dependent_scalings_refuse(tmp_path, scaling):
     from aioengine.gpu.layers import get_rope
 
@@ -72,8 +84,16 @@ def test_a_max_model_len_past_max_position_embeddings_extrapolates_as_transforme
     prompts = [[rng.randrange(3, 49152) for _ in range(n)] for n in (40, 90)]  # past the 48 positions
 
     async def run() -> tuple[list[list[int]], int]:
-        async with AsyncEngine(EngineArgs(model=str(tmp_path), dtype=dtype, device="cpu", block_size=4,
-                                          max_num_batched_tokens=64, max_model_len=160)) as engine:
+        async with AsyncEngine(
+            EngineArgs(
+                model=str(tmp_path),
+                dtype=dtype,
+                device="cpu",
+                block_size=4,
+                max_num_batched_tokens=64,
+                max_model_len=160,
+            )
+        ) as engine:
             params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
             outs = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
             rows = engine.runner.model.model.layers[0].self_attn.rotary_emb.cos_sin_cache.shape[0]

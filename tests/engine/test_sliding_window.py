@@ -24,7 +24,11 @@ WINDOW = 48
 def tiny_mistral(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-mistral")
     torch.manual_seed(0)
-    model = transformers.MistralForCausalLM(transformers.MistralConfig(**SMALL, sliding_window=WINDOW)).float().eval()
+    model = (
+        transformers.MistralForCausalLM(transformers.MistralConfig(**SMALL, sliding_window=WINDOW))
+        .float()
+        .eval()
+    )
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn_like(p) * 0.3)
@@ -50,7 +54,9 @@ def test_the_context_is_capped_at_the_window_and_tokens_match(tiny_mistral):
     expected = [hf_greedy(hf, p) for p in prompts]
 
     async def run():
-        async with AsyncEngine(EngineArgs(model=str(path), dtype="float32", device="cpu", block_size=4)) as engine:
+        async with AsyncEngine(
+            EngineArgs(model=str(path), dtype="float32", device="cpu", block_size=4)
+        ) as engine:
             params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
             outs = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
             return engine.max_model_len, [o.outputs[0].token_ids for o in outs]
@@ -61,8 +67,9 @@ def test_the_context_is_capped_at_the_window_and_tokens_match(tiny_mistral):
 
 def test_asking_for_more_than_the_window_is_refused(tiny_mistral):
     async def run():
-        async with AsyncEngine(EngineArgs(model=str(tiny_mistral[0]), dtype="float32", device="cpu",
-                                          max_model_len=2 * WINDOW)):
+        async with AsyncEngine(
+            EngineArgs(model=str(tiny_mistral[0]), dtype="float32", device="cpu", max_model_len=2 * WINDOW)
+        ):
             pass
 
     with pytest.raises(ValueError, match="sliding window"):

@@ -40,7 +40,9 @@ def test_two_engines_with_different_kernels_in_one_process(monkeypatch):
 
     async def main():
         fast = AsyncEngine(EngineArgs(model="default", num_threads=1))
-        plain = AsyncEngine(EngineArgs(model="default", num_threads=1, kernels=KernelConfig(cpu_attention=False)))
+        plain = AsyncEngine(
+            EngineArgs(model="default", num_threads=1, kernels=KernelConfig(cpu_attention=False))
+        )
         async with fast, plain:
             params = SamplingParams(temperature=0, max_tokens=12)
             a, b = await asyncio.gather(fast.chat(PROMPT, params), plain.chat(PROMPT, params))

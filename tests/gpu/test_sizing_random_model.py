@@ -31,17 +31,29 @@ def test_kv_blocks_from_measured_memory():
     assert kv_cache_blocks(MemoryProfile(1000, 100, 0), 1.0, 100) == 9
 
 
-@pytest.mark.parametrize(("tokens", "max_len", "seqs", "expected"), [
-    (8192, 131072, 1024, [8192]), (8192, 2048, 1024, [2048] * 4), (5000, 2048, 1024, [2048, 2048, 904]),
-    (8192, 2048, 2, [2048, 2048])])
+@pytest.mark.parametrize(
+    ("tokens", "max_len", "seqs", "expected"),
+    [
+        (8192, 131072, 1024, [8192]),
+        (8192, 2048, 1024, [2048] * 4),
+        (5000, 2048, 1024, [2048, 2048, 904]),
+        (8192, 2048, 2, [2048, 2048]),
+    ],
+)
 def test_warmup_lengths(tokens, max_len, seqs, expected):
     assert warmup_lengths(tokens, max_len, seqs) == expected
 
 
 def test_random_configs_have_the_promised_shapes():
     c = random_config("random:llama-3.1-8b")
-    assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads,
-            c.intermediate_size, c.vocab_size) == (4096, 32, 32, 8, 14336, 128256)
+    assert (
+        c.hidden_size,
+        c.num_hidden_layers,
+        c.num_attention_heads,
+        c.num_key_value_heads,
+        c.intermediate_size,
+        c.vocab_size,
+    ) == (4096, 32, 32, 8, 14336, 128256)
     assert c.architectures == ["LlamaForCausalLM"]
     assert is_random_model("random:tiny") and not is_random_model("default") and not is_random_model(None)
     with pytest.raises(ValueError, match="unknown random model"):
@@ -54,8 +66,10 @@ def test_random_tiny_builds_on_cpu_with_finite_outputs():
     p = dict(model.named_parameters())
     assert all(torch.equal(t, dict(again.named_parameters())[n]) for n, t in p.items())  # seeded
     assert p["model.norm.weight"].mean().item() == pytest.approx(1.0, abs=0.05)
-    assert sum(t.numel() for t in p.values()) == model.config.vocab_size * 64 * 2 + 2 * (
-        64 * (64 + 2 * 32) + 64 * 64 + 3 * 64 * 128 + 2 * 64) + 64
+    assert (
+        sum(t.numel() for t in p.values())
+        == model.config.vocab_size * 64 * 2 + 2 * (64 * (64 + 2 * 32) + 64 * 64 + 3 * 64 * 128 + 2 * 64) + 64
+    )
 
 
 def test_engine_runs_random_tiny_from_token_ids(caplog):
@@ -77,9 +91,29 @@ def test_engine_runs_random_tiny_from_token_ids(caplog):
 
 def test_bench_throughput_on_random_tiny(tmp_path):
     out = tmp_path / "r.json"
-    assert bench_main(["throughput", "--model", "random:tiny", "--device", "cpu", "--dataset", "sharegpt",
-                       "--num-prompts", "5", "--sharegpt-max-len", "40", "--max-model-len", "128",
-                       "--no-progress", "--output-json", str(out)]) == 0
+    assert (
+        bench_main(
+            [
+                "throughput",
+                "--model",
+                "random:tiny",
+                "--device",
+                "cpu",
+                "--dataset",
+                "sharegpt",
+                "--num-prompts",
+                "5",
+                "--sharegpt-max-len",
+                "40",
+                "--max-model-len",
+                "128",
+                "--no-progress",
+                "--output-json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     r = json.loads(out.read_text())
     assert r["num_requests"] == 5 and r["output_tokens"] > 0
     assert r["mean_ttft_ms"] > 0 and r["mean_tpot_ms"] > 0

@@ -33,7 +33,9 @@ def store_kv(key, value, kv_cache, slot_mapping):
 def decode_path(request, monkeypatch):
     """Every test runs the decodes through the C kernel and through the torch path (the CPU backend's ops
     with its C attention on or off)."""
-    monkeypatch.setattr(sys.modules[__name__], "OPS", CpuOps(KernelConfig(cpu_attention=request.param == "c-kernel")))
+    monkeypatch.setattr(
+        sys.modules[__name__], "OPS", CpuOps(KernelConfig(cpu_attention=request.param == "c-kernel"))
+    )
     return request.param
 
 
@@ -56,6 +58,7 @@ def _in_layout(kv_cache: torch.Tensor) -> torch.Tensor:
     head_major.copy_(kv_cache)
     assert head_major.stride(3) == size * dim
     return head_major
+
 
 # (query_len, seq_len) per request, decodes first: decodes, chunks from 0 and mid-sequence chunks.
 BATCHES = [
@@ -158,12 +161,15 @@ def test_low_precision_runs_close_to_fp32():
 
 
 def test_decodes_split_into_length_groups(monkeypatch):
-    monkeypatch.setattr(sys.modules[__name__], "OPS", CpuOps(KernelConfig(cpu_attention=False)))  # the torch plan
+    monkeypatch.setattr(
+        sys.modules[__name__], "OPS", CpuOps(KernelConfig(cpu_attention=False))
+    )  # the torch plan
     batch = [(1, s) for s in (3, 40, 7, 22, 1, 9, 33, 5, 14)] + [(3, 11)]
     query, kv_cache, meta, dense = _setup(batch, 4, 3)
     # Small thresholds, so this small batch splits; the first layer's plan is what later layers reuse.
-    meta.decode_groups = reference.plan_decode_groups(meta.seq_lens_cpu[: meta.num_decodes], query.device,
-                                                      min_split_tokens=8, max_group_tokens=60)
+    meta.decode_groups = reference.plan_decode_groups(
+        meta.seq_lens_cpu[: meta.num_decodes], query.device, min_split_tokens=8, max_group_tokens=60
+    )
     out = paged_attention(query, kv_cache, meta, 0.3)
     assert len(meta.decode_groups) > 2
     torch.testing.assert_close(out, _dense_attention(batch, dense, 0.3), atol=1e-5, rtol=0)
@@ -196,14 +202,18 @@ def test_the_c_decode_kernel_builds_here():
 def test_loading_the_c_kernels_keeps_subnormal_floats():
     """gcc < 13 links -ffast-math's crtfastmath.o into shared libraries too: loading one would turn on
     flush-to-zero in the loading thread (hypothesis, numpy and torch then see subnormals vanish)."""
-    code = ("from aioengine.kernels.cpu import clib as cpu_kernels; import torch\n"
-            "assert cpu_kernels.load() is not None\n"
-            "assert 5e-324 * 1.0 > 0 and (torch.tensor([1e-40]) * 1.0).item() > 0, 'flush-to-zero is on'")
+    code = (
+        "from aioengine.kernels.cpu import clib as cpu_kernels; import torch\n"
+        "assert cpu_kernels.load() is not None\n"
+        "assert 5e-324 * 1.0 > 0 and (torch.tensor([1e-40]) * 1.0).item() > 0, 'flush-to-zero is on'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("block_size", "group", "head_dim"), [(16, 3, 64), (4, 1, 8), (32, 4, 128), (8, 8, 32)])
+@pytest.mark.parametrize(
+    ("block_size", "group", "head_dim"), [(16, 3, 64), (4, 1, 8), (32, 4, 128), (8, 8, 32)]
+)
 def test_c_decode_kernel_matches_reference(dtype, block_size, group, head_dim):
     from aioengine.kernels.cpu import clib as cpu_kernels
 
@@ -213,7 +223,9 @@ def test_c_decode_kernel_matches_reference(dtype, block_size, group, head_dim):
     num_blocks = len(seq_lens) * max_blocks + 1
     kv_cache = _in_layout(torch.randn(2, num_blocks, block_size, 2, head_dim, generator=gen).to(dtype))
     block_table = torch.randperm(num_blocks, generator=gen)[: len(seq_lens) * max_blocks]
-    meta = AttentionMetadata.build([1] * len(seq_lens), seq_lens, block_table.view(len(seq_lens), -1), block_size)
+    meta = AttentionMetadata.build(
+        [1] * len(seq_lens), seq_lens, block_table.view(len(seq_lens), -1), block_size
+    )
     query = torch.randn(len(seq_lens), 2 * group, head_dim, generator=gen).to(dtype)
     out = cpu_kernels.decode_attention(query, kv_cache, meta.block_table, meta.seq_lens, head_dim**-0.5)
     ref = paged_attention_reference(query, kv_cache, meta, head_dim**-0.5)
@@ -234,7 +246,9 @@ def test_c_decode_kernel_ignores_stale_slots_holding_nan(block_size):
     block_table = torch.arange(num_blocks).view(len(seq_lens), max_blocks)
     for i, n in enumerate(seq_lens):
         for p in range(n):
-            kv_cache[:, block_table[i, p // block_size], p % block_size] = torch.randn(2, 2, 64, generator=gen)
+            kv_cache[:, block_table[i, p // block_size], p % block_size] = torch.randn(
+                2, 2, 64, generator=gen
+            )
     meta = AttentionMetadata.build([1] * len(seq_lens), seq_lens, block_table, block_size)
     query = torch.randn(len(seq_lens), 6, 64, generator=gen).to(torch.bfloat16)
     out = cpu_kernels.decode_attention(query, kv_cache, meta.block_table, meta.seq_lens, 0.125)
@@ -288,14 +302,19 @@ def test_bf16_c_kernel_is_within_one_ulp_of_the_exact_answer(spread):
     assert ulps.max() <= 1, ulps.max()
 
 
-@pytest.mark.parametrize(("q_len", "seq_len", "group", "head_dim", "block_size"), [
-    (100, 250, 3, 64, 16),  # a chunk after a cached prefix
-    (70, 70, 1, 128, 32),  # a prompt from position 0, one query head per KV head
-    (33, 97, 8, 96, 16),  # head_dim 96; tokens beyond a 16-token tile
-    (40, 41, 16, 32, 8),  # 16 query heads per KV head: two tokens a task
-    (32, 300, 2, 256, 64),  # the widest head
-])
-def test_packed_prefill_kernel_is_within_one_ulp_of_the_exact_answer(q_len, seq_len, group, head_dim, block_size):
+@pytest.mark.parametrize(
+    ("q_len", "seq_len", "group", "head_dim", "block_size"),
+    [
+        (100, 250, 3, 64, 16),  # a chunk after a cached prefix
+        (70, 70, 1, 128, 32),  # a prompt from position 0, one query head per KV head
+        (33, 97, 8, 96, 16),  # head_dim 96; tokens beyond a 16-token tile
+        (40, 41, 16, 32, 8),  # 16 query heads per KV head: two tokens a task
+        (32, 300, 2, 256, 64),  # the widest head
+    ],
+)
+def test_packed_prefill_kernel_is_within_one_ulp_of_the_exact_answer(
+    q_len, seq_len, group, head_dim, block_size
+):
     """cpu_prefill_attention.c: keys and values packed once per chunk, 64-key softmax updates; still float32
     sums and p.V in two bf16 parts, so outputs are within one ulp of the float64 answer (outputs near zero,
     where float32 sums of +-1 terms cancel, within 1e-5: the decode kernel's rows do the same)."""
@@ -371,8 +390,13 @@ def test_the_kernels_exp_is_within_two_ulp_of_the_exact_one():
     from aioengine.kernels.cpu import clib as cpu_kernels
 
     lib = cpu_kernels.load()
-    x = torch.cat([torch.linspace(-87.0, 88.7, 200_003), torch.tensor([0.0, -0.0, 1e-30, -1e-30]),
-                   torch.randn(10_000) * 10]).float()
+    x = torch.cat(
+        [
+            torch.linspace(-87.0, 88.7, 200_003),
+            torch.tensor([0.0, -0.0, 1e-30, -1e-30]),
+            torch.randn(10_000) * 10,
+        ]
+    ).float()
     out = torch.empty_like(x)
     if lib is None or lib.exp_f32(x.data_ptr(), out.data_ptr(), x.numel()) != 0:
         pytest.skip("the AVX512 loops are not built here")

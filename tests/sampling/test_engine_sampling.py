@@ -35,9 +35,15 @@ async def generate_all(path, prompts, params, **kw):
 
 def hf_generate(model, prompt, n, **kw) -> list[int]:
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             max_new_tokens=n, do_sample=False, pad_token_id=0, **kw)
-    return out[0, len(prompt):].tolist()
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+            **kw,
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 def test_logprobs_and_prompt_logprobs_equal_the_reference_log_softmax(tiny_llama):
@@ -77,7 +83,9 @@ def test_streamed_logprobs_add_up_to_the_final_ones(tiny_llama):
 
     async def main():
         async with engine(path) as eng:
-            params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=1, prompt_logprobs=0)
+            params = SamplingParams(
+                temperature=0, max_tokens=5, ignore_eos=True, logprobs=1, prompt_logprobs=0
+            )
             final = await eng.generate(PROMPTS[0], params)
             streamed, prompt_lps = [], []
             async for d in eng.generate(PROMPTS[0], params):
@@ -90,20 +98,25 @@ def test_streamed_logprobs_add_up_to_the_final_ones(tiny_llama):
     run(main())
 
 
-@pytest.mark.parametrize("kw,hf_kw", [
-    (dict(repetition_penalty=1.8), dict(repetition_penalty=1.8)),
-    (dict(repetition_penalty=0.7), dict(repetition_penalty=0.7)),
-    (dict(logit_bias={123: 6.0, 456: 4.0}), dict(sequence_bias={(123,): 6.0, (456,): 4.0})),
-    (dict(min_tokens=4, logit_bias={EOS: 100.0}), dict(min_new_tokens=4, sequence_bias={(EOS,): 100.0})),
-])
+@pytest.mark.parametrize(
+    "kw,hf_kw",
+    [
+        (dict(repetition_penalty=1.8), dict(repetition_penalty=1.8)),
+        (dict(repetition_penalty=0.7), dict(repetition_penalty=0.7)),
+        (dict(logit_bias={123: 6.0, 456: 4.0}), dict(sequence_bias={(123,): 6.0, (456,): 4.0})),
+        (dict(min_tokens=4, logit_bias={EOS: 100.0}), dict(min_new_tokens=4, sequence_bias={(EOS,): 100.0})),
+    ],
+)
 def test_greedy_with_penalties_and_bias_matches_transformers(tiny_llama, kw, hf_kw):
     path, hf = tiny_llama
     params = SamplingParams(temperature=0, max_tokens=8, **kw)
     outs = run(generate_all(path, PROMPTS, params))
     for prompt, out in zip(PROMPTS, outs, strict=True):
         expected = hf_generate(hf, prompt, 8, eos_token_id=EOS, **hf_kw)
-        assert out.outputs[0].token_ids == expected[:len(out.outputs[0].token_ids)] and (
-            len(out.outputs[0].token_ids) == len(expected) or expected[len(out.outputs[0].token_ids) - 1] == EOS)
+        assert out.outputs[0].token_ids == expected[: len(out.outputs[0].token_ids)] and (
+            len(out.outputs[0].token_ids) == len(expected)
+            or expected[len(out.outputs[0].token_ids) - 1] == EOS
+        )
     if "min_tokens" in kw:  # EOS is +100 once allowed: exactly min_tokens tokens, then EOS
         assert all(o.outputs[0].token_ids[4:] == [EOS] and o.outputs[0].finish_reason == "stop" for o in outs)
 
@@ -112,7 +125,9 @@ def test_presence_and_frequency_penalties_match_a_reference_loop(tiny_llama):
     path, hf = tiny_llama
     kw = dict(presence_penalty=1.5, frequency_penalty=0.7, repetition_penalty=1.2)
     prompts = PROMPTS[:2]
-    outs = run(generate_all(path, prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, **kw)))
+    outs = run(
+        generate_all(path, prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, **kw))
+    )
     for prompt, out in zip(prompts, outs, strict=True):
         seq, gen = list(prompt), []
         for _ in range(6):
@@ -133,13 +148,20 @@ def test_bad_words_and_allowed_token_ids(tiny_llama):
 
     async def main():
         async with engine(path) as eng:
-            plain = await eng.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+            plain = await eng.generate(
+                PROMPTS[0], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+            )
             word = eng.tokenizer.decode(plain.outputs[0].token_ids[2:3])
-            banned = await eng.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
-                                                                   bad_words=[word]))
+            banned = await eng.generate(
+                PROMPTS[0], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, bad_words=[word])
+            )
             ids = SamplingParams(bad_words=[word]).bad_words_to_token_ids(eng.tokenizer)
-            allowed = await eng.generate(PROMPTS[1], SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True,
-                                                                    allowed_token_ids=[40, 41, 42]))
+            allowed = await eng.generate(
+                PROMPTS[1],
+                SamplingParams(
+                    temperature=1.0, max_tokens=10, ignore_eos=True, allowed_token_ids=[40, 41, 42]
+                ),
+            )
             return plain.outputs[0].token_ids, banned.outputs[0].token_ids, ids, allowed.outputs[0].token_ids
 
     plain, banned, ids, allowed = run(main())
@@ -155,17 +177,39 @@ def test_same_seed_same_tokens_alone_or_in_a_batch_of_16_with_every_knob(tiny_ll
     can flip between batch shapes; bf16's promise is the same tokens for the same batch (next test)."""
     path, _ = tiny_llama
     dtype = "float32"
-    params = SamplingParams(temperature=0.8, seed=77, max_tokens=10, ignore_eos=True, presence_penalty=0.5,
-                            frequency_penalty=0.3, repetition_penalty=1.1, logit_bias={99: 3.0}, logprobs=2,
-                            bad_words=["the"], top_k=40, top_p=0.95, min_p=0.01)
+    params = SamplingParams(
+        temperature=0.8,
+        seed=77,
+        max_tokens=10,
+        ignore_eos=True,
+        presence_penalty=0.5,
+        frequency_penalty=0.3,
+        repetition_penalty=1.1,
+        logit_bias={99: 3.0},
+        logprobs=2,
+        bad_words=["the"],
+        top_k=40,
+        top_p=0.95,
+        min_p=0.01,
+    )
     prompt = PROMPTS[0]
 
     async def main():
         async with engine(path, dtype=dtype) as eng:
             alone = await eng.generate(prompt, params)
-            others = [eng.generate(PROMPTS[i % 4] + [i], SamplingParams(
-                temperature=1.0, max_tokens=6 + i % 7, presence_penalty=0.1 * (i % 3), logprobs=i % 3 or None,
-                seed=i if i % 2 else None)) for i in range(15)]
+            others = [
+                eng.generate(
+                    PROMPTS[i % 4] + [i],
+                    SamplingParams(
+                        temperature=1.0,
+                        max_tokens=6 + i % 7,
+                        presence_penalty=0.1 * (i % 3),
+                        logprobs=i % 3 or None,
+                        seed=i if i % 2 else None,
+                    ),
+                )
+                for i in range(15)
+            ]
             batched, *_ = await asyncio.gather(eng.generate(prompt, params), *others)
             return alone.outputs[0], batched.outputs[0]
 
@@ -176,14 +220,26 @@ def test_same_seed_same_tokens_alone_or_in_a_batch_of_16_with_every_knob(tiny_ll
 
 def test_same_seed_same_batch_same_tokens_in_bfloat16(tiny_llama):
     path, _ = tiny_llama
-    params = [SamplingParams(temperature=0.9, seed=100 + i, max_tokens=8 + i % 5, ignore_eos=True, logprobs=1,
-                             presence_penalty=0.1 * (i % 3), top_p=0.9 if i % 2 else 1.0) for i in range(12)]
+    params = [
+        SamplingParams(
+            temperature=0.9,
+            seed=100 + i,
+            max_tokens=8 + i % 5,
+            ignore_eos=True,
+            logprobs=1,
+            presence_penalty=0.1 * (i % 3),
+            top_p=0.9 if i % 2 else 1.0,
+        )
+        for i in range(12)
+    ]
 
     async def main():
         async with engine(path, dtype="bfloat16") as eng:
             runs = []
             for _ in range(2):
-                outs = await asyncio.gather(*(eng.generate(PROMPTS[i % 4] + [i], p) for i, p in enumerate(params)))
+                outs = await asyncio.gather(
+                    *(eng.generate(PROMPTS[i % 4] + [i], p) for i, p in enumerate(params))
+                )
                 runs.append([o.outputs[0].token_ids for o in outs])
             return runs
 
@@ -197,8 +253,9 @@ def test_a_dead_end_finishes_with_a_clear_reason_never_hangs(tiny_llama):
 
     async def main():
         async with engine(path) as eng:
-            out = await eng.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=8, min_tokens=3,
-                                                                allowed_token_ids=[EOS]))
+            out = await eng.generate(
+                PROMPTS[0], SamplingParams(temperature=0, max_tokens=8, min_tokens=3, allowed_token_ids=[EOS])
+            )
             c = out.outputs[0]
             assert c.finish_reason == "error" and c.stop_reason == "no_allowed_tokens" and c.token_ids == []
             assert eng.kv_cache_usage() == 0.0
@@ -214,12 +271,15 @@ def test_a_complete_grammar_under_min_tokens_is_a_dead_end(tiny_llama):
     async def main():
         async with engine(path) as eng:
             so = StructuredOutputsParams(choice=["alpha", "beta"])
-            out = await eng.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=10, min_tokens=6,
-                                                                structured_outputs=so))
+            out = await eng.generate(
+                PROMPTS[0], SamplingParams(temperature=0, max_tokens=10, min_tokens=6, structured_outputs=so)
+            )
             c = out.outputs[0]  # the grammar wants EOS after the word, min_tokens forbids it
             assert (c.finish_reason, c.stop_reason) == ("error", "no_allowed_tokens") and c.text in so.choice
-            ok = await eng.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=10, structured_outputs=so,
-                                                               ignore_eos=True))
+            ok = await eng.generate(
+                PROMPTS[0],
+                SamplingParams(temperature=0, max_tokens=10, structured_outputs=so, ignore_eos=True),
+            )
             assert ok.outputs[0].finish_reason == "stop" and ok.outputs[0].text in so.choice
 
     run(main())
@@ -241,10 +301,14 @@ def test_invalid_params_raise_typed_errors_at_generate(tiny_llama):
                 assert e.value.param == param
             for bad in ({"type": "nope"}, "{not json"):
                 with pytest.raises(InvalidRequestError, match="Invalid JSON schema"):
-                    eng.generate(PROMPTS[0], SamplingParams(structured_outputs=StructuredOutputsParams(json=bad)))
-            with pytest.raises(InvalidRequestError, match="Rule \"nope\" is not defined"):
-                eng.chat([{"role": "user", "content": "hi"}], SamplingParams(
-                    structured_outputs=StructuredOutputsParams(grammar="root ::= nope")))
+                    eng.generate(
+                        PROMPTS[0], SamplingParams(structured_outputs=StructuredOutputsParams(json=bad))
+                    )
+            with pytest.raises(InvalidRequestError, match='Rule "nope" is not defined'):
+                eng.chat(
+                    [{"role": "user", "content": "hi"}],
+                    SamplingParams(structured_outputs=StructuredOutputsParams(grammar="root ::= nope")),
+                )
             assert eng.scheduler.get_num_unfinished_requests() == 0 and eng.num_unfinished_requests() == 0
 
     run(main())
@@ -272,9 +336,15 @@ def test_structured_requests_defer_sampling_and_stay_valid_beside_unconstrained_
             eng.scheduler.schedule = counting_schedule
             structured = []
             for i in range(8):
-                so = StructuredOutputsParams(regex=regex) if i % 2 else StructuredOutputsParams(choice=choices)
-                structured.append(eng.generate(PROMPTS[i % 4] + [i] * 3, SamplingParams(
-                    temperature=1.0, seed=i, max_tokens=20, structured_outputs=so)))
+                so = (
+                    StructuredOutputsParams(regex=regex) if i % 2 else StructuredOutputsParams(choice=choices)
+                )
+                structured.append(
+                    eng.generate(
+                        PROMPTS[i % 4] + [i] * 3,
+                        SamplingParams(temperature=1.0, seed=i, max_tokens=20, structured_outputs=so),
+                    )
+                )
             plain = [eng.generate(p, plain_params) for p in PROMPTS]
             outs = await asyncio.gather(*structured, *plain)
             return alone, outs, pending["n"], eng.scheduler.num_preemptions_total

@@ -8,26 +8,44 @@ from aioengine import InvalidRequestError, SamplingParams
 from aioengine.sampling_params import StructuredOutputsParams
 
 
-@pytest.mark.parametrize("kw,param,message", [
-    (dict(temperature=-0.1), "temperature", "temperature must be non-negative, got -0.1."),
-    (dict(top_p=0.0), "top_p", "top_p must be in (0, 1], got 0.0."),
-    (dict(top_k=-2), "top_k", "top_k must be 0"),
-    (dict(min_p=1.5), "min_p", "min_p must be in [0, 1], got 1.5."),
-    (dict(presence_penalty=2.5), "presence_penalty", "presence_penalty must be in [-2, 2], got 2.5."),
-    (dict(frequency_penalty=-3), "frequency_penalty", "frequency_penalty must be in [-2, 2], got -3."),
-    (dict(repetition_penalty=0.0), "repetition_penalty", "repetition_penalty must be greater than zero, got 0.0."),
-    (dict(logprobs=21), "logprobs", "Requested sample logprobs of 21, which is greater than max allowed: 20"),
-    (dict(logprobs=-1), "logprobs", "logprobs must be non-negative, got -1."),
-    (dict(prompt_logprobs=21), "prompt_logprobs",
-     "Requested prompt logprobs of 21, which is greater than max allowed: 20"),
-    (dict(min_tokens=5, max_tokens=4), "min_tokens", "min_tokens must be less than or equal to max_tokens=4"),
-    (dict(n=2, temperature=0), "n", "n must be 1 when using greedy sampling"),
-    (dict(allowed_token_ids=[]), "allowed_token_ids", "allowed_token_ids is not None and empty!"),
-    (dict(logit_bias={"x": 1}), "logit_bias", "logit_bias keys must be token ids"),
-    (dict(logit_bias={1: "a"}), "logit_bias", "logit_bias values must be numbers"),
-    (dict(bad_words=[1]), "bad_words", "bad_words must be a list of strings."),
-    (dict(stop=[""]), "stop", "stop cannot contain an empty string."),
-])
+@pytest.mark.parametrize(
+    "kw,param,message",
+    [
+        (dict(temperature=-0.1), "temperature", "temperature must be non-negative, got -0.1."),
+        (dict(top_p=0.0), "top_p", "top_p must be in (0, 1], got 0.0."),
+        (dict(top_k=-2), "top_k", "top_k must be 0"),
+        (dict(min_p=1.5), "min_p", "min_p must be in [0, 1], got 1.5."),
+        (dict(presence_penalty=2.5), "presence_penalty", "presence_penalty must be in [-2, 2], got 2.5."),
+        (dict(frequency_penalty=-3), "frequency_penalty", "frequency_penalty must be in [-2, 2], got -3."),
+        (
+            dict(repetition_penalty=0.0),
+            "repetition_penalty",
+            "repetition_penalty must be greater than zero, got 0.0.",
+        ),
+        (
+            dict(logprobs=21),
+            "logprobs",
+            "Requested sample logprobs of 21, which is greater than max allowed: 20",
+        ),
+        (dict(logprobs=-1), "logprobs", "logprobs must be non-negative, got -1."),
+        (
+            dict(prompt_logprobs=21),
+            "prompt_logprobs",
+            "Requested prompt logprobs of 21, which is greater than max allowed: 20",
+        ),
+        (
+            dict(min_tokens=5, max_tokens=4),
+            "min_tokens",
+            "min_tokens must be less than or equal to max_tokens=4",
+        ),
+        (dict(n=2, temperature=0), "n", "n must be 1 when using greedy sampling"),
+        (dict(allowed_token_ids=[]), "allowed_token_ids", "allowed_token_ids is not None and empty!"),
+        (dict(logit_bias={"x": 1}), "logit_bias", "logit_bias keys must be token ids"),
+        (dict(logit_bias={1: "a"}), "logit_bias", "logit_bias values must be numbers"),
+        (dict(bad_words=[1]), "bad_words", "bad_words must be a list of strings."),
+        (dict(stop=[""]), "stop", "stop cannot contain an empty string."),
+    ],
+)
 def test_invalid_values_raise_with_vllms_message(kw, param, message):
     with pytest.raises(InvalidRequestError) as e:
         SamplingParams(**kw)
@@ -41,7 +59,9 @@ def test_limits_are_inclusive_and_penalties_above_two_are_allowed_like_vllm():
 
 
 def test_vocab_checks_name_the_bad_ids():
-    with pytest.raises(InvalidRequestError, match=r"token_id\(s\) \[100, -1\] in logit_bias contain out-of-vocab"):
+    with pytest.raises(
+        InvalidRequestError, match=r"token_id\(s\) \[100, -1\] in logit_bias contain out-of-vocab"
+    ):
         SamplingParams(logit_bias={100: 1, -1: 1, 5: 2}).verify_vocab(100)
     with pytest.raises(InvalidRequestError, match="allowed_token_ids contains out-of-vocab token id!"):
         SamplingParams(allowed_token_ids=[1, 100]).verify_vocab(100)
@@ -77,7 +97,7 @@ class _WordTokenizer:
         while rest:
             piece = max((p for p in self.vocab if rest.startswith(p)), key=len)
             out.append(self.vocab[piece])
-            rest = rest[len(piece):]
+            rest = rest[len(piece) :]
         return out
 
 
@@ -88,12 +108,18 @@ def test_bad_words_become_token_sequences_with_and_without_a_leading_space():
     assert ids == [[1], [2], [5]]
 
 
-@pytest.mark.parametrize("kw, param", [
-    ({"stop": 123}, "stop"), ({"stop_token_ids": 5}, "stop_token_ids"), ({"ignore_eos": 1}, "ignore_eos"),
-    ({"include_stop_str_in_output": "yes"}, "include_stop_str_in_output"),
-    ({"skip_special_tokens": None}, "skip_special_tokens"),
-    ({"top_k": 10**30}, "top_k"), ({"temperature": 1e300}, "temperature"),
-])
+@pytest.mark.parametrize(
+    "kw, param",
+    [
+        ({"stop": 123}, "stop"),
+        ({"stop_token_ids": 5}, "stop_token_ids"),
+        ({"ignore_eos": 1}, "ignore_eos"),
+        ({"include_stop_str_in_output": "yes"}, "include_stop_str_in_output"),
+        ({"skip_special_tokens": None}, "skip_special_tokens"),
+        ({"top_k": 10**30}, "top_k"),
+        ({"temperature": 1e300}, "temperature"),
+    ],
+)
 def test_wrong_types_and_sizes_are_typed_errors(kw, param):
     """Not a TypeError from deep inside, nor an overflow in the engine's step: InvalidRequestError, naming it."""
     with pytest.raises(InvalidRequestError) as e:

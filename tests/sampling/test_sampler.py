@@ -75,7 +75,9 @@ def logits_for(n: int = 1, seed: int = 0) -> torch.Tensor:
 
 def test_repetition_penalty_matches_transformers_over_prompt_and_output():
     prompt, out = [10, 11, 12, 10], [20, 21]
-    states = make_states(SamplingParams(temperature=0, repetition_penalty=1.7), prompts=[prompt], outputs=[out])
+    states = make_states(
+        SamplingParams(temperature=0, repetition_penalty=1.7), prompts=[prompt], outputs=[out]
+    )
     feed(states, 22)
     feed(states, 20)
     logits = logits_for()
@@ -87,15 +89,20 @@ def test_repetition_penalty_matches_transformers_over_prompt_and_output():
 @pytest.mark.parametrize("presence,frequency", [(0.8, 0.0), (0.0, 0.6), (-0.5, 1.5), (2.0, -2.0)])
 def test_presence_and_frequency_penalties_follow_the_openai_formula_over_outputs_only(presence, frequency):
     prompt = [30, 31, 30]  # the prompt is not penalised by presence/frequency
-    states = make_states(SamplingParams(temperature=0, presence_penalty=presence, frequency_penalty=frequency),
-                         prompts=[prompt], outputs=[[5, 6]])
+    states = make_states(
+        SamplingParams(temperature=0, presence_penalty=presence, frequency_penalty=frequency),
+        prompts=[prompt],
+        outputs=[[5, 6]],
+    )
     sampled = [5, 7, 5]
     for t in sampled:
         feed(states, t)
     logits = logits_for()
     counts = torch.bincount(torch.tensor([5, 6] + sampled), minlength=V).float()
     expected = logits - frequency * counts - presence * (counts > 0).float()
-    torch.testing.assert_close(processed(states, logits), expected.unsqueeze(0) if expected.dim() == 1 else expected)
+    torch.testing.assert_close(
+        processed(states, logits), expected.unsqueeze(0) if expected.dim() == 1 else expected
+    )
     assert processed(states, logits)[0, 30] == logits[0, 30]
 
 
@@ -115,14 +122,20 @@ def test_logit_bias_matches_transformers_sequence_bias_and_is_clamped():
     states = make_states(params)
     logits = logits_for()
     expected = SequenceBiasLogitsProcessor({(3,): 2.5, (9,): -1.25, (17,): 100.0})(
-        torch.tensor([[10, 11, 12, 10]]), logits.clone())
+        torch.tensor([[10, 11, 12, 10]]), logits.clone()
+    )
     torch.testing.assert_close(processed(states, logits), expected)
-    assert Sampler(0, CPU, **CPU_SAMPLER)(logits.clone(), states.sampling_metadata(np.arange(1))).sampled.item() == 17
+    assert (
+        Sampler(0, CPU, **CPU_SAMPLER)(logits.clone(), states.sampling_metadata(np.arange(1))).sampled.item()
+        == 17
+    )
 
 
 def test_min_tokens_masks_eos_and_stop_ids_like_transformers_until_reached():
-    states = make_states(SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[7]),
-                         SamplingParams(temperature=0, min_tokens=3, ignore_eos=True, stop_token_ids=[7]))
+    states = make_states(
+        SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[7]),
+        SamplingParams(temperature=0, min_tokens=3, ignore_eos=True, stop_token_ids=[7]),
+    )
     logits = logits_for(2)
     prompt_len = 4
     for step in range(5):
@@ -157,7 +170,9 @@ def test_bad_words_single_and_multi_token_match_transformers_over_the_output():
 
 
 def test_allowed_token_ids_leave_only_those():
-    states = make_states(SamplingParams(temperature=0, allowed_token_ids=[4, 9, 33]), SamplingParams(temperature=0))
+    states = make_states(
+        SamplingParams(temperature=0, allowed_token_ids=[4, 9, 33]), SamplingParams(temperature=0)
+    )
     logits = logits_for(2)
     x = processed(states, logits)
     assert torch.isfinite(x[0]).nonzero().flatten().tolist() == [4, 9, 33]
@@ -189,8 +204,9 @@ def test_grammar_bitmask_unpacks_bit_j_of_word_w_to_token_32w_plus_j():
 
 
 def test_a_row_with_no_allowed_token_samples_minus_one():
-    states = make_states(SamplingParams(temperature=0, allowed_token_ids=[EOS], min_tokens=2),
-                         SamplingParams(temperature=0.7))
+    states = make_states(
+        SamplingParams(temperature=0, allowed_token_ids=[EOS], min_tokens=2), SamplingParams(temperature=0.7)
+    )
     md = states.sampling_metadata(np.arange(2))
     out = Sampler(0, CPU, **CPU_SAMPLER)(logits_for(2), md)
     assert out.sampled[0].item() == -1 and out.sampled[1].item() >= 0
@@ -228,7 +244,9 @@ def test_seeded_rows_do_not_depend_on_the_batch():
     sampler = Sampler(123, CPU, **CPU_SAMPLER)
     batch = logits_for(3, seed=5)
     batch[1] = logits[0]
-    together = [sampler(batch.clone(), states.sampling_metadata(np.arange(3))).sampled[1].item() for _ in range(5)]
+    together = [
+        sampler(batch.clone(), states.sampling_metadata(np.arange(3))).sampled[1].item() for _ in range(5)
+    ]
     assert alone == together
 
 
@@ -236,7 +254,8 @@ def test_temperature_draws_follow_the_softmax_and_never_pick_masked_tokens():
     logits = torch.randn(2, V, generator=torch.Generator().manual_seed(3)) * 2
     logits[:, 10:20] = float("-inf")
     md = make_states(SamplingParams(temperature=0.5), SamplingParams(temperature=2.0)).sampling_metadata(
-        np.arange(2))
+        np.arange(2)
+    )
     sampler = Sampler(0, CPU, **CPU_SAMPLER)
     counts = torch.zeros(2, V)
     n = 20000
@@ -252,7 +271,7 @@ def test_temperature_draws_follow_the_softmax_and_never_pick_masked_tokens():
 
 def test_bitmask_application_xgrammar_kernel_equals_the_torch_fallback(monkeypatch):
     rng = np.random.default_rng(0)
-    bitmask = torch.from_numpy(rng.integers(-2**31, 2**31 - 1, (4, 2), dtype=np.int64).astype(np.int32))
+    bitmask = torch.from_numpy(rng.integers(-(2**31), 2**31 - 1, (4, 2), dtype=np.int64).astype(np.int32))
     logits = logits_for(4)
     fast, slow = logits.clone(), logits.clone()
     apply_grammar_bitmask(fast, [0, 2, 3], bitmask)
@@ -260,8 +279,10 @@ def test_bitmask_application_xgrammar_kernel_equals_the_torch_fallback(monkeypat
     apply_grammar_bitmask(slow, [0, 2, 3], bitmask)
     torch.testing.assert_close(fast, slow)
     torch.testing.assert_close(fast[1], logits[1])
-    assert torch.isneginf(fast[0]).any() and torch.isneginf(fast[0]).tolist() == (~unpack_bitmask(
-        bitmask[:1], V)[0]).tolist()
+    assert (
+        torch.isneginf(fast[0]).any()
+        and torch.isneginf(fast[0]).tolist() == (~unpack_bitmask(bitmask[:1], V)[0]).tolist()
+    )
 
 
 def test_candidate_top_k_top_p_keep_the_same_tokens_as_sorting_the_vocabulary():
@@ -280,7 +301,9 @@ def test_candidate_top_k_top_p_keep_the_same_tokens_as_sorting_the_vocabulary():
         assert kept == set(torch.isfinite(reference[row]).nonzero().flatten().tolist())
 
 
-@pytest.mark.parametrize("scale,top_k,top_p", [(4.0, 0, 0.8), (4.0, 10, 1.0), (4.0, 20, 0.7), (0.05, 0, 0.95)])
+@pytest.mark.parametrize(
+    "scale,top_k,top_p", [(4.0, 0, 0.8), (4.0, 10, 1.0), (4.0, 20, 0.7), (0.05, 0, 0.95)]
+)
 def test_top_k_top_p_draws_follow_the_masked_softmax(scale, top_k, top_p):
     vocab, n = 512, 30000
     logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(11)) * scale
@@ -288,8 +311,9 @@ def test_top_k_top_p_draws_follow_the_masked_softmax(scale, top_k, top_p):
     expected = apply_top_k_top_p_min_p(logits, md).softmax(-1)[0]
     rows = 300
     batch = logits.repeat(rows, 1)
-    md_b = SamplingMetadata(False, torch.ones(rows), torch.full((rows,), top_k), torch.full((rows,), top_p), None,
-                            {})
+    md_b = SamplingMetadata(
+        False, torch.ones(rows), torch.full((rows,), top_k), torch.full((rows,), top_p), None, {}
+    )
     sampler = Sampler(0, CPU, **CPU_SAMPLER)
     counts = torch.zeros(vocab)
     for _ in range(n // rows):

@@ -40,7 +40,9 @@ def scheduler(**kw) -> Scheduler:
 
 
 def add(s: Scheduler, rid: str, grammar=None, **params) -> Request:
-    r = Request(rid, list(range(10, 18)), SamplingParams(max_tokens=params.pop("max_tokens", 20), **params), EOS)
+    r = Request(
+        rid, list(range(10, 18)), SamplingParams(max_tokens=params.pop("max_tokens", 20), **params), EOS
+    )
     r.structured_output = grammar
     s.add_request(r)
     return r
@@ -82,12 +84,22 @@ def test_grammar_rejection_dead_end_and_termination_finish_with_reasons():
     add(s, "done", FakeGrammar(length=1), ignore_eos=True)
     add(s, "plain-dead")
     so = s.schedule()
-    outs = {o.request_id: o for o in s.update_from_output(so, sample(so, {
-        "rejected": 7, "dead": -1, "done": 150, "plain-dead": -1}))}
-    assert (outs["rejected"].finish_reason, outs["rejected"].stop_reason) == ("error", "grammar_rejected_token")
+    outs = {
+        o.request_id: o
+        for o in s.update_from_output(
+            so, sample(so, {"rejected": 7, "dead": -1, "done": 150, "plain-dead": -1})
+        )
+    }
+    assert (outs["rejected"].finish_reason, outs["rejected"].stop_reason) == (
+        "error",
+        "grammar_rejected_token",
+    )
     assert outs["rejected"].new_token_ids == []
     assert (outs["dead"].finish_reason, outs["dead"].stop_reason) == ("error", "no_allowed_tokens")
-    assert (outs["plain-dead"].finish_reason, outs["plain-dead"].stop_reason) == ("error", "no_allowed_tokens")
+    assert (outs["plain-dead"].finish_reason, outs["plain-dead"].stop_reason) == (
+        "error",
+        "no_allowed_tokens",
+    )
     assert outs["done"].finish_reason == "stop" and outs["done"].new_token_ids == [150]
     assert not s.has_requests() and s.kv_cache_manager.usage == 0.0
 
@@ -99,8 +111,12 @@ def test_logprobs_pass_through_to_the_outputs():
     so = s.schedule()
     lp = ([5, 6], [-0.1, -2.5], 1)
     prompt = [([11], [-3.0], 7)] * 7
-    outs = {o.request_id: o for o in s.update_from_output(so, sample(
-        so, {"a": 5, "b": 9}, logprobs=[lp, None], prompt_logprobs={"a": prompt}))}
+    outs = {
+        o.request_id: o
+        for o in s.update_from_output(
+            so, sample(so, {"a": 5, "b": 9}, logprobs=[lp, None], prompt_logprobs={"a": prompt})
+        )
+    }
     assert outs["a"].new_logprobs == [lp] and outs["a"].new_prompt_logprobs == prompt
     assert outs["b"].new_logprobs is None and outs["b"].new_prompt_logprobs is None
 

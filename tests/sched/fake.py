@@ -17,7 +17,9 @@ def fake_run(sched: Scheduler, out: SchedulerOutput) -> ModelRunnerOutput:
     """Samples one token for every request that is not a prefill chunk, as the runner does."""
     req_ids, sampled = [], []
     before = {d.req_id: d.num_computed_tokens for d in out.scheduled_new_reqs}
-    before.update(zip(out.scheduled_cached_reqs.req_ids, out.scheduled_cached_reqs.num_computed_tokens, strict=True))
+    before.update(
+        zip(out.scheduled_cached_reqs.req_ids, out.scheduled_cached_reqs.num_computed_tokens, strict=True)
+    )
     for rid, n in out.num_scheduled_tokens.items():
         req_ids.append(rid)
         request = sched.requests[rid]

@@ -11,9 +11,17 @@ from .fake import Driver, token_at
 
 
 def make(num_blocks=256, budget=8192, policy="fcfs", caching=True, max_seqs=256, bs=16) -> Scheduler:
-    return Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, max_model_len=4096,
-                                     num_blocks=num_blocks, block_size=bs, enable_prefix_caching=caching,
-                                     policy=policy))
+    return Scheduler(
+        SchedulerConfig(
+            max_num_batched_tokens=budget,
+            max_num_seqs=max_seqs,
+            max_model_len=4096,
+            num_blocks=num_blocks,
+            block_size=bs,
+            enable_prefix_caching=caching,
+            policy=policy,
+        )
+    )
 
 
 def test_free_queue_is_intrusive_lru() -> None:
@@ -100,7 +108,9 @@ def test_preemption_under_a_tiny_pool_loses_nothing(policy: str) -> None:
     drv = Driver(sched)
     reqs = []
     for i in range(8):
-        r = Request(f"r{i}", [100 + i] * (30 + i), SamplingParams(max_tokens=40, ignore_eos=True), priority=i % 3)
+        r = Request(
+            f"r{i}", [100 + i] * (30 + i), SamplingParams(max_tokens=40, ignore_eos=True), priority=i % 3
+        )
         reqs.append(r)
         sched.add_request(r)
     drv.run_to_completion()
@@ -156,7 +166,9 @@ def test_stops_eos_stop_token_max_tokens_and_min_tokens() -> None:
     t2 = token_at("stop", 5)
     sched.add_request(Request("stop", [1, 2, 3, 4], SamplingParams(max_tokens=10, stop_token_ids=[t2])))
     t3 = token_at("min", 4)
-    sched.add_request(Request("min", [1, 2, 3, 4], SamplingParams(max_tokens=3, min_tokens=2), eos_token_id=t3))
+    sched.add_request(
+        Request("min", [1, 2, 3, 4], SamplingParams(max_tokens=3, min_tokens=2), eos_token_id=t3)
+    )
     drv.run_to_completion()
     assert drv.outputs["eos"] == [t1] and drv.finish_reasons["eos"] == "stop"
     assert len(drv.outputs["stop"]) == 2 and drv.finish_reasons["stop"] == "stop"

@@ -5,6 +5,8 @@ import sys
 
 
 def test_sched_never_imports_torch():
-    code = ("import sys; import aioengine.sched.scheduler, aioengine.sched.bench; "
-            "assert 'torch' not in sys.modules, 'sched imported torch'")
+    code = (
+        "import sys; import aioengine.sched.scheduler, aioengine.sched.bench; "
+        "assert 'torch' not in sys.modules, 'sched imported torch'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)

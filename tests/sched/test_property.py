@@ -39,20 +39,36 @@ events = st.lists(
         st.integers(0, 12),  # 0..: abort one random live request when 0
         st.integers(0, 40),  # shared-prefix id
     ),
-    min_size=1, max_size=40,
+    min_size=1,
+    max_size=40,
 )
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(events=events, budget=st.integers(8, 300), num_blocks=st.integers(12, 60),
-       block_size=st.sampled_from([4, 16]), threshold=st.sampled_from([0, 16, 50]),
-       policy=st.sampled_from(["fcfs", "priority"]), caching=st.booleans(), max_seqs=st.integers(1, 8),
-       seed=st.integers(0, 1000))
-def test_random_workloads_keep_invariants(events, budget, num_blocks, block_size, threshold, policy, caching,
-                                          max_seqs, seed) -> None:
-    cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, max_model_len=200,
-                          num_blocks=num_blocks, block_size=block_size, enable_prefix_caching=caching,
-                          long_prefill_token_threshold=threshold, policy=policy)
+@given(
+    events=events,
+    budget=st.integers(8, 300),
+    num_blocks=st.integers(12, 60),
+    block_size=st.sampled_from([4, 16]),
+    threshold=st.sampled_from([0, 16, 50]),
+    policy=st.sampled_from(["fcfs", "priority"]),
+    caching=st.booleans(),
+    max_seqs=st.integers(1, 8),
+    seed=st.integers(0, 1000),
+)
+def test_random_workloads_keep_invariants(
+    events, budget, num_blocks, block_size, threshold, policy, caching, max_seqs, seed
+) -> None:
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=budget,
+        max_num_seqs=max_seqs,
+        max_model_len=200,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        enable_prefix_caching=caching,
+        long_prefill_token_threshold=threshold,
+        policy=policy,
+    )
     sched = Scheduler(cfg)
     drv = Driver(sched)
     usable_tokens = (num_blocks - 1) * block_size
@@ -65,8 +81,12 @@ def test_random_workloads_keep_invariants(events, budget, num_blocks, block_size
             # A request must fit in the pool alone, or it could never run (the engine checks this).
             plen_i = max(1, min(plen, usable_tokens - max_tokens - block_size, 199 - max_tokens))
             prompt = ([prefix] * 20 + [n] * plen_i)[-plen_i:]
-            r = Request(f"r{n}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                        priority=(n * 7 + seed) % 3)
+            r = Request(
+                f"r{n}",
+                prompt,
+                SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                priority=(n * 7 + seed) % 3,
+            )
             n += 1
             sched.add_request(r)
             live[r.request_id] = r

@@ -12,8 +12,15 @@ def counters_b(b: Request) -> tuple[int, int, int]:
 
 
 def test_tour_worked_example() -> None:
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=1024, max_model_len=32768,
-                                      num_blocks=4096, block_size=16))
+    sched = Scheduler(
+        SchedulerConfig(
+            max_num_batched_tokens=8192,
+            max_num_seqs=1024,
+            max_model_len=32768,
+            num_blocks=4096,
+            block_size=16,
+        )
+    )
     drv = Driver(sched)
     params = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
     b = Request("B", list(range(1000, 1500)), params)
@@ -81,8 +88,14 @@ def test_tour_worked_example() -> None:
 
 
 def test_long_prefill_threshold_caps_one_prompt() -> None:
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=8192, max_model_len=32768, num_blocks=4096,
-                                      long_prefill_token_threshold=1000))
+    sched = Scheduler(
+        SchedulerConfig(
+            max_num_batched_tokens=8192,
+            max_model_len=32768,
+            num_blocks=4096,
+            long_prefill_token_threshold=1000,
+        )
+    )
     sched.add_request(Request("A", list(range(5000)), SamplingParams(max_tokens=4)))
     sched.add_request(Request("C", list(range(100, 3100)), SamplingParams(max_tokens=4)))
     out = sched.schedule()
@@ -90,8 +103,9 @@ def test_long_prefill_threshold_caps_one_prompt() -> None:
 
 
 def test_max_num_seqs_caps_admission() -> None:
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=3, max_model_len=1024,
-                                      num_blocks=256))
+    sched = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=3, max_model_len=1024, num_blocks=256)
+    )
     for i in range(5):
         sched.add_request(Request(f"r{i}", [1, 2, 3, i], SamplingParams(max_tokens=4)))
     out = sched.schedule()

@@ -41,8 +41,9 @@ class CpuOps(Ops):
         self._tables: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._memo: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if self.elementwise and x.dim() == 2 and clib.elementwise_ok(x):  # bf16: one fused pass
             if residual is None:
                 return clib.add_rms_norm(None, x, weight, eps)[0]
@@ -59,11 +60,14 @@ class CpuOps(Ops):
             self._tables[id(cos_sin_cache)] = entry
         return entry[1], entry[2]
 
-    def rotary(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
-               cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotary(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         num_heads = query.shape[1]
         if _adjacent_heads(query, key):  # q and k heads of one fused qkv row: rotate them in one go
-            both = query.as_strided((query.shape[0], num_heads + key.shape[1], query.shape[2]), query.stride())
+            both = query.as_strided(
+                (query.shape[0], num_heads + key.shape[1], query.shape[2]), query.stride()
+            )
             q, k = self.rotate(positions, both, cos_sin_cache).split([num_heads, key.shape[1]], dim=1)
             return q, k
         return self.rotate(positions, query, cos_sin_cache), self.rotate(positions, key, cos_sin_cache)
@@ -71,11 +75,20 @@ class CpuOps(Ops):
     def rotate(self, positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
         """Rotate ``x`` ``[T, H, D]`` (heads contiguous within a token) by ``positions``."""
         cos2, sin2 = self.rope_tables(cos_sin_cache)
-        if (self.elementwise and cos2.dtype == x.dtype and x.stride(2) == 1 and x.stride(1) == x.shape[2]
-                and positions.dtype == torch.int64 and positions.is_contiguous() and clib.elementwise_ok(x)):
+        if (
+            self.elementwise
+            and cos2.dtype == x.dtype
+            and x.stride(2) == 1
+            and x.stride(1) == x.shape[2]
+            and positions.dtype == torch.int64
+            and positions.is_contiguous()
+            and clib.elementwise_ok(x)
+        ):
             return clib.rotary(x, positions, cos2, sin2)  # bf16: one pass, the same roundings
         memo = self._memo
-        if memo is not None and memo[0] is positions and memo[1] is cos2:  # the layers of a step share one lookup
+        if (
+            memo is not None and memo[0] is positions and memo[1] is cos2
+        ):  # the layers of a step share one lookup
             rows_cos, rows_sin = memo[2], memo[3]
         else:
             rows_cos = cos2.index_select(0, positions).unsqueeze(1)
@@ -83,8 +96,9 @@ class CpuOps(Ops):
             self._memo = (positions, cos2, rows_cos, rows_sin)
         return x * rows_cos + x.roll(x.shape[2] // 2, -1) * rows_sin
 
-    def store_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
+    def store_kv(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
         num_tokens = slot_mapping.shape[0]
         if key.shape[0] != num_tokens:  # padded past num_tokens
             key, value = key[:num_tokens], value[:num_tokens]
@@ -93,8 +107,9 @@ class CpuOps(Ops):
         else:
             reference.store_kv(key, value, kv_cache, slot_mapping)
 
-    def attention(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                  scale: float) -> torch.Tensor:
+    def attention(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
         if not self.c_attention:
             return reference.paged_attention(query, kv_cache, meta, scale)
         pure_decode = meta.num_reqs == meta.num_decodes and query.shape[0] == meta.num_decodes
@@ -103,7 +118,6 @@ class CpuOps(Ops):
         if clib.supports(query, kv_cache) and clib.load() is not None:
             return reference.paged_attention(query, kv_cache, meta, scale, decodes=_c_decodes)
         return reference.paged_attention(query, kv_cache, meta, scale)
-
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """Widening bf16 is exact (the same winner), and torch's CPU argmax is much faster on float32 than
@@ -117,27 +131,39 @@ class CpuOps(Ops):
 
 def _adjacent_heads(query: torch.Tensor, key: torch.Tensor) -> bool:
     """Whether key's heads follow query's in memory with the same token stride (views of one qkv row)."""
-    return (query.dtype == key.dtype and query.stride() == key.stride() and query.stride(2) == 1
-            and query.stride(1) == query.shape[2] == key.shape[2] and query.shape[0] == key.shape[0]
-            and key.data_ptr() == query.data_ptr() + query.shape[1] * query.shape[2] * query.element_size())
+    return (
+        query.dtype == key.dtype
+        and query.stride() == key.stride()
+        and query.stride(2) == 1
+        and query.stride(1) == query.shape[2] == key.shape[2]
+        and query.shape[0] == key.shape[0]
+        and key.data_ptr() == query.data_ptr() + query.shape[1] * query.shape[2] * query.element_size()
+    )
 
 
-def _c_decodes(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def _c_decodes(
+    query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
     """The decode rows straight from the blocks: no gather, no padding (cpu_decode_attention.c)."""
-    return clib.decode_attention(query[:meta.num_decodes], kv_cache, meta.block_table, meta.seq_lens, scale)
+    return clib.decode_attention(query[: meta.num_decodes], kv_cache, meta.block_table, meta.seq_lens, scale)
 
 
-def _c_mixed(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def _c_mixed(
+    query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
     """bf16 on AVX512-BF16: decodes through the decode kernel, every prompt chunk (one token or thousands)
     through the packed prefill kernel, whose per-row arithmetic ignores how the prompt was chunked: a
     prefix-cache hit gives the same bits as computing the prompt afresh."""
     n, starts, nd = meta.num_actual_tokens, meta.query_start_loc_cpu, meta.num_decodes
     output = torch.zeros_like(query) if query.shape[0] > n else torch.empty_like(query)
     if nd:
-        output[:nd] = clib.decode_attention(query[:nd], kv_cache, meta.block_table[:nd], meta.seq_lens[:nd], scale)
+        output[:nd] = clib.decode_attention(
+            query[:nd], kv_cache, meta.block_table[:nd], meta.seq_lens[:nd], scale
+        )
     for i in range(nd, meta.num_reqs):
-        output[starts[i]:starts[i + 1]] = clib.prefill_attention(
-            query[starts[i]:starts[i + 1]], kv_cache, meta.block_table[i], meta.seq_lens_cpu[i], scale)
+        output[starts[i] : starts[i + 1]] = clib.prefill_attention(
+            query[starts[i] : starts[i + 1]], kv_cache, meta.block_table[i], meta.seq_lens_cpu[i], scale
+        )
     return output
 
 
@@ -186,18 +212,22 @@ class CpuBackend(Backend):
         if self.kernels.cpu_kernels:
             clib.load()  # built now (seconds), not inside the first step
 
-    def allocate_kv_caches(self, hf_config: Any, num_blocks: int, block_size: int,
-                           dtype: torch.dtype) -> list[torch.Tensor]:
+    def allocate_kv_caches(
+        self, hf_config: Any, num_blocks: int, block_size: int, dtype: torch.dtype
+    ) -> list[torch.Tensor]:
         """Head-major memory (``[2, blocks, heads, block_size, D]``) behind the usual shape: a decode reads one
         KV head's rows of a block as one contiguous run, which DRAM serves faster than rows strided by the
         other heads. Zeroed: padded attention reads slots nobody wrote (0 * NaN = NaN)."""
         two, blocks, size, heads, dim = kv_cache_shape(hf_config, num_blocks, block_size)
         with torch.inference_mode(False):  # normal tensors: writable under inference_mode and no_grad alike
-            return [torch.zeros((two, blocks, heads, size, dim), dtype=dtype).transpose(2, 3)
-                    for _ in range(hf_config.num_hidden_layers)]
+            return [
+                torch.zeros((two, blocks, heads, size, dim), dtype=dtype).transpose(2, 3)
+                for _ in range(hf_config.num_hidden_layers)
+            ]
 
-    def num_kv_blocks(self, runner: RunnerParts, args: EngineArgs, max_num_batched_tokens: int,
-                      max_num_seqs: int) -> int:
+    def num_kv_blocks(
+        self, runner: RunnerParts, args: EngineArgs, max_num_batched_tokens: int, max_num_seqs: int
+    ) -> int:
         return (args.kv_cache_memory_bytes or DEFAULT_KV_CACHE_BYTES) // runner.kv_cache_bytes_per_block()
 
     def build_fast_paths(self, runner: RunnerParts, args: EngineArgs, max_num_batched_tokens: int) -> None:
@@ -205,8 +235,9 @@ class CpuBackend(Backend):
         if k.cpu_kernels and k.cpu_decode_stack and k.cpu_elementwise and k.cpu_attention:
             self.decode_stack = CpuDecodeStack.build(runner.model, runner.kv_caches, self.ops.rope_tables)
 
-    def forward(self, runner: RunnerParts, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, runner: RunnerParts, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         stack = self.decode_stack
         if stack is not None and stack.takes(input_ids, meta):  # every layer in one C call, the same bits
             decoder: Any = runner.model.model  # a Llama-family decoder (the stack checked it when built)
@@ -214,8 +245,9 @@ class CpuBackend(Backend):
             return decoder.norm(hidden, residual)[0]
         return runner.model(input_ids, positions, runner.kv_caches, meta)
 
-    def finish_step(self, tensors: list[torch.Tensor],
-                    finish: Callable[..., ModelRunnerOutput]) -> ModelRunnerOutput:
+    def finish_step(
+        self, tensors: list[torch.Tensor], finish: Callable[..., ModelRunnerOutput]
+    ) -> ModelRunnerOutput:
         return finish(*tensors)
 
 

@@ -31,7 +31,9 @@ class HugePageArena:
     def __init__(self, chunk_bytes: int = _CHUNK) -> None:
         self.chunk_bytes = chunk_bytes
         self._lock = threading.Lock()
-        self._chunk: torch.Tensor | None = None  # uint8 view of the current mapping, from a huge-page boundary
+        self._chunk: torch.Tensor | None = (
+            None  # uint8 view of the current mapping, from a huge-page boundary
+        )
         self._used = 0
 
     def zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -47,7 +49,7 @@ class HugePageArena:
                 self._chunk, self._used = _mapping(self.chunk_bytes), 0
             start = self._used
             self._used = -(-(start + nbytes) // _ALIGN) * _ALIGN
-            return self._chunk[start:start + nbytes].view(dtype)
+            return self._chunk[start : start + nbytes].view(dtype)
 
 
 def _mapping(nbytes: int) -> torch.Tensor:
@@ -58,7 +60,7 @@ def _mapping(nbytes: int) -> torch.Tensor:
         buf.madvise(mmap.MADV_HUGEPAGE)
     whole = torch.frombuffer(buf, dtype=torch.uint8)  # keeps ``buf`` alive while any view of it lives
     offset = -whole.data_ptr() % HUGE_PAGE
-    return whole[offset:offset + length - HUGE_PAGE]
+    return whole[offset : offset + length - HUGE_PAGE]
 
 
 _arena = HugePageArena()

@@ -47,8 +47,15 @@ class PackedLinear(nn.Module):
     weight is not kept). ``float32_out``: with cpu_gemm.c, return the float32 sums unrounded (the LM head:
     logits that round to the same bf16 no longer tie, so greedy follows the float32 model more often)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, batch_size_hint: int = 64,
-                 float32_out: bool = False, silu_and_mul: bool = False, c_gemm: bool | None = None) -> None:
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        batch_size_hint: int = 64,
+        float32_out: bool = False,
+        silu_and_mul: bool = False,
+        c_gemm: bool | None = None,
+    ) -> None:
         """``silu_and_mul``: a fused gate_up weight whose output is ``silu(gate) * up`` (half the width), from the
         GEMM's epilogue; only where ``fuses_silu_and_mul`` says so. ``c_gemm``: cpu_gemm.c's layout (default:
         where it is built), else oneDNN's."""
@@ -57,14 +64,22 @@ class PackedLinear(nn.Module):
         self.dtype = weight.dtype
         self.c_gemm = c_gemm_enabled() if c_gemm is None else c_gemm
         assert not silu_and_mul or (self.c_gemm and self.fuses_silu_and_mul(weight, bias))
-        self.epilogue = (cpu_kernels.GEMM_SILU_MUL if silu_and_mul else
-                         cpu_kernels.GEMM_F32 if float32_out and self.c_gemm else cpu_kernels.GEMM_BF16)
+        self.epilogue = (
+            cpu_kernels.GEMM_SILU_MUL
+            if silu_and_mul
+            else cpu_kernels.GEMM_F32
+            if float32_out and self.c_gemm
+            else cpu_kernels.GEMM_BF16
+        )
         if self.c_gemm:  # on huge pages: every decode step streams the whole weight
             numel = cpu_kernels.packed_gemm_weight_elems(*weight.shape)
-            self.packed = cpu_kernels.pack_gemm_weight(weight, gated=silu_and_mul,
-                                                       out=huge_pages.zeros(numel, torch.bfloat16))
+            self.packed = cpu_kernels.pack_gemm_weight(
+                weight, gated=silu_and_mul, out=huge_pages.zeros(numel, torch.bfloat16)
+            )
         else:  # the hint picks a blocking; any number of rows runs on the result
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), batch_size_hint)
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(
+                weight.detach().contiguous(), batch_size_hint
+            )
         self.bias = None if bias is None else bias.detach().to(weight.dtype).contiguous().clone()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -78,7 +93,9 @@ class PackedLinear(nn.Module):
         None where this layer is not packed for it."""
         if not self.c_gemm or self.epilogue == cpu_kernels.GEMM_SILU_MUL:
             return None
-        return cpu_kernels.gemm(self._rows(x), self.packed, self.bias, self.out_features, cpu_kernels.GEMM_ARGMAX)
+        return cpu_kernels.gemm(
+            self._rows(x), self.packed, self.bias, self.out_features, cpu_kernels.GEMM_ARGMAX
+        )
 
     def _rows(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` as the GEMM takes it: 2-D rows (the runner's batches already are) of unit inner stride."""
@@ -93,8 +110,10 @@ class PackedLinear(nn.Module):
     def extra_repr(self) -> str:
         kind = "cpu_gemm" if self.c_gemm else "onednn"
         out = {cpu_kernels.GEMM_F32: ", float32 out", cpu_kernels.GEMM_SILU_MUL: ", silu_and_mul out"}
-        return (f"{self.in_features}, {self.out_features}, bias={self.bias is not None}, packed for {kind}"
-                f"{out.get(self.epilogue, '')}")
+        return (
+            f"{self.in_features}, {self.out_features}, bias={self.bias is not None}, packed for {kind}"
+            f"{out.get(self.epilogue, '')}"
+        )
 
 
 def pack_linears(model: nn.Module, mode: str = "auto") -> int:
@@ -113,14 +132,20 @@ def pack_linears(model: nn.Module, mode: str = "auto") -> int:
     done = 0
     for module in list(model.modules()):
         gate_up = getattr(module, "gate_up_proj", None)
-        if (c_gemm and type(gate_up) is nn.Linear and isinstance(getattr(module, "act_fn", None), SiluAndMul)
-                and PackedLinear.fuses_silu_and_mul(gate_up.weight, gate_up.bias)):
+        if (
+            c_gemm
+            and type(gate_up) is nn.Linear
+            and isinstance(getattr(module, "act_fn", None), SiluAndMul)
+            and PackedLinear.fuses_silu_and_mul(gate_up.weight, gate_up.bias)
+        ):
             module.gate_up_proj = PackedLinear(gate_up.weight, None, silu_and_mul=True, c_gemm=True)
             module.act_fn = nn.Identity()
             done += 1
     head = getattr(model, "lm_head", None)
     if isinstance(head, nn.Linear | nn.Embedding) and packing_enabled(head.weight):
-        model.lm_head = PackedLinear(head.weight, getattr(head, "bias", None), float32_out=True, c_gemm=c_gemm)
+        model.lm_head = PackedLinear(
+            head.weight, getattr(head, "bias", None), float32_out=True, c_gemm=c_gemm
+        )
         done += 1
     for module in list(model.modules()):
         for name, child in list(module.named_children()):

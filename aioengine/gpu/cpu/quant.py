@@ -60,8 +60,14 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class QuantizedLinear(nn.Module):
     """``y = x W^T + b`` for a quantized ``W``: the packed kernel for a few rows, a GEMM for many."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, method: str,
-                 max_rows_quantized: int = MAX_ROWS_QUANTIZED, linear: str = "auto") -> None:
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        method: str,
+        max_rows_quantized: int = MAX_ROWS_QUANTIZED,
+        linear: str = "auto",
+    ) -> None:
         """``linear``: how the large-batch GEMM runs (``KernelConfig.cpu_linear``)."""
         super().__init__()
         assert method in QUANTIZATION_METHODS, method
@@ -140,6 +146,7 @@ def quantize_model(model: nn.Module, method: str, linear: str = "auto") -> int:
         else:
             skipped += 1
     if skipped:
-        logger.warning("quantization %s: %d linear layers kept unquantized (shapes the kernel rejects)",
-                       method, skipped)
+        logger.warning(
+            "quantization %s: %d linear layers kept unquantized (shapes the kernel rejects)", method, skipped
+        )
     return done

@@ -31,7 +31,9 @@ logger = logging.getLogger(__name__)
 
 POLL_FIRST_S = 50e-6
 POLL_MAX_S = 1e-3
-HOST_FN_GRACE_S = 0.1  # default: how often a wait on a host function checks that its event has not long completed
+HOST_FN_GRACE_S = (
+    0.1  # default: how often a wait on a host function checks that its event has not long completed
+)
 
 
 class HostSignal:
@@ -142,7 +144,9 @@ class HostFunctions:
     """One engine's host functions: cuda-python's launcher (found on first use) or ``launcher`` if given,
     until one is lost; from then on this engine's outputs are polled."""
 
-    def __init__(self, launcher: Callable[[int, int], bool] | None = None, grace_s: float = HOST_FN_GRACE_S) -> None:
+    def __init__(
+        self, launcher: Callable[[int, int], bool] | None = None, grace_s: float = HOST_FN_GRACE_S
+    ) -> None:
         self.grace_s = grace_s
         self._launcher: Callable[[int, int], bool] | None = launcher
         self._looked = launcher is not None
@@ -156,8 +160,10 @@ class HostFunctions:
     def lost(self) -> None:
         """An event completed but its host function never ran."""
         if not self.polling:
-            logger.warning("a CUDA host function did not run after its event completed: step outputs are "
-                           "awaited by polling CUDA events from now on")
+            logger.warning(
+                "a CUDA host function did not run after its event completed: step outputs are "
+                "awaited by polling CUDA events from now on"
+            )
             self.polling = True
 
     def signal_after(self, stream: Any) -> HostSignal | None:

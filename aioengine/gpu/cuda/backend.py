@@ -34,30 +34,39 @@ def _triton() -> SimpleNamespace:
     from aioengine.kernels.triton.kv_store import store_kv_triton
     from aioengine.kernels.triton.norm_rope import rms_norm_triton, rotary_triton
 
-    return SimpleNamespace(rms_norm=rms_norm_triton, rotary=rotary_triton, silu_and_mul=silu_and_mul_triton,
-                           store_kv=store_kv_triton, attention=paged_attention_triton)
+    return SimpleNamespace(
+        rms_norm=rms_norm_triton,
+        rotary=rotary_triton,
+        silu_and_mul=silu_and_mul_triton,
+        store_kv=store_kv_triton,
+        attention=paged_attention_triton,
+    )
 
 
 class CudaOps(Ops):
     """Every layer op as a Triton kernel."""
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         return _triton().rms_norm(x, weight, eps, residual)
 
-    def rotary(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
-               cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotary(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return _triton().rotary(positions, query, key, cos_sin_cache)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return _triton().silu_and_mul(x)
 
-    def store_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
+    def store_kv(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
         _triton().store_kv(key, value, kv_cache, slot_mapping)
 
-    def attention(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                  scale: float) -> torch.Tensor:
+    def attention(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
         return _triton().attention(query, kv_cache, meta, scale)
 
 
@@ -88,15 +97,20 @@ class CudaBackend(Backend):
         if quantization is not None:
             raise ValueError(f"quantization={quantization!r} is a CPU option (its kernels are CPU kernels)")
 
-    def allocate_kv_caches(self, hf_config: Any, num_blocks: int, block_size: int,
-                           dtype: torch.dtype) -> list[torch.Tensor]:
+    def allocate_kv_caches(
+        self, hf_config: Any, num_blocks: int, block_size: int, dtype: torch.dtype
+    ) -> list[torch.Tensor]:
         """Zeroed: padded attention reads slots nobody wrote, and 0 * NaN = NaN."""
         shape = kv_cache_shape(hf_config, num_blocks, block_size)
         with torch.inference_mode(False):  # normal tensors: writable under inference_mode and no_grad alike
-            return [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(hf_config.num_hidden_layers)]
+            return [
+                torch.zeros(shape, dtype=dtype, device=self.device)
+                for _ in range(hf_config.num_hidden_layers)
+            ]
 
-    def num_kv_blocks(self, runner: RunnerParts, args: EngineArgs, max_num_batched_tokens: int,
-                      max_num_seqs: int) -> int:
+    def num_kv_blocks(
+        self, runner: RunnerParts, args: EngineArgs, max_num_batched_tokens: int, max_num_seqs: int
+    ) -> int:
         """With ``kv_cache_memory_bytes``: that budget. Else what ``gpu_memory_utilization`` leaves after a
         warm-up forward at the full token budget."""
         bytes_per_block = runner.kv_cache_bytes_per_block()
@@ -105,45 +119,72 @@ class CudaBackend(Backend):
         lens = warmup_lengths(max_num_batched_tokens, runner.max_model_len, max_num_seqs)
         try:
             profile = profile_memory(
-                runner.model, lambda n: self.allocate_kv_caches(runner.hf_config, n, runner.block_size, runner.dtype),
-                self.device, runner.block_size, lens, max_num_seqs)
+                runner.model,
+                lambda n: self.allocate_kv_caches(runner.hf_config, n, runner.block_size, runner.dtype),
+                self.device,
+                runner.block_size,
+                lens,
+                max_num_seqs,
+            )
         except torch.OutOfMemoryError as e:
-            raise RuntimeError(f"the warm-up step ({max_num_batched_tokens} tokens, logits for {max_num_seqs} "
-                               "rows) does not fit in GPU memory next to the weights: lower "
-                               "--max-num-batched-tokens or --max-num-seqs") from e
+            raise RuntimeError(
+                f"the warm-up step ({max_num_batched_tokens} tokens, logits for {max_num_seqs} "
+                "rows) does not fit in GPU memory next to the weights: lower "
+                "--max-num-batched-tokens or --max-num-seqs"
+            ) from e
         utilization = args.gpu_memory_utilization
         num_blocks = kv_cache_blocks(profile, utilization, bytes_per_block)
         gib = 1 << 30
-        logger.info("GPU memory: %.1f GiB total x %.2f, peak %.2f GiB (weights and a %d-token step), %.2f GiB "
-                    "outside torch: %d KV blocks (%.1f GiB)", profile.total_bytes / gib, utilization,
-                    profile.peak_torch_bytes / gib, sum(lens), profile.non_torch_bytes / gib, num_blocks,
-                    num_blocks * bytes_per_block / gib)
+        logger.info(
+            "GPU memory: %.1f GiB total x %.2f, peak %.2f GiB (weights and a %d-token step), %.2f GiB "
+            "outside torch: %d KV blocks (%.1f GiB)",
+            profile.total_bytes / gib,
+            utilization,
+            profile.peak_torch_bytes / gib,
+            sum(lens),
+            profile.non_torch_bytes / gib,
+            num_blocks,
+            num_blocks * bytes_per_block / gib,
+        )
         return num_blocks
 
     def build_fast_paths(self, runner: RunnerParts, args: EngineArgs, max_num_batched_tokens: int) -> None:
         if not args.enforce_eager:
             self.capture_graphs(runner, max_num_batched_tokens, args.max_cudagraph_capture_size)
 
-    def capture_graphs(self, runner: RunnerParts, max_num_batched_tokens: int,
-                       max_capture_size: int | None = None) -> list[int]:
+    def capture_graphs(
+        self, runner: RunnerParts, max_num_batched_tokens: int, max_capture_size: int | None = None
+    ) -> list[int]:
         """Capture decode graphs at the bucket sizes (after the KV cache exists); returns the sizes."""
-        sizes = capture_sizes(runner.max_num_reqs, max_num_batched_tokens, max_capture_size or MAX_CAPTURE_SIZE)
-        graphs = DecodeGraphs(runner.model, runner.kv_caches, sizes[-1], runner.max_blocks_per_req, self.device)
+        sizes = capture_sizes(
+            runner.max_num_reqs, max_num_batched_tokens, max_capture_size or MAX_CAPTURE_SIZE
+        )
+        graphs = DecodeGraphs(
+            runner.model, runner.kv_caches, sizes[-1], runner.max_blocks_per_req, self.device
+        )
         try:
             with torch.inference_mode():
                 graphs.capture(sizes, self.kernels.cuda_graph_capture_timeout_s)
         except Exception as e:
-            raise RuntimeError(f"CUDA graph capture failed ({e!r}); --enforce-eager runs without graphs") from e
+            raise RuntimeError(
+                f"CUDA graph capture failed ({e!r}); --enforce-eager runs without graphs"
+            ) from e
         self.graphs = graphs
         return graphs.sizes
 
-    def forward(self, runner: RunnerParts, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, runner: RunnerParts, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         """A uniform decode batch replays a graph; anything else runs eagerly."""
         num_tokens = input_ids.shape[0]
         size = self.graphs.size_for(meta, num_tokens) if self.graphs is not None else None
-        self.timeline.start("decode_graph" if size is not None else
-                            "decode_eager" if is_uniform_decode(meta, num_tokens) else "mixed")
+        self.timeline.start(
+            "decode_graph"
+            if size is not None
+            else "decode_eager"
+            if is_uniform_decode(meta, num_tokens)
+            else "mixed"
+        )
         if size is not None:
             assert self.graphs is not None
             return self.graphs.replay(size, input_ids, positions, meta)
@@ -152,7 +193,9 @@ class CudaBackend(Backend):
     def end_step(self) -> None:
         self.timeline.end()
 
-    def finish_step(self, tensors: list[torch.Tensor], finish: Callable[..., ModelRunnerOutput]) -> AsyncOutput:
+    def finish_step(
+        self, tensors: list[torch.Tensor], finish: Callable[..., ModelRunnerOutput]
+    ) -> AsyncOutput:
         """Copy into pinned memory on the copy stream; an event (and a host function) marks the end."""
         self.timeline.end()
         if self._copy_stream is None:

@@ -24,7 +24,9 @@ from aioengine.kernels.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
-MAX_CAPTURE_SIZE = 512  # the tour's cap: min(max_num_seqs x 1 x 2, 512) on an H100 (--max-cudagraph-capture-size)
+MAX_CAPTURE_SIZE = (
+    512  # the tour's cap: min(max_num_seqs x 1 x 2, 512) on an H100 (--max-cudagraph-capture-size)
+)
 
 
 def capture_sizes(max_num_seqs: int, max_num_batched_tokens: int, cap: int = MAX_CAPTURE_SIZE) -> list[int]:
@@ -53,8 +55,14 @@ def bucket_for(n: int, sizes: list[int]) -> int | None:
 class DecodeGraphs:
     """Static buffers for ``max_size`` decode rows and one captured graph per bucket size."""
 
-    def __init__(self, model: Any, kv_caches: list[torch.Tensor], max_size: int, max_blocks_per_req: int,
-                 device: torch.device) -> None:
+    def __init__(
+        self,
+        model: Any,
+        kv_caches: list[torch.Tensor],
+        max_size: int,
+        max_blocks_per_req: int,
+        device: torch.device,
+    ) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.max_size = max_size
@@ -72,13 +80,22 @@ class DecodeGraphs:
     def metadata(self, size: int) -> AttentionMetadata:
         """Metadata over the static buffers: only device tensors and shape-derived host ints."""
         return AttentionMetadata(
-            num_reqs=size, num_decodes=size, num_actual_tokens=size, max_query_len=1,
+            num_reqs=size,
+            num_decodes=size,
+            num_actual_tokens=size,
+            max_query_len=1,
             max_seq_len=self.block_table.shape[1],  # unused by the Triton path
-            query_start_loc=self.query_start_loc[: size + 1], seq_lens=self.seq_lens[:size],
-            block_table=self.block_table[:size], slot_mapping=self.slot_mapping[:size],
-            query_start_loc_cpu=[], seq_lens_cpu=[])
+            query_start_loc=self.query_start_loc[: size + 1],
+            seq_lens=self.seq_lens[:size],
+            block_table=self.block_table[:size],
+            slot_mapping=self.slot_mapping[:size],
+            query_start_loc_cpu=[],
+            seq_lens_cpu=[],
+        )
 
-    def load(self, size: int, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
+    def load(
+        self, size: int, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> None:
         """Copy a decode batch of ``n = meta.num_reqs`` rows into the buffers and pad rows n..size-1."""
         n = meta.num_reqs
         width = meta.block_table.shape[1]
@@ -120,11 +137,20 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         self.sizes = sorted(self.graphs)
         elapsed = time.perf_counter() - t0
-        logger.info("captured %d CUDA graphs for decode batches of %s rows in %.1f s (time limit %.0f s)",
-                    len(self.sizes), _ranges(self.sizes), elapsed, time_limit_s)
+        logger.info(
+            "captured %d CUDA graphs for decode batches of %s rows in %.1f s (time limit %.0f s)",
+            len(self.sizes),
+            _ranges(self.sizes),
+            elapsed,
+            time_limit_s,
+        )
         if skipped:
-            logger.warning("CUDA graph capture hit its time limit of %.0f s: batches of %s rows pad to a larger "
-                           "graph or run eagerly", time_limit_s, _ranges(sorted(skipped)))
+            logger.warning(
+                "CUDA graph capture hit its time limit of %.0f s: batches of %s rows pad to a larger "
+                "graph or run eagerly",
+                time_limit_s,
+                _ranges(sorted(skipped)),
+            )
         return self.sizes
 
     def size_for(self, meta: AttentionMetadata, num_input_tokens: int) -> int | None:
@@ -134,13 +160,16 @@ class DecodeGraphs:
             return None
         return bucket_for(meta.num_reqs, self.sizes)
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
+    def run(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor | None:
         """Hidden states ``[n, hidden]`` by replaying a graph, or None when this batch runs eagerly."""
         size = self.size_for(meta, input_ids.shape[0])
         return None if size is None else self.replay(size, input_ids, positions, meta)
 
-    def replay(self, size: int, input_ids: torch.Tensor, positions: torch.Tensor,
-               meta: AttentionMetadata) -> torch.Tensor:
+    def replay(
+        self, size: int, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         """Hidden states ``[n, hidden]`` from the graph of ``size`` (``size_for``'s answer for this batch)."""
         n = meta.num_reqs
         self.load(size, input_ids, positions, meta)

@@ -23,7 +23,9 @@ class MemoryProfile:
 def kv_cache_blocks(profile: MemoryProfile, gpu_memory_utilization: float, bytes_per_block: int) -> int:
     """``(total * utilization - non-torch - peak) // bytes_per_block``, never below 0."""
     assert 0.0 < gpu_memory_utilization <= 1.0 and bytes_per_block > 0
-    budget = int(profile.total_bytes * gpu_memory_utilization) - profile.non_torch_bytes - profile.peak_torch_bytes
+    budget = (
+        int(profile.total_bytes * gpu_memory_utilization) - profile.non_torch_bytes - profile.peak_torch_bytes
+    )
     return max(budget, 0) // bytes_per_block
 
 
@@ -38,8 +40,14 @@ def warmup_lengths(num_tokens: int, max_model_len: int, max_num_seqs: int) -> li
     return lens
 
 
-def profile_memory(model: Any, allocate_kv_caches: Callable[[int], list[Any]], device: Any, block_size: int,
-                   lens: list[int], num_logit_rows: int) -> MemoryProfile:
+def profile_memory(
+    model: Any,
+    allocate_kv_caches: Callable[[int], list[Any]],
+    device: Any,
+    block_size: int,
+    lens: list[int],
+    num_logit_rows: int,
+) -> MemoryProfile:
     """Run prompts of ``lens`` through ``model`` (a throwaway KV cache just big enough, from
     ``allocate_kv_caches(num_blocks)``), then logits and sampling temporaries for ``num_logit_rows`` rows;
     measure the peak (CUDA only; blocks the caller)."""
@@ -65,7 +73,9 @@ def profile_memory(model: Any, allocate_kv_caches: Callable[[int], list[Any]], d
         input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
         hidden = model(input_ids, positions, kv_caches, meta)
         rows = torch.arange(num_logit_rows, device=device) % num_tokens
-        probs = model.compute_logits(hidden[rows]).float().softmax(-1)  # the sampler's [rows, vocab] temporaries
+        probs = (
+            model.compute_logits(hidden[rows]).float().softmax(-1)
+        )  # the sampler's [rows, vocab] temporaries
         (probs / torch.rand_like(probs)).argmax(-1)
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device) - kv_bytes

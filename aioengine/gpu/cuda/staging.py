@@ -60,7 +60,7 @@ class HostStaging:
             self._nbytes = max(self._nbytes, 2 * n)
             buf = self._bufs[self._slot] = torch.empty(self._nbytes, dtype=torch.uint8, pin_memory=True)
             start = 0
-        host = buf[start:start + n]
+        host = buf[start : start + n]
         host.numpy()[:] = array.reshape(-1).view(np.uint8)
         self._off = start + n
         host = host.view(_torch_dtype(array.dtype)).view(array.shape)

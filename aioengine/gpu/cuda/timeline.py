@@ -36,8 +36,12 @@ class IdleStats:
             s.idle_ms += idle_ms
 
     def as_dict(self) -> dict[str, float]:
-        d = {"gpu_steps": self.steps, "gpu_busy_ms": self.busy_ms, "gpu_idle_ms": self.idle_ms,
-             "gpu_idle_fraction": self.idle_fraction}
+        d = {
+            "gpu_steps": self.steps,
+            "gpu_busy_ms": self.busy_ms,
+            "gpu_idle_ms": self.idle_ms,
+            "gpu_idle_fraction": self.idle_fraction,
+        }
         for kind, s in sorted(self.by_kind.items()):
             d[f"gpu_steps_{kind}"] = s.steps
             d[f"gpu_busy_ms_{kind}"] = s.busy_ms

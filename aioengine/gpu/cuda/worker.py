@@ -27,7 +27,9 @@ class CudaWorker(CpuWorker):
         import torch
 
         if not torch.cuda.is_available():
-            raise RuntimeError("device='cuda' but torch sees no CUDA device (torch.cuda.is_available() is False)")
+            raise RuntimeError(
+                "device='cuda' but torch sees no CUDA device (torch.cuda.is_available() is False)"
+            )
         torch.cuda.set_device(device_index)
         stream = torch.cuda.Stream(device_index)
         torch.cuda.set_stream(stream)  # thread-local: every launch of this worker goes to this stream

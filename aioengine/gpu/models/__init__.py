@@ -35,4 +35,11 @@ def sliding_window(cfg: Any) -> int | None:
     return int(window) if window and get("use_sliding_window", True) else None
 
 
-__all__ = ["MODEL_REGISTRY", "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "get_model_class", "sliding_window"]
+__all__ = [
+    "MODEL_REGISTRY",
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "get_model_class",
+    "sliding_window",
+]

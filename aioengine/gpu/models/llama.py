@@ -171,14 +171,17 @@ class LlamaForCausalLM(nn.Module):
         bias = bool(getattr(config, "attention_bias", False))
         return bias, bias
 
-    def __init__(self, config: Any, dtype: torch.dtype = torch.float32, device: Any = "cpu",
-                 ops: Ops = REFERENCE_OPS) -> None:
+    def __init__(
+        self, config: Any, dtype: torch.dtype = torch.float32, device: Any = "cpu", ops: Ops = REFERENCE_OPS
+    ) -> None:
         """``ops``: the backend's op set (the torch references by default)."""
         super().__init__()
         self.config = config
         self.ops = ops
         qkv_bias, o_bias = self.attention_biases(config)
-        self.model = LlamaModel(config, dtype, device, ops, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=self.qk_norm)
+        self.model = LlamaModel(
+            config, dtype, device, ops, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=self.qk_norm
+        )
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens  # same weight; the checkpoint may omit lm_head
@@ -211,7 +214,9 @@ class LlamaForCausalLM(nn.Module):
         table = layers[0].self_attn.rotary_emb.cos_sin_cache if len(layers) else None
         if table is None or table.shape[0] >= max_model_len:
             return
-        rope = get_rope(head_dim_of(self.config), max_model_len, self.config, table.dtype, table.device, self.ops)
+        rope = get_rope(
+            head_dim_of(self.config), max_model_len, self.config, table.dtype, table.device, self.ops
+        )
         for layer in layers:
             layer.self_attn.rotary_emb = rope
 

@@ -29,8 +29,16 @@ from aioengine import env
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name(n) for n in ("cpu_decode_attention.c", "cpu_prefill_attention.c",
-                                                  "cpu_elementwise.c", "cpu_gemm.c", "cpu_decode_stack.c")]
+_SOURCES = [
+    Path(__file__).with_name(n)
+    for n in (
+        "cpu_decode_attention.c",
+        "cpu_prefill_attention.c",
+        "cpu_elementwise.c",
+        "cpu_gemm.c",
+        "cpu_decode_stack.c",
+    )
+]
 # Included by the sources: part of the build's hash.
 _HEADERS = [Path(__file__).with_name(n) for n in ("cpu_bf16.h", "cpu_avx512.h", "cpu_kernels.h")]
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]  # compile only
@@ -62,8 +70,9 @@ def _tune_flags(compiler: str) -> list[str]:
     if "avx512f" not in _cpu_flags().split():
         return []
     try:
-        target = subprocess.run([compiler, "-march=native", "-Q", "--help=target"], capture_output=True, text=True,
-                                timeout=30).stdout
+        target = subprocess.run(
+            [compiler, "-march=native", "-Q", "--help=target"], capture_output=True, text=True, timeout=30
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return []
     tune = next((line.split()[-1] for line in target.splitlines() if line.strip().startswith("-mtune=")), "")
@@ -73,8 +82,11 @@ def _tune_flags(compiler: str) -> list[str]:
 def _build(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     flags = [*_FLAGS, *_tune_flags(compiler)]
-    key = hashlib.sha256("\0".join([*(p.read_text() for p in _SOURCES + _HEADERS), version, _cpu_flags(), *flags,
-                                    *_LINK_FLAGS]).encode()).hexdigest()
+    key = hashlib.sha256(
+        "\0".join(
+            [*(p.read_text() for p in _SOURCES + _HEADERS), version, _cpu_flags(), *flags, *_LINK_FLAGS]
+        ).encode()
+    ).hexdigest()
     target = _cache_dir() / f"cpu_kernels-{key[:16]}.so"
     if target.exists():
         return target
@@ -82,11 +94,21 @@ def _build(compiler: str) -> Path:
     with tempfile.TemporaryDirectory(dir=target.parent) as work:
         objects = [str(Path(work) / f"{src.stem}.o") for src in _SOURCES]
         for src, obj in zip(_SOURCES, objects, strict=True):
-            subprocess.run([compiler, *flags, "-c", str(src), "-o", obj], capture_output=True, text=True,
-                           check=True, timeout=120)
+            subprocess.run(
+                [compiler, *flags, "-c", str(src), "-o", obj],
+                capture_output=True,
+                text=True,
+                check=True,
+                timeout=120,
+            )
         tmp = str(Path(work) / "lib.so")
-        subprocess.run([compiler, *_LINK_FLAGS, *objects, "-o", tmp, "-lm"], capture_output=True, text=True,
-                       check=True, timeout=120)
+        subprocess.run(
+            [compiler, *_LINK_FLAGS, *objects, "-o", tmp, "-lm"],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=120,
+        )
         os.replace(tmp, target)  # atomic: a concurrent builder finds a whole file or none
     return target
 
@@ -106,16 +128,34 @@ def load() -> ctypes.CDLL | None:
             lib = ctypes.CDLL(str(_build(compiler)))
         except (OSError, subprocess.SubprocessError) as e:
             detail = getattr(e, "stderr", "") or ""
-            logger.warning("CPU decode-attention kernel unavailable (%s %s); using the torch path", e, detail[-500:])
+            logger.warning(
+                "CPU decode-attention kernel unavailable (%s %s); using the torch path", e, detail[-500:]
+            )
             _failed = True
             return None
         for name in (*_FUNCS.values(), "decode_attention_bf16_generic"):
             fn = getattr(lib, name)
             fn.restype = ctypes.c_int
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                           ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
-                           ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int64,
-                           ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+            fn.argtypes = [
+                ctypes.c_void_p,
+                ctypes.c_int64,
+                ctypes.c_void_p,
+                ctypes.c_void_p,
+                ctypes.c_void_p,
+                ctypes.c_int64,
+                ctypes.c_void_p,
+                ctypes.c_void_p,
+                ctypes.c_int,
+                ctypes.c_int,
+                ctypes.c_int,
+                ctypes.c_int,
+                ctypes.c_int,
+                ctypes.c_float,
+                ctypes.c_int64,
+                ctypes.c_int64,
+                ctypes.c_int64,
+                ctypes.c_int,
+            ]
         lib.decode_attention_bf16_vectorized.restype = ctypes.c_int
         lib.decode_attention_bf16_vectorized.argtypes = []
         lib.exp_f32.restype = ctypes.c_int
@@ -157,21 +197,37 @@ def cache_pointers(kv_cache: torch.Tensor) -> tuple[int, int]:
 
 def elementwise_ok(x: torch.Tensor) -> bool:
     """Whether the fused elementwise kernels take ``x`` (bf16 on the CPU, rows with unit inner stride)."""
-    return (x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() >= 2 and x.stride(-1) == 1
-            and load() is not None)
+    return (
+        x.dtype == torch.bfloat16
+        and x.device.type == "cpu"
+        and x.dim() >= 2
+        and x.stride(-1) == 1
+        and load() is not None
+    )
 
 
-def add_rms_norm(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(x + residual) * weight, x + residual)``; with ``x`` None, ``(rms_norm(residual) * weight,
     residual)``. 2-D bf16 ``[rows, hidden]``, rows may be strided."""
     rows, hidden = residual.shape
     out = torch.empty((rows, hidden), dtype=residual.dtype)
     new_residual = residual if x is None else torch.empty((rows, hidden), dtype=residual.dtype)
     weight = weight.contiguous()
-    _lib.add_rms_norm_bf16(0 if x is None else x.data_ptr(), 0 if x is None else x.stride(0),
-                           residual.data_ptr(), residual.stride(0), new_residual.data_ptr(), weight.data_ptr(),
-                           out.data_ptr(), rows, hidden, eps, torch.get_num_threads())
+    _lib.add_rms_norm_bf16(
+        0 if x is None else x.data_ptr(),
+        0 if x is None else x.stride(0),
+        residual.data_ptr(),
+        residual.stride(0),
+        new_residual.data_ptr(),
+        weight.data_ptr(),
+        out.data_ptr(),
+        rows,
+        hidden,
+        eps,
+        torch.get_num_threads(),
+    )
     return out, new_residual
 
 
@@ -182,8 +238,18 @@ def rotary(x: torch.Tensor, positions: torch.Tensor, cos2: torch.Tensor, sin2: t
     assert x.stride(2) == 1 and x.stride(1) == head_dim and cos2.is_contiguous() and sin2.is_contiguous()
     assert positions.dtype == torch.int64 and positions.is_contiguous()
     out = torch.empty((tokens, heads, head_dim), dtype=x.dtype)
-    _lib.rotary_bf16(x.data_ptr(), x.stride(0), positions.data_ptr(), cos2.data_ptr(), sin2.data_ptr(),
-                     out.data_ptr(), tokens, heads, head_dim, torch.get_num_threads())
+    _lib.rotary_bf16(
+        x.data_ptr(),
+        x.stride(0),
+        positions.data_ptr(),
+        cos2.data_ptr(),
+        sin2.data_ptr(),
+        out.data_ptr(),
+        tokens,
+        heads,
+        head_dim,
+        torch.get_num_threads(),
+    )
     return out
 
 
@@ -203,7 +269,9 @@ def packed_gemm_weight_elems(n: int, k: int) -> int:
     return _lib.packed_gemm_weight_elems(n, k)
 
 
-def pack_gemm_weight(weight: torch.Tensor, gated: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+def pack_gemm_weight(
+    weight: torch.Tensor, gated: bool = False, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """A bf16 ``[N, K]`` weight in gemm's panel layout (a flat bf16 tensor, written into ``out`` if given).
     ``gated``: a fused gate_up weight (gate rows, then up rows; N a multiple of 64) laid out for the
     GEMM_SILU_MUL epilogue."""
@@ -225,24 +293,43 @@ def silu_table() -> torch.Tensor:
     return F.silu(every_bf16).float()
 
 
-def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
-         epilogue: int = GEMM_BF16) -> torch.Tensor:
+def gemm(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_features: int,
+    epilogue: int = GEMM_BF16,
+) -> torch.Tensor:
     """``x [M, K] @ W^T (+ bias)`` with ``W [N, K]`` packed by ``pack_gemm_weight``; ``x``'s rows may be strided
     (unit inner stride). Returns bf16 ``[M, N]``; with GEMM_F32 float32 ``[M, N]`` (the sums unrounded); with
     GEMM_SILU_MUL (a gated weight, no bias) bf16 ``[M, N / 2]``: silu(gate) * up, rounded as torch rounds; with
     GEMM_ARGMAX int64 ``[M]``: ``argmax`` of the float32 row, as torch picks it (first maximum; NaN wins)."""
     m, k = x.shape
-    assert x.dtype == torch.bfloat16 and x.stride(1) == 1 and packed.numel() == _lib.packed_gemm_weight_elems(
-        out_features, k)
+    assert (
+        x.dtype == torch.bfloat16
+        and x.stride(1) == 1
+        and packed.numel() == _lib.packed_gemm_weight_elems(out_features, k)
+    )
     width = out_features // 2 if epilogue == GEMM_SILU_MUL else out_features
     if epilogue == GEMM_ARGMAX:
         out = torch.empty(m, dtype=torch.int64)
     else:
         out = torch.empty((m, width), dtype=torch.float32 if epilogue == GEMM_F32 else torch.bfloat16)
     if m:
-        status = _lib.gemm_bf16(x.data_ptr(), x.stride(0), packed.data_ptr(), 0 if bias is None else bias.data_ptr(),
-                                out.data_ptr(), width, m, out_features, k, epilogue,
-                                silu_table().data_ptr() if epilogue == GEMM_SILU_MUL else 0, torch.get_num_threads())
+        status = _lib.gemm_bf16(
+            x.data_ptr(),
+            x.stride(0),
+            packed.data_ptr(),
+            0 if bias is None else bias.data_ptr(),
+            out.data_ptr(),
+            width,
+            m,
+            out_features,
+            k,
+            epilogue,
+            silu_table().data_ptr() if epilogue == GEMM_SILU_MUL else 0,
+            torch.get_num_threads(),
+        )
         if status == -3:
             raise MemoryError("gemm_bf16: no memory for the argmax's partial results")
         assert status == 0, f"gemm_bf16 rejected the call ({status})"
@@ -253,9 +340,17 @@ def supports(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """Whether the kernel takes these shapes and dtypes (else the caller runs the torch path)."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
-    return (query.dtype in _FUNCS and kv_cache.dtype == query.dtype and query.device.type == "cpu"
-            and head_dim <= 256 and num_heads // num_kv_heads <= 16 and block_size <= 64
-            and query.stride(2) == 1 and query.stride(1) == head_dim and kv_cache.stride(4) == 1)
+    return (
+        query.dtype in _FUNCS
+        and kv_cache.dtype == query.dtype
+        and query.device.type == "cpu"
+        and head_dim <= 256
+        and num_heads // num_kv_heads <= 16
+        and block_size <= 64
+        and query.stride(2) == 1
+        and query.stride(1) == head_dim
+        and kv_cache.stride(4) == 1
+    )
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
@@ -269,20 +364,44 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
 
 def store_ok(key: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """Whether store_kv takes these (CPU tensors of one dtype, rows of D contiguous elements)."""
-    return (kv_cache.device.type == "cpu" and key.dtype == kv_cache.dtype and key.stride(-1) == 1
-            and key.stride(-2) == key.shape[-1] and kv_cache.stride(4) == 1 and load() is not None)
+    return (
+        kv_cache.device.type == "cpu"
+        and key.dtype == kv_cache.dtype
+        and key.stride(-1) == 1
+        and key.stride(-2) == key.shape[-1]
+        and kv_cache.stride(4) == 1
+        and load() is not None
+    )
 
 
-def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def store_kv(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """Write ``key``/``value`` ``[T, Hkv, D]`` into the cache slots ``slot_mapping`` ``[T]``; a slot outside the
     cache (-1: a padded row) is skipped, never written out of bounds."""
     assert value.stride(-1) == 1 and value.stride(-2) == value.shape[-1] and value.dtype == key.dtype
-    slots = slot_mapping if slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous() \
+    slots = (
+        slot_mapping
+        if slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()
         else slot_mapping.to(torch.int64).contiguous()
-    _lib.store_kv_cpu(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), *cache_pointers(kv_cache),
-                      slots.data_ptr(), slots.shape[0], kv_cache.shape[3],
-                      kv_cache.shape[4], kv_cache.shape[2], kv_cache.stride(1), kv_cache.stride(2),
-                      kv_cache.stride(3), kv_cache.element_size(), kv_cache.shape[1] * kv_cache.shape[2])
+    )
+    _lib.store_kv_cpu(
+        key.data_ptr(),
+        key.stride(0),
+        value.data_ptr(),
+        value.stride(0),
+        *cache_pointers(kv_cache),
+        slots.data_ptr(),
+        slots.shape[0],
+        kv_cache.shape[3],
+        kv_cache.shape[4],
+        kv_cache.shape[2],
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        kv_cache.element_size(),
+        kv_cache.shape[1] * kv_cache.shape[2],
+    )
 
 
 def fast_prefill(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
@@ -291,12 +410,22 @@ def fast_prefill(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     takes. Even one row per query token beats gather + SDPA for bf16, short prompts and long contexts alike;
     for float32 SDPA's GEMMs win, so float32 keeps them."""
     lib = load()
-    return (lib is not None and query.dtype == torch.bfloat16 and query.shape[2] % 32 == 0
-            and bool(lib.decode_attention_bf16_vectorized()) and supports(query, kv_cache))
+    return (
+        lib is not None
+        and query.dtype == torch.bfloat16
+        and query.shape[2] % 32 == 0
+        and bool(lib.decode_attention_bf16_vectorized())
+        and supports(query, kv_cache)
+    )
 
 
-def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-                     seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+def decode_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """query ``[B, Hq, D]`` (one token per request) -> ``[B, Hq, D]`` over each request's blocks."""
     lib = load()
     assert lib is not None and supports(query, kv_cache)
@@ -307,27 +436,60 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     assert block_table.stride(1) == 1 and seq_lens.is_contiguous()
     out = torch.empty((num_reqs, num_heads, head_dim), dtype=query.dtype)
     status = getattr(lib, _FUNCS[query.dtype])(
-        query.data_ptr(), query.stride(0), *cache_pointers(kv_cache),
-        block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(), out.data_ptr(), num_reqs,
-        num_heads, num_kv_heads, head_dim, block_size, scale, kv_cache.stride(1), kv_cache.stride(2),
-        kv_cache.stride(3), torch.get_num_threads())
+        query.data_ptr(),
+        query.stride(0),
+        *cache_pointers(kv_cache),
+        block_table.data_ptr(),
+        block_table.stride(0),
+        seq_lens.data_ptr(),
+        out.data_ptr(),
+        num_reqs,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        scale,
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        torch.get_num_threads(),
+    )
     assert status == 0, "kernel rejected the shapes"
     return out
 
 
-def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, blocks: torch.Tensor, seq_len: int,
-                      scale: float) -> torch.Tensor:
+def prefill_attention(
+    query: torch.Tensor, kv_cache: torch.Tensor, blocks: torch.Tensor, seq_len: int, scale: float
+) -> torch.Tensor:
     """One request's chunk: query ``[q_len, Hq, D]`` (its last token at position ``seq_len - 1``) over the
     blocks ``blocks`` (int32, the request's block-table row) -> ``[q_len, Hq, D]``."""
     q_len, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     assert query.stride(2) == 1 and query.stride(1) == head_dim and kv_cache.stride(4) == 1
-    blocks = blocks if blocks.dtype == torch.int32 and blocks.is_contiguous() else blocks.to(torch.int32).contiguous()
+    blocks = (
+        blocks
+        if blocks.dtype == torch.int32 and blocks.is_contiguous()
+        else blocks.to(torch.int32).contiguous()
+    )
     out = torch.empty((q_len, num_heads, head_dim), dtype=query.dtype)
     status = load().prefill_attention_bf16(
-        query.data_ptr(), query.stride(0), *cache_pointers(kv_cache),
-        blocks.data_ptr(), q_len, seq_len, out.data_ptr(), num_heads, num_kv_heads, head_dim, block_size, scale,
-        kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), torch.get_num_threads())
+        query.data_ptr(),
+        query.stride(0),
+        *cache_pointers(kv_cache),
+        blocks.data_ptr(),
+        q_len,
+        seq_len,
+        out.data_ptr(),
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        scale,
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        torch.get_num_threads(),
+    )
     if status == -2:
         raise MemoryError("prefill attention: no memory for the packed keys and values")
     assert status == 0, f"prefill kernel rejected the shapes ({status})"

@@ -13,8 +13,10 @@ from aioengine.gpu.loader import load_model
 from aioengine.kernels.cpu import clib as cpu_kernels
 from aioengine.kernels.metadata import AttentionMetadata
 
-pytestmark = pytest.mark.skipif(cpu_kernels.load() is None or not packing_enabled(torch.empty(1, dtype=torch.bfloat16)),
-                                reason="needs the C kernels and oneDNN bf16")
+pytestmark = pytest.mark.skipif(
+    cpu_kernels.load() is None or not packing_enabled(torch.empty(1, dtype=torch.bfloat16)),
+    reason="needs the C kernels and oneDNN bf16",
+)
 BLOCK_SIZE = 16
 
 
@@ -32,10 +34,15 @@ def _run(model, config) -> list[torch.Tensor]:
     steps = [([0, 0], [20, 0]), ([20, 0], [17, 30]), ([37, 30], [0, 20])]  # (computed, scheduled) per req
     for computed, scheduled in steps:
         reqs = [i for i in range(2) if scheduled[i]]
-        ids = torch.cat([prompts[i][computed[i]:computed[i] + scheduled[i]] for i in reqs])
+        ids = torch.cat([prompts[i][computed[i] : computed[i] + scheduled[i]] for i in reqs])
         pos = torch.cat([torch.arange(computed[i], computed[i] + scheduled[i]) for i in reqs])
-        meta = AttentionMetadata.build([scheduled[i] for i in reqs], [computed[i] + scheduled[i] for i in reqs],
-                                       table[reqs], BLOCK_SIZE, num_decodes=0)
+        meta = AttentionMetadata.build(
+            [scheduled[i] for i in reqs],
+            [computed[i] + scheduled[i] for i in reqs],
+            table[reqs],
+            BLOCK_SIZE,
+            num_decodes=0,
+        )
         hidden = model(ids, pos, kv, meta)
         logits.append(model.compute_logits(hidden).float())
     tokens = [37, 50]
@@ -47,22 +54,36 @@ def _run(model, config) -> list[torch.Tensor]:
     return logits
 
 
-@pytest.mark.parametrize(("arch", "head_dim", "heads", "kv_heads", "inter"),
-                         [("llama", 64, 6, 2, 256), ("llama", 128, 4, 1, 256), ("llama", 96, 4, 4, 208),
-                          ("qwen2", 64, 4, 2, 160)])
+@pytest.mark.parametrize(
+    ("arch", "head_dim", "heads", "kv_heads", "inter"),
+    [("llama", 64, 6, 2, 256), ("llama", 128, 4, 1, 256), ("llama", 96, 4, 4, 208), ("qwen2", 64, 4, 2, 160)],
+)
 def test_bf16_fast_paths_match_the_torch_paths(tmp_path, arch, head_dim, heads, kv_heads, inter):
     """Also: intermediate 208 (gate_up of 416 rows: the activation stays separate, not the GEMM's epilogue) and
     Qwen2's q/k/v biases (added to the GEMM's float32 sums) with an untied head."""
     torch.manual_seed(0)
-    kind = (transformers.LlamaConfig, transformers.LlamaForCausalLM) if arch == "llama" else (
-        transformers.Qwen2Config, transformers.Qwen2ForCausalLM)
-    config = kind[0](hidden_size=heads * head_dim, intermediate_size=inter, num_hidden_layers=2,
-                     num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-                     vocab_size=320, max_position_embeddings=256, tie_word_embeddings=arch == "llama")
+    kind = (
+        (transformers.LlamaConfig, transformers.LlamaForCausalLM)
+        if arch == "llama"
+        else (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)
+    )
+    config = kind[0](
+        hidden_size=heads * head_dim,
+        intermediate_size=inter,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        vocab_size=320,
+        max_position_embeddings=256,
+        tie_word_embeddings=arch == "llama",
+    )
     hf = kind[1](config).eval()
     with torch.no_grad():
         for name, p in hf.named_parameters():
-            p.copy_(torch.randn_like(p) * (0.1 if "norm" in name else 0.05) + (1.0 if "norm" in name else 0.0))
+            p.copy_(
+                torch.randn_like(p) * (0.1 if "norm" in name else 0.05) + (1.0 if "norm" in name else 0.0)
+            )
     hf.save_pretrained(tmp_path)
     reference, cfg = load_model(tmp_path, dtype=torch.bfloat16, ops=TORCH_OPS)
     fast, _ = load_model(tmp_path, dtype=torch.bfloat16, ops=CpuOps())

@@ -15,14 +15,25 @@ from aioengine.kernels.cpu import clib as cpu_kernels
 from aioengine.kernels.metadata import AttentionMetadata
 from tests.engine.conftest import make_tiny_checkpoint
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.gemm_available(), reason="needs the AVX512-BF16 build of the C kernels")
+pytestmark = pytest.mark.skipif(
+    not cpu_kernels.gemm_available(), reason="needs the AVX512-BF16 build of the C kernels"
+)
 BLOCK = 16
 
 
 def _model(tmp_path, arch: str, head_dim: int = 64):
     """A tiny random checkpoint (conftest's, heads of 64 or 128 for the AVX512-BF16 attention loop) in bf16, packed."""
-    make_tiny_checkpoint(arch, tmp_path, hidden_size=384, intermediate_size=192, num_hidden_layers=3,
-                         num_attention_heads=6, num_key_value_heads=2, head_dim=head_dim, vocab_size=300)
+    make_tiny_checkpoint(
+        arch,
+        tmp_path,
+        hidden_size=384,
+        intermediate_size=192,
+        num_hidden_layers=3,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=head_dim,
+        vocab_size=300,
+    )
     backend = CpuBackend()
     model, cfg = load_model(tmp_path, dtype=torch.bfloat16, ops=backend.ops)
     pack_linears(model)
@@ -41,7 +52,9 @@ def _decode(model, cfg, backend, stack: bool, seq_lens: list[int]):
     kv = _kv(backend, cfg, rows * max_blocks + 3)
     for cache in kv:
         cache.copy_(torch.randn(cache.shape, generator=gen))
-    table = torch.randperm(rows * max_blocks + 3, generator=gen)[:rows * max_blocks].view(rows, max_blocks).int()
+    table = (
+        torch.randperm(rows * max_blocks + 3, generator=gen)[: rows * max_blocks].view(rows, max_blocks).int()
+    )
     ids = torch.randint(0, cfg.vocab_size, (rows,), generator=gen)
     positions = torch.tensor([n - 1 for n in seq_lens])
     runner = SimpleNamespace(model=model, kv_caches=kv)
@@ -50,7 +63,9 @@ def _decode(model, cfg, backend, stack: bool, seq_lens: list[int]):
         backend.build_fast_paths(runner, None, 0)
     assert (backend.decode_stack is not None) == stack
     with torch.inference_mode():
-        hidden = backend.forward(runner, ids, positions, AttentionMetadata.build([1] * rows, seq_lens, table, BLOCK))
+        hidden = backend.forward(
+            runner, ids, positions, AttentionMetadata.build([1] * rows, seq_lens, table, BLOCK)
+        )
     return hidden, kv
 
 
@@ -75,7 +90,10 @@ def test_the_stack_steps_aside_where_it_does_not_apply(tmp_path):
     assert not stack.takes(ids, AttentionMetadata.build([1, 2], [5, 9], table, BLOCK))  # a prompt chunk
     assert not stack.takes(ids, AttentionMetadata.build([1, 1], [5, 9], table, BLOCK))  # padded rows
     runner = SimpleNamespace(model=model, kv_caches=kv)
-    for off in (KernelConfig(cpu_elementwise=False), KernelConfig(cpu_decode_stack=False)):  # torch paths; off
+    for off in (
+        KernelConfig(cpu_elementwise=False),
+        KernelConfig(cpu_decode_stack=False),
+    ):  # torch paths; off
         other = CpuBackend(off)
         other.build_fast_paths(runner, None, 0)
         assert other.decode_stack is None

@@ -13,8 +13,9 @@ from aioengine.gpu.cpu.huge_pages import HugePageArena
 from aioengine.gpu.cpu.linear import PackedLinear, c_gemm_enabled, packing_enabled
 
 _THP = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled")
-needs_thp = pytest.mark.skipif(not _THP.exists() or "[never]" in _THP.read_text(),
-                               reason="no transparent huge pages on this kernel")
+needs_thp = pytest.mark.skipif(
+    not _THP.exists() or "[never]" in _THP.read_text(), reason="no transparent huge pages on this kernel"
+)
 
 
 def _vma_flags(addr: int) -> list[str] | None:
@@ -32,9 +33,16 @@ def _vma_flags(addr: int) -> list[str] | None:
 
 def test_tensors_are_aligned_disjoint_and_writable():
     arena = HugePageArena(chunk_bytes=1 << 20)
-    tensors = [arena.zeros(n, dtype) for n, dtype in
-               [(3, torch.bfloat16), (1000, torch.float32), (7, torch.int64), (200_000, torch.bfloat16),
-                (50_000, torch.bfloat16)]]  # the 400 KB one gets its own mapping; the last opens a new chunk
+    tensors = [
+        arena.zeros(n, dtype)
+        for n, dtype in [
+            (3, torch.bfloat16),
+            (1000, torch.float32),
+            (7, torch.int64),
+            (200_000, torch.bfloat16),
+            (50_000, torch.bfloat16),
+        ]
+    ]  # the 400 KB one gets its own mapping; the last opens a new chunk
     spans = []
     for i, t in enumerate(tensors):
         assert t.is_contiguous() and t.dim() == 1 and t.data_ptr() % 64 == 0 and not t.any()
@@ -71,8 +79,10 @@ def test_a_mapping_lives_as_long_as_its_tensors():
 
 
 @needs_thp
-@pytest.mark.skipif(not (packing_enabled(torch.empty(1, dtype=torch.bfloat16)) and c_gemm_enabled()),
-                    reason="cpu_gemm.c needs AVX512-BF16")
+@pytest.mark.skipif(
+    not (packing_enabled(torch.empty(1, dtype=torch.bfloat16)) and c_gemm_enabled()),
+    reason="cpu_gemm.c needs AVX512-BF16",
+)
 def test_packed_linear_weights_live_on_huge_pages_and_compute_the_same():
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(96, 64, generator=gen).bfloat16()
@@ -80,7 +90,6 @@ def test_packed_linear_weights_live_on_huge_pages_and_compute_the_same():
     assert "hg" in _vma_flags(layer.packed.data_ptr())
     x = torch.randn(5, 64, generator=gen).bfloat16()
     torch.testing.assert_close(layer(x).float(), (x.float() @ weight.float().T), atol=0.05, rtol=0.02)
-
 
 
 def test_without_madvise_the_tensors_are_ordinary_zeros(monkeypatch):

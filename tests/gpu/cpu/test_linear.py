@@ -8,8 +8,9 @@ from torch import nn
 
 from aioengine.gpu.cpu.linear import PackedLinear, pack_linears, packing_enabled
 
-pytestmark = pytest.mark.skipif(not packing_enabled(torch.empty(1, dtype=torch.bfloat16)),
-                                reason="this CPU's oneDNN has no bf16 kernels")
+pytestmark = pytest.mark.skipif(
+    not packing_enabled(torch.empty(1, dtype=torch.bfloat16)), reason="this CPU's oneDNN has no bf16 kernels"
+)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 17, 64, 200])

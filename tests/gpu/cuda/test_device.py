@@ -36,10 +36,22 @@ def test_layers_dispatch_to_triton_and_match_the_torch_path(dtype):
     qkv = torch.randn(37, 48 * 128, dtype=dtype, device=dev)
     q = qkv[:, : 32 * 128].view(37, 32, 128)
     torch.testing.assert_close(head_norm(q), rms_norm_reference(q, head_norm.weight, 1e-6), **BF16)
-    rope = RotaryEmbedding(128, 4096, 500000.0, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 1024},
-                           dtype=dtype, device=dev, ops=ops)
-    k = qkv[:, 32 * 128: 40 * 128].view(37, 8, 128)
+    rope = RotaryEmbedding(
+        128,
+        4096,
+        500000.0,
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 1024,
+        },
+        dtype=dtype,
+        device=dev,
+        ops=ops,
+    )
+    k = qkv[:, 32 * 128 : 40 * 128].view(37, 8, 128)
     positions = torch.randint(0, 4096, (37,), device=dev)
     q_rot, k_rot = rope(positions, q, k)
     q_ref, k_ref = rotary_reference(positions, q, k, rope.cos_sin_cache)

@@ -24,7 +24,9 @@ def test_capture_sizes_follow_the_tour():
     assert sizes == sorted(set(sizes))
 
 
-@pytest.mark.parametrize(("seqs", "tokens", "last"), [(6, 8192, 6), (128, 64, 64), (1, 512, 1), (300, 8192, 300)])
+@pytest.mark.parametrize(
+    ("seqs", "tokens", "last"), [(6, 8192, 6), (128, 64, 64), (1, 512, 1), (300, 8192, 300)]
+)
 def test_capture_sizes_end_at_the_limit(seqs, tokens, last):
     sizes = capture_sizes(seqs, tokens)
     assert sizes[-1] == last and all(s <= last for s in sizes)
@@ -52,9 +54,14 @@ def tiny():
     return model, config
 
 
-def _decode_meta(seq_lens: list[int], num_blocks: int) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
+def _decode_meta(
+    seq_lens: list[int], num_blocks: int
+) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
     per_req = -(-max(seq_lens) // BLOCK)
-    ids = torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(1))[: len(seq_lens) * per_req] + 1
+    ids = (
+        torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(1))[: len(seq_lens) * per_req]
+        + 1
+    )
     table = ids.view(len(seq_lens), per_req).int()
     meta = AttentionMetadata.build([1] * len(seq_lens), seq_lens, table, BLOCK)
     input_ids = torch.arange(len(seq_lens), dtype=torch.int64) * 7 + 3
@@ -71,7 +78,10 @@ def test_load_pads_rows_past_the_batch(tiny):
     graphs.load(8, input_ids, positions, meta)
     assert graphs.input_ids[:3].tolist() == input_ids.tolist() and graphs.input_ids[3:].eq(0).all()
     assert graphs.positions[:3].tolist() == [4, 8, 2]
-    assert graphs.slot_mapping[:3].tolist() == meta.slot_mapping.tolist() and graphs.slot_mapping[3:].eq(-1).all()
+    assert (
+        graphs.slot_mapping[:3].tolist() == meta.slot_mapping.tolist()
+        and graphs.slot_mapping[3:].eq(-1).all()
+    )
     assert graphs.seq_lens[:3].tolist() == [5, 9, 3] and graphs.seq_lens[3:].eq(1).all()
     width = meta.block_table.shape[1]
     assert torch.equal(graphs.block_table[:3, :width], meta.block_table)
@@ -91,7 +101,9 @@ def test_run_declines_batches_that_are_not_uniform_decodes(tiny):
     assert graphs.run(ids, pos, big) is None  # 5 rows: no bucket holds them
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter test; tests/gpu/cuda/test_device.py replays real graphs")
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="interpreter test; tests/gpu/cuda/test_device.py replays real graphs"
+)
 def test_static_forward_matches_eager_with_the_triton_kernels():
     """What a graph captures, run eagerly: padded rows write nothing and the real rows match."""
     from aioengine.gpu.backend import Ops

@@ -12,9 +12,14 @@ from aioengine.gpu.cuda.staging import HostStaging
 
 CUDA = torch.cuda.is_available()
 cuda_only = pytest.mark.skipif(not CUDA, reason="needs CUDA")
-ARRAYS = [np.arange(7, dtype=np.int64), np.arange(12, dtype=np.int32).reshape(3, 4),
-          np.linspace(0, 1, 5, dtype=np.float32), np.array([True, False, True]), np.zeros((0, 3), np.int64),
-          np.arange(20, dtype=np.int64)[::2]]  # not contiguous
+ARRAYS = [
+    np.arange(7, dtype=np.int64),
+    np.arange(12, dtype=np.int32).reshape(3, 4),
+    np.linspace(0, 1, 5, dtype=np.float32),
+    np.array([True, False, True]),
+    np.zeros((0, 3), np.int64),
+    np.arange(20, dtype=np.int64)[::2],
+]  # not contiguous
 
 
 def test_on_cpu_the_tensor_shares_the_arrays_memory():

@@ -21,14 +21,21 @@ def _fake_gcc(monkeypatch, tune: str | None, cpu_flags: str = "flags : fpu sse2 
     monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: cpu_flags)
 
 
-@pytest.mark.parametrize(("tune", "cpu_flags", "expected"), [
-    ("znver3", None, ["-mtune=sapphirerapids"]),  # gcc 12 on Zen 4/5: tuned as Zen 3, which has no AVX-512
-    ("znver2", None, ["-mtune=sapphirerapids"]),
-    ("znver4", None, []),  # a compiler that knows the core keeps its own tuning
-    ("sapphirerapids", None, []),
-    ("znver3", "flags : fpu sse2 avx2", []),  # a real Zen 3: no AVX-512, nothing to retune
-    (None, None, []),  # no compiler answer: no extra flag
-])
+@pytest.mark.parametrize(
+    ("tune", "cpu_flags", "expected"),
+    [
+        (
+            "znver3",
+            None,
+            ["-mtune=sapphirerapids"],
+        ),  # gcc 12 on Zen 4/5: tuned as Zen 3, which has no AVX-512
+        ("znver2", None, ["-mtune=sapphirerapids"]),
+        ("znver4", None, []),  # a compiler that knows the core keeps its own tuning
+        ("sapphirerapids", None, []),
+        ("znver3", "flags : fpu sse2 avx2", []),  # a real Zen 3: no AVX-512, nothing to retune
+        (None, None, []),  # no compiler answer: no extra flag
+    ],
+)
 def test_tune_flags(monkeypatch, tune, cpu_flags, expected):
     _fake_gcc(monkeypatch, tune, *([cpu_flags] if cpu_flags else []))
     assert cpu_kernels._tune_flags("gcc") == expected

@@ -8,7 +8,9 @@ import torch.nn.functional as F
 from aioengine.gpu.cpu.linear import PackedLinear
 from aioengine.kernels.cpu import clib as cpu_kernels
 
-needs_gemm = pytest.mark.skipif(not cpu_kernels.gemm_available(), reason="needs the AVX512-BF16 build of the C kernels")
+needs_gemm = pytest.mark.skipif(
+    not cpu_kernels.gemm_available(), reason="needs the AVX512-BF16 build of the C kernels"
+)
 
 
 def test_the_gemm_is_built_where_the_cpu_has_avx512_bf16():
@@ -17,10 +19,22 @@ def test_the_gemm_is_built_where_the_cpu_has_avx512_bf16():
         return  # nothing to build here; the rest of the file skips
     assert cpu_kernels.load() is not None and cpu_kernels.gemm_available()
 
+
 # (rows, out_features, in_features): row tails 1-5 of a 6-row block, a 240-row chunk boundary, column
 # tails of a 64-wide panel, odd K (a last pair with one element), the model's own shapes.
-SHAPES = [(1, 1, 1), (2, 15, 3), (5, 64, 2), (6, 65, 65), (7, 130, 64), (13, 100, 63), (64, 960, 576),
-          (64, 576, 1536), (241, 200, 96), (500, 64, 33), (1, 49152 // 16, 576)]
+SHAPES = [
+    (1, 1, 1),
+    (2, 15, 3),
+    (5, 64, 2),
+    (6, 65, 65),
+    (7, 130, 64),
+    (13, 100, 63),
+    (64, 960, 576),
+    (64, 576, 1536),
+    (241, 200, 96),
+    (500, 64, 33),
+    (1, 49152 // 16, 576),
+]
 
 
 def _ints(shape, gen):
@@ -53,7 +67,9 @@ def test_gemm_is_within_float32_summation_error_of_float64(m, n, k):
     magnitude = F.linear(x.double().abs(), w.double().abs(), b.double().abs())
     half_ulp = 2.0 ** (torch.frexp(ref.abs().clamp_min(1e-30)).exponent.double() - 9)
     assert ((got - ref).abs() <= half_ulp + (k + 1) * 2.0**-24 * magnitude * 1.01).all()
-    assert (got != F.linear(x, w, b).double()).float().mean() < 0.01  # F.linear (oneDNN) sums in another order
+    assert (
+        got != F.linear(x, w, b).double()
+    ).float().mean() < 0.01  # F.linear (oneDNN) sums in another order
 
 
 @needs_gemm
@@ -143,13 +159,17 @@ def test_pack_linears_fuses_the_mlp_activation_into_gate_up():
 
 
 @needs_gemm
-@pytest.mark.parametrize(("m", "n", "k"), [(1, 1, 8), (5, 100, 64), (13, 130, 33), (241, 200, 96), (64, 4096, 64)])
+@pytest.mark.parametrize(
+    ("m", "n", "k"), [(1, 1, 8), (5, 100, 64), (13, 130, 33), (241, 200, 96), (64, 4096, 64)]
+)
 @pytest.mark.parametrize("bias", [False, True])
 def test_argmax_epilogue_is_torch_argmax_of_the_float32_logits(m, n, k, bias):
     gen = torch.Generator().manual_seed(m * n + k)
     x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
     w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
-    head = PackedLinear(w, torch.randn(n, generator=gen).to(torch.bfloat16) if bias else None, float32_out=True)
+    head = PackedLinear(
+        w, torch.randn(n, generator=gen).to(torch.bfloat16) if bias else None, float32_out=True
+    )
     assert torch.equal(head.argmax(x), head(x).argmax(-1))
 
 
@@ -167,7 +187,8 @@ def test_argmax_epilogue_takes_ties_nans_and_infinities_as_torch_does():
         xs = xs.to(torch.bfloat16)
         assert torch.equal(head.argmax(xs), head(xs).argmax(-1)), weight.shape
     assert PackedLinear(w.to(torch.bfloat16), None, float32_out=True).argmax(
-        x.to(torch.bfloat16)).tolist() == [70, 20, 0]
+        x.to(torch.bfloat16)
+    ).tolist() == [70, 20, 0]
 
 
 @needs_gemm
