@@ -13,14 +13,14 @@ from aioengine.config import CPU_LINEAR_CHOICES, EngineArgs, KernelConfig
 
 # Help for the EngineArgs fields; a field added to EngineArgs later still gets a flag (with generic help).
 _ENGINE_HELP = {
-    "model": "'default' (the embedded SmolLM2-135M-Instruct), a Hugging Face checkpoint directory, or random:NAME "
-    "(random weights of a known shape made on the device: random:llama-3.1-8b, random:tiny)",
+    "model": "'default' (the embedded SmolLM2-135M-Instruct), a Hugging Face checkpoint directory, "
+    "or random:NAME (random weights of a known shape made on the device: random:llama-3.1-8b, random:tiny)",
     "tokenizer": "tokenizer directory (default: the model's)",
     "skip_tokenizer_init": "no tokenizer: prompts must be token ids and outputs carry no text",
     "served_model_name": "name(s) the API answers to; the first is reported (default: the model)",
     "chat_template": "a Jinja chat template file, or the template itself (default: the tokenizer's)",
-    "generation_config": "default sampling parameters: auto (the model's generation_config.json), vllm (none), "
-    "or a directory with a generation_config.json",
+    "generation_config": "default sampling parameters: auto (the model's generation_config.json), "
+    "vllm (none), or a directory with a generation_config.json",
     "dtype": "weights and activations dtype (auto: float32 on CPU, bfloat16 on CUDA)",
     "device": "where the model runs",
     "seed": "seed of the sampler's generator",
@@ -36,8 +36,8 @@ _ENGINE_HELP = {
     "scheduling_policy": "fcfs, or priority (requests then honour their `priority` field)",
     "num_threads": "torch intra-op threads on CPU (default: all cores)",
     "enforce_eager": "never capture CUDA graphs",
-    "max_cudagraph_capture_size": "largest decode batch that replays a CUDA graph (default 512; larger batches "
-    "run eagerly)",
+    "max_cudagraph_capture_size": "largest decode batch that replays a CUDA graph "
+    "(default 512; larger batches run eagerly)",
     "step_timeout_s": "watchdog: a step running longer marks the engine dead",
     "quantization": "CPU weight-only quantization of the linear layers (int4: groups of 32, like GGUF Q4_1)",
     # KernelConfig
@@ -45,7 +45,8 @@ _ENGINE_HELP = {
     "cpu_elementwise": "CPU: residual add + RMSNorm and rotary as one C pass each (bf16)",
     "cpu_attention": "CPU: C decode attention and KV store",
     "cpu_prefill_attention": "CPU: bf16 prompt chunks through the packed prefill kernel",
-    "cpu_linear": "CPU bf16 linears: auto (cpu_gemm.c where built, else oneDNN), onednn, or torch (plain weights)",
+    "cpu_linear": "CPU bf16 linears: auto (cpu_gemm.c where built, else oneDNN), onednn, "
+    "or torch (plain weights)",
     "cpu_decode_stack": "CPU: a step of decodes only runs every layer in one C call",
     "cuda_graph_capture_timeout_s": "seconds CUDA graph capture may take (sizes not reached run eagerly)",
 }
@@ -92,8 +93,8 @@ def _field_type(f: dataclasses.Field) -> Callable[[str], Any]:
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """One flag per EngineArgs field, named as vLLM names it (--max-model-len, --enable-prefix-caching...), and
-    one per KernelConfig field in a group of their own."""
+    """One flag per EngineArgs field, named as vLLM names it (--max-model-len, --enable-prefix-caching...),
+    and one per KernelConfig field in a group of their own."""
     _add_fields(parser.add_argument_group("engine"), EngineArgs, skip={"kernels"})
     _add_fields(parser.add_argument_group("kernels"), KernelConfig, skip=set())
 

@@ -13,7 +13,7 @@ CPU_LINEAR_CHOICES = ("auto", "onednn", "torch")
 
 @dataclass(slots=True)
 class KernelConfig:
-    """Which kernels a backend uses: per engine, so two engines in one process can differ (tests, A/B runs)."""
+    """Which kernels a backend uses, per engine: two engines in one process can differ (tests, A/B runs)."""
 
     cpu_kernels: bool = True  # build and use the C kernels at all (False: torch ops, oneDNN linears)
     cpu_elementwise: bool = True  # residual add + RMSNorm and rotary as one C pass each (bf16)

@@ -68,7 +68,7 @@ class AsyncEngine:
 
     # ---- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> AsyncEngine:
-        """Resolve the config, load the model and tokenizer, size the KV cache, capture; then run the steps."""
+        """Resolve the config, load model and tokenizer, size the KV cache, capture; then run the steps."""
         if self._task is not None:
             return self
         from aioengine.gpu.backends import make_backend
@@ -87,8 +87,9 @@ class AsyncEngine:
             Exception
         ):  # a failure (no tokenizer, no xgrammar) is raised per structured request
             await asyncio.wrap_future(self._structured_build)
-        # What start-up built (torch, transformers, the model's modules) lives as long as the engine: out of the
-        # collector's reach, a full collection no longer walks it while requests wait (vLLM does the same).
+        # What start-up built (torch, transformers, the model's modules) lives as long as the engine:
+        # out of the collector's reach, a full collection no longer walks it while requests wait
+        # (vLLM does the same).
         _freeze_startup_objects()
         self._task = asyncio.create_task(self._run(), name="aioengine-step-loop")
         logger.info(
@@ -176,8 +177,8 @@ class AsyncEngine:
             logger.info(
                 "default sampling parameters from the generation config: %s", self.default_sampling_params
             )
-        # xgrammar's tokenizer tables (CPU-heavy, GIL released) build on a thread while the KV cache is set up;
-        # start() waits for them: built after it, they took the cores from the first step.
+        # xgrammar's tokenizer tables (CPU-heavy, GIL released) build on a thread while the KV cache is set
+        # up; start() waits for them: built after it, they took the cores from the first step.
         builder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="aioengine-grammar")
         self._structured_build = builder.submit(self._new_structured_output_manager)
         builder.shutdown(wait=False)
@@ -551,8 +552,8 @@ class AsyncEngine:
                 entry[0].first_scheduled_time = now
 
     async def _await_step(self, fut: concurrent.futures.Future) -> ModelRunnerOutput:
-        """The step's output, as the backend's worker awaits it (CUDA: an event behind the device-to-host copy,
-        without blocking the loop), under the watchdog."""
+        """The step's output, as the backend's worker awaits it (CUDA: an event behind the device-to-host
+        copy, without blocking the loop), under the watchdog."""
         worker = self._worker
         assert worker is not None
         output = asyncio.ensure_future(worker.output(fut))

@@ -20,8 +20,9 @@ class StructuredOutputsParams:
     """One structured-output constraint (vLLM's names): exactly one of the first five fields is set.
 
     json: a JSON schema (dict or JSON text); regex: a regular expression; choice: the output is one of these
-    strings; grammar: an EBNF grammar (GBNF/xgrammar syntax, root rule `root`); json_object: any JSON object (compact).
-    disable_any_whitespace: JSON without free whitespace between tokens (fewer ways for a small model to loop).
+    strings; grammar: an EBNF grammar (GBNF/xgrammar syntax, root rule `root`); json_object: any JSON
+    object (compact).
+    disable_any_whitespace: JSON without free whitespace between tokens (fewer ways for small models to loop).
     """
 
     json: str | dict | None = None

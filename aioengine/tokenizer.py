@@ -83,9 +83,9 @@ def apply_chat_template(
 
 def raw_decoder(tokenizer: Any) -> Callable[[list[int], bool], str] | None:
     """The tokenizers library's own ``decode(ids, skip_special_tokens)`` where it returns what
-    ``tokenizer.decode`` would: a transformers fast tokenizer that overrides neither ``decode`` nor ``_decode``
-    and cleans up no spaces. The Python wrapper around it costs several times the decode itself, twice a
-    token."""
+    ``tokenizer.decode`` would: a transformers fast tokenizer that overrides neither ``decode`` nor
+    ``_decode`` and cleans up no spaces. The Python wrapper around it costs several times the decode itself,
+    twice a token."""
     try:
         from transformers.tokenization_utils_base import PreTrainedTokenizerBase
         from transformers.tokenization_utils_tokenizers import TokenizersBackend

@@ -117,7 +117,8 @@ def main(out_dir: str) -> int:
         )
     if "output_tokens_per_s_ratio" in results:
         print(
-            f"output tokens/s, aioengine (median run) / transformers: {results['output_tokens_per_s_ratio']:.2f}x"
+            "output tokens/s, aioengine (median run) / transformers: "
+            f"{results['output_tokens_per_s_ratio']:.2f}x"
         )
     ok = t.get("rc") == 0 and ours is not None and peer is not None
     return 0 if ok else 1

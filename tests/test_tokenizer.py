@@ -1,4 +1,4 @@
-"""The detokenizer's fast path: the tokenizers library's decode, only where it returns what transformers' does."""
+"""The detokenizer's fast path: the tokenizers library's decode, only where it matches transformers'."""
 
 from __future__ import annotations
 

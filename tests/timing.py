@@ -35,7 +35,7 @@ def medians_s(fns: list[Callable[[], Any]], n: int = 9) -> list[float]:
 
 
 class StepClock:
-    """The perf_counter() time at which each engine step ended, recorded by one of the engine's stat listeners.
+    """The perf_counter() time at which each engine step ended, recorded by an engine stat listener.
 
     The listener runs on the engine's loop after each step it awaited (`AsyncEngine.stat_listeners`); the
     times are perf_counter() values, which on Linux come from CLOCK_MONOTONIC and so compare with those

@@ -1,4 +1,4 @@
-"""Benchmark workloads: random lengths, sharegpt-like conversations, shared prefixes, and the peers' workload."""
+"""Benchmark workloads: random lengths, sharegpt-like chats, shared prefixes, and the peers' workload."""
 
 from __future__ import annotations
 

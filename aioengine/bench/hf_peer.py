@@ -165,8 +165,9 @@ def main(argv: list[str]) -> dict:
         **latency_stats(outputs),
     }
     print(
-        f"transformers continuous batching: {result['output_tokens_per_s']:.1f} output tokens/s ({len(requests)} "
-        f"requests, {out_tokens} output tokens in {elapsed:.2f} s); mean TTFT {result['mean_ttft_ms']:.1f} ms, "
+        f"transformers continuous batching: {result['output_tokens_per_s']:.1f} output tokens/s "
+        f"({len(requests)} requests, {out_tokens} output tokens in {elapsed:.2f} s); "
+        f"mean TTFT {result['mean_ttft_ms']:.1f} ms, "
         f"mean TPOT {result['mean_tpot_ms']:.2f} ms" + (f" ({note})" if note else "")
     )
     write_json(args.output_json, result)

@@ -1,4 +1,4 @@
-"""`aioengine bench latency`: one batch of requests decoding together; time per decode step and per request."""
+"""`aioengine bench latency`: a batch of requests decoding together; time per decode step and per request."""
 
 from __future__ import annotations
 

@@ -235,7 +235,8 @@ def main(argv: list[str]) -> dict:
     for k, name in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2el_s", "E2E")):
         m = ms[k]
         print(
-            f"  {name:5s} ms: mean {m['mean']:.1f}  p50 {m['p50']:.1f}  p90 {m['p90']:.1f}  p99 {m['p99']:.1f}"
+            f"  {name:5s} ms: mean {m['mean']:.1f}  p50 {m['p50']:.1f}  "
+            f"p90 {m['p90']:.1f}  p99 {m['p99']:.1f}"
         )
     if s["failed"]:
         print(f"  failed: {s['failed']} ({s['errors']})")

@@ -159,12 +159,14 @@ def main(argv: list[str]) -> dict:
     print(
         f"Throughput: {result['requests_per_s']:.2f} requests/s, {result['total_tokens_per_s']:.1f} total "
         f"tokens/s, {result['output_tokens_per_s']:.1f} output tokens/s "
-        f"({result['num_requests']} requests, {result['input_tokens']} input + {result['output_tokens']} output "
-        f"tokens in {result['elapsed_s']:.2f} s; engine start {result['engine_start_s']:.1f} s)"
+        f"({result['num_requests']} requests, {result['input_tokens']} input + "
+        f"{result['output_tokens']} output tokens in {result['elapsed_s']:.2f} s; "
+        f"engine start {result['engine_start_s']:.1f} s)"
     )
     print(
-        f"Roofline ({result['dtype']} on {result['device']}): matmul {result['matmul_gflops']:.0f} GFLOP/s / (2 x "
-        f"{result['num_parameters'] / 1e6:.1f}M params) = {result['roofline_tokens_per_s']:.0f} tokens/s; "
+        f"Roofline ({result['dtype']} on {result['device']}): "
+        f"matmul {result['matmul_gflops']:.0f} GFLOP/s / (2 x {result['num_parameters'] / 1e6:.1f}M params) "
+        f"= {result['roofline_tokens_per_s']:.0f} tokens/s; "
         f"output tokens/s is {100 * result['fraction_of_roofline']:.1f}% of it"
     )
     host = result["host_ms_per_step"]
@@ -182,7 +184,8 @@ def main(argv: list[str]) -> dict:
     print(
         f"Latency: mean TTFT {result['mean_ttft_ms']:.1f} ms, mean TPOT {result['mean_tpot_ms']:.2f} ms"
         + (
-            f"; GPU idle between steps {100 * result['gpu_idle_fraction']:.1f}% of {result['gpu_steps']} steps"
+            f"; GPU idle between steps {100 * result['gpu_idle_fraction']:.1f}% "
+            f"of {result['gpu_steps']} steps"
             if "gpu_idle_fraction" in result
             else ""
         )

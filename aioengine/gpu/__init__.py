@@ -1,1 +1,1 @@
-"""aioengine.gpu: the model runner (request state, flat batches, models, sampler) and its backends (cpu/, cuda/)."""
+"""aioengine.gpu: the model runner (request state, flat batches, models, sampler) and backends cpu/, cuda/."""

@@ -1,4 +1,4 @@
-"""Build a model from a local Hugging Face directory, stream its safetensors weights; KV cache shapes and sizes."""
+"""Build a model from a local Hugging Face directory, stream its safetensors; KV cache shapes and sizes."""
 
 from __future__ import annotations
 

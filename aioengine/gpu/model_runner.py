@@ -231,7 +231,8 @@ class ModelRunner:
         if grammar_output is not None:
             md.grammar = self._grammar_rows(batch, sample_idx, grammar_output)
         hidden = hidden[batch.logits_indices]
-        # Plain greedy rows on the CPU: the head's GEMM picks each argmax without writing [rows, vocab] logits.
+        # Plain greedy rows on the CPU: the head's GEMM picks each argmax
+        # without writing [rows, vocab] logits.
         greedy = self.model.compute_greedy(hidden) if md.plain_greedy else None
         result = (
             SamplerOutput(greedy)

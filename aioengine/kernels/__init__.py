@@ -1,1 +1,1 @@
-"""aioengine.kernels: the layers' hot ops: torch references (reference.py), CPU C kernels (cpu/), Triton (triton/)."""
+"""aioengine.kernels: the layers' hot ops: torch references (reference.py), CPU C (cpu/), Triton (triton/)."""

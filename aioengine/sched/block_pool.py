@@ -11,7 +11,7 @@ NONE_HASH = 0
 def hash_block_tokens(
     parent_hash: int, token_ids: Sequence[int], extra_keys: tuple[Hashable, ...] | None = None
 ) -> int:
-    """Chained block hash: equal hashes mean equal token prefixes (and equal extra keys, e.g. a cache salt)."""
+    """Chained block hash: equal hashes mean equal token prefixes (and extra keys, e.g. a cache salt)."""
     return hash((parent_hash, tuple(token_ids), extra_keys))
 
 
@@ -128,7 +128,7 @@ class BlockPool:
             block.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
-        """Drop one reference each; blocks reaching 0 join the free queue in the given order (evicted first)."""
+        """Drop one reference each; blocks reaching 0 join the free queue in given order (evicted first)."""
         for block in ordered_blocks:
             block.ref_cnt -= 1
             assert block.ref_cnt >= 0, f"double free of {block}"

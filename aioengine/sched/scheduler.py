@@ -282,7 +282,7 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
-        """Apply one finished step: append tokens, drop placeholders, check stops; outputs only where changed."""
+        """Apply a finished step: append tokens, drop placeholders, check stops; output only what changed."""
         outputs: list[EngineCoreOutput] = []
         requests = self.requests
         kv = self.kv_cache_manager

@@ -1,4 +1,4 @@
-"""Structured output (stop 8): grammars compiled with xgrammar, one matcher per request, the step's bitmask."""
+"""Structured output (stop 8): grammars compiled by xgrammar, one matcher per request, the step's bitmask."""
 
 from aioengine.structured.manager import Grammar, StructuredOutputManager
 

@@ -1,4 +1,4 @@
-"""`aioengine bench hf-peer` on random:tiny (CPU): transformers' continuous batching on the bench's requests."""
+"""`aioengine bench hf-peer` on random:tiny (CPU): transformers' continuous batching of the bench requests."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""AsyncEngine behaviour: streaming, aborts, errors, seeds, stop strings, the dead state, the default model."""
+"""AsyncEngine behaviour: streaming, aborts, errors, seeds, stop strings, the dead state, default model."""
 
 from __future__ import annotations
 

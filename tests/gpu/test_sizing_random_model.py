@@ -85,7 +85,8 @@ def test_engine_runs_random_tiny_from_token_ids(caplog):
         outs = asyncio.run(main())
         gc.collect()
     assert all(len(o.outputs[0].token_ids) == 6 and o.outputs[0].text == "" for o in outs)
-    # No tokenizer, so no grammar tables: start() waited for that build's failure without leaving it unretrieved.
+    # No tokenizer, so no grammar tables: start() waited for that build's failure without leaving it
+    # unretrieved.
     assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]
 
 

@@ -385,8 +385,9 @@ def test_a_prompts_bits_do_not_depend_on_its_chunking(block_size):
 
 
 def test_the_kernels_exp_is_within_two_ulp_of_the_exact_one():
-    """exp16 (cpu_avx512.h) replaced libm's expf in both attention kernels: its range reduction and series must
-    hold float32 accuracy over the whole range softmax feeds it, and keep -inf -> 0, NaN -> NaN, overflow -> inf."""
+    """exp16 (cpu_avx512.h) replaced libm's expf in both attention kernels: its range reduction and series
+    must hold float32 accuracy over the whole range softmax feeds it, and keep -inf -> 0, NaN -> NaN,
+    overflow -> inf."""
     from aioengine.kernels.cpu import clib as cpu_kernels
 
     lib = cpu_kernels.load()

@@ -121,7 +121,7 @@ def test_bad_words_become_token_sequences_with_and_without_a_leading_space():
     ],
 )
 def test_wrong_types_and_sizes_are_typed_errors(kw, param):
-    """Not a TypeError from deep inside, nor an overflow in the engine's step: InvalidRequestError, naming it."""
+    """Not a TypeError from deep inside, nor an overflow in an engine step: InvalidRequestError, naming it."""
     with pytest.raises(InvalidRequestError) as e:
         SamplingParams(**kw)
     assert e.value.param == param

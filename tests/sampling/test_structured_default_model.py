@@ -193,8 +193,9 @@ def results():
         async with AsyncEngine(
             EngineArgs(model="default", max_model_len=1024, max_num_batched_tokens=1024)
         ) as eng:
-            # xgrammar's tables are built on a thread during start(), not on the loop by the first request, and
-            # are done when it returns: a build still running took the cores from the first step (+0.3 s).
+            # xgrammar's tables are built on a thread during start(), not on the loop by the first request,
+            # and are done when it returns: a build still running took the cores from the first step
+            # (+0.3 s).
             assert eng._structured_build.done()
             prebuilt = eng._structured_build.result()
             assert prebuilt is not None

@@ -28,7 +28,7 @@ def fake_run(sched: Scheduler, out: SchedulerOutput) -> ModelRunnerOutput:
 
 
 class Driver:
-    """step(): schedule and enqueue step k; if the queue is full (or nothing new ran), update with step k-1."""
+    """step(): schedule, enqueue step k; if the queue is full (or nothing new ran), update with step k-1."""
 
     def __init__(self, sched: Scheduler, batch_queue_size: int = 2) -> None:
         self.sched = sched

@@ -1,4 +1,4 @@
-"""The tour's worked example (engine-step-tour.txt, stops 2, 3, 11 and the counters table), with the real classes."""
+"""engine-step-tour.txt's worked example (stops 2, 3, 11 and the counters table), with the real classes."""
 
 from aioengine.sampling_params import SamplingParams
 from aioengine.sched.request import Request

@@ -215,9 +215,9 @@ class CpuBackend(Backend):
     def allocate_kv_caches(
         self, hf_config: Any, num_blocks: int, block_size: int, dtype: torch.dtype
     ) -> list[torch.Tensor]:
-        """Head-major memory (``[2, blocks, heads, block_size, D]``) behind the usual shape: a decode reads one
-        KV head's rows of a block as one contiguous run, which DRAM serves faster than rows strided by the
-        other heads. Zeroed: padded attention reads slots nobody wrote (0 * NaN = NaN)."""
+        """Head-major memory (``[2, blocks, heads, block_size, D]``) behind the usual shape: a decode reads
+        one KV head's rows of a block as one contiguous run, which DRAM serves faster than rows strided by
+        the other heads. Zeroed: padded attention reads slots nobody wrote (0 * NaN = NaN)."""
         two, blocks, size, heads, dim = kv_cache_shape(hf_config, num_blocks, block_size)
         with torch.inference_mode(False):  # normal tensors: writable under inference_mode and no_grad alike
             return [

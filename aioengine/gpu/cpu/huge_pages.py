@@ -3,8 +3,8 @@
 A decode step reads every packed weight once. On 4 KiB pages that is a TLB miss every 4 KiB of weights,
 each a page walk, and in a virtual machine a two-level one; 2 MiB pages take nearly all of them away.
 Linux only backs memory with huge pages where asked (``transparent_hugepage/enabled`` is ``madvise`` on most
-distributions), so the tensors come from anonymous mappings advised ``MADV_HUGEPAGE`` before their first touch;
-elsewhere they are ordinary zeroed tensors.
+distributions), so the tensors come from anonymous mappings advised ``MADV_HUGEPAGE`` before their first
+touch; elsewhere they are ordinary zeroed tensors.
 
 Not the KV cache: left to fault in during a run, each huge page's first touch (zeroing, maybe compaction)
 stalls a step; populated at allocation (MADV_POPULATE_WRITE), the engine's start waits while the kernel

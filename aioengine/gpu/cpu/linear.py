@@ -56,9 +56,9 @@ class PackedLinear(nn.Module):
         silu_and_mul: bool = False,
         c_gemm: bool | None = None,
     ) -> None:
-        """``silu_and_mul``: a fused gate_up weight whose output is ``silu(gate) * up`` (half the width), from the
-        GEMM's epilogue; only where ``fuses_silu_and_mul`` says so. ``c_gemm``: cpu_gemm.c's layout (default:
-        where it is built), else oneDNN's."""
+        """``silu_and_mul``: a fused gate_up weight whose output is ``silu(gate) * up`` (half the width), from
+        the GEMM's epilogue; only where ``fuses_silu_and_mul`` says so. ``c_gemm``: cpu_gemm.c's layout
+        (default: where it is built), else oneDNN's."""
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.dtype = weight.dtype
@@ -89,8 +89,8 @@ class PackedLinear(nn.Module):
         return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
-        """Each row's argmax of ``x W^T + b`` (float32 sums) without writing the logits: cpu_gemm.c's epilogue;
-        None where this layer is not packed for it."""
+        """Each row's argmax of ``x W^T + b`` (float32 sums) without writing the logits: cpu_gemm.c's
+        epilogue; None where this layer is not packed for it."""
         if not self.c_gemm or self.epilogue == cpu_kernels.GEMM_SILU_MUL:
             return None
         return cpu_kernels.gemm(

@@ -1,4 +1,4 @@
-"""The CUDA backend: Triton kernels, pinned staging, memory-profiled KV sizing, decode graphs, awaited events."""
+"""CUDA backend: Triton kernels, pinned staging, memory-profiled KV sizing, decode graphs, awaited events."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A step's small host-to-device copies through pinned memory, so the launching thread never waits for the GPU.
+"""A step's small host-to-device copies via pinned memory, so the launching thread never waits for the GPU.
 
 ``tensor.to("cuda")`` waits for the stream to finish what is queued on it, and even a non-blocking copy from
 pageable memory may (the driver stages it and "may synchronize with the stream"). Either stalls the worker

@@ -199,8 +199,8 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """hidden ``[N, hidden_size]`` -> logits ``[N, vocab_size]`` in the model's dtype, or float32 from a head
-        packed for cpu_gemm.c (the sampler widens bf16 logits when it does more than an argmax)."""
+        """hidden ``[N, hidden_size]`` -> logits ``[N, vocab_size]`` in the model's dtype, or float32 from a
+        head packed for cpu_gemm.c (the sampler widens bf16 logits when it does more than an argmax)."""
         head = self.lm_head
         if isinstance(head, nn.Embedding):  # tied
             return nn.functional.linear(hidden_states, head.weight)

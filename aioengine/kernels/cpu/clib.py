@@ -64,9 +64,9 @@ def _cpu_flags() -> str:
 
 
 def _tune_flags(compiler: str) -> list[str]:
-    """``-mtune=sapphirerapids`` where the compiler's native tuning is for an AMD core without AVX-512 (znver1-3)
-    on a CPU that has it: gcc 12 does not know Zen 4/5 and tunes them as Zen 3. Tuned for a core with AVX-512,
-    the same kernels (same bits) ran the offline bench faster on a Zen 5."""
+    """``-mtune=sapphirerapids`` where the compiler's native tuning is for an AMD core without AVX-512
+    (znver1-3) on a CPU that has it: gcc 12 does not know Zen 4/5 and tunes them as Zen 3. Tuned for a core
+    with AVX-512, the same kernels (same bits) ran the offline bench faster on a Zen 5."""
     if "avx512f" not in _cpu_flags().split():
         return []
     try:
@@ -300,10 +300,11 @@ def gemm(
     out_features: int,
     epilogue: int = GEMM_BF16,
 ) -> torch.Tensor:
-    """``x [M, K] @ W^T (+ bias)`` with ``W [N, K]`` packed by ``pack_gemm_weight``; ``x``'s rows may be strided
-    (unit inner stride). Returns bf16 ``[M, N]``; with GEMM_F32 float32 ``[M, N]`` (the sums unrounded); with
-    GEMM_SILU_MUL (a gated weight, no bias) bf16 ``[M, N / 2]``: silu(gate) * up, rounded as torch rounds; with
-    GEMM_ARGMAX int64 ``[M]``: ``argmax`` of the float32 row, as torch picks it (first maximum; NaN wins)."""
+    """``x [M, K] @ W^T (+ bias)`` with ``W [N, K]`` packed by ``pack_gemm_weight``; ``x``'s rows may be
+    strided (unit inner stride). Returns bf16 ``[M, N]``; with GEMM_F32 float32 ``[M, N]`` (the sums
+    unrounded); with GEMM_SILU_MUL (a gated weight, no bias) bf16 ``[M, N / 2]``: silu(gate) * up, rounded
+    as torch rounds; with GEMM_ARGMAX int64 ``[M]``: ``argmax`` of the float32 row, as torch picks it
+    (first maximum; NaN wins)."""
     m, k = x.shape
     assert (
         x.dtype == torch.bfloat16
@@ -377,8 +378,8 @@ def store_ok(key: torch.Tensor, kv_cache: torch.Tensor) -> bool:
 def store_kv(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Write ``key``/``value`` ``[T, Hkv, D]`` into the cache slots ``slot_mapping`` ``[T]``; a slot outside the
-    cache (-1: a padded row) is skipped, never written out of bounds."""
+    """Write ``key``/``value`` ``[T, Hkv, D]`` into the cache slots ``slot_mapping`` ``[T]``; a slot outside
+    the cache (-1: a padded row) is skipped, never written out of bounds."""
     assert value.stride(-1) == 1 and value.stride(-2) == value.shape[-1] and value.dtype == key.dtype
     slots = (
         slot_mapping
@@ -405,10 +406,10 @@ def store_kv(
 
 
 def fast_prefill(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-    """Whether a batch with prompt chunks takes the C kernels (prompt chunks through prefill_attention, decodes
-    through decode_attention): bf16 on the AVX512-BF16 build, head_dim a multiple of 32, shapes `supports`
-    takes. Even one row per query token beats gather + SDPA for bf16, short prompts and long contexts alike;
-    for float32 SDPA's GEMMs win, so float32 keeps them."""
+    """Whether a batch with prompt chunks takes the C kernels (prompt chunks through prefill_attention,
+    decodes through decode_attention): bf16 on the AVX512-BF16 build, head_dim a multiple of 32, shapes
+    `supports` takes. Even one row per query token beats gather + SDPA for bf16, short prompts and long
+    contexts alike; for float32 SDPA's GEMMs win, so float32 keeps them."""
     lib = load()
     return (
         lib is not None

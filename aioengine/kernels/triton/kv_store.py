@@ -1,8 +1,9 @@
-"""Write new K/V into the paged cache by ``slot_mapping``: a Triton kernel (reference: ``reference.store_kv_reference``).
+"""Write new K/V into the paged cache by ``slot_mapping``: a Triton kernel.
 
-The cache layout is ``kv_cache`` ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (0 = keys,
-1 = values); a token's slot is ``block_id * block_size + offset``. A negative slot (a padded row of a
-CUDA-graph batch) is skipped by the kernel.
+Its reference is ``reference.store_kv_reference``. The cache layout is ``kv_cache``
+``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (0 = keys, 1 = values); a token's slot is
+``block_id * block_size + offset``. A negative slot (a padded row of a CUDA-graph batch) is skipped by the
+kernel.
 
 Importing this module imports triton; only the CUDA backend does.
 """

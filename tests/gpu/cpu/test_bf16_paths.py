@@ -59,8 +59,8 @@ def _run(model, config) -> list[torch.Tensor]:
     [("llama", 64, 6, 2, 256), ("llama", 128, 4, 1, 256), ("llama", 96, 4, 4, 208), ("qwen2", 64, 4, 2, 160)],
 )
 def test_bf16_fast_paths_match_the_torch_paths(tmp_path, arch, head_dim, heads, kv_heads, inter):
-    """Also: intermediate 208 (gate_up of 416 rows: the activation stays separate, not the GEMM's epilogue) and
-    Qwen2's q/k/v biases (added to the GEMM's float32 sums) with an untied head."""
+    """Also: intermediate 208 (gate_up of 416 rows: the activation stays separate, not the GEMM's epilogue)
+    and Qwen2's q/k/v biases (added to the GEMM's float32 sums) with an untied head."""
     torch.manual_seed(0)
     kind = (
         (transformers.LlamaConfig, transformers.LlamaForCausalLM)
@@ -93,8 +93,9 @@ def test_bf16_fast_paths_match_the_torch_paths(tmp_path, arch, head_dim, heads, 
         got = _run(fast, cfg)
     for w, g in zip(want, got, strict=True):
         scale = w.abs().max()
-        # bf16 paths that round differently (the attention's sums, the norm's sum): close, not equal. Measured:
-        # at most 1.3% of the largest logit; a sign flip in the rotary or a swapped p.V half fails every case.
+        # bf16 paths that round differently (the attention's sums, the norm's sum): close, not equal.
+        # Measured: at most 1.3% of the largest logit; a sign flip in the rotary or a swapped p.V half fails
+        # every case.
         assert (g - w).abs().max() <= 0.05 * scale, ((g - w).abs().max(), scale)
         agree = (g.argmax(-1) == w.argmax(-1)).float().mean()
         assert agree >= 0.9, agree

@@ -22,7 +22,8 @@ BLOCK = 16
 
 
 def _model(tmp_path, arch: str, head_dim: int = 64):
-    """A tiny random checkpoint (conftest's, heads of 64 or 128 for the AVX512-BF16 attention loop) in bf16, packed."""
+    """A tiny random checkpoint (conftest's, heads of 64 or 128 for the AVX512-BF16 attention loop) in
+    bf16, packed."""
     make_tiny_checkpoint(
         arch,
         tmp_path,

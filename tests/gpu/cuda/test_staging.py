@@ -1,5 +1,6 @@
 """Staging: on CUDA (HostStaging) a step's inputs reach the device through pinned memory without the launching
-thread waiting for the GPU (CUDA tests skip without one); on CPU (CpuStaging) they are the arrays themselves."""
+thread waiting for the GPU (CUDA tests skip without one); on CPU (CpuStaging) they are the arrays
+themselves."""
 
 from __future__ import annotations
 

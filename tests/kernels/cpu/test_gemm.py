@@ -63,7 +63,8 @@ def test_gemm_is_within_float32_summation_error_of_float64(m, n, k):
     b = torch.randn(n, generator=gen).to(torch.bfloat16)
     ref = F.linear(x.double(), w.double(), b.double())
     got = PackedLinear(w, b)(x).double()
-    # float32 sums of k products: |error| <= k * 2^-24 * sum|x w| (+ |b|); then one bf16 rounding: half an ulp.
+    # float32 sums of k products: |error| <= k * 2^-24 * sum|x w| (+ |b|); then one bf16 rounding:
+    # half an ulp.
     magnitude = F.linear(x.double().abs(), w.double().abs(), b.double().abs())
     half_ulp = 2.0 ** (torch.frexp(ref.abs().clamp_min(1e-30)).exponent.double() - 9)
     assert ((got - ref).abs() <= half_ulp + (k + 1) * 2.0**-24 * magnitude * 1.01).all()
