@@ -23,11 +23,12 @@ from aioengine.errors import AioEngineError, InvalidRequestError
 from aioengine.http.context import CONFIG, ENGINE, STATE, check_model
 from aioengine.http.fields import APIError, RequestLimits, api_error, bad, parse_json_body
 from aioengine.http.protocol import ChatRequest, CompletionRequest
+from aioengine.http.request_fields import REQUEST_ID_PATTERN
 from aioengine.tokenizer import apply_chat_template
 
 logger = logging.getLogger("aioengine.http")
 
-_REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+_REQUEST_ID_RE = re.compile(REQUEST_ID_PATTERN)
 LOG_PROMPT_CHARS = 256  # --log-requests: how much of a prompt is logged
 # Prompts longer than this (in characters) are tokenized on a worker thread: on the loop, a prompt of
 # megabytes stalls every stream for seconds; the tokenizer releases the GIL, so the loop keeps serving.

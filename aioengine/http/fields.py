@@ -3,8 +3,10 @@ reader with its depth cap, and strictly typed field access (Fields)."""
 
 from __future__ import annotations
 
+import builtins
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 import orjson
 
@@ -110,20 +112,98 @@ def _deeper_than(obj: Any, limit: int) -> bool:
     return False
 
 
-# ---- typed field access ---------------------------------------------------------------------------------
+# ---- request fields: one spec per field, read by Fields and stated by /openapi.json ---------------------
+JSON = dict[str, Any]
+Bound = int | float | Callable[[RequestLimits], int] | None  # a callable reads it from the server's limits
 _TYPE_NAMES = {int: "an integer", float: "a number", bool: "a boolean", str: "a string", list: "an array",
                dict: "an object"}
+_JSON_TYPES = {int: "integer", float: "number", bool: "boolean", str: "string", list: "array", dict: "object"}
+
+
+@dataclass(frozen=True, slots=True)
+class SchemaContext:
+    """What a field's schema may depend on: the server's limits, the model's vocabulary, its policy."""
+
+    limits: RequestLimits = DEFAULT_LIMITS
+    vocab_size: int = 1 << 31
+    priority: bool = False
+
+    def token(self) -> JSON:
+        return {"type": "integer", "minimum": 0, "maximum": max(self.vocab_size - 1, 0)}
+
+
+@dataclass(frozen=True, slots=True)
+class Spec:
+    """One request field: the type, bounds and choices Fields checks, and the JSON schema /openapi.json states.
+
+    ``kind``: the JSON type Fields reads (None: any; the parser reads the field itself). ``lo``/``hi``
+    (inclusive unless ``exclusive_lo``) and ``enum`` are checked by Fields unless ``checked_later``: then
+    SamplingParams or the engine checks them, with their own messages, and the spec only states them.
+    ``schema``: more JSON schema (a callable gets the SchemaContext), for what the type and bounds cannot say.
+    """
+
+    kind: type | None
+    lo: Bound = None
+    hi: Bound = None
+    exclusive_lo: bool = False
+    enum: tuple[str, ...] | None = None
+    checked_later: bool = False
+    schema: JSON | Callable[[SchemaContext], JSON] | None = None
+    description: str | None = None
+
+    def bounds(self, limits: RequestLimits) -> tuple[float | None, float | None]:
+        def resolve(b: Bound) -> float | None:
+            return b(limits) if callable(b) else b
+        return resolve(self.lo), resolve(self.hi)
+
+    def json_schema(self, ctx: SchemaContext) -> JSON:
+        out: JSON = {} if self.kind is None else {"type": _JSON_TYPES[self.kind]}
+        if self.enum is not None:
+            out = {"enum": list(self.enum)}
+        lo, hi = self.bounds(ctx.limits)
+        if lo is not None:
+            out["exclusiveMinimum" if self.exclusive_lo else "minimum"] = lo
+        if hi is not None:
+            out["maximum"] = hi
+        extra = self.schema(ctx) if callable(self.schema) else self.schema
+        out.update(extra or {})
+        if self.description is not None:
+            out["description"] = self.description
+        return out
+
+
+Table = Mapping[str, Spec]
+
+
+def object_schema(table: Table, ctx: SchemaContext, required: tuple[str, ...] = (), nullable: bool = True,
+                  only: tuple[str, ...] | None = None, **extra: object) -> JSON:
+    """The JSON schema of an object of these fields (``only``: a subset): unknown fields are refused, and
+    null means the default for every field not required (``nullable``)."""
+    props = {}
+    for name, spec in table.items():
+        if only is not None and name not in only:
+            continue
+        schema = spec.json_schema(ctx)
+        props[name] = {"anyOf": [schema, {"type": "null"}]} if nullable and name not in required else schema
+    return {"type": "object", "properties": props, "required": list(required), "additionalProperties": False,
+            **extra}
 
 
 class Fields:
-    """Reads fields of a JSON object with strict types; null means "use the default" as in OpenAI's API."""
+    """Reads fields of a JSON object with strict types; null means "use the default" as in OpenAI's API.
 
-    def __init__(self, data: dict, allowed: frozenset[str], prefix: str = "") -> None:
+    ``allowed``: the field table (its specs' bounds and choices are checked), or just the allowed names.
+    """
+
+    def __init__(self, data: JSON, allowed: Table | frozenset[str], prefix: str = "",
+                 limits: RequestLimits = DEFAULT_LIMITS) -> None:
         for key in data:
             if key not in allowed:
                 raise bad(f"Unrecognized request argument supplied: {prefix}{key}", f"{prefix}{key}")
         self.data = data
+        self.specs: Table = allowed if isinstance(allowed, Mapping) else {}
         self.prefix = prefix
+        self.limits = limits
 
     def get(self, name: str, kind: type, default: Any = None) -> Any:
         value = self.data.get(name)
@@ -139,24 +219,52 @@ class Fields:
                       f"{self.prefix}{name}")
         return value
 
-    def int(self, name: str, default: int | None = None, lo: int | None = None, hi: int | None = None
-            ) -> int | None:
-        value = self.get(name, int, default)
-        if value is not None and ((lo is not None and value < lo) or (hi is not None and value > hi)):
+    def _checked(self, name: str, value: Any) -> Any:
+        spec = self.specs.get(name)
+        if value is None or spec is None or spec.checked_later:
+            return value
+        param = f"{self.prefix}{name}"
+        if spec.enum is not None and value not in spec.enum:
+            raise bad(f"{param} must be one of {', '.join(spec.enum)}; got {value!r}.", param)
+        lo, hi = spec.bounds(self.limits)
+        if (lo is not None and (value <= lo if spec.exclusive_lo else value < lo)) or (hi is not None and value > hi):
             rng = f"at least {lo}" if hi is None else f"between {lo} and {hi}" if lo is not None else f"at most {hi}"
-            raise bad(f"{self.prefix}{name} must be {rng}, got {value}.", f"{self.prefix}{name}")
+            raise bad(f"{param} must be {rng}, got {value}.", param)
         return value
 
-    def float(self, name: str, default: float | None = None) -> float | None:
-        return self.get(name, float, default)
+    @overload
+    def int(self, name: builtins.str, default: builtins.int) -> builtins.int: ...
+    @overload
+    def int(self, name: builtins.str, default: None = None) -> builtins.int | None: ...
 
-    def bool(self, name: str, default: bool | None = None) -> bool | None:
+    def int(self, name: builtins.str, default: builtins.int | None = None) -> builtins.int | None:
+        return self._checked(name, self.get(name, int, default))
+
+    @overload
+    def float(self, name: builtins.str, default: builtins.float) -> builtins.float: ...
+    @overload
+    def float(self, name: builtins.str, default: None = None) -> builtins.float | None: ...
+
+    def float(self, name: builtins.str, default: builtins.float | None = None) -> builtins.float | None:
+        return self._checked(name, self.get(name, float, default))
+
+    @overload
+    def bool(self, name: builtins.str, default: builtins.bool) -> builtins.bool: ...
+    @overload
+    def bool(self, name: builtins.str, default: None = None) -> builtins.bool | None: ...
+
+    def bool(self, name: builtins.str, default: builtins.bool | None = None) -> builtins.bool | None:
         return self.get(name, bool, default)
 
-    def str(self, name: str, default: str | None = None) -> str | None:
-        return self.get(name, str, default)
+    @overload
+    def str(self, name: builtins.str, default: builtins.str) -> builtins.str: ...
+    @overload
+    def str(self, name: builtins.str, default: None = None) -> builtins.str | None: ...
 
-    def present(self, name: str) -> bool:
+    def str(self, name: builtins.str, default: builtins.str | None = None) -> builtins.str | None:
+        return self._checked(name, self.get(name, str, default))
+
+    def present(self, name: builtins.str) -> builtins.bool:
         return self.data.get(name) is not None
 
 

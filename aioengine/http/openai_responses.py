@@ -22,13 +22,9 @@ from aioengine.http.context import ENGINE, json_response
 from aioengine.http.fields import APIError, Fields, bad, not_supported
 from aioengine.http.messages import content_text
 from aioengine.http.protocol import parse_chat_request
+from aioengine.http.request_fields import RESPONSE, RESPONSE_REASONING, RESPONSE_TEXT
 from aioengine.http.streaming import JSON, SSEWriter, Tally, guarded_sse, merged
 
-RESPONSE_FIELDS = frozenset({
-    "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream", "text", "reasoning",
-    "user", "metadata", "store", "tools", "tool_choice", "parallel_tool_calls", "truncation", "include",
-    "previous_response_id", "background", "service_tier", "top_logprobs", "safety_identifier", "prompt_cache_key",
-})
 _ROLES = frozenset({"user", "assistant", "system", "developer"})
 _TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
 
@@ -89,7 +85,7 @@ async def stream_response(request: web.Request, engine: EngineClient, handle: Re
 
 def to_chat_body(data: JSON) -> JSON:
     """The chat-completions body this Responses request asks for (then parsed by parse_chat_request)."""
-    f = Fields(data, RESPONSE_FIELDS)
+    f = Fields(data, RESPONSE)
     for name, what in (("previous_response_id", "previous_response_id (nothing is stored)"),
                        ("background", "background responses")):
         if f.data.get(name) not in (None, False):
@@ -100,8 +96,7 @@ def to_chat_body(data: JSON) -> JSON:
         raise not_supported("tool_choice", "tool_choice on /v1/responses")
     if f.get("include", list):
         raise not_supported("include")
-    if f.str("truncation") not in (None, "disabled", "auto"):
-        raise bad("truncation must be 'disabled' or 'auto'.", "truncation")
+    f.str("truncation")  # disabled or auto (the spec's choices): nothing to truncate either way
     if f.int("top_logprobs", 0):
         raise not_supported("top_logprobs", "top_logprobs on /v1/responses")
     f.bool("store")
@@ -118,13 +113,13 @@ def to_chat_body(data: JSON) -> JSON:
             body[dst] = data[src]
     text = f.get("text", dict)
     if text is not None:
-        Fields(text, frozenset({"format", "verbosity"}), "text.")
+        Fields(text, RESPONSE_TEXT, "text.")
         fmt = text.get("format")
         if fmt is not None:
             body["response_format"] = _response_format(fmt)
     reasoning = f.get("reasoning", dict)
     if reasoning is not None:
-        rf = Fields(reasoning, frozenset({"effort", "summary", "generate_summary"}), "reasoning.")
+        rf = Fields(reasoning, RESPONSE_REASONING, "reasoning.")
         if rf.str("effort") is not None:
             body["reasoning_effort"] = rf.str("effort")
     return body

@@ -1,17 +1,19 @@
 """OpenAI request parsing: chat, completion and tokenize bodies -> typed requests with SamplingParams.
 
 Every field a client may send is either used, validated and rejected when it asks for something the
-engine cannot do yet, or refused as unknown: nothing is ignored silently.
+engine cannot do yet, or refused as unknown: nothing is ignored silently. Which fields there are, and
+their types, bounds and choices, is the tables of request_fields.py (/openapi.json states the same ones).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from aioengine.errors import InvalidRequestError
 from aioengine.http.fields import (
     DEFAULT_LIMITS,
+    JSON,
     APIError,
     Fields,
     RequestLimits,
@@ -24,12 +26,22 @@ from aioengine.http.fields import (
     parse_json_body,
 )
 from aioengine.http.messages import RESERVED_TEMPLATE_KWARGS, parse_messages, template_kwargs
+from aioengine.http.request_fields import (
+    CHAT,
+    COMPLETION,
+    COMPLETION_MAX_TOKENS,
+    DETOKENIZE,
+    MAX_METADATA,
+    STREAM_OPTIONS,
+    STRUCTURED_OUTPUTS,
+    TOKENIZE,
+)
 from aioengine.http.tools import ToolError, ToolSpec, parse_tools
-from aioengine.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
+from aioengine.sampling_params import SamplingParams, StructuredOutputsParams
 
 # Re-exported: the routes import the wire basics from here.
 __all__ = ["DEFAULT_LIMITS", "RESERVED_TEMPLATE_KWARGS", "APIError", "ChatRequest", "CompletionRequest", "Fields",
-           "GenerationRequest", "RequestLimits", "bad", "api_error", "error_dict", "not_supported",
+           "GenerationRequest", "RequestLimits", "api_error", "bad", "error_dict", "not_supported",
            "parse_chat_request", "parse_completion_request", "parse_detokenize_request", "parse_json_body",
            "parse_messages", "parse_prompt", "parse_tokenize_request"]
 
@@ -51,8 +63,8 @@ class GenerationRequest:
 
 @dataclass(slots=True)
 class ChatRequest(GenerationRequest):
-    messages: list[dict] = field(default_factory=list)
-    chat_template_kwargs: dict = field(default_factory=dict)
+    messages: list[JSON] = field(default_factory=list)
+    chat_template_kwargs: JSON = field(default_factory=dict)
     prompt_ids: list[int] | None = None  # the templated conversation, when tokenized off the loop
     tools: ToolSpec | None = None  # tools and tool_choice (aioengine/http/tools.py)
 
@@ -64,26 +76,7 @@ class CompletionRequest(GenerationRequest):
     prompt_ids: dict[int, list[int]] = field(default_factory=dict)  # long prompts tokenized off the loop
 
 
-_SAMPLING_FIELDS = frozenset({
-    "model", "n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop",
-    "stop_token_ids", "ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "stream",
-    "stream_options", "user", "request_id", "priority", "presence_penalty", "frequency_penalty",
-    "repetition_penalty", "logit_bias", "logprobs", "response_format", "structured_outputs",
-    "allowed_token_ids", "bad_words",
-})
-CHAT_FIELDS = _SAMPLING_FIELDS | {
-    "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
-    "chat_template_kwargs", "add_generation_prompt", "continue_final_message", "store", "metadata",
-    "service_tier", "reasoning_effort",
-}
-_REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
-COMPLETION_FIELDS = _SAMPLING_FIELDS | {"prompt", "echo", "best_of", "suffix"}
-
-
-_STRUCTURED_FIELDS = frozenset({"json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace"})
-
-
-def _structured_outputs(f: Fields) -> dict | None:
+def _structured_outputs(f: Fields) -> StructuredOutputsParams | None:
     """OpenAI's response_format, or vLLM's structured_outputs object (not both)."""
     rf = f.get("response_format", dict)
     so = f.get("structured_outputs", dict)
@@ -92,22 +85,25 @@ def _structured_outputs(f: Fields) -> dict | None:
         if so is not None:
             raise bad("Use response_format or structured_outputs, not both.", "structured_outputs")
         if kind == "json_object":
-            return {"json_object": True}
+            return StructuredOutputsParams(json_object=True)
         if kind == "json_schema":
             js = rf.get("json_schema")
             if not isinstance(js, dict) or not isinstance(js.get("schema"), dict):
                 raise bad("response_format.json_schema.schema must be a JSON schema object.",
                           "response_format.json_schema")
-            return {"json": js["schema"]}
+            return StructuredOutputsParams(json=js["schema"])
         raise bad("response_format.type must be text, json_object or json_schema.", "response_format.type")
     if so is None:
         return None
-    Fields(so, _STRUCTURED_FIELDS, "structured_outputs.")
-    return dict(so)
+    Fields(so, STRUCTURED_OUTPUTS, "structured_outputs.")
+    try:
+        return StructuredOutputsParams(**so)
+    except TypeError as e:
+        raise bad(f"Invalid structured_outputs: {e}", "structured_outputs") from None
 
 
 def _sampling_params(f: Fields, max_tokens: int | None, logprobs: int | None, limits: RequestLimits,
-                     defaults: dict) -> SamplingParams:
+                     defaults: Mapping[str, float]) -> SamplingParams:
     """``defaults``: the model's generation-config defaults for fields the request leaves out."""
     stop = f.data.get("stop")
     if stop is None:
@@ -129,7 +125,9 @@ def _sampling_params(f: Fields, max_tokens: int | None, logprobs: int | None, li
     if bad_words is not None and not (isinstance(bad_words, str) or (
             isinstance(bad_words, list) and all(isinstance(w, str) for w in bad_words))):
         raise bad("bad_words must be a string or an array of strings.", "bad_words")
-    if isinstance(bad_words, list):
+    if isinstance(bad_words, str):
+        bad_words = [bad_words]
+    elif isinstance(bad_words, list):
         _at_most(bad_words, limits.max_bad_words, "bad_words", "words")
     allowed = f.get("allowed_token_ids", list)
     _at_most(allowed, limits.max_token_ids, "allowed_token_ids", "token ids")
@@ -137,8 +135,8 @@ def _sampling_params(f: Fields, max_tokens: int | None, logprobs: int | None, li
         raise bad("allowed_token_ids must be an array of integers.", "allowed_token_ids")
     try:
         return SamplingParams(
-            n=f.int("n", 1, lo=1, hi=limits.max_n), temperature=f.float("temperature", defaults.get("temperature", 1.0)),
-            top_p=f.float("top_p", defaults.get("top_p", 1.0)), top_k=_top_k(f, defaults.get("top_k", 0)),
+            n=f.int("n", 1), temperature=f.float("temperature", defaults.get("temperature", 1.0)),
+            top_p=f.float("top_p", defaults.get("top_p", 1.0)), top_k=_top_k(f, int(defaults.get("top_k", 0))),
             min_p=f.float("min_p", defaults.get("min_p", 0.0)),
             seed=f.int("seed"), max_tokens=max_tokens, min_tokens=f.int("min_tokens", 0), stop=stop,
             stop_token_ids=stop_token_ids, ignore_eos=f.bool("ignore_eos", False),
@@ -158,14 +156,14 @@ def _top_k(f: Fields, default: int) -> int:
 
 
 def _common(f: Fields, max_tokens: int | None, logprobs: int | None, allow_priority: bool,
-            limits: RequestLimits, defaults: dict) -> dict:
+            limits: RequestLimits, defaults: Mapping[str, float]) -> GenerationRequest:
     stream = f.bool("stream", False)
     so = f.get("stream_options", dict)
     include_usage = continuous = False
     if so is not None:
         if not stream:
             raise bad("Stream options can only be defined when `stream=True`.", "stream_options")
-        sf = Fields(so, frozenset({"include_usage", "continuous_usage_stats"}), "stream_options.")
+        sf = Fields(so, STREAM_OPTIONS, "stream_options.")
         include_usage = sf.bool("include_usage", False)
         continuous = sf.bool("continuous_usage_stats", False)
     priority = f.int("priority", 0)
@@ -174,14 +172,14 @@ def _common(f: Fields, max_tokens: int | None, logprobs: int | None, allow_prior
     request_id = f.str("request_id")
     if request_id is not None and not request_id:
         raise bad("request_id cannot be empty.", "request_id")
-    return dict(model=f.str("model"), params=_sampling_params(f, max_tokens, logprobs, limits, defaults), stream=stream,
-                include_usage=include_usage, continuous_usage_stats=continuous, request_id=request_id,
-                priority=priority, user=f.str("user"))
+    return GenerationRequest(model=f.str("model"), params=_sampling_params(f, max_tokens, logprobs, limits, defaults),
+                             stream=stream, include_usage=include_usage, continuous_usage_stats=continuous,
+                             request_id=request_id, priority=priority, user=f.str("user"))
 
 
-def parse_chat_request(data: dict, allow_priority: bool = False, limits: RequestLimits = DEFAULT_LIMITS,
-                       defaults: dict | None = None) -> ChatRequest:
-    f = Fields(data, CHAT_FIELDS)
+def parse_chat_request(data: JSON, allow_priority: bool = False, limits: RequestLimits = DEFAULT_LIMITS,
+                       defaults: Mapping[str, float] | None = None) -> ChatRequest:
+    f = Fields(data, CHAT, limits=limits)
     if "messages" not in data:
         raise bad("messages is required.", "messages")
     messages = parse_messages(data["messages"], limits.max_messages)
@@ -191,7 +189,7 @@ def parse_chat_request(data: dict, allow_priority: bool = False, limits: Request
     else:
         f.int("max_tokens")  # still type-checked
     want_logprobs = f.bool("logprobs", False)
-    top_logprobs = f.int("top_logprobs", lo=0, hi=MAX_LOGPROBS)
+    top_logprobs = f.int("top_logprobs")
     if top_logprobs and not want_logprobs:
         raise bad("top_logprobs requires logprobs to be true.", "top_logprobs")
     try:
@@ -201,13 +199,11 @@ def parse_chat_request(data: dict, allow_priority: bool = False, limits: Request
     if f.bool("store", False):
         raise not_supported("store", "Storing completions (store=true)")
     metadata = f.get("metadata", dict)  # tags for stored completions: checked, then unused (nothing is stored)
-    if metadata and (len(metadata) > 16 or not all(isinstance(v, str) for v in metadata.values())):
-        raise bad("metadata may hold at most 16 string values.", "metadata")
+    if metadata and (len(metadata) > MAX_METADATA or not all(isinstance(v, str) for v in metadata.values())):
+        raise bad(f"metadata may hold at most {MAX_METADATA} string values.", "metadata")
     effort = f.str("reasoning_effort")
-    if effort is not None and effort not in _REASONING_EFFORTS:
-        raise bad(f"reasoning_effort must be one of {', '.join(_REASONING_EFFORTS)}; got {effort!r}.",
-                  "reasoning_effort")
-    if f.str("service_tier") not in (None, "auto", "default"):
+    tier = f.str("service_tier")
+    if tier is not None and tier not in (CHAT["service_tier"].enum or ()):
         raise not_supported("service_tier")
     kwargs = template_kwargs(f)
     if effort is not None:
@@ -224,8 +220,9 @@ def parse_chat_request(data: dict, allow_priority: bool = False, limits: Request
     if kwargs.get("continue_final_message") and messages[-1]["role"] != "assistant":
         raise bad("continue_final_message needs the last message to be from the assistant.", "messages")
     logprobs = (top_logprobs or 0) if want_logprobs else None
-    req = ChatRequest(**_common(f, max_tokens, logprobs, allow_priority, limits, defaults or {}), messages=messages,
-                      chat_template_kwargs=kwargs, tools=tools)
+    g = _common(f, max_tokens, logprobs, allow_priority, limits, defaults or {})
+    req = ChatRequest(g.model, g.params, g.stream, g.include_usage, g.continuous_usage_stats, g.request_id,
+                      g.priority, g.user, messages=messages, chat_template_kwargs=kwargs, tools=tools)
     if tools is not None:
         kwargs["tools"] = tools.tools  # the template describes them to the model (vLLM passes them too)
         forced = tools.structured_outputs()
@@ -237,35 +234,36 @@ def parse_chat_request(data: dict, allow_priority: bool = False, limits: Request
     return req
 
 
-def parse_completion_request(data: dict, allow_priority: bool = False, limits: RequestLimits = DEFAULT_LIMITS,
-                             defaults: dict | None = None) -> CompletionRequest:
-    f = Fields(data, COMPLETION_FIELDS)
+def parse_completion_request(data: JSON, allow_priority: bool = False, limits: RequestLimits = DEFAULT_LIMITS,
+                             defaults: Mapping[str, float] | None = None) -> CompletionRequest:
+    f = Fields(data, COMPLETION, limits=limits)
     prompts = parse_prompt(data.get("prompt"))
-    logprobs = f.int("logprobs", lo=0, hi=MAX_LOGPROBS)
+    logprobs = f.int("logprobs")
     echo = f.bool("echo", False)
     if f.str("suffix"):
         raise not_supported("suffix")
-    base = _common(f, f.int("max_tokens", 16), logprobs, allow_priority, limits, defaults or {})
+    g = _common(f, f.int("max_tokens", COMPLETION_MAX_TOKENS), logprobs, allow_priority, limits, defaults or {})
     if echo and logprobs is not None:  # the echoed prompt carries its own logprobs
-        base["params"].prompt_logprobs = logprobs
-    best_of = f.int("best_of", lo=1)
-    if best_of is not None and best_of != base["params"].n:
+        g.params.prompt_logprobs = logprobs
+    best_of = f.int("best_of")
+    if best_of is not None and best_of != g.params.n:
         raise not_supported("best_of", "best_of other than n")
-    if len(prompts) * base["params"].n > limits.max_prompts:
+    if len(prompts) * g.params.n > limits.max_prompts:
         raise bad(f"A request may ask for at most {limits.max_prompts} completions (prompts x n).", "prompt")
-    return CompletionRequest(**base, prompts=prompts, echo=echo)
+    return CompletionRequest(g.model, g.params, g.stream, g.include_usage, g.continuous_usage_stats, g.request_id,
+                             g.priority, g.user, prompts=prompts, echo=echo)
 
 
 _PROMPT_TYPES = ("prompt must be a string, an array of strings, an array of token ids, or an array of arrays "
                  "of token ids.")
 
 
-def parse_prompt(prompt: Any) -> list[str | list[int]]:
+def parse_prompt(prompt: object) -> list[str | list[int]]:
     """str | [str] | [int] | [[int]] -> a list of prompts (each a string or a list of token ids)."""
     if prompt is None:
         raise bad("prompt is required.", "prompt")
     if isinstance(prompt, str):
-        prompts: list = [prompt]
+        prompts: list[str | list[int]] = [prompt]
     elif not isinstance(prompt, list):
         raise bad(_PROMPT_TYPES, "prompt")
     elif not prompt:
@@ -275,8 +273,9 @@ def parse_prompt(prompt: Any) -> list[str | list[int]]:
     elif all(isinstance(p, str) for p in prompt):
         prompts = list(prompt)
     else:
-        prompts = [_ints(p) if isinstance(p, list) else None for p in prompt]
-        if any(p is None for p in prompts):
+        maybe = [_ints(p) if isinstance(p, list) else None for p in prompt]
+        prompts = [p for p in maybe if p is not None]
+        if len(prompts) != len(maybe):
             raise bad(_PROMPT_TYPES, "prompt")
     for p in prompts:
         if not p:
@@ -288,15 +287,14 @@ def parse_prompt(prompt: Any) -> list[str | list[int]]:
 class TokenizeRequest:
     model: str | None
     prompt: str | None = None
-    messages: list[dict] | None = None
+    messages: list[JSON] | None = None
     add_special_tokens: bool = True
     return_token_strs: bool = False
-    chat_template_kwargs: dict = field(default_factory=dict)
+    chat_template_kwargs: JSON = field(default_factory=dict)
 
 
-def parse_tokenize_request(data: dict, limits: RequestLimits = DEFAULT_LIMITS) -> TokenizeRequest:
-    f = Fields(data, frozenset({"model", "prompt", "messages", "add_special_tokens", "return_token_strs",
-                                "add_generation_prompt", "continue_final_message", "chat_template_kwargs"}))
+def parse_tokenize_request(data: JSON, limits: RequestLimits = DEFAULT_LIMITS) -> TokenizeRequest:
+    f = Fields(data, TOKENIZE, limits=limits)
     has_prompt, has_messages = "prompt" in data, "messages" in data
     if has_prompt == has_messages:
         raise bad("Exactly one of prompt and messages is required.", "prompt")
@@ -317,12 +315,12 @@ def parse_tokenize_request(data: dict, limits: RequestLimits = DEFAULT_LIMITS) -
     return req
 
 
-def parse_detokenize_request(data: dict, vocab_size: int) -> tuple[str | None, list[int]]:
-    f = Fields(data, frozenset({"model", "tokens"}))
-    tokens = f.get("tokens", list)
-    if tokens is None:
+def parse_detokenize_request(data: JSON, vocab_size: int) -> tuple[str | None, list[int]]:
+    f = Fields(data, DETOKENIZE)
+    raw = f.get("tokens", list)
+    if raw is None:
         raise bad("tokens is required.", "tokens")
-    tokens = _ints(tokens)
+    tokens = _ints(raw)
     if tokens is None or not all(0 <= t < vocab_size for t in tokens):
         raise bad(f"tokens must be an array of integers in [0, {vocab_size}).", "tokens")
     return f.str("model"), tokens
