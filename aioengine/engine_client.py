@@ -7,7 +7,7 @@ never an AsyncEngine. This module imports neither torch nor the engine.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Generator, Mapping
+from collections.abc import AsyncGenerator, Callable, Generator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -77,7 +77,7 @@ class RequestHandle(Protocol):
     @property
     def request_id(self) -> str: ...
 
-    def __aiter__(self) -> AsyncIterator[RequestOutput]: ...
+    def __aiter__(self) -> AsyncGenerator[RequestOutput, None]: ...  # close it (aclosing) to abort early
 
     def __await__(self) -> Generator[Any, None, RequestOutput]: ...
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Generator
+from collections.abc import AsyncGenerator, Generator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -61,13 +61,13 @@ class GenerateHandle:
         """Abort this request now (its stream ends with finish_reason 'abort'); a no-op once finished."""
         self._engine._abort_state(self._state)
 
-    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+    def __aiter__(self) -> AsyncGenerator[RequestOutput, None]:
         return self._iterate()
 
     def __await__(self) -> Generator[Any, None, RequestOutput]:
         return self._final().__await__()
 
-    async def _iterate(self) -> AsyncIterator[RequestOutput]:
+    async def _iterate(self) -> AsyncGenerator[RequestOutput, None]:
         assert not self._consumed, "a generate() result can be consumed once"
         self._consumed = True
         state = self._state

@@ -26,10 +26,10 @@ async def chat_repl(url: str, api_key: str | None, temperature: float, max_token
                 turn += 1
                 body = {"messages": history, "temperature": temperature, "max_tokens": max_tokens}
                 await ws.send_json({"type": "chat", "id": turn, "body": body})
-                reply = []
+                reply: list[str] | None = []
                 while True:
                     msg = await ws.receive_json()
-                    if msg["type"] == "delta":
+                    if msg["type"] == "delta" and reply is not None:
                         reply.append(msg["text"])
                         print(msg["text"], end="", flush=True)
                     elif msg["type"] == "done":

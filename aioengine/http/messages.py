@@ -56,7 +56,7 @@ def parse_messages(raw: Any, max_messages: int = DEFAULT_LIMITS.max_messages) ->
             if role != "assistant":
                 raise bad(f"{p}.content is required.", f"{p}.content")
             content = mf.str("refusal") or ""
-        msg = {"role": "system" if role == "developer" else role, "content": content}
+        msg: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": content}
         name = mf.str("name")
         if name is not None:
             msg["name"] = name

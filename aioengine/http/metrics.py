@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from aioengine.engine_client import EngineClient
+from aioengine.engine_client import EngineClient, RequestInfo
+from aioengine.outputs import RequestOutput
+from aioengine.sched.output import EngineCoreOutput, SchedulerStats
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                     10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -42,7 +44,7 @@ class EngineMetrics:
         self.totals = Totals()
         r, labels = self.registry, ["model_name"]
 
-        def gauge(name: str, doc: str, fn: Any) -> None:
+        def gauge(name: str, doc: str, fn: Callable[[], float]) -> None:
             Gauge(f"aioengine:{name}", doc, labels, registry=r).labels(model_name).set_function(fn)
 
         def counter(name: str, doc: str) -> Counter:
@@ -92,13 +94,13 @@ class EngineMetrics:
         engine.request_listeners.append(self.on_output)
 
     def close(self) -> None:
-        for listeners, fn in ((self.engine.stat_listeners, self.on_step),
-                              (self.engine.request_listeners, self.on_output)):
-            if fn in listeners:
-                listeners.remove(fn)
+        if self.on_step in self.engine.stat_listeners:
+            self.engine.stat_listeners.remove(self.on_step)
+        if self.on_output in self.engine.request_listeners:
+            self.engine.request_listeners.remove(self.on_output)
 
     # ---- engine listeners (inside the step: keep them cheap) --------------------------------------------
-    def on_step(self, stats: Any, outputs: list) -> None:
+    def on_step(self, stats: SchedulerStats, outputs: list[EngineCoreOutput]) -> None:
         t = self.totals
         if stats.prefix_cache_queries:
             self.prefix_queries.inc(stats.prefix_cache_queries)
@@ -111,7 +113,7 @@ class EngineMetrics:
         if stats.num_scheduled_tokens:
             self.iteration_tokens.observe(stats.num_scheduled_tokens)
 
-    def on_output(self, out: Any, state: Any) -> None:
+    def on_output(self, out: RequestOutput, state: RequestInfo) -> None:
         now = time.monotonic()
         scheduled = state.first_scheduled_time
         if scheduled is not None and out.request_id not in self._queued:  # its first output since then

@@ -10,7 +10,7 @@ import asyncio
 import logging
 import signal
 import time
-from typing import Any
+from collections.abc import Callable
 
 from aioengine.engine_client import EngineClient
 from aioengine.http.metrics import StatsLogger
@@ -40,7 +40,7 @@ def install_signal_handlers(stop: asyncio.Event) -> None:
 
 async def serve_engine(engine: EngineClient, config: ServerConfig, host: str, port: int, stop: asyncio.Event,
                        stats_interval: float | None = 10.0, shutdown_timeout: float = 5.0,
-                       access_log: bool = False, on_ready: Any = None) -> int:
+                       access_log: bool = False, on_ready: Callable[[int], None] | None = None) -> int:
     """Serve until `stop` is set (-> 0) or the engine dies (-> 1). The engine must be started."""
     app = build_app(engine, config)
     try:
@@ -56,7 +56,9 @@ async def serve_engine(engine: EngineClient, config: ServerConfig, host: str, po
         on_ready(bound_port(runner))
     stats_task = None
     if stats_interval:
-        stats_task = asyncio.create_task(_log_stats(StatsLogger(app[STATE].metrics), stats_interval))
+        metrics = app[STATE].metrics
+        assert metrics is not None, "set when the app started"
+        stats_task = asyncio.create_task(_log_stats(StatsLogger(metrics), stats_interval))
     dead = await _wait_stop_or_death(engine, stop)
     if dead:
         logger.error("the engine is dead (%s): exiting", engine.dead_error)

@@ -4,7 +4,7 @@ stream that aborts whatever is still running when it ends (the client left, the 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from contextlib import aclosing, suppress
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +22,7 @@ SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
 JSON = dict[str, Any]
 
 
-async def merged(handles: Sequence[RequestHandle]) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def merged(handles: Sequence[RequestHandle]) -> AsyncGenerator[tuple[int, RequestOutput], None]:
     """The deltas of several requests as they come, tagged with the request's position.
 
     Closing this generator (or cancelling its consumer) aborts every request still running.
@@ -145,8 +145,8 @@ async def stream_choices(request: web.Request, engine: EngineClient, req: ChatRe
 
     async def write(sse: SSEWriter) -> None:
         async with aclosing(merged(handles)) as deltas:
-            for c in first:
-                await sse.send({**base, "choices": [c]})
+            for chunk in first:
+                await sse.send({**base, "choices": [chunk]})
             async for i, out in deltas:
                 tally.add(i, out)
                 if on_output is not None:

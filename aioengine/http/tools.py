@@ -50,6 +50,7 @@ class ToolSpec:
         """The constraint that forces a call (named / required), as a structured_outputs dict."""
         # Compact JSON: free whitespace let a small model pad the arguments with newlines.
         if self.choice == "named":
+            assert self.name is not None
             return {"json": self.schemas[self.name], "disable_any_whitespace": True}
         if self.choice == "required":
             items = [{"type": "object", "properties": {"name": {"type": "string", "enum": [n]}, "parameters": s},
@@ -158,6 +159,7 @@ def _call(name: str, arguments: Any) -> dict:
 def extract(spec: ToolSpec, text: str, finish_reason: str | None) -> tuple[str | None, list[dict], str | None]:
     """(content, tool_calls, finish_reason) of a finished completion's text."""
     if spec.choice == "named":
+        assert spec.name is not None
         return None, [_call(spec.name, text)], finish_reason
     if spec.choice == "required":
         try:

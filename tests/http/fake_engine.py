@@ -4,7 +4,7 @@ waits until it is aborted or the engine "dies". Used to test engine death withou
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Generator, Mapping
+from collections.abc import AsyncGenerator, Generator, Mapping
 from typing import Any
 
 from aioengine.engine_client import (
@@ -50,10 +50,10 @@ class FakeHandle:
     def request_id(self) -> str:
         return self._request_id
 
-    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+    def __aiter__(self) -> AsyncGenerator[RequestOutput, None]:
         return self._iterate()
 
-    async def _iterate(self) -> AsyncIterator[RequestOutput]:
+    async def _iterate(self) -> AsyncGenerator[RequestOutput, None]:
         try:
             while True:
                 item = await self.queue.get()
