@@ -86,8 +86,9 @@ class LiveServer:
 
     def engine_state(self) -> dict:
         e = self.engine
-        return self.call(lambda: {"running": len(e.scheduler.running), "waiting": len(e.scheduler.waiting),
-                                  "kv_usage": e.kv_cache_usage(), "unfinished": e.num_unfinished_requests()})
+        snap = self.call(e.stats)
+        return {"running": snap.num_running, "waiting": snap.num_waiting, "kv_usage": snap.kv_cache_usage,
+                "unfinished": snap.num_unfinished}
 
     def steps(self) -> int:
         """How many steps the engine has finished so far (its own counter)."""
