@@ -112,14 +112,27 @@ class EngineClient(Protocol):
     def allow_priority(self) -> bool: ...  # requests may set `priority` (--scheduling-policy priority)
 
     # ---- requests ------------------------------------------------------------------------------------
-    def generate(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
-                 request_id: str | None = None, priority: int = 0, cache_salt: str | None = None, *,
-                 grammar: PrecompiledGrammar | None = None) -> RequestHandle: ...
+    def generate(
+        self,
+        prompt: str | list[int],
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        *,
+        grammar: PrecompiledGrammar | None = None,
+    ) -> RequestHandle: ...
 
-    def chat(self, messages: list[dict[str, Any]], sampling_params: SamplingParams | None = None,
-             request_id: str | None = None, priority: int = 0,
-             chat_template_kwargs: dict[str, Any] | None = None, *,
-             grammar: PrecompiledGrammar | None = None) -> RequestHandle: ...
+    def chat(
+        self,
+        messages: list[dict[str, Any]],
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        *,
+        grammar: PrecompiledGrammar | None = None,
+    ) -> RequestHandle: ...
 
     async def precompile(self, params: SamplingParams) -> PrecompiledGrammar | None: ...
 

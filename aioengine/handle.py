@@ -89,7 +89,9 @@ class GenerateHandle:
         texts = [""] * s.params.n
         ids: list[list[int]] = [[] for _ in range(s.params.n)]
         reasons: list[tuple[str | None, int | str | None]] = [(None, None)] * s.params.n
-        logprobs: list[list | None] = [[] if s.params.logprobs is not None else None for _ in range(s.params.n)]
+        logprobs: list[list | None] = [
+            [] if s.params.logprobs is not None else None for _ in range(s.params.n)
+        ]
         prompt_logprobs = None
         last: RequestOutput | None = None
         async for delta in self._iterate():
@@ -105,5 +107,13 @@ class GenerateHandle:
                     logprobs[c.index].extend(c.logprobs)
         assert last is not None
         outputs = [CompletionOutput(i, texts[i], ids[i], *reasons[i], logprobs[i]) for i in range(s.params.n)]
-        return RequestOutput(s.request_id, s.prompt, s.prompt_token_ids, outputs, True, s.num_cached_tokens,
-                             last.metrics, prompt_logprobs)
+        return RequestOutput(
+            s.request_id,
+            s.prompt,
+            s.prompt_token_ids,
+            outputs,
+            True,
+            s.num_cached_tokens,
+            last.metrics,
+            prompt_logprobs,
+        )

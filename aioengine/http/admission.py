@@ -35,7 +35,7 @@ LOG_PROMPT_CHARS = 256  # --log-requests: how much of a prompt is logged
 OFFLOAD_CHARS = 1 << 16
 
 R = TypeVar("R", ChatRequest, CompletionRequest)
-# parse_chat_request / parse_completion_request: (body, allow_priority, limits, generation defaults) -> request
+# parse_chat_request / parse_completion_request: (body, allow_priority, limits, generation defaults) -> req
 Parser = Callable[[dict[str, Any], bool, RequestLimits, Mapping[str, float]], R]
 
 
@@ -59,8 +59,13 @@ def check_capacity(app: web.Application) -> None:
         return
     waiting = app[ENGINE].stats().num_waiting
     if waiting >= limit:
-        raise APIError(503, f"The server is busy: {waiting} requests are already waiting "
-                            f"(--max-num-queued-reqs {limit}). Retry later.", code="queue_full", headers=retry)
+        raise APIError(
+            503,
+            f"The server is busy: {waiting} requests are already waiting "
+            f"(--max-num-queued-reqs {limit}). Retry later.",
+            code="queue_full",
+            headers=retry,
+        )
 
 
 async def read_json(request: web.Request) -> dict[str, Any]:
@@ -74,9 +79,10 @@ async def admit_request(request: web.Request, parse: Parser[R], id_prefix: str) 
     return await admit_body(request.app, body, parse, request.headers.get("X-Request-Id"), id_prefix)
 
 
-async def admit_body(app: web.Application, body: dict[str, Any], parse: Parser[R], given_id: str | None,
-                     id_prefix: str) -> Admitted[R]:
-    """Parse ``body`` and prepare it; ``given_id`` (the X-Request-Id header) wins over the body's request_id."""
+async def admit_body(
+    app: web.Application, body: dict[str, Any], parse: Parser[R], given_id: str | None, id_prefix: str
+) -> Admitted[R]:
+    """Parse ``body`` and prepare it; ``given_id`` (the X-Request-Id header) wins over its request_id."""
     engine = app[ENGINE]
     req = parse(body, engine.allow_priority, app[CONFIG].limits, engine.default_sampling_params)
     model = check_model(app, req.model)
@@ -90,7 +96,9 @@ def request_id(given: str | None, prefix: str) -> str:
     if given is None:
         return f"{prefix}-{uuid.uuid4().hex}"
     if not _REQUEST_ID_RE.match(given):
-        raise bad("request_id (or the X-Request-Id header) must be 1-128 letters, digits or ._:-", "request_id")
+        raise bad(
+            "request_id (or the X-Request-Id header) must be 1-128 letters, digits or ._:-", "request_id"
+        )
     return given
 
 
@@ -111,8 +119,9 @@ async def prepare(engine: EngineClient, req: ChatRequest | CompletionRequest) ->
         if req.tools is not None:  # the template renders them too (Qwen's writes each as JSON)
             size += len(orjson.dumps(req.tools.tools))
         if size > OFFLOAD_CHARS:
-            req.prompt_ids = await asyncio.to_thread(apply_chat_template, engine.tokenizer, req.messages,
-                                                     **req.chat_template_kwargs)
+            req.prompt_ids = await asyncio.to_thread(
+                apply_chat_template, engine.tokenizer, req.messages, **req.chat_template_kwargs
+            )
         return grammar
     for i, p in enumerate(req.prompts):
         if isinstance(p, str) and len(p) > OFFLOAD_CHARS:
@@ -125,25 +134,40 @@ def start_chat(app: web.Application, adm: Admitted[ChatRequest], what: str) -> R
     """The chat request's one engine request (its n completions come in each output)."""
     engine, req = app[ENGINE], adm.req
     if req.prompt_ids is not None:
-        handle = engine.generate(req.prompt_ids, req.params, request_id=adm.request_id, priority=req.priority,
-                                 grammar=adm.grammar)
+        handle = engine.generate(
+            req.prompt_ids, req.params, request_id=adm.request_id, priority=req.priority, grammar=adm.grammar
+        )
     else:
-        handle = engine.chat(req.messages, req.params, request_id=adm.request_id, priority=req.priority,
-                             chat_template_kwargs=req.chat_template_kwargs or None, grammar=adm.grammar)
+        handle = engine.chat(
+            req.messages,
+            req.params,
+            request_id=adm.request_id,
+            priority=req.priority,
+            chat_template_kwargs=req.chat_template_kwargs or None,
+            grammar=adm.grammar,
+        )
     log_start(app, adm, what)
     return handle
 
 
-async def start_completions(app: web.Application, adm: Admitted[CompletionRequest], what: str
-                            ) -> list[RequestHandle]:
+async def start_completions(
+    app: web.Application, adm: Admitted[CompletionRequest], what: str
+) -> list[RequestHandle]:
     """One engine request per prompt; one bad prompt fails (and aborts) the whole batch."""
     engine, req = app[ENGINE], adm.req
     handles: list[RequestHandle] = []
     try:
         for i, prompt in enumerate(req.prompts):
             rid = adm.request_id if len(req.prompts) == 1 else f"{adm.request_id}-{i}"
-            handles.append(engine.generate(req.prompt_ids.get(i, prompt), req.params, request_id=rid,
-                                           priority=req.priority, grammar=adm.grammar))
+            handles.append(
+                engine.generate(
+                    req.prompt_ids.get(i, prompt),
+                    req.params,
+                    request_id=rid,
+                    priority=req.priority,
+                    grammar=adm.grammar,
+                )
+            )
     except AioEngineError as e:
         for h in handles:
             await engine.abort(h.request_id)
@@ -155,10 +179,20 @@ async def start_completions(app: web.Application, adm: Admitted[CompletionReques
     return handles
 
 
-def log_start(app: web.Application, adm: Admitted[ChatRequest] | Admitted[CompletionRequest], what: str) -> None:
+def log_start(
+    app: web.Application, adm: Admitted[ChatRequest] | Admitted[CompletionRequest], what: str
+) -> None:
     """With --log-requests only: prompts and parameters never reach the logs otherwise."""
     if app[CONFIG].log_requests:
         req = adm.req
         prompt = req.messages if isinstance(req, ChatRequest) else req.prompts
-        logger.info("Received request %s (%s): prompt=%.*s params=%s stream=%s user=%s", adm.request_id, what,
-                    LOG_PROMPT_CHARS, repr(prompt), req.params, req.stream, req.user)
+        logger.info(
+            "Received request %s (%s): prompt=%.*s params=%s stream=%s user=%s",
+            adm.request_id,
+            what,
+            LOG_PROMPT_CHARS,
+            repr(prompt),
+            req.params,
+            req.stream,
+            req.user,
+        )

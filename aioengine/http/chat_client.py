@@ -8,8 +8,9 @@ import sys
 import aiohttp
 
 
-async def chat_repl(url: str, api_key: str | None, temperature: float, max_tokens: int,
-                    system: str | None) -> int:
+async def chat_repl(
+    url: str, api_key: str | None, temperature: float, max_tokens: int, system: str | None
+) -> int:
     ws_url = url.rstrip("/").replace("http://", "ws://", 1).replace("https://", "wss://", 1) + "/v1/ws"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     history: list[dict] = [{"role": "system", "content": system}] if system else []

@@ -61,8 +61,9 @@ def check_model(app: web.Application, model: str | None) -> str:
 
 
 def json_response(obj: object, status: int = 200, headers: Mapping[str, str] | None = None) -> web.Response:
-    return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json",
-                        headers=headers)
+    return web.Response(
+        body=orjson.dumps(obj), status=status, content_type="application/json", headers=headers
+    )
 
 
 def error_response(err: APIError) -> web.Response:

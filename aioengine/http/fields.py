@@ -34,9 +34,16 @@ class RequestLimits:
 DEFAULT_LIMITS = RequestLimits()
 
 _ERROR_TYPES = {
-    400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError", 404: "NotFoundError",
-    405: "MethodNotAllowedError", 408: "RequestTimeoutError", 413: "RequestEntityTooLargeError",
-    415: "UnsupportedMediaTypeError", 429: "RateLimitError", 500: "InternalServerError",
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    403: "PermissionDeniedError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    408: "RequestTimeoutError",
+    413: "RequestEntityTooLargeError",
+    415: "UnsupportedMediaTypeError",
+    429: "RateLimitError",
+    500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
 
@@ -44,8 +51,14 @@ _ERROR_TYPES = {
 class APIError(Exception):
     """An error with an HTTP status, rendered as OpenAI's {"error": {...}} JSON."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | int | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | int | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -59,8 +72,14 @@ class APIError(Exception):
 
 def error_dict(status: int, message: str, param: str | None = None, code: str | int | None = None) -> dict:
     """OpenAI's error object. `code` is a specific string code when there is one, else the HTTP status."""
-    return {"error": {"message": message, "type": _ERROR_TYPES.get(status, "APIError"), "param": param,
-                      "code": code if code is not None else status}}
+    return {
+        "error": {
+            "message": message,
+            "type": _ERROR_TYPES.get(status, "APIError"),
+            "param": param,
+            "code": code if code is not None else status,
+        }
+    }
 
 
 def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -79,8 +98,9 @@ def not_supported(param: str, what: str | None = None) -> APIError:
     return bad(f"{what or param} is not supported yet by aioengine.", param)
 
 
-def parse_json_body(raw: bytes | str, max_depth: int = DEFAULT_LIMITS.max_json_depth, what: str = "request body"
-                    ) -> dict:
+def parse_json_body(
+    raw: bytes | str, max_depth: int = DEFAULT_LIMITS.max_json_depth, what: str = "request body"
+) -> dict:
     if not raw.strip():
         raise bad(f"The {what} is empty; expected a JSON object.")
     try:
@@ -115,8 +135,14 @@ def _deeper_than(obj: Any, limit: int) -> bool:
 # ---- request fields: one spec per field, read by Fields and stated by /openapi.json ---------------------
 JSON = dict[str, Any]
 Bound = int | float | Callable[[RequestLimits], int] | None  # a callable reads it from the server's limits
-_TYPE_NAMES = {int: "an integer", float: "a number", bool: "a boolean", str: "a string", list: "an array",
-               dict: "an object"}
+_TYPE_NAMES = {
+    int: "an integer",
+    float: "a number",
+    bool: "a boolean",
+    str: "a string",
+    list: "an array",
+    dict: "an object",
+}
 _JSON_TYPES = {int: "integer", float: "number", bool: "boolean", str: "string", list: "array", dict: "object"}
 
 
@@ -134,7 +160,7 @@ class SchemaContext:
 
 @dataclass(frozen=True, slots=True)
 class Spec:
-    """One request field: the type, bounds and choices Fields checks, and the JSON schema /openapi.json states.
+    """One request field: the type, bounds and choices Fields checks, and the schema /openapi.json states.
 
     ``kind``: the JSON type Fields reads (None: any; the parser reads the field itself). ``lo``/``hi``
     (inclusive unless ``exclusive_lo``) and ``enum`` are checked by Fields unless ``checked_later``: then
@@ -154,6 +180,7 @@ class Spec:
     def bounds(self, limits: RequestLimits) -> tuple[float | None, float | None]:
         def resolve(b: Bound) -> float | None:
             return b(limits) if callable(b) else b
+
         return resolve(self.lo), resolve(self.hi)
 
     def json_schema(self, ctx: SchemaContext) -> JSON:
@@ -175,8 +202,14 @@ class Spec:
 Table = Mapping[str, Spec]
 
 
-def object_schema(table: Table, ctx: SchemaContext, required: tuple[str, ...] = (), nullable: bool = True,
-                  only: tuple[str, ...] | None = None, **extra: object) -> JSON:
+def object_schema(
+    table: Table,
+    ctx: SchemaContext,
+    required: tuple[str, ...] = (),
+    nullable: bool = True,
+    only: tuple[str, ...] | None = None,
+    **extra: object,
+) -> JSON:
     """The JSON schema of an object of these fields (``only``: a subset): unknown fields are refused, and
     null means the default for every field not required (``nullable``)."""
     props = {}
@@ -185,8 +218,13 @@ def object_schema(table: Table, ctx: SchemaContext, required: tuple[str, ...] = 
             continue
         schema = spec.json_schema(ctx)
         props[name] = {"anyOf": [schema, {"type": "null"}]} if nullable and name not in required else schema
-    return {"type": "object", "properties": props, "required": list(required), "additionalProperties": False,
-            **extra}
+    return {
+        "type": "object",
+        "properties": props,
+        "required": list(required),
+        "additionalProperties": False,
+        **extra,
+    }
 
 
 class Fields:
@@ -195,8 +233,13 @@ class Fields:
     ``allowed``: the field table (its specs' bounds and choices are checked), or just the allowed names.
     """
 
-    def __init__(self, data: JSON, allowed: Table | frozenset[str], prefix: str = "",
-                 limits: RequestLimits = DEFAULT_LIMITS) -> None:
+    def __init__(
+        self,
+        data: JSON,
+        allowed: Table | frozenset[str],
+        prefix: str = "",
+        limits: RequestLimits = DEFAULT_LIMITS,
+    ) -> None:
         for key in data:
             if key not in allowed:
                 raise bad(f"Unrecognized request argument supplied: {prefix}{key}", f"{prefix}{key}")
@@ -215,8 +258,10 @@ class Fields:
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
             value, ok = float(value), True
         if not ok:
-            raise bad(f"{self.prefix}{name} must be {_TYPE_NAMES[kind]}, got {_json_type(value)}.",
-                      f"{self.prefix}{name}")
+            raise bad(
+                f"{self.prefix}{name} must be {_TYPE_NAMES[kind]}, got {_json_type(value)}.",
+                f"{self.prefix}{name}",
+            )
         return value
 
     def _checked(self, name: str, value: Any) -> Any:
@@ -227,8 +272,16 @@ class Fields:
         if spec.enum is not None and value not in spec.enum:
             raise bad(f"{param} must be one of {', '.join(spec.enum)}; got {value!r}.", param)
         lo, hi = spec.bounds(self.limits)
-        if (lo is not None and (value <= lo if spec.exclusive_lo else value < lo)) or (hi is not None and value > hi):
-            rng = f"at least {lo}" if hi is None else f"between {lo} and {hi}" if lo is not None else f"at most {hi}"
+        if (lo is not None and (value <= lo if spec.exclusive_lo else value < lo)) or (
+            hi is not None and value > hi
+        ):
+            rng = (
+                f"at least {lo}"
+                if hi is None
+                else f"between {lo} and {hi}"
+                if lo is not None
+                else f"at most {hi}"
+            )
             raise bad(f"{param} must be {rng}, got {value}.", param)
         return value
 

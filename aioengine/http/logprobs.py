@@ -1,4 +1,4 @@
-"""Engine logprobs ({token id: Logprob} per token) in OpenAI's two wire formats: chat and legacy completions."""
+"""Engine logprobs ({token id: Logprob} per token) in the two OpenAI formats: chat and legacy completion."""
 
 from __future__ import annotations
 
@@ -29,16 +29,29 @@ def _chosen(d: TokenLogprobs, tid: int) -> Logprob:
     return lp if lp is not None else next(iter(d.values()))
 
 
-def chat_logprobs(engine: EngineClient, token_ids: list[int], logprobs: list[TokenLogprobs] | None,
-                  k: int) -> dict[str, list[dict[str, Any]]]:
+def chat_logprobs(
+    engine: EngineClient, token_ids: list[int], logprobs: list[TokenLogprobs] | None, k: int
+) -> dict[str, list[dict[str, Any]]]:
     """{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}, ...]}, one entry per token."""
     content = []
     for tid, d in zip(token_ids, logprobs or [], strict=False):
         lp = _chosen(d, tid)
         text = _text(engine, tid, lp)
-        content.append({"token": text, "logprob": max(lp.logprob, _FLOOR), "bytes": list(text.encode()),
-                        "top_logprobs": [{"token": (t := _text(engine, i, p)), "logprob": max(p.logprob, _FLOOR),
-                                          "bytes": list(t.encode())} for i, p in _top(d, k)]})
+        content.append(
+            {
+                "token": text,
+                "logprob": max(lp.logprob, _FLOOR),
+                "bytes": list(text.encode()),
+                "top_logprobs": [
+                    {
+                        "token": (t := _text(engine, i, p)),
+                        "logprob": max(p.logprob, _FLOOR),
+                        "bytes": list(t.encode()),
+                    }
+                    for i, p in _top(d, k)
+                ],
+            }
+        )
     return {"content": content}
 
 
@@ -50,8 +63,9 @@ class CompletionLogprobs:
         self.k = k
         self.offset = offset
 
-    def render(self, token_ids: list[int], logprobs: list[TokenLogprobs] | list[TokenLogprobs | None] | None
-               ) -> LegacyLogprobs:
+    def render(
+        self, token_ids: list[int], logprobs: list[TokenLogprobs] | list[TokenLogprobs | None] | None
+    ) -> LegacyLogprobs:
         """Entries for these tokens; a token without logprobs (None: the first prompt token, when `echo`
         shows the prompt) gets null, as in OpenAI's and vLLM's answers."""
         tokens: list[str] = []
@@ -63,9 +77,16 @@ class CompletionLogprobs:
             text = _text(self.engine, tid, lp) if lp is not None else self.engine.tokenizer.decode([tid])
             tokens.append(text)
             token_logprobs.append(None if lp is None else max(lp.logprob, _FLOOR))
-            top.append({_text(self.engine, i, p): max(p.logprob, _FLOOR) for i, p in _top(d, self.k)}
-                       if self.k and d else None)
+            top.append(
+                {_text(self.engine, i, p): max(p.logprob, _FLOOR) for i, p in _top(d, self.k)}
+                if self.k and d
+                else None
+            )
             text_offset.append(self.offset)
             self.offset += len(text)
-        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
-                "text_offset": text_offset}
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_logprobs,
+            "top_logprobs": top,
+            "text_offset": text_offset,
+        }

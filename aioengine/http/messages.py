@@ -9,16 +9,29 @@ from aioengine.http.fields import DEFAULT_LIMITS, Fields, _at_most, _json_type, 
 from aioengine.http.tools import ToolError, template_tool_calls
 
 _ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
-_MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id", "function_call", "refusal",
-                             "audio"})
+_MESSAGE_FIELDS = frozenset(
+    {"role", "content", "name", "tool_calls", "tool_call_id", "function_call", "refusal", "audio"}
+)
 
 
 # Arguments of the tokenizer's apply_chat_template that the server sets itself, or that would let a client
 # run a template of its own (Jinja, on the event loop).
-RESERVED_TEMPLATE_KWARGS = frozenset({
-    "messages", "conversation", "tokenize", "return_dict", "return_tensors", "tokenizer_kwargs", "chat_template",
-    "padding", "truncation", "max_length", "return_assistant_tokens_mask", "tokenizer",
-})
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "messages",
+        "conversation",
+        "tokenize",
+        "return_dict",
+        "return_tensors",
+        "tokenizer_kwargs",
+        "chat_template",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_assistant_tokens_mask",
+        "tokenizer",
+    }
+)
 
 
 def template_kwargs(f: Fields) -> dict:
@@ -47,8 +60,10 @@ def parse_messages(raw: Any, max_messages: int = DEFAULT_LIMITS.max_messages) ->
         if mf.present("function_call"):
             raise not_supported(f"{p}.function_call", "The deprecated function_call (use tool_calls)")
         if role not in _ROLES:
-            raise bad(f"{p}.role must be one of system, developer, user, assistant, tool; got {role!r}.",
-                      f"{p}.role")
+            raise bad(
+                f"{p}.role must be one of system, developer, user, assistant, tool; got {role!r}.",
+                f"{p}.role",
+            )
         if mf.present("audio"):
             raise not_supported(f"{p}.audio", "Audio input")
         content = content_text(m.get("content"), p)
@@ -82,15 +97,21 @@ _TEXT_PART = frozenset({"text"})
 _TEXT_PART_FIELDS = frozenset({"type", "text"})
 
 
-def content_text(content: Any, p: str, kinds: frozenset[str] = _TEXT_PART,
-                 part_fields: frozenset[str] | None = _TEXT_PART_FIELDS) -> str | None:
+def content_text(
+    content: Any,
+    p: str,
+    kinds: frozenset[str] = _TEXT_PART,
+    part_fields: frozenset[str] | None = _TEXT_PART_FIELDS,
+) -> str | None:
     """A message's content as one string: a string as it is, text parts (of the types ``kinds``) joined by
     newlines; None stays None. ``part_fields``: the keys a part may have (None: any)."""
     if content is None or isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise bad(f"{p}.content must be a string or an array of content parts, got {_json_type(content)}.",
-                  f"{p}.content")
+        raise bad(
+            f"{p}.content must be a string or an array of content parts, got {_json_type(content)}.",
+            f"{p}.content",
+        )
     texts = []
     for j, part in enumerate(content):
         q = f"{p}.content[{j}]"

@@ -17,12 +17,74 @@ from aioengine.engine_client import EngineClient, RequestInfo
 from aioengine.outputs import RequestOutput
 from aioengine.sched.output import EngineCoreOutput, SchedulerStats
 
-_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-                    10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0)
-_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-                240.0, 480.0, 960.0, 1920.0, 7680.0)
+_LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+_ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+_E2E_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 _LAG_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 _TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
@@ -38,7 +100,9 @@ class Totals:
 
 
 class EngineMetrics:
-    def __init__(self, engine: EngineClient, model_name: str, registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self, engine: EngineClient, model_name: str, registry: CollectorRegistry | None = None
+    ) -> None:
         self.engine = engine
         self.registry = registry if registry is not None else CollectorRegistry()
         self.totals = Totals()
@@ -54,40 +118,66 @@ class EngineMetrics:
             return Histogram(f"aioengine:{name}", doc, labels, buckets=buckets, registry=r).labels(model_name)
 
         # Read at scrape time: exact even when no step runs (after aborts, when idle).
-        gauge("num_requests_running", "Number of requests in model execution batches.",
-              lambda: engine.stats().num_running)
-        gauge("num_requests_waiting", "Number of requests waiting to be processed.",
-              lambda: engine.stats().num_waiting)
-        gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-              lambda: engine.stats().kv_cache_usage)
-        self.prefix_queries = counter("prefix_cache_queries", "Prefix cache queries, in number of queried tokens.")
+        gauge(
+            "num_requests_running",
+            "Number of requests in model execution batches.",
+            lambda: engine.stats().num_running,
+        )
+        gauge(
+            "num_requests_waiting",
+            "Number of requests waiting to be processed.",
+            lambda: engine.stats().num_waiting,
+        )
+        gauge(
+            "kv_cache_usage_perc",
+            "KV-cache usage. 1 means 100 percent usage.",
+            lambda: engine.stats().kv_cache_usage,
+        )
+        self.prefix_queries = counter(
+            "prefix_cache_queries", "Prefix cache queries, in number of queried tokens."
+        )
         self.prefix_hits = counter("prefix_cache_hits", "Prefix cache hits, in number of cached tokens.")
         self.preemptions = counter("num_preemptions", "Cumulative number of preemptions from the engine.")
         self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Number of generation tokens processed.")
-        success = Counter("aioengine:request_success", "Count of successfully processed requests.",
-                          ["model_name", "finished_reason"], registry=r)
+        success = Counter(
+            "aioengine:request_success",
+            "Count of successfully processed requests.",
+            ["model_name", "finished_reason"],
+            registry=r,
+        )
         self.success = {reason: success.labels(model_name, reason) for reason in ("stop", "length", "abort")}
         self._success_family = success
         self._model_name = model_name
-        self.ttft = histogram("time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-                              _LATENCY_BUCKETS)
-        self.itl = histogram("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
-                             _ITL_BUCKETS)
-        self.e2e = histogram("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
-                             _E2E_BUCKETS)
-        self.queue_time = histogram("request_queue_time_seconds",
-                                    "Histogram of time spent waiting before first scheduled, in seconds.",
-                                    _E2E_BUCKETS)
-        self.iteration_tokens = histogram("iteration_tokens_total", "Histogram of tokens per engine step.",
-                                          _TOKEN_BUCKETS)
-        self.request_prompt_tokens = histogram("request_prompt_tokens", "Number of prefill tokens per request.",
-                                               _TOKEN_BUCKETS)
-        self.request_generation_tokens = histogram("request_generation_tokens",
-                                                   "Number of generation tokens per request.", _TOKEN_BUCKETS)
-        self.loop_lag = histogram("event_loop_lag_seconds",
-                                  "How late the event loop woke a periodic timer: the delay every request "
-                                  "coroutine on the loop sees.", _LAG_BUCKETS)
+        self.ttft = histogram(
+            "time_to_first_token_seconds", "Histogram of time to first token in seconds.", _LATENCY_BUCKETS
+        )
+        self.itl = histogram(
+            "inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", _ITL_BUCKETS
+        )
+        self.e2e = histogram(
+            "e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", _E2E_BUCKETS
+        )
+        self.queue_time = histogram(
+            "request_queue_time_seconds",
+            "Histogram of time spent waiting before first scheduled, in seconds.",
+            _E2E_BUCKETS,
+        )
+        self.iteration_tokens = histogram(
+            "iteration_tokens_total", "Histogram of tokens per engine step.", _TOKEN_BUCKETS
+        )
+        self.request_prompt_tokens = histogram(
+            "request_prompt_tokens", "Number of prefill tokens per request.", _TOKEN_BUCKETS
+        )
+        self.request_generation_tokens = histogram(
+            "request_generation_tokens", "Number of generation tokens per request.", _TOKEN_BUCKETS
+        )
+        self.loop_lag = histogram(
+            "event_loop_lag_seconds",
+            "How late the event loop woke a periodic timer: the delay every request "
+            "coroutine on the loop sees.",
+            _LAG_BUCKETS,
+        )
         self._live: dict[str, list] = {}  # request_id -> [last token time, generated tokens]
         self._queued: set[str] = set()  # request ids whose queue time is observed
         engine.stat_listeners.append(self.on_step)
@@ -127,7 +217,8 @@ class EngineMetrics:
                 counter = self.success.get(c.finish_reason)
                 if counter is None:
                     counter = self.success[c.finish_reason] = self._success_family.labels(
-                        self._model_name, c.finish_reason)
+                        self._model_name, c.finish_reason
+                    )
                 counter.inc()
         if n_new:
             self.generation_tokens.inc(n_new)
@@ -187,7 +278,9 @@ class StatsLogger:
         if idle and self.was_idle:
             return None
         self.was_idle = idle
-        return (f"Avg prompt throughput: {prompt_tps:.1f} tokens/s, Avg generation throughput: {gen_tps:.1f} "
-                f"tokens/s, Running: {running} reqs, Waiting: {waiting} reqs, KV cache usage: "
-                f"{snap.kv_cache_usage * 100:.1f}%, Prefix cache hit rate: "
-                f"{(hits / queries * 100) if queries else 0.0:.1f}%")
+        return (
+            f"Avg prompt throughput: {prompt_tps:.1f} tokens/s, Avg generation throughput: {gen_tps:.1f} "
+            f"tokens/s, Running: {running} reqs, Waiting: {waiting} reqs, KV cache usage: "
+            f"{snap.kv_cache_usage * 100:.1f}%, Prefix cache hit rate: "
+            f"{(hits / queries * 100) if queries else 0.0:.1f}%"
+        )

@@ -40,18 +40,35 @@ def chat_completion(engine: EngineClient, adm: Admitted[ChatRequest], out: Reque
             message["content"], calls, finish_reason = extract(req.tools, c.text, c.finish_reason)
             if calls:
                 message["tool_calls"] = calls
-        choices.append({"index": c.index, "message": message,
-                        "logprobs": None if k is None else chat_logprobs(engine, c.token_ids, c.logprobs, k),
-                        "finish_reason": finish_reason, "stop_reason": c.stop_reason})
-    return {"id": adm.request_id, "object": "chat.completion", "created": int(time.time()), "model": adm.model,
-            "choices": choices, "usage": Tally.of([out]).usage()}
+        choices.append(
+            {
+                "index": c.index,
+                "message": message,
+                "logprobs": None if k is None else chat_logprobs(engine, c.token_ids, c.logprobs, k),
+                "finish_reason": finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+        )
+    return {
+        "id": adm.request_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": adm.model,
+        "choices": choices,
+        "usage": Tally.of([out]).usage(),
+    }
 
 
-async def stream_chat(request: web.Request, engine: EngineClient, adm: Admitted[ChatRequest],
-                      handle: RequestHandle) -> web.StreamResponse:
+async def stream_chat(
+    request: web.Request, engine: EngineClient, adm: Admitted[ChatRequest], handle: RequestHandle
+) -> web.StreamResponse:
     req, k = adm.req, adm.req.params.logprobs
-    base = {"id": adm.request_id, "object": "chat.completion.chunk", "created": int(time.time()),
-            "model": adm.model}
+    base = {
+        "id": adm.request_id,
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": adm.model,
+    }
     tools = req.tools if req.tools is not None and req.tools.choice != "none" else None
     parsers: dict[int, StreamParser] = {}
 
@@ -67,13 +84,18 @@ async def stream_chat(request: web.Request, engine: EngineClient, adm: Admitted[
                     delta[key] = delta.get(key, "") + value if key == "content" else value
             elif not delta and (k is None or not c.token_ids):
                 return None
-        d = {"index": c.index, "delta": delta,
-             "logprobs": None if k is None else chat_logprobs(engine, c.token_ids, c.logprobs, k),
-             "finish_reason": finish_reason}
+        d = {
+            "index": c.index,
+            "delta": delta,
+            "logprobs": None if k is None else chat_logprobs(engine, c.token_ids, c.logprobs, k),
+            "finish_reason": finish_reason,
+        }
         if finish_reason:
             d["stop_reason"] = c.stop_reason
         return d
 
-    first = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-             for i in range(req.params.n)]
+    first = [
+        {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        for i in range(req.params.n)
+    ]
     return await stream_choices(request, engine, req, [handle], adm.request_id, base, first, choice)

@@ -20,7 +20,9 @@ from aioengine.outputs import CompletionOutput, PromptLogprobs, RequestOutput
 
 async def completions(request: web.Request) -> web.StreamResponse:
     adm = await admission.admit_request(request, parse_completion_request, "cmpl")
-    handles = await admission.start_completions(request.app, adm, f"completion, {len(adm.req.prompts)} prompts")
+    handles = await admission.start_completions(
+        request.app, adm, f"completion, {len(adm.req.prompts)} prompts"
+    )
     engine = request.app[ENGINE]
     if adm.req.stream:
         return await stream_completions(request, engine, adm, handles)
@@ -32,7 +34,9 @@ def prompt_text(engine: EngineClient, prompt: str | list[int]) -> str:
     return prompt if isinstance(prompt, str) else engine.tokenizer.decode(prompt)
 
 
-def text_completion(engine: EngineClient, adm: Admitted[CompletionRequest], outs: list[RequestOutput]) -> JSON:
+def text_completion(
+    engine: EngineClient, adm: Admitted[CompletionRequest], outs: list[RequestOutput]
+) -> JSON:
     """The text_completion object of finished requests (one per prompt)."""
     req = adm.req
     n, k = req.params.n, req.params.logprobs
@@ -43,19 +47,40 @@ def text_completion(engine: EngineClient, adm: Admitted[CompletionRequest], outs
             lp = None
             if k is not None:
                 renderer = CompletionLogprobs(engine, k)
-                lp = _joined(renderer.render(out.prompt_token_ids, out.prompt_logprobs) if req.echo else None,
-                             renderer.render(c.token_ids, c.logprobs))
-            choices.append({"index": i * n + c.index, "text": echo + c.text, "logprobs": lp,
-                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
-    return {"id": adm.request_id, "object": "text_completion", "created": int(time.time()), "model": adm.model,
-            "choices": choices, "usage": Tally.of(outs).usage()}
+                lp = _joined(
+                    renderer.render(out.prompt_token_ids, out.prompt_logprobs) if req.echo else None,
+                    renderer.render(c.token_ids, c.logprobs),
+                )
+            choices.append(
+                {
+                    "index": i * n + c.index,
+                    "text": echo + c.text,
+                    "logprobs": lp,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+            )
+    return {
+        "id": adm.request_id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": adm.model,
+        "choices": choices,
+        "usage": Tally.of(outs).usage(),
+    }
 
 
-async def stream_completions(request: web.Request, engine: EngineClient, adm: Admitted[CompletionRequest],
-                             handles: list[RequestHandle]) -> web.StreamResponse:
+async def stream_completions(
+    request: web.Request, engine: EngineClient, adm: Admitted[CompletionRequest], handles: list[RequestHandle]
+) -> web.StreamResponse:
     req = adm.req
     n, k = req.params.n, req.params.logprobs
-    base = {"id": adm.request_id, "object": "text_completion", "created": int(time.time()), "model": adm.model}
+    base = {
+        "id": adm.request_id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": adm.model,
+    }
     renderers: dict[int, CompletionLogprobs] = {}
     prompt_logprobs: dict[int, PromptLogprobs] = {}  # per prompt, from its first output
 
@@ -81,8 +106,11 @@ async def stream_completions(request: web.Request, engine: EngineClient, adm: Ad
 
     first: list[JSON] = []
     if req.echo and k is None:
-        first = [{"index": i * n + j, "text": prompt_text(engine, p), "logprobs": None, "finish_reason": None}
-                 for i, p in enumerate(req.prompts) for j in range(n)]
+        first = [
+            {"index": i * n + j, "text": prompt_text(engine, p), "logprobs": None, "finish_reason": None}
+            for i, p in enumerate(req.prompts)
+            for j in range(n)
+        ]
     return await stream_choices(request, engine, req, handles, adm.request_id, base, first, choice, on_output)
 
 

@@ -32,8 +32,9 @@ _TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
 async def responses(request: web.Request) -> web.StreamResponse:
     admission.check_capacity(request.app)
     data = await admission.read_json(request)
-    adm = await admission.admit_body(request.app, to_chat_body(data), parse_chat_request,
-                                     request.headers.get("X-Request-Id"), "resp")
+    adm = await admission.admit_body(
+        request.app, to_chat_body(data), parse_chat_request, request.headers.get("X-Request-Id"), "resp"
+    )
     handle = admission.start_chat(request.app, adm, f"response, {len(adm.req.messages)} messages")
     builder = ResponseBuilder(data, adm.request_id, adm.model)
     engine = request.app[ENGINE]
@@ -41,12 +42,19 @@ async def responses(request: web.Request) -> web.StreamResponse:
         return await stream_response(request, engine, handle, adm.request_id, builder)
     out = await handle
     c = out.outputs[0]
-    return json_response(builder.response("completed", c.text, c.finish_reason, Tally.of([out]).usage()),
-                         headers={"X-Request-Id": adm.request_id})
+    return json_response(
+        builder.response("completed", c.text, c.finish_reason, Tally.of([out]).usage()),
+        headers={"X-Request-Id": adm.request_id},
+    )
 
 
-async def stream_response(request: web.Request, engine: EngineClient, handle: RequestHandle, request_id: str,
-                          builder: ResponseBuilder) -> web.StreamResponse:
+async def stream_response(
+    request: web.Request,
+    engine: EngineClient,
+    handle: RequestHandle,
+    request_id: str,
+    builder: ResponseBuilder,
+) -> web.StreamResponse:
     """The Responses API's events: created, the message item and its text part opening, one text delta per
     engine delta, then the closing events and `response.completed` (or `response.incomplete`) with usage."""
     tally = Tally([0], [0])
@@ -55,8 +63,11 @@ async def stream_response(request: web.Request, engine: EngineClient, handle: Re
         text, finish = "", None
         await sse.send_event(builder.event("response.created", response=builder.response("in_progress")))
         await sse.send_event(builder.event("response.in_progress", response=builder.response("in_progress")))
-        await sse.send_event(builder.event("response.output_item.added", output_index=0,
-                                           item=builder.message(None, "in_progress")))
+        await sse.send_event(
+            builder.event(
+                "response.output_item.added", output_index=0, item=builder.message(None, "in_progress")
+            )
+        )
         await sse.send_event(builder.text_event("response.content_part.added", part=builder.part("")))
         async with aclosing(merged([handle])) as deltas:
             async for i, out in deltas:
@@ -65,11 +76,15 @@ async def stream_response(request: web.Request, engine: EngineClient, handle: Re
                 finish = c.finish_reason or finish
                 if c.text:
                     text += c.text
-                    await sse.send_event(builder.text_event("response.output_text.delta", delta=c.text, logprobs=[]))
+                    await sse.send_event(
+                        builder.text_event("response.output_text.delta", delta=c.text, logprobs=[])
+                    )
         await sse.send_event(builder.text_event("response.output_text.done", text=text, logprobs=[]))
         await sse.send_event(builder.text_event("response.content_part.done", part=builder.part(text)))
         final = builder.response("completed", text, finish, tally.usage())
-        await sse.send_event(builder.event("response.output_item.done", output_index=0, item=final["output"][0]))
+        await sse.send_event(
+            builder.event("response.output_item.done", output_index=0, item=final["output"][0])
+        )
         kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
         await sse.send_event(builder.event(kind, response=final))
         await sse.resp.write_eof()
@@ -83,11 +98,14 @@ async def stream_response(request: web.Request, engine: EngineClient, handle: Re
 
 # ---- the request: a chat-completions body ------------------------------------------------------------------
 
+
 def to_chat_body(data: JSON) -> JSON:
     """The chat-completions body this Responses request asks for (then parsed by parse_chat_request)."""
     f = Fields(data, RESPONSE)
-    for name, what in (("previous_response_id", "previous_response_id (nothing is stored)"),
-                       ("background", "background responses")):
+    for name, what in (
+        ("previous_response_id", "previous_response_id (nothing is stored)"),
+        ("background", "background responses"),
+    ):
         if f.data.get(name) not in (None, False):
             raise not_supported(name, what)
     if f.get("tools", list):
@@ -106,9 +124,16 @@ def to_chat_body(data: JSON) -> JSON:
     if instructions:
         messages.insert(0, {"role": "system", "content": instructions})
     body: dict[str, Any] = {"messages": messages}
-    for src, dst in (("model", "model"), ("max_output_tokens", "max_completion_tokens"), ("temperature", "temperature"),
-                     ("top_p", "top_p"), ("stream", "stream"), ("user", "user"), ("metadata", "metadata"),
-                     ("service_tier", "service_tier")):
+    for src, dst in (
+        ("model", "model"),
+        ("max_output_tokens", "max_completion_tokens"),
+        ("temperature", "temperature"),
+        ("top_p", "top_p"),
+        ("stream", "stream"),
+        ("user", "user"),
+        ("metadata", "metadata"),
+        ("service_tier", "service_tier"),
+    ):
         if data.get(src) is not None:
             body[dst] = data[src]
     text = f.get("text", dict)
@@ -159,7 +184,10 @@ def _response_format(fmt: object) -> JSON:
         return {"type": fmt["type"]}
     if not isinstance(fmt.get("schema"), dict):
         raise bad("text.format.schema must be a JSON schema object.", "text.format.schema")
-    return {"type": "json_schema", "json_schema": {"name": fmt.get("name") or "response", "schema": fmt["schema"]}}
+    return {
+        "type": "json_schema",
+        "json_schema": {"name": fmt.get("name") or "response", "schema": fmt["schema"]},
+    }
 
 
 # ---- the response object ---------------------------------------------------------------------------------
@@ -174,36 +202,66 @@ class ResponseBuilder:
         self.data = data
         self.sequence = 0
 
-    def response(self, status: str, text: str | None = None, finish_reason: str | None = None,
-                 usage: JSON | None = None) -> JSON:
+    def response(
+        self,
+        status: str,
+        text: str | None = None,
+        finish_reason: str | None = None,
+        usage: JSON | None = None,
+    ) -> JSON:
         """The response object; ``usage`` as streaming.Tally.usage() counts it."""
         d = self.data
         fmt = (d.get("text") or {}).get("format") or {"type": "text"}
         obj: dict[str, Any] = {
-            "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
-            "model": self.model, "output": [], "error": None, "incomplete_details": None,
-            "instructions": d.get("instructions"), "max_output_tokens": d.get("max_output_tokens"),
-            "metadata": d.get("metadata") or {}, "parallel_tool_calls": d.get("parallel_tool_calls", True),
-            "previous_response_id": None, "reasoning": d.get("reasoning"), "store": False,
-            "temperature": d.get("temperature", 1.0), "top_p": d.get("top_p", 1.0), "text": {"format": fmt},
-            "tool_choice": d.get("tool_choice", "auto"), "tools": [], "truncation": d.get("truncation", "disabled"),
-            "user": d.get("user"), "usage": None,
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "model": self.model,
+            "output": [],
+            "error": None,
+            "incomplete_details": None,
+            "instructions": d.get("instructions"),
+            "max_output_tokens": d.get("max_output_tokens"),
+            "metadata": d.get("metadata") or {},
+            "parallel_tool_calls": d.get("parallel_tool_calls", True),
+            "previous_response_id": None,
+            "reasoning": d.get("reasoning"),
+            "store": False,
+            "temperature": d.get("temperature", 1.0),
+            "top_p": d.get("top_p", 1.0),
+            "text": {"format": fmt},
+            "tool_choice": d.get("tool_choice", "auto"),
+            "tools": [],
+            "truncation": d.get("truncation", "disabled"),
+            "user": d.get("user"),
+            "usage": None,
         }
         if text is not None:
             obj["output"] = [self.message(text, "completed" if finish_reason != "length" else "incomplete")]
         if finish_reason == "length":
             obj["status"], obj["incomplete_details"] = "incomplete", {"reason": "max_output_tokens"}
         if usage is not None:
-            obj["usage"] = {"input_tokens": usage["prompt_tokens"], "input_tokens_details": usage["prompt_tokens_details"],
-                            "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
-                            "total_tokens": usage["total_tokens"]}
+            obj["usage"] = {
+                "input_tokens": usage["prompt_tokens"],
+                "input_tokens_details": usage["prompt_tokens_details"],
+                "output_tokens": usage["completion_tokens"],
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": usage["total_tokens"],
+            }
         if obj["status"] == "completed":  # not a truncated (incomplete) one
             obj["completed_at"] = int(time.time())
         return obj
 
     def message(self, text: str | None, status: str) -> JSON:
         content = [] if text is None else [self.part(text)]
-        return {"type": "message", "id": self.item_id, "status": status, "role": "assistant", "content": content}
+        return {
+            "type": "message",
+            "id": self.item_id,
+            "status": status,
+            "role": "assistant",
+            "content": content,
+        }
 
     @staticmethod
     def part(text: str) -> JSON:

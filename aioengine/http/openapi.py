@@ -30,15 +30,30 @@ _STR, _INT = {"type": "string"}, {"type": "integer"}
 def _schemas(limits: RequestLimits, vocab_size: int, priority: bool) -> JSON:
     """The request bodies, from request_fields.py's tables (the ones the parsers read)."""
     ctx = SchemaContext(limits, vocab_size, priority)
-    error = {"type": "object", "properties": {"error": {"type": "object", "properties": {
-        "message": _STR, "type": _STR, "param": {"anyOf": [_STR, {"type": "null"}]},
-        "code": {"anyOf": [_STR, _INT]}}}}}
+    error = {
+        "type": "object",
+        "properties": {
+            "error": {
+                "type": "object",
+                "properties": {
+                    "message": _STR,
+                    "type": _STR,
+                    "param": {"anyOf": [_STR, {"type": "null"}]},
+                    "code": {"anyOf": [_STR, _INT]},
+                },
+            }
+        },
+    }
     return {
         "ResponsesRequest": object_schema(RESPONSE, ctx, RESPONSE_REQUIRED),
         "ChatCompletionRequest": object_schema(CHAT, ctx, CHAT_REQUIRED),
         "CompletionRequest": object_schema(COMPLETION, ctx, COMPLETION_REQUIRED),
-        "TokenizeRequest": {"oneOf": [object_schema(TOKENIZE, ctx, ("prompt",), only=TOKENIZE_PROMPT),
-                                      object_schema(TOKENIZE, ctx, ("messages",), only=TOKENIZE_MESSAGES)]},
+        "TokenizeRequest": {
+            "oneOf": [
+                object_schema(TOKENIZE, ctx, ("prompt",), only=TOKENIZE_PROMPT),
+                object_schema(TOKENIZE, ctx, ("messages",), only=TOKENIZE_MESSAGES),
+            ]
+        },
         "DetokenizeRequest": object_schema(DETOKENIZE, ctx, ("tokens",)),
         "Error": error,
     }
@@ -48,13 +63,18 @@ def _op(summary: str, body: str | None = None, ok: str = "application/json", aut
     err = {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}
     op: JSON = {"summary": summary, "responses": {"200": {"description": "OK", "content": {ok: {}}}}}
     if body:
-        op["requestBody"] = {"required": True, "content": {"application/json": {
-            "schema": {"$ref": f"#/components/schemas/{body}"}}}}
+        op["requestBody"] = {
+            "required": True,
+            "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{body}"}}},
+        }
         op["responses"]["400"] = {"description": "Bad request", "content": err}
         op["responses"]["413"] = {"description": "Body larger than --max-request-bytes", "content": err}
     if auth:
         op["security"] = [{"bearer": []}]
-        op["responses"]["401"] = {"description": "Missing or wrong API key (when the server has one)", "content": err}
+        op["responses"]["401"] = {
+            "description": "Missing or wrong API key (when the server has one)",
+            "content": err,
+        }
     return op
 
 
@@ -67,8 +87,9 @@ def _generate_op(summary: str, body: str) -> JSON:
 
 
 @cache
-def openapi_spec(version: str, limits: RequestLimits = DEFAULT_LIMITS, vocab_size: int = 1 << 31,
-                 priority: bool = False) -> JSON:
+def openapi_spec(
+    version: str, limits: RequestLimits = DEFAULT_LIMITS, vocab_size: int = 1 << 31, priority: bool = False
+) -> JSON:
     """The document; `vocab_size` bounds token ids, `priority` says whether requests may set one."""
     models_op = _op("One served model")
     models_op["parameters"] = [{"name": "model", "in": "path", "required": True, "schema": _STR}]
@@ -77,12 +98,21 @@ def openapi_spec(version: str, limits: RequestLimits = DEFAULT_LIMITS, vocab_siz
     ws_op["responses"]["400"] = {"description": "Not a websocket upgrade"}
     return {
         "openapi": "3.1.0",
-        "info": {"title": "aioengine", "version": version,
-                 "description": "OpenAI-compatible API of aioengine; see docs/api.md and docs/websocket.md."},
+        "info": {
+            "title": "aioengine",
+            "version": version,
+            "description": "OpenAI-compatible API of aioengine; see docs/api.md and docs/websocket.md.",
+        },
         "paths": {
-            "/v1/chat/completions": {"post": _generate_op("Chat completion (JSON or SSE stream)", "ChatCompletionRequest")},
-            "/v1/completions": {"post": _generate_op("Text completion (JSON or SSE stream)", "CompletionRequest")},
-            "/v1/responses": {"post": _generate_op("Responses API, text only (JSON or SSE events)", "ResponsesRequest")},
+            "/v1/chat/completions": {
+                "post": _generate_op("Chat completion (JSON or SSE stream)", "ChatCompletionRequest")
+            },
+            "/v1/completions": {
+                "post": _generate_op("Text completion (JSON or SSE stream)", "CompletionRequest")
+            },
+            "/v1/responses": {
+                "post": _generate_op("Responses API, text only (JSON or SSE events)", "ResponsesRequest")
+            },
             "/v1/models": {"get": _op("List the served model names")},
             "/v1/models/{model}": {"get": models_op},
             "/v1/ws": {"get": ws_op},

@@ -40,10 +40,27 @@ from aioengine.http.tools import ToolError, ToolSpec, parse_tools
 from aioengine.sampling_params import SamplingParams, StructuredOutputsParams
 
 # Re-exported: the routes import the wire basics from here.
-__all__ = ["DEFAULT_LIMITS", "RESERVED_TEMPLATE_KWARGS", "APIError", "ChatRequest", "CompletionRequest", "Fields",
-           "GenerationRequest", "RequestLimits", "api_error", "bad", "error_dict", "not_supported",
-           "parse_chat_request", "parse_completion_request", "parse_detokenize_request", "parse_json_body",
-           "parse_messages", "parse_prompt", "parse_tokenize_request"]
+__all__ = [
+    "DEFAULT_LIMITS",
+    "RESERVED_TEMPLATE_KWARGS",
+    "APIError",
+    "ChatRequest",
+    "CompletionRequest",
+    "Fields",
+    "GenerationRequest",
+    "RequestLimits",
+    "api_error",
+    "bad",
+    "error_dict",
+    "not_supported",
+    "parse_chat_request",
+    "parse_completion_request",
+    "parse_detokenize_request",
+    "parse_json_body",
+    "parse_messages",
+    "parse_prompt",
+    "parse_tokenize_request",
+]
 
 
 # ---- requests -------------------------------------------------------------------------------------------
@@ -89,8 +106,10 @@ def _structured_outputs(f: Fields) -> StructuredOutputsParams | None:
         if kind == "json_schema":
             js = rf.get("json_schema")
             if not isinstance(js, dict) or not isinstance(js.get("schema"), dict):
-                raise bad("response_format.json_schema.schema must be a JSON schema object.",
-                          "response_format.json_schema")
+                raise bad(
+                    "response_format.json_schema.schema must be a JSON schema object.",
+                    "response_format.json_schema",
+                )
             return StructuredOutputsParams(json=js["schema"])
         raise bad("response_format.type must be text, json_object or json_schema.", "response_format.type")
     if so is None:
@@ -102,8 +121,13 @@ def _structured_outputs(f: Fields) -> StructuredOutputsParams | None:
         raise bad(f"Invalid structured_outputs: {e}", "structured_outputs") from None
 
 
-def _sampling_params(f: Fields, max_tokens: int | None, logprobs: int | None, limits: RequestLimits,
-                     defaults: Mapping[str, float]) -> SamplingParams:
+def _sampling_params(
+    f: Fields,
+    max_tokens: int | None,
+    logprobs: int | None,
+    limits: RequestLimits,
+    defaults: Mapping[str, float],
+) -> SamplingParams:
     """``defaults``: the model's generation-config defaults for fields the request leaves out."""
     stop = f.data.get("stop")
     if stop is None:
@@ -122,8 +146,10 @@ def _sampling_params(f: Fields, max_tokens: int | None, logprobs: int | None, li
     bias = f.get("logit_bias", dict)
     _at_most(bias, limits.max_logit_bias, "logit_bias", "entries")
     bad_words = f.data.get("bad_words")
-    if bad_words is not None and not (isinstance(bad_words, str) or (
-            isinstance(bad_words, list) and all(isinstance(w, str) for w in bad_words))):
+    if bad_words is not None and not (
+        isinstance(bad_words, str)
+        or (isinstance(bad_words, list) and all(isinstance(w, str) for w in bad_words))
+    ):
         raise bad("bad_words must be a string or an array of strings.", "bad_words")
     if isinstance(bad_words, str):
         bad_words = [bad_words]
@@ -135,17 +161,28 @@ def _sampling_params(f: Fields, max_tokens: int | None, logprobs: int | None, li
         raise bad("allowed_token_ids must be an array of integers.", "allowed_token_ids")
     try:
         return SamplingParams(
-            n=f.int("n", 1), temperature=f.float("temperature", defaults.get("temperature", 1.0)),
-            top_p=f.float("top_p", defaults.get("top_p", 1.0)), top_k=_top_k(f, int(defaults.get("top_k", 0))),
+            n=f.int("n", 1),
+            temperature=f.float("temperature", defaults.get("temperature", 1.0)),
+            top_p=f.float("top_p", defaults.get("top_p", 1.0)),
+            top_k=_top_k(f, int(defaults.get("top_k", 0))),
             min_p=f.float("min_p", defaults.get("min_p", 0.0)),
-            seed=f.int("seed"), max_tokens=max_tokens, min_tokens=f.int("min_tokens", 0), stop=stop,
-            stop_token_ids=stop_token_ids, ignore_eos=f.bool("ignore_eos", False),
+            seed=f.int("seed"),
+            max_tokens=max_tokens,
+            min_tokens=f.int("min_tokens", 0),
+            stop=stop,
+            stop_token_ids=stop_token_ids,
+            ignore_eos=f.bool("ignore_eos", False),
             include_stop_str_in_output=f.bool("include_stop_str_in_output", False),
-            skip_special_tokens=f.bool("skip_special_tokens", True), logprobs=logprobs,
-            presence_penalty=f.float("presence_penalty", 0.0), frequency_penalty=f.float("frequency_penalty", 0.0),
+            skip_special_tokens=f.bool("skip_special_tokens", True),
+            logprobs=logprobs,
+            presence_penalty=f.float("presence_penalty", 0.0),
+            frequency_penalty=f.float("frequency_penalty", 0.0),
             repetition_penalty=f.float("repetition_penalty", defaults.get("repetition_penalty", 1.0)),
             logit_bias=bias or None,
-            allowed_token_ids=allowed, bad_words=bad_words, structured_outputs=_structured_outputs(f))
+            allowed_token_ids=allowed,
+            bad_words=bad_words,
+            structured_outputs=_structured_outputs(f),
+        )
     except InvalidRequestError as e:
         raise api_error(e) from None
 
@@ -155,8 +192,14 @@ def _top_k(f: Fields, default: int) -> int:
     return 0 if top_k == -1 else top_k  # -1 is vLLM's (and OpenAI clients') "off", as 0 is
 
 
-def _common(f: Fields, max_tokens: int | None, logprobs: int | None, allow_priority: bool,
-            limits: RequestLimits, defaults: Mapping[str, float]) -> GenerationRequest:
+def _common(
+    f: Fields,
+    max_tokens: int | None,
+    logprobs: int | None,
+    allow_priority: bool,
+    limits: RequestLimits,
+    defaults: Mapping[str, float],
+) -> GenerationRequest:
     stream = f.bool("stream", False)
     so = f.get("stream_options", dict)
     include_usage = continuous = False
@@ -172,13 +215,24 @@ def _common(f: Fields, max_tokens: int | None, logprobs: int | None, allow_prior
     request_id = f.str("request_id")
     if request_id is not None and not request_id:
         raise bad("request_id cannot be empty.", "request_id")
-    return GenerationRequest(model=f.str("model"), params=_sampling_params(f, max_tokens, logprobs, limits, defaults),
-                             stream=stream, include_usage=include_usage, continuous_usage_stats=continuous,
-                             request_id=request_id, priority=priority, user=f.str("user"))
+    return GenerationRequest(
+        model=f.str("model"),
+        params=_sampling_params(f, max_tokens, logprobs, limits, defaults),
+        stream=stream,
+        include_usage=include_usage,
+        continuous_usage_stats=continuous,
+        request_id=request_id,
+        priority=priority,
+        user=f.str("user"),
+    )
 
 
-def parse_chat_request(data: JSON, allow_priority: bool = False, limits: RequestLimits = DEFAULT_LIMITS,
-                       defaults: Mapping[str, float] | None = None) -> ChatRequest:
+def parse_chat_request(
+    data: JSON,
+    allow_priority: bool = False,
+    limits: RequestLimits = DEFAULT_LIMITS,
+    defaults: Mapping[str, float] | None = None,
+) -> ChatRequest:
     f = Fields(data, CHAT, limits=limits)
     if "messages" not in data:
         raise bad("messages is required.", "messages")
@@ -198,7 +252,9 @@ def parse_chat_request(data: JSON, allow_priority: bool = False, limits: Request
         raise bad(e.message, e.param) from None
     if f.bool("store", False):
         raise not_supported("store", "Storing completions (store=true)")
-    metadata = f.get("metadata", dict)  # tags for stored completions: checked, then unused (nothing is stored)
+    metadata = f.get(
+        "metadata", dict
+    )  # tags for stored completions: checked, then unused (nothing is stored)
     if metadata and (len(metadata) > MAX_METADATA or not all(isinstance(v, str) for v in metadata.values())):
         raise bad(f"metadata may hold at most {MAX_METADATA} string values.", "metadata")
     effort = f.str("reasoning_effort")
@@ -214,35 +270,57 @@ def parse_chat_request(data: JSON, allow_priority: bool = False, limits: Request
             kwargs[name] = value
     if kwargs.get("continue_final_message") and kwargs.get("add_generation_prompt", True):
         if "add_generation_prompt" in kwargs:
-            raise bad("continue_final_message and add_generation_prompt cannot both be true.",
-                      "continue_final_message")
+            raise bad(
+                "continue_final_message and add_generation_prompt cannot both be true.",
+                "continue_final_message",
+            )
         kwargs["add_generation_prompt"] = False
     if kwargs.get("continue_final_message") and messages[-1]["role"] != "assistant":
         raise bad("continue_final_message needs the last message to be from the assistant.", "messages")
     logprobs = (top_logprobs or 0) if want_logprobs else None
     g = _common(f, max_tokens, logprobs, allow_priority, limits, defaults or {})
-    req = ChatRequest(g.model, g.params, g.stream, g.include_usage, g.continuous_usage_stats, g.request_id,
-                      g.priority, g.user, messages=messages, chat_template_kwargs=kwargs, tools=tools)
+    req = ChatRequest(
+        g.model,
+        g.params,
+        g.stream,
+        g.include_usage,
+        g.continuous_usage_stats,
+        g.request_id,
+        g.priority,
+        g.user,
+        messages=messages,
+        chat_template_kwargs=kwargs,
+        tools=tools,
+    )
     if tools is not None:
         kwargs["tools"] = tools.tools  # the template describes them to the model (vLLM passes them too)
         forced = tools.structured_outputs()
         if forced is not None:
             if req.params.structured_outputs is not None:
-                raise bad("tool_choice 'required' or a named function cannot be combined with response_format "
-                          "or structured_outputs.", "tool_choice")
+                raise bad(
+                    "tool_choice 'required' or a named function cannot be combined with response_format "
+                    "or structured_outputs.",
+                    "tool_choice",
+                )
             req.params.structured_outputs = StructuredOutputsParams(**forced)
     return req
 
 
-def parse_completion_request(data: JSON, allow_priority: bool = False, limits: RequestLimits = DEFAULT_LIMITS,
-                             defaults: Mapping[str, float] | None = None) -> CompletionRequest:
+def parse_completion_request(
+    data: JSON,
+    allow_priority: bool = False,
+    limits: RequestLimits = DEFAULT_LIMITS,
+    defaults: Mapping[str, float] | None = None,
+) -> CompletionRequest:
     f = Fields(data, COMPLETION, limits=limits)
     prompts = parse_prompt(data.get("prompt"))
     logprobs = f.int("logprobs")
     echo = f.bool("echo", False)
     if f.str("suffix"):
         raise not_supported("suffix")
-    g = _common(f, f.int("max_tokens", COMPLETION_MAX_TOKENS), logprobs, allow_priority, limits, defaults or {})
+    g = _common(
+        f, f.int("max_tokens", COMPLETION_MAX_TOKENS), logprobs, allow_priority, limits, defaults or {}
+    )
     if echo and logprobs is not None:  # the echoed prompt carries its own logprobs
         g.params.prompt_logprobs = logprobs
     best_of = f.int("best_of")
@@ -250,12 +328,23 @@ def parse_completion_request(data: JSON, allow_priority: bool = False, limits: R
         raise not_supported("best_of", "best_of other than n")
     if len(prompts) * g.params.n > limits.max_prompts:
         raise bad(f"A request may ask for at most {limits.max_prompts} completions (prompts x n).", "prompt")
-    return CompletionRequest(g.model, g.params, g.stream, g.include_usage, g.continuous_usage_stats, g.request_id,
-                             g.priority, g.user, prompts=prompts, echo=echo)
+    return CompletionRequest(
+        g.model,
+        g.params,
+        g.stream,
+        g.include_usage,
+        g.continuous_usage_stats,
+        g.request_id,
+        g.priority,
+        g.user,
+        prompts=prompts,
+        echo=echo,
+    )
 
 
-_PROMPT_TYPES = ("prompt must be a string, an array of strings, an array of token ids, or an array of arrays "
-                 "of token ids.")
+_PROMPT_TYPES = (
+    "prompt must be a string, an array of strings, an array of token ids, or an array of arrays of token ids."
+)
 
 
 def parse_prompt(prompt: object) -> list[str | list[int]]:

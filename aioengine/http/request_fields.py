@@ -28,8 +28,13 @@ def _opt(schema: JSON) -> JSON:
 
 
 def _obj(properties: JSON, required: tuple[str, ...] = (), **extra: object) -> JSON:
-    return {"type": "object", "properties": properties, "required": list(required), "additionalProperties": False,
-            **extra}
+    return {
+        "type": "object",
+        "properties": properties,
+        "required": list(required),
+        "additionalProperties": False,
+        **extra,
+    }
 
 
 # ---- shapes the parsers read themselves ------------------------------------------------------------------
@@ -39,24 +44,46 @@ def stop_schema(ctx: SchemaContext) -> JSON:
 
 
 def template_kwargs_schema(ctx: SchemaContext) -> JSON:
-    return {"propertyNames": {"not": {"enum": sorted(RESERVED_TEMPLATE_KWARGS)}},
-            "description": "extra variables for the chat template"}
+    return {
+        "propertyNames": {"not": {"enum": sorted(RESERVED_TEMPLATE_KWARGS)}},
+        "description": "extra variables for the chat template",
+    }
 
 
 def messages_schema(ctx: SchemaContext) -> JSON:
     """messages.py's parse_messages: by role, text content (a string or text parts)."""
     content_part = _obj({"type": {"const": "text"}, "text": _STR}, ("type", "text"))
     content = {"anyOf": [_STR, {"type": "array", "items": content_part}]}
-    tool_call = _obj({"id": _STR, "type": {"const": "function"},
-                      "function": _obj({"name": _STR, "arguments": _STR}, ("name", "arguments"))}, ("function",))
-    message = {"oneOf": [
-        _obj({"role": {"enum": ["system", "developer", "user"]}, "content": content, "name": _opt(_STR)},
-             ("role", "content")),
-        _obj({"role": {"const": "assistant"}, "content": _opt(content), "name": _opt(_STR), "refusal": _opt(_STR),
-              "tool_calls": _opt({"type": "array", "items": tool_call})}, ("role",)),
-        _obj({"role": {"const": "tool"}, "content": content, "tool_call_id": _STR},
-             ("role", "content", "tool_call_id")),
-    ]}
+    tool_call = _obj(
+        {
+            "id": _STR,
+            "type": {"const": "function"},
+            "function": _obj({"name": _STR, "arguments": _STR}, ("name", "arguments")),
+        },
+        ("function",),
+    )
+    message = {
+        "oneOf": [
+            _obj(
+                {"role": {"enum": ["system", "developer", "user"]}, "content": content, "name": _opt(_STR)},
+                ("role", "content"),
+            ),
+            _obj(
+                {
+                    "role": {"const": "assistant"},
+                    "content": _opt(content),
+                    "name": _opt(_STR),
+                    "refusal": _opt(_STR),
+                    "tool_calls": _opt({"type": "array", "items": tool_call}),
+                },
+                ("role",),
+            ),
+            _obj(
+                {"role": {"const": "tool"}, "content": content, "tool_call_id": _STR},
+                ("role", "content", "tool_call_id"),
+            ),
+        ]
+    }
     return {"type": "array", "items": message, "minItems": 1, "maxItems": ctx.limits.max_messages}
 
 
@@ -65,35 +92,75 @@ _FUNCTION_NAME: JSON = {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$"}
 
 def tools_schema(ctx: SchemaContext) -> JSON:
     """tools.py's parse_tools."""
-    tool = _obj({"type": {"const": "function"}, "function": _obj({
-        "name": _FUNCTION_NAME, "description": _opt(_STR), "strict": _opt({"type": "boolean"}),
-        "parameters": _opt({"type": "object", "description": "a JSON schema (forced calls are constrained to it)"}),
-    }, ("name",))}, ("type", "function"))
+    tool = _obj(
+        {
+            "type": {"const": "function"},
+            "function": _obj(
+                {
+                    "name": _FUNCTION_NAME,
+                    "description": _opt(_STR),
+                    "strict": _opt({"type": "boolean"}),
+                    "parameters": _opt(
+                        {
+                            "type": "object",
+                            "description": "a JSON schema (forced calls are constrained to it)",
+                        }
+                    ),
+                },
+                ("name",),
+            ),
+        },
+        ("type", "function"),
+    )
     return {"items": tool, "maxItems": MAX_TOOLS}
 
 
 TOOL_CHOICE_SCHEMA: JSON = {
-    "anyOf": [{"enum": ["none", "auto", "required"]},
-              _obj({"type": {"const": "function"}, "function": _obj({"name": _FUNCTION_NAME}, ("name",))},
-                   ("type", "function"))],
-    "description": "needs tools; a named function must be one of them (docs/api.md, Tool calling)"}
+    "anyOf": [
+        {"enum": ["none", "auto", "required"]},
+        _obj(
+            {"type": {"const": "function"}, "function": _obj({"name": _FUNCTION_NAME}, ("name",))},
+            ("type", "function"),
+        ),
+    ],
+    "description": "needs tools; a named function must be one of them (docs/api.md, Tool calling)",
+}
 
-RESPONSE_FORMAT_SCHEMA: JSON = {"oneOf": [
-    _obj({"type": {"enum": ["text", "json_object"]}}, ("type",)),
-    {"type": "object", "required": ["type", "json_schema"], "properties": {
-        "type": {"const": "json_schema"},
-        "json_schema": {"type": "object", "required": ["schema"], "properties": {
-            "name": _STR, "schema": {"type": "object", "description": "a JSON schema"}}}}},
-]}
+RESPONSE_FORMAT_SCHEMA: JSON = {
+    "oneOf": [
+        _obj({"type": {"enum": ["text", "json_object"]}}, ("type",)),
+        {
+            "type": "object",
+            "required": ["type", "json_schema"],
+            "properties": {
+                "type": {"const": "json_schema"},
+                "json_schema": {
+                    "type": "object",
+                    "required": ["schema"],
+                    "properties": {
+                        "name": _STR,
+                        "schema": {"type": "object", "description": "a JSON schema"},
+                    },
+                },
+            },
+        },
+    ]
+}
 
 
 def prompt_schema(ctx: SchemaContext) -> JSON:
     """protocol.py's parse_prompt: str | [str] | [int] | [[int]]."""
     tokens = {"type": "array", "items": ctx.token(), "minItems": 1}
     n = ctx.limits.max_prompts
-    return {"anyOf": [_TEXT, {"type": "array", "items": _TEXT, "minItems": 1, "maxItems": n}, tokens,
-                      {"type": "array", "items": tokens, "minItems": 1, "maxItems": n}],
-            "description": f"at most {n} completions (prompts x n) in one request"}
+    return {
+        "anyOf": [
+            _TEXT,
+            {"type": "array", "items": _TEXT, "minItems": 1, "maxItems": n},
+            tokens,
+            {"type": "array", "items": tokens, "minItems": 1, "maxItems": n},
+        ],
+        "description": f"at most {n} completions (prompts x n) in one request",
+    }
 
 
 def _tokens(ctx: SchemaContext) -> JSON:
@@ -107,8 +174,11 @@ def _metadata() -> Spec:
 # ---- sub-objects -----------------------------------------------------------------------------------------
 STREAM_OPTIONS: Table = {"include_usage": Spec(bool), "continuous_usage_stats": Spec(bool)}
 
-STRUCTURED_OUTPUTS: Table = {  # vLLM's structured_outputs object (StructuredOutputsParams checks "exactly one")
-    "json": Spec(None, schema={"anyOf": [{"type": "object"}, _STR], "description": "a JSON schema, or its text"}),
+# vLLM's structured_outputs object (StructuredOutputsParams checks that exactly one is set)
+STRUCTURED_OUTPUTS: Table = {
+    "json": Spec(
+        None, schema={"anyOf": [{"type": "object"}, _STR], "description": "a JSON schema, or its text"}
+    ),
     "regex": Spec(str, schema={"minLength": 1}),
     "choice": Spec(list, schema={"items": _STR, "minItems": 1}),
     "grammar": Spec(str, schema={"minLength": 1}),
@@ -128,31 +198,57 @@ SAMPLING: Table = {
     "seed": Spec(int, lo=-(2**63), hi=2**63 - 1, checked_later=True),
     "min_tokens": Spec(int, lo=0, checked_later=True, description="at most max_tokens"),
     "stop": Spec(None, schema=stop_schema),
-    "stop_token_ids": Spec(list, schema=lambda ctx: {"items": ctx.token(), "maxItems": ctx.limits.max_token_ids}),
+    "stop_token_ids": Spec(
+        list, schema=lambda ctx: {"items": ctx.token(), "maxItems": ctx.limits.max_token_ids}
+    ),
     "ignore_eos": Spec(bool),
     "include_stop_str_in_output": Spec(bool),
     "skip_special_tokens": Spec(bool),
     "stream": Spec(bool),
-    "stream_options": Spec(dict, schema=lambda ctx: {**object_schema(STREAM_OPTIONS, ctx),
-                                                     "description": "only with stream: true"}),
+    "stream_options": Spec(
+        dict,
+        schema=lambda ctx: {**object_schema(STREAM_OPTIONS, ctx), "description": "only with stream: true"},
+    ),
     "user": Spec(str),
     "request_id": Spec(str, schema={"pattern": REQUEST_ID_PATTERN}),
-    "priority": Spec(int, schema=lambda ctx: {"description": "lower runs first"} if ctx.priority else
-                     {"const": 0, "description": "only 0 unless --scheduling-policy priority"}),
+    "priority": Spec(
+        int,
+        schema=lambda ctx: (
+            {"description": "lower runs first"}
+            if ctx.priority
+            else {"const": 0, "description": "only 0 unless --scheduling-policy priority"}
+        ),
+    ),
     "presence_penalty": Spec(float, lo=-2, hi=2, checked_later=True),
     "frequency_penalty": Spec(float, lo=-2, hi=2, checked_later=True),
     "repetition_penalty": Spec(float, lo=0, exclusive_lo=True, checked_later=True),
-    "logit_bias": Spec(dict, schema=lambda ctx: {
-        "maxProperties": ctx.limits.max_logit_bias, "propertyNames": {"pattern": "^[0-9]{1,9}$"},
-        "additionalProperties": _NUM, "description": "token id -> bias, clamped to [-100, 100]"}),
-    "allowed_token_ids": Spec(list, schema=lambda ctx: {"items": ctx.token(), "minItems": 1,
-                                                        "maxItems": ctx.limits.max_token_ids}),
-    "bad_words": Spec(None, schema=lambda ctx: {"anyOf": [_STR, {"type": "array", "items": _STR,
-                                                                 "maxItems": ctx.limits.max_bad_words}]}),
+    "logit_bias": Spec(
+        dict,
+        schema=lambda ctx: {
+            "maxProperties": ctx.limits.max_logit_bias,
+            "propertyNames": {"pattern": "^[0-9]{1,9}$"},
+            "additionalProperties": _NUM,
+            "description": "token id -> bias, clamped to [-100, 100]",
+        },
+    ),
+    "allowed_token_ids": Spec(
+        list, schema=lambda ctx: {"items": ctx.token(), "minItems": 1, "maxItems": ctx.limits.max_token_ids}
+    ),
+    "bad_words": Spec(
+        None,
+        schema=lambda ctx: {
+            "anyOf": [_STR, {"type": "array", "items": _STR, "maxItems": ctx.limits.max_bad_words}]
+        },
+    ),
     "response_format": Spec(None, schema=RESPONSE_FORMAT_SCHEMA),
-    "structured_outputs": Spec(dict, schema=lambda ctx: {
-        **object_schema(STRUCTURED_OUTPUTS, ctx, nullable=False),
-        "description": "exactly one of json, regex, choice, grammar, json_object; not with response_format"}),
+    "structured_outputs": Spec(
+        dict,
+        schema=lambda ctx: {
+            **object_schema(STRUCTURED_OUTPUTS, ctx, nullable=False),
+            "description": "exactly one of json, regex, choice, grammar, json_object; "
+            "not with response_format",
+        },
+    ),
 }
 
 CHAT: Table = {
@@ -178,8 +274,9 @@ CHAT_REQUIRED = ("messages",)
 COMPLETION: Table = {
     **SAMPLING,
     "prompt": Spec(None, schema=prompt_schema),
-    "max_tokens": Spec(int, lo=1, checked_later=True, schema={"default": COMPLETION_MAX_TOKENS},
-                       description=_MAX_TOKENS),
+    "max_tokens": Spec(
+        int, lo=1, checked_later=True, schema={"default": COMPLETION_MAX_TOKENS}, description=_MAX_TOKENS
+    ),
     "echo": Spec(bool),
     "best_of": Spec(int, lo=1, description="only equal to n"),
     "suffix": Spec(str, schema={"maxLength": 0}),  # not supported: only empty
@@ -199,24 +296,44 @@ TOKENIZE: Table = {
     "chat_template_kwargs": Spec(dict, schema=template_kwargs_schema),
 }
 TOKENIZE_PROMPT = ("model", "add_special_tokens", "return_token_strs", "prompt")  # exactly one of these two
-TOKENIZE_MESSAGES = ("model", "add_special_tokens", "return_token_strs", "messages", "add_generation_prompt",
-                     "continue_final_message", "chat_template_kwargs")
+TOKENIZE_MESSAGES = (
+    "model",
+    "add_special_tokens",
+    "return_token_strs",
+    "messages",
+    "add_generation_prompt",
+    "continue_final_message",
+    "chat_template_kwargs",
+)
 
 DETOKENIZE: Table = {"model": Spec(str), "tokens": Spec(list, schema=_tokens)}
 
-# ---- /v1/responses -------------------------------------------------------------------------------------------
+# ---- /v1/responses ---------------------------------------------------------------------------------------
 _TEXT_PART = _obj({"type": {"enum": ["input_text", "output_text"]}, "text": _STR}, ("type", "text"))
 
 
 def _input_schema(ctx: SchemaContext) -> JSON:
-    item = _obj({"type": _opt({"const": "message"}), "role": {"enum": ["user", "assistant", "system", "developer"]},
-                 "content": {"anyOf": [_STR, {"type": "array", "items": _TEXT_PART}]}}, ("role", "content"))
-    return {"anyOf": [_STR, {"type": "array", "items": item, "minItems": 1, "maxItems": ctx.limits.max_messages}]}
+    item = _obj(
+        {
+            "type": _opt({"const": "message"}),
+            "role": {"enum": ["user", "assistant", "system", "developer"]},
+            "content": {"anyOf": [_STR, {"type": "array", "items": _TEXT_PART}]},
+        },
+        ("role", "content"),
+    )
+    return {
+        "anyOf": [_STR, {"type": "array", "items": item, "minItems": 1, "maxItems": ctx.limits.max_messages}]
+    }
 
 
 RESPONSE_TEXT: Table = {
-    "format": Spec(None, schema={**_obj({"type": {"enum": ["text", "json_object"]}}, ("type",)),
-                                 "description": "json_schema ({type, name, schema}) is accepted too"}),
+    "format": Spec(
+        None,
+        schema={
+            **_obj({"type": {"enum": ["text", "json_object"]}}, ("type",)),
+            "description": "json_schema ({type, name, schema}) is accepted too",
+        },
+    ),
     "verbosity": Spec(str),
 }
 RESPONSE_REASONING: Table = {
@@ -237,12 +354,16 @@ RESPONSE: Table = {  # openai_responses.to_chat_body turns it into a CHAT body
     "user": Spec(str),
     "metadata": _metadata(),
     "store": Spec(bool, description="accepted; nothing is stored"),
-    "tools": Spec(list, schema={"maxItems": 0, "description": "not supported here: use /v1/chat/completions"}),
+    "tools": Spec(
+        list, schema={"maxItems": 0, "description": "not supported here: use /v1/chat/completions"}
+    ),
     "tool_choice": Spec(None, schema={"enum": ["none", "auto"]}),
     "parallel_tool_calls": Spec(bool),
     "truncation": Spec(str, enum=("disabled", "auto")),
     "include": Spec(list, schema={"maxItems": 0, "description": "not supported"}),
-    "previous_response_id": Spec(None, schema={"const": False, "description": "not supported: nothing is stored"}),
+    "previous_response_id": Spec(
+        None, schema={"const": False, "description": "not supported: nothing is stored"}
+    ),
     "background": Spec(bool, schema={"const": False, "description": "not supported"}),
     "service_tier": CHAT["service_tier"],
     "top_logprobs": Spec(int, schema={"const": 0, "description": "not supported here"}),

@@ -1,4 +1,4 @@
-"""The routes besides generation: models, tokenize/detokenize, health, version, metrics, OpenAPI, chat page."""
+"""The routes besides generation: models, (de)tokenize, health, version, metrics, OpenAPI, the chat page."""
 
 from __future__ import annotations
 
@@ -29,12 +29,21 @@ STATIC_DIR = Path(__file__).with_name("static")
 
 def _model_card(app: web.Application, name: str) -> JSON:
     engine = app[ENGINE]
-    return {"id": name, "object": "model", "created": app[STATE].created, "owned_by": "aioengine",
-            "root": engine.model_path or name, "parent": None, "max_model_len": engine.max_model_len}
+    return {
+        "id": name,
+        "object": "model",
+        "created": app[STATE].created,
+        "owned_by": "aioengine",
+        "root": engine.model_path or name,
+        "parent": None,
+        "max_model_len": engine.max_model_len,
+    }
 
 
 async def list_models(request: web.Request) -> web.Response:
-    return json_response({"object": "list", "data": [_model_card(request.app, n) for n in model_names(request.app)]})
+    return json_response(
+        {"object": "list", "data": [_model_card(request.app, n) for n in model_names(request.app)]}
+    )
 
 
 async def get_model(request: web.Request) -> web.Response:
@@ -51,8 +60,14 @@ async def tokenize(request: web.Request) -> web.Response:
         ids = list(tok.encode(req.prompt, add_special_tokens=req.add_special_tokens))
     else:
         ids = apply_chat_template(tok, req.messages or [], **req.chat_template_kwargs)
-    return json_response({"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
-                          "token_strs": tok.convert_ids_to_tokens(ids) if req.return_token_strs else None})
+    return json_response(
+        {
+            "count": len(ids),
+            "max_model_len": engine.max_model_len,
+            "tokens": ids,
+            "token_strs": tok.convert_ids_to_tokens(ids) if req.return_token_strs else None,
+        }
+    )
 
 
 async def detokenize(request: web.Request) -> web.Response:
@@ -83,13 +98,17 @@ async def version(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     state = request.app[STATE]
     assert state.metrics is not None, "set at startup"
-    return web.Response(body=generate_latest(state.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+    return web.Response(
+        body=generate_latest(state.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+    )
 
 
 async def openapi(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
     vocab = engine.vocab_size or len(engine.tokenizer)
-    return json_response(openapi_spec(aioengine.__version__, request.app[CONFIG].limits, vocab, engine.allow_priority))
+    return json_response(
+        openapi_spec(aioengine.__version__, request.app[CONFIG].limits, vocab, engine.allow_priority)
+    )
 
 
 async def index(request: web.Request) -> web.FileResponse:

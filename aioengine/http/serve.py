@@ -38,20 +38,37 @@ def install_signal_handlers(stop: asyncio.Event) -> None:
         loop.add_signal_handler(sig, on_signal, sig)
 
 
-async def serve_engine(engine: EngineClient, config: ServerConfig, host: str, port: int, stop: asyncio.Event,
-                       stats_interval: float | None = 10.0, shutdown_timeout: float = 5.0,
-                       access_log: bool = False, on_ready: Callable[[int], None] | None = None) -> int:
+async def serve_engine(
+    engine: EngineClient,
+    config: ServerConfig,
+    host: str,
+    port: int,
+    stop: asyncio.Event,
+    stats_interval: float | None = 10.0,
+    shutdown_timeout: float = 5.0,
+    access_log: bool = False,
+    on_ready: Callable[[int], None] | None = None,
+) -> int:
     """Serve until `stop` is set (-> 0) or the engine dies (-> 1). The engine must be started."""
     app = build_app(engine, config)
     try:
-        runner = await start_server(app, host, port, shutdown_timeout=min(shutdown_timeout, 5.0),
-                                    access_log=logging.getLogger("aiohttp.access") if access_log else None)
+        runner = await start_server(
+            app,
+            host,
+            port,
+            shutdown_timeout=min(shutdown_timeout, 5.0),
+            access_log=logging.getLogger("aiohttp.access") if access_log else None,
+        )
     except OSError as e:
         logger.error("cannot listen on %s:%d: %s", host, port, e)
         await engine.shutdown()
         return 1
-    logger.info("Serving %s on http://%s:%d (chat page /, API /v1, metrics /metrics)", engine.model_name,
-                host, bound_port(runner))
+    logger.info(
+        "Serving %s on http://%s:%d (chat page /, API /v1, metrics /metrics)",
+        engine.model_name,
+        host,
+        bound_port(runner),
+    )
     if on_ready is not None:
         on_ready(bound_port(runner))
     stats_task = None

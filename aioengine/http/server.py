@@ -43,8 +43,20 @@ from aioengine.http.ws import websocket_handler
 from aioengine.outputs import RequestOutput
 
 # Re-exported: callers build apps with these.
-__all__ = ["CONFIG", "DEFAULT_BACKLOG", "DEFAULT_MAX_BODY", "ENGINE", "STATE", "AccessLogger", "AppState",
-           "ServerConfig", "bound_port", "build_app", "check_api_key", "start_server"]
+__all__ = [
+    "CONFIG",
+    "DEFAULT_BACKLOG",
+    "DEFAULT_MAX_BODY",
+    "ENGINE",
+    "STATE",
+    "AccessLogger",
+    "AppState",
+    "ServerConfig",
+    "bound_port",
+    "build_app",
+    "check_api_key",
+    "start_server",
+]
 
 logger = logging.getLogger("aioengine.http")
 
@@ -78,12 +90,22 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None, **kwargs
     return app
 
 
-async def start_server(app: web.Application, host: str = "127.0.0.1", port: int = 8000,
-                       shutdown_timeout: float = 5.0, access_log: logging.Logger | None = None,
-                       backlog: int = DEFAULT_BACKLOG) -> web.AppRunner:
+async def start_server(
+    app: web.Application,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    shutdown_timeout: float = 5.0,
+    access_log: logging.Logger | None = None,
+    backlog: int = DEFAULT_BACKLOG,
+) -> web.AppRunner:
     """Serve `app` on host:port in the running loop (port 0 picks a free one: see `bound_port`)."""
-    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=shutdown_timeout,
-                           access_log=access_log, access_log_class=AccessLogger)
+    runner = web.AppRunner(
+        app,
+        handler_cancellation=True,
+        shutdown_timeout=shutdown_timeout,
+        access_log=access_log,
+        access_log_class=AccessLogger,
+    )
     await runner.setup()
     await web.TCPSite(runner, host, port, backlog=backlog).start()
     return runner
@@ -96,9 +118,17 @@ class AccessLogger(AbstractAccessLogger):
         url = request.rel_url
         if "api_key" in url.query:
             url = url.update_query(api_key="REDACTED")
-        self.logger.info('%s "%s %s HTTP/%d.%d" %d %d %.3fs', request.remote, request.method, url,
-                         request.version.major, request.version.minor, response.status, response.body_length,
-                         time)
+        self.logger.info(
+            '%s "%s %s HTTP/%d.%d" %d %d %.3fs',
+            request.remote,
+            request.method,
+            url,
+            request.version.major,
+            request.version.minor,
+            response.status,
+            response.body_length,
+            time,
+        )
 
 
 def bound_port(runner: web.AppRunner) -> int:
@@ -113,8 +143,9 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     gc_freeze.freeze(collect=False)
     state, engine = app[STATE], app[ENGINE]
     metrics = state.metrics = EngineMetrics(engine, model_names(app)[0])
-    state.lag_task = asyncio.create_task(metrics.watch_loop_lag(app[CONFIG].loop_lag_interval),
-                                         name="aioengine-loop-lag")
+    state.lag_task = asyncio.create_task(
+        metrics.watch_loop_lag(app[CONFIG].loop_lag_interval), name="aioengine-loop-lag"
+    )
     if app[CONFIG].log_requests:
         engine.request_listeners.append(_log_finished)
     try:
@@ -136,8 +167,13 @@ async def _close_websockets(app: web.Application) -> None:
 def _log_finished(out: RequestOutput, state: RequestInfo) -> None:
     if out.finished:
         reasons = ",".join(f"{c.index}:{c.finish_reason}" for c in out.outputs)
-        logger.info("Finished request %s in %.3f s: prompt_tokens=%d finish=%s", out.request_id,
-                    time.monotonic() - state.arrival_time, len(out.prompt_token_ids), reasons)
+        logger.info(
+            "Finished request %s in %.3f s: prompt_tokens=%d finish=%s",
+            out.request_id,
+            time.monotonic() - state.arrival_time,
+            len(out.prompt_token_ids),
+            reasons,
+        )
 
 
 # ---- middleware: auth and errors ---------------------------------------------------------------------
@@ -151,8 +187,12 @@ def check_api_key(request: web.Request, key: str) -> None:
     if token is None and request.path == "/v1/ws":
         token = request.query.get("api_key")  # browsers cannot set headers on a websocket
     if token is None or not hmac.compare_digest(token.encode(), key.encode()):
-        raise APIError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'.",
-                       code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        raise APIError(
+            401,
+            "Invalid or missing API key: send 'Authorization: Bearer <key>'.",
+            code="invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
 
 
 @web.middleware

@@ -68,8 +68,11 @@ class Tally:
     @classmethod
     def of(cls, outs: Sequence[RequestOutput]) -> Tally:
         """The counts of finished outputs."""
-        return cls([len(o.prompt_token_ids) for o in outs], [o.num_cached_tokens for o in outs],
-                   sum(o.num_generated_tokens for o in outs))
+        return cls(
+            [len(o.prompt_token_ids) for o in outs],
+            [o.num_cached_tokens for o in outs],
+            sum(o.num_generated_tokens for o in outs),
+        )
 
     def add(self, i: int, out: RequestOutput) -> None:
         self.prompt_tokens[i] = len(out.prompt_token_ids)
@@ -78,9 +81,12 @@ class Tally:
 
     def usage(self) -> JSON:
         prompt = sum(self.prompt_tokens)
-        return {"prompt_tokens": prompt, "completion_tokens": self.completion_tokens,
-                "total_tokens": prompt + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens)}}
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": prompt + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens)},
+        }
 
 
 class SSEWriter:
@@ -101,9 +107,14 @@ class SSEWriter:
         await self.resp.write_eof()
 
 
-async def guarded_sse(request: web.Request, engine: EngineClient, handles: Sequence[RequestHandle],
-                      request_id: str, write: Callable[[SSEWriter], Awaitable[None]],
-                      write_error: Callable[[SSEWriter, APIError], Awaitable[None]]) -> web.StreamResponse:
+async def guarded_sse(
+    request: web.Request,
+    engine: EngineClient,
+    handles: Sequence[RequestHandle],
+    request_id: str,
+    write: Callable[[SSEWriter], Awaitable[None]],
+    write_error: Callable[[SSEWriter, APIError], Awaitable[None]],
+) -> web.StreamResponse:
     """Open the stream, run ``write``; a vanished client ends it quietly, a dead engine gets ``write_error``;
     whatever is still running is aborted at the end, also when the stream never opened."""
     try:
@@ -135,10 +146,17 @@ async def abort_all(engine: EngineClient, handles: Sequence[RequestHandle]) -> N
 ChoiceMaker = Callable[[int, CompletionOutput, RequestOutput], JSON | None]
 
 
-async def stream_choices(request: web.Request, engine: EngineClient, req: ChatRequest | CompletionRequest,
-                         handles: Sequence[RequestHandle], request_id: str, base: JSON, first: list[JSON],
-                         make_choice: ChoiceMaker,
-                         on_output: Callable[[int, RequestOutput], None] | None = None) -> web.StreamResponse:
+async def stream_choices(
+    request: web.Request,
+    engine: EngineClient,
+    req: ChatRequest | CompletionRequest,
+    handles: Sequence[RequestHandle],
+    request_id: str,
+    base: JSON,
+    first: list[JSON],
+    make_choice: ChoiceMaker,
+    on_output: Callable[[int, RequestOutput], None] | None = None,
+) -> web.StreamResponse:
     """The SSE stream of chat and text completions: ``first`` chunks, then one chunk per changed choice,
     usage last (when asked), then [DONE]."""
     tally = Tally([0] * len(handles), [0] * len(handles))
@@ -152,7 +170,11 @@ async def stream_choices(request: web.Request, engine: EngineClient, req: ChatRe
                 if on_output is not None:
                     on_output(i, out)
                 for c in out.outputs:
-                    if not c.text and c.finish_reason is None and (req.params.logprobs is None or not c.token_ids):
+                    if (
+                        not c.text
+                        and c.finish_reason is None
+                        and (req.params.logprobs is None or not c.token_ids)
+                    ):
                         continue  # the detokenizer is holding text back: nothing to say yet
                     choice = make_choice(i, c, out)
                     if choice is None:

@@ -53,10 +53,19 @@ class ToolSpec:
             assert self.name is not None
             return {"json": self.schemas[self.name], "disable_any_whitespace": True}
         if self.choice == "required":
-            items = [{"type": "object", "properties": {"name": {"type": "string", "enum": [n]}, "parameters": s},
-                      "required": ["name", "parameters"]} for n, s in self.schemas.items()]
-            array: dict[str, Any] = {"type": "array", "minItems": 1,
-                                     "items": items[0] if len(items) == 1 else {"anyOf": items}}
+            items = [
+                {
+                    "type": "object",
+                    "properties": {"name": {"type": "string", "enum": [n]}, "parameters": s},
+                    "required": ["name", "parameters"],
+                }
+                for n, s in self.schemas.items()
+            ]
+            array: dict[str, Any] = {
+                "type": "array",
+                "minItems": 1,
+                "items": items[0] if len(items) == 1 else {"anyOf": items},
+            }
             if not self.parallel:
                 array["maxItems"] = 1
             return {"json": array, "disable_any_whitespace": True}
@@ -86,12 +95,14 @@ def parse_tools(tools: Any, tool_choice: Any, parallel: bool | None) -> ToolSpec
             raise ToolError(f"{p}.function must be an object.", f"{p}.function")
         unknown = set(fn) - {"name", "description", "parameters", "strict"}
         if unknown:
-            raise ToolError(f"Unrecognized request argument supplied: {p}.function.{sorted(unknown)[0]}",
-                            f"{p}.function")
+            raise ToolError(
+                f"Unrecognized request argument supplied: {p}.function.{sorted(unknown)[0]}", f"{p}.function"
+            )
         name = fn.get("name")
         if not isinstance(name, str) or not _NAME_RE.match(name):
-            raise ToolError(f"{p}.function.name must be 1-64 letters, digits, '_', '.' or '-'.",
-                            f"{p}.function.name")
+            raise ToolError(
+                f"{p}.function.name must be 1-64 letters, digits, '_', '.' or '-'.", f"{p}.function.name"
+            )
         if name in schemas:
             raise ToolError(f"Two tools are named {name!r}.", f"{p}.function.name")
         if fn.get("description") is not None and not isinstance(fn["description"], str):
@@ -102,11 +113,18 @@ def parse_tools(tools: Any, tool_choice: Any, parallel: bool | None) -> ToolSpec
         if params is None:
             params = {"type": "object", "properties": {}}
         elif not isinstance(params, dict):
-            raise ToolError(f"{p}.function.parameters must be a JSON schema object.", f"{p}.function.parameters")
+            raise ToolError(
+                f"{p}.function.parameters must be a JSON schema object.", f"{p}.function.parameters"
+            )
         schemas[name] = params
     choice, forced = _choice(tool_choice, schemas)
-    return ToolSpec(tools=tools, choice=choice, name=forced, parallel=True if parallel is None else parallel,
-                    schemas=schemas)
+    return ToolSpec(
+        tools=tools,
+        choice=choice,
+        name=forced,
+        parallel=True if parallel is None else parallel,
+        schemas=schemas,
+    )
 
 
 def _choice(tool_choice: Any, schemas: dict[str, dict]) -> tuple[str, str | None]:
@@ -122,8 +140,11 @@ def _choice(tool_choice: Any, schemas: dict[str, dict]) -> tuple[str, str | None
         if name not in schemas:
             raise ToolError(f"tool_choice names {name!r}, which is not among the tools.", "tool_choice")
         return "named", name
-    raise ToolError("tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", \"function\": "
-                    "{\"name\": ...}}.", "tool_choice")
+    raise ToolError(
+        "tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", \"function\": "
+        '{"name": ...}}.',
+        "tool_choice",
+    )
 
 
 def template_tool_calls(calls: Any, p: str) -> list[dict]:
@@ -136,14 +157,20 @@ def template_tool_calls(calls: Any, p: str) -> list[dict]:
         q = f"{p}.tool_calls[{j}]"
         fn = call.get("function") if isinstance(call, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise ToolError(f"{q} must be {{\"id\", \"type\": \"function\", \"function\": {{\"name\", "
-                            f"\"arguments\"}}}}.", q)
+            raise ToolError(
+                f'{q} must be {{"id", "type": "function", "function": {{"name", "arguments"}}}}.', q
+            )
         args = fn.get("arguments", "{}")
         if isinstance(args, str):
             with contextlib.suppress(ValueError):  # not JSON: the template gets the string as sent
                 args = json.loads(args) if args.strip() else {}
-        out.append({"id": call.get("id") if isinstance(call.get("id"), str) else f"call_{j}", "type": "function",
-                    "function": {"name": fn["name"], "arguments": args}})
+        out.append(
+            {
+                "id": call.get("id") if isinstance(call.get("id"), str) else f"call_{j}",
+                "type": "function",
+                "function": {"name": fn["name"], "arguments": args},
+            }
+        )
     return out
 
 
@@ -156,7 +183,9 @@ def _call(name: str, arguments: Any) -> dict:
     return {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": args}}
 
 
-def extract(spec: ToolSpec, text: str, finish_reason: str | None) -> tuple[str | None, list[dict], str | None]:
+def extract(
+    spec: ToolSpec, text: str, finish_reason: str | None
+) -> tuple[str | None, list[dict], str | None]:
     """(content, tool_calls, finish_reason) of a finished completion's text."""
     if spec.choice == "named":
         assert spec.name is not None
@@ -166,8 +195,11 @@ def extract(spec: ToolSpec, text: str, finish_reason: str | None) -> tuple[str |
             items = json.loads(text)
         except ValueError:  # cut short (length): nothing parseable; hand the text back as content
             return text, [], finish_reason
-        calls = [_call(it["name"], it.get("parameters", {})) for it in items
-                 if isinstance(it, dict) and isinstance(it.get("name"), str)]
+        calls = [
+            _call(it["name"], it.get("parameters", {}))
+            for it in items
+            if isinstance(it, dict) and isinstance(it.get("name"), str)
+        ]
         return None, calls, "tool_calls" if calls and finish_reason == "stop" else finish_reason
     if spec.choice == "auto" and _OPEN in text:
         calls = []
@@ -196,7 +228,7 @@ def _whole_output_calls(spec: ToolSpec, text: str) -> list[dict]:
     body = text.strip()
     for prefix in _WHOLE_PREFIXES:
         if body.startswith(prefix):
-            body = body[len(prefix):].strip()
+            body = body[len(prefix) :].strip()
             break
     if not body.startswith(("{", "[")):
         return []
@@ -254,7 +286,7 @@ class StreamParser:
         could still be a whole-output call (a JSON object or array, or Mistral's or Llama 3's marker)."""
         if self.sent == 0:
             head = self.text.lstrip()
-            if not head or head[0] in "{[" or any(p.startswith(head[:len(p)]) for p in _WHOLE_PREFIXES):
+            if not head or head[0] in "{[" or any(p.startswith(head[: len(p)]) for p in _WHOLE_PREFIXES):
                 return ""
         at = self.text.find(_OPEN, self.sent)
         if at < 0 and self.text.find(_OPEN) >= 0:
@@ -262,10 +294,10 @@ class StreamParser:
         end = len(self.text) if at < 0 else at
         if at < 0:  # hold back a tail that could grow into the tag
             for k in range(min(len(_OPEN) - 1, end - self.sent), 0, -1):
-                if _OPEN.startswith(self.text[end - k:end]):
+                if _OPEN.startswith(self.text[end - k : end]):
                     end -= k
                     break
-        out, self.sent = self.text[self.sent:end], max(self.sent, end)
+        out, self.sent = self.text[self.sent : end], max(self.sent, end)
         return out
 
     def finish(self, finish_reason: str | None) -> tuple[dict | None, str | None]:
@@ -275,6 +307,6 @@ class StreamParser:
         content, calls, reason = extract(self.spec, self.text, finish_reason)
         if calls:
             return {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}, reason
-        rest = self.text[self.sent:]
+        rest = self.text[self.sent :]
         self.sent = len(self.text)
         return ({"content": rest} if rest else None), reason

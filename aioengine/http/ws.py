@@ -47,9 +47,13 @@ async def websocket_handler(request: web.Request) -> web.WebSocketResponse:
             if msg.type == WSMsgType.TEXT:
                 await session.on_message(msg.data)
             elif msg.type == WSMsgType.BINARY:
-                await ws.close(code=WSCloseCode.UNSUPPORTED_DATA, message=b"send JSON text frames, not binary")
+                await ws.close(
+                    code=WSCloseCode.UNSUPPORTED_DATA, message=b"send JSON text frames, not binary"
+                )
                 break
-            elif msg.type == WSMsgType.ERROR:  # aiohttp has closed it: 1009 (too big) or 1002/1007 (bad frame)
+            elif (
+                msg.type == WSMsgType.ERROR
+            ):  # aiohttp has closed it: 1009 (too big) or 1002/1007 (bad frame)
                 break
     finally:
         app[STATE].websockets.discard(ws)
@@ -94,7 +98,9 @@ class _Session:
             elif kind == "ping":
                 await self.send({"type": "pong", "id": gen_id})
             else:
-                raise bad(f"Unknown message type {kind!r}: expected chat, completion, cancel or ping.", "type")
+                raise bad(
+                    f"Unknown message type {kind!r}: expected chat, completion, cancel or ping.", "type"
+                )
         except APIError as e:
             await self.send_error(gen_id, e)
         except AioEngineError as e:
@@ -110,8 +116,11 @@ class _Session:
         if gen_id in self.active:
             raise bad(f"A generation with id {gen_id!r} is already running on this socket.", "id")
         if len(self.active) >= MAX_ACTIVE_PER_SOCKET:
-            raise APIError(429, f"At most {MAX_ACTIVE_PER_SOCKET} generations may run on one socket.",
-                           code="too_many_generations")
+            raise APIError(
+                429,
+                f"At most {MAX_ACTIVE_PER_SOCKET} generations may run on one socket.",
+                code="too_many_generations",
+            )
         admission.check_capacity(self.app)
         body = msg.get("body")
         if not isinstance(body, dict):
@@ -128,14 +137,21 @@ class _Session:
         self.active[gen_id] = (task, handles)
         return gen_id
 
-    async def run(self, gen_id: str, adm: Admitted[ChatRequest] | Admitted[CompletionRequest],
-                  handles: list[RequestHandle]) -> None:
+    async def run(
+        self,
+        gen_id: str,
+        adm: Admitted[ChatRequest] | Admitted[CompletionRequest],
+        handles: list[RequestHandle],
+    ) -> None:
         req = adm.req
         n = req.params.n
         tally = Tally([0] * len(handles), [0] * len(handles))
         finish: dict[int, JSON] = {}
-        tools = req.tools if isinstance(req, ChatRequest) and req.tools is not None and req.tools.choice != "none" \
+        tools = (
+            req.tools
+            if isinstance(req, ChatRequest) and req.tools is not None and req.tools.choice != "none"
             else None
+        )
         texts: dict[int, str] = {}  # with tools: each choice's text, parsed into calls when it finishes
         try:
             await self.send({"type": "start", "id": gen_id, "request_id": adm.request_id, "model": adm.model})
@@ -150,23 +166,39 @@ class _Session:
                     for c in out.outputs:
                         index = i * n + c.index
                         if c.text or c.token_ids:
-                            delta = {"type": "delta", "id": gen_id, "index": index, "text": c.text,
-                                     "token_ids": c.token_ids}
+                            delta = {
+                                "type": "delta",
+                                "id": gen_id,
+                                "index": index,
+                                "text": c.text,
+                                "token_ids": c.token_ids,
+                            }
                             if req.params.logprobs is not None:
-                                delta["logprobs"] = chat_logprobs(self.engine, c.token_ids, c.logprobs,
-                                                                  req.params.logprobs)["content"]
+                                delta["logprobs"] = chat_logprobs(
+                                    self.engine, c.token_ids, c.logprobs, req.params.logprobs
+                                )["content"]
                             await self.send(delta)
                         if tools is not None:
                             texts[index] = texts.get(index, "") + c.text
                         if c.finish_reason is not None:
-                            finish[index] = {"index": index, "finish_reason": c.finish_reason,
-                                             "stop_reason": c.stop_reason}
+                            finish[index] = {
+                                "index": index,
+                                "finish_reason": c.finish_reason,
+                                "stop_reason": c.stop_reason,
+                            }
                             if tools is not None:
                                 content, calls, finish[index]["finish_reason"] = extract(
-                                    tools, texts.get(index, ""), c.finish_reason)
+                                    tools, texts.get(index, ""), c.finish_reason
+                                )
                                 finish[index].update(content=content, tool_calls=calls)
-            await self.send({"type": "done", "id": gen_id, "choices": [finish[k] for k in sorted(finish)],
-                             "usage": tally.usage()})
+            await self.send(
+                {
+                    "type": "done",
+                    "id": gen_id,
+                    "choices": [finish[k] for k in sorted(finish)],
+                    "usage": tally.usage(),
+                }
+            )
         except AioEngineError as e:
             await self._try(self.send_error(gen_id, api_error(e)))
         except ConnectionResetError:
@@ -182,8 +214,12 @@ class _Session:
     async def cancel(self, gen_id: str | None) -> None:
         entry = self.active.get(gen_id) if gen_id is not None else None
         if entry is None:
-            raise APIError(404, f"No running generation with id {gen_id!r} on this socket.", "id",
-                           code="generation_not_found")
+            raise APIError(
+                404,
+                f"No running generation with id {gen_id!r} on this socket.",
+                "id",
+                code="generation_not_found",
+            )
         for h in entry[1]:  # the stream then ends with finish_reason "abort" and a "done" message
             await self.engine.abort(h.request_id)
 

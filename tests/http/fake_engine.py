@@ -71,6 +71,7 @@ class FakeHandle:
                 if out.finished:
                     return out
             raise AssertionError("the stream ended without a finished output")
+
         return final().__await__()
 
 
@@ -95,22 +96,36 @@ class FakeEngine:
         return self.dead_error is None and not self.shut_down
 
     def stats(self) -> EngineStats:
-        return EngineStats(num_running=len(self.live), num_waiting=0, kv_cache_usage=0.0,
-                           num_unfinished=len(self.live))
+        return EngineStats(
+            num_running=len(self.live), num_waiting=0, kv_cache_usage=0.0, num_unfinished=len(self.live)
+        )
 
-    def generate(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
-                 request_id: str | None = None, priority: int = 0, cache_salt: str | None = None, *,
-                 grammar: PrecompiledGrammar | None = None) -> RequestHandle:
+    def generate(
+        self,
+        prompt: str | list[int],
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        *,
+        grammar: PrecompiledGrammar | None = None,
+    ) -> RequestHandle:
         if self.dead_error is not None:
             raise self.dead_error
         rid = request_id if request_id is not None else f"fake-{len(self.live)}"
         h = self.live[rid] = FakeHandle(self, rid)
         return h
 
-    def chat(self, messages: list[dict[str, Any]], sampling_params: SamplingParams | None = None,
-             request_id: str | None = None, priority: int = 0,
-             chat_template_kwargs: dict[str, Any] | None = None, *,
-             grammar: PrecompiledGrammar | None = None) -> RequestHandle:
+    def chat(
+        self,
+        messages: list[dict[str, Any]],
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        *,
+        grammar: PrecompiledGrammar | None = None,
+    ) -> RequestHandle:
         return self.generate("", sampling_params, request_id, priority)
 
     async def precompile(self, params: SamplingParams) -> PrecompiledGrammar | None:
@@ -119,7 +134,9 @@ class FakeEngine:
     async def abort(self, request_id: str) -> bool:
         h = self.live.pop(request_id, None)
         if h is not None:
-            h.queue.put_nowait(RequestOutput(request_id, "p", [1, 2], [CompletionOutput(0, "", [], "abort")], True))
+            h.queue.put_nowait(
+                RequestOutput(request_id, "p", [1, 2], [CompletionOutput(0, "", [], "abort")], True)
+            )
         return h is not None
 
     def die(self) -> None:
