@@ -103,8 +103,9 @@ class GenerateHandle:
                 ids[c.index].extend(c.token_ids)
                 if c.finish_reason is not None:
                     reasons[c.index] = (c.finish_reason, c.stop_reason)
-                if c.logprobs and logprobs[c.index] is not None:
-                    logprobs[c.index].extend(c.logprobs)
+                kept = logprobs[c.index]
+                if c.logprobs and kept is not None:
+                    kept.extend(c.logprobs)
         assert last is not None
         outputs = [CompletionOutput(i, texts[i], ids[i], *reasons[i], logprobs[i]) for i in range(s.params.n)]
         return RequestOutput(

@@ -2,6 +2,7 @@
 # Alternate two commits on this machine: offline throughput, batch-1 latency and 16-client serving, N rounds
 # each, then print every figure and the medians. Each commit runs from its own git worktree.
 # usage: scripts/ab_bench.sh BEFORE_REF AFTER_REF [ROUNDS=3] [RESULTS_DIR=ab-results]
+# AB_PROMPTS / AB_OUTPUT_LEN (default 64 / 128, the issue's workload) shrink the workload on a slow machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 before=$1 after=$2 rounds=${3:-3} out=${4:-ab-results}
@@ -14,16 +15,17 @@ for side in before after; do
     git worktree add --detach -q "$trees/$side" "$ref"
 done
 port=8123
+prompts=${AB_PROMPTS:-64} outlen=${AB_OUTPUT_LEN:-128}
 
 run_side() {  # $1 side, $2 round: three benches, JSON under $out
     local side=$1 round=$2 tree="$trees/$1"
     local tag="$out/$side-$round"
     (cd "$tree" && PYTHONPATH="$tree" python -c "import aioengine; assert aioengine.__file__.startswith('$tree')")
-    (cd "$tree" && PYTHONPATH="$tree" python -m aioengine.bench throughput --num-prompts 64 --output-len 128 \
+    (cd "$tree" && PYTHONPATH="$tree" python -m aioengine.bench throughput --num-prompts "$prompts" --output-len "$outlen" \
         --no-progress --output-json "$tag-throughput.json" >/dev/null)
     (cd "$tree" && PYTHONPATH="$tree" python -m aioengine.bench latency --batch-size 1 \
-        --output-json "$tag-latency.json" >/dev/null)
-    (cd "$tree" && PYTHONPATH="$tree" python -m aioengine serve --port $port --disable-log-stats \
+        --output-len "$outlen" --output-json "$tag-latency.json" >/dev/null)
+    (cd "$tree" && PYTHONPATH="$tree" exec python -m aioengine serve --port $port --disable-log-stats \
         >"$tag-server.log" 2>&1) &
     local pid=$!
     for _ in $(seq 1 240); do
@@ -31,7 +33,7 @@ run_side() {  # $1 side, $2 round: three benches, JSON under $out
         sleep 0.5
     done
     (cd "$tree" && PYTHONPATH="$tree" python -m aioengine.bench serve --base-url "http://127.0.0.1:$port" \
-        --max-concurrency 16 --num-prompts 64 --output-len 64 --temperature 0 --ignore-eos \
+        --max-concurrency 16 --num-prompts "$prompts" --output-len "$outlen" --temperature 0 --ignore-eos \
         --save-result "$tag-serve.json" >/dev/null)
     kill -INT $pid
     wait $pid || true

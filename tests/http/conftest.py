@@ -46,18 +46,30 @@ class LiveServer:
 
     def call(self, fn: Callable[[], Any]) -> Any:
         """Run a plain function on the loop thread (engine state is only touched there)."""
+
         async def wrapper() -> Any:
             return fn()
+
         return self.run(wrapper(), 10.0)
 
     async def _start(self) -> None:
-        self.engine = AsyncEngine(EngineArgs(model="default", max_model_len=2048, max_num_seqs=MAX_NUM_SEQS,
-                                             num_kv_blocks=512, max_num_batched_tokens=512))
+        self.engine = AsyncEngine(
+            EngineArgs(
+                model="default",
+                max_model_len=2048,
+                max_num_seqs=MAX_NUM_SEQS,
+                num_kv_blocks=512,
+                max_num_batched_tokens=512,
+            )
+        )
         await self.engine.start()
-        apps = {"main": build_app(self.engine), "keyed": build_app(self.engine, api_key=API_KEY),
-                "limited": build_app(self.engine, max_num_queued_reqs=QUEUE_LIMIT),
-                "logged": build_app(self.engine, log_requests=True, served_model_names=["alias", "default"]),
-                "overload": build_app(self.engine, max_num_queued_reqs=OVERLOAD_QUEUE_LIMIT)}
+        apps = {
+            "main": build_app(self.engine),
+            "keyed": build_app(self.engine, api_key=API_KEY),
+            "limited": build_app(self.engine, max_num_queued_reqs=QUEUE_LIMIT),
+            "logged": build_app(self.engine, log_requests=True, served_model_names=["alias", "default"]),
+            "overload": build_app(self.engine, max_num_queued_reqs=OVERLOAD_QUEUE_LIMIT),
+        }
         for name, app in apps.items():
             access_log = logging.getLogger("aiohttp.access") if name in ACCESS_LOGGED else None
             runner = await start_server(app, "127.0.0.1", 0, shutdown_timeout=1.0, access_log=access_log)
@@ -87,15 +99,21 @@ class LiveServer:
     def engine_state(self) -> dict:
         e = self.engine
         snap = self.call(e.stats)
-        return {"running": snap.num_running, "waiting": snap.num_waiting, "kv_usage": snap.kv_cache_usage,
-                "unfinished": snap.num_unfinished}
+        return {
+            "running": snap.num_running,
+            "waiting": snap.num_waiting,
+            "kv_usage": snap.kv_cache_usage,
+            "unfinished": snap.num_unfinished,
+        }
 
     def steps(self) -> int:
         """How many steps the engine has finished so far (its own counter)."""
         e = self.engine
         return int(self.call(lambda: e.host_s["steps"]))
 
-    def wait_idle(self, max_steps: int = IDLE_STEPS, since: int | None = None, timeout: float = HANG_S) -> dict:
+    def wait_idle(
+        self, max_steps: int = IDLE_STEPS, since: int | None = None, timeout: float = HANG_S
+    ) -> dict:
         """Poll until no request is left and no KV block is used; returns the last state seen.
 
         Gives up, returning a busy state, once the engine has finished more than `max_steps` steps since
@@ -130,13 +148,22 @@ class Http:
         self.host, port = base_url.removeprefix("http://").split(":")
         self.port = int(port)
 
-    def request(self, method: str, path: str, body: bytes | None = None, json: Any = None,
-                headers: dict[str, str] | None = None, timeout: float = 60.0) -> Resp:
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: bytes | None = None,
+        json: Any = None,
+        headers: dict[str, str] | None = None,
+        timeout: float = 60.0,
+    ) -> Resp:
         if json is not None:
             body = orjson.dumps(json)
         conn = httplib.HTTPConnection(self.host, self.port, timeout=timeout)
         try:
-            conn.request(method, path, body=body, headers={"Content-Type": "application/json", **(headers or {})})
+            conn.request(
+                method, path, body=body, headers={"Content-Type": "application/json", **(headers or {})}
+            )
             r = conn.getresponse()
             return Resp(r.status, {k.lower(): v for k, v in r.getheaders()}, r.read())
         finally:

@@ -20,19 +20,47 @@ from dataclasses import dataclass, field
 import aiohttp
 import orjson
 
-PROMPTS = ["Tell me about the sea.", "Write a haiku about rain.", "What is 2 + 2?", "Name three colours.",
-           "Describe a red fox.", "Why is the sky blue?", "Give me a recipe for bread.", "Say hello."]
-SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
-          "additionalProperties": False}
+PROMPTS = [
+    "Tell me about the sea.",
+    "Write a haiku about rain.",
+    "What is 2 + 2?",
+    "Name three colours.",
+    "Describe a red fox.",
+    "Why is the sky blue?",
+    "Give me a recipe for bread.",
+    "Say hello.",
+]
+SCHEMA = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}},
+    "required": ["ok"],
+    "additionalProperties": False,
+}
 CHOICES = ["yes", "no", "maybe"]
 BAD = [  # (body, status): a request that must be refused
-    ({"messages": []}, 400), ({"prompt": ""}, 400), ({"prompt": "Hi", "max_tokens": -1}, 400),
-    ({"prompt": "Hi", "n": 0}, 400), ({"prompt": "Hi", "foo": 1}, 400), ({"prompt": "Hi", "model": "nope"}, 404),
-    ({"messages": [{"role": "user", "content": "Hi"}], "temperature": "hot"}, 400), (b'{"prompt": ', 400),
-    ({"prompt": "Hi", "max_tokens": 100000}, 400), ({"prompt": "Hi", "stop": ["x"] * 1000}, 400),
+    ({"messages": []}, 400),
+    ({"prompt": ""}, 400),
+    ({"prompt": "Hi", "max_tokens": -1}, 400),
+    ({"prompt": "Hi", "n": 0}, 400),
+    ({"prompt": "Hi", "foo": 1}, 400),
+    ({"prompt": "Hi", "model": "nope"}, 404),
+    ({"messages": [{"role": "user", "content": "Hi"}], "temperature": "hot"}, 400),
+    (b'{"prompt": ', 400),
+    ({"prompt": "Hi", "max_tokens": 100000}, 400),
+    ({"prompt": "Hi", "stop": ["x"] * 1000}, 400),
 ]
-WEIGHTS = {"chat": 3, "completion": 3, "chat-stream": 3, "completion-stream": 2, "n>1": 1, "json-schema": 1,
-           "choice": 1, "ws": 2, "abort": 2, "bad": 2}
+WEIGHTS = {
+    "chat": 3,
+    "completion": 3,
+    "chat-stream": 3,
+    "completion-stream": 2,
+    "n>1": 1,
+    "json-schema": 1,
+    "choice": 1,
+    "ws": 2,
+    "abort": 2,
+    "bad": 2,
+}
 
 
 class Wrong(Exception):
@@ -58,12 +86,14 @@ class SoakReport:
     def summary(self) -> str:
         total = sum(self.requests.values())
         kinds = ", ".join(f"{k} {n}" for k, n in sorted(self.requests.items()))
-        return (f"{total} requests in {self.duration_s:.0f} s ({total / max(self.duration_s, 1e-9):.1f}/s): "
-                f"{kinds}; errors {dict(self.errors) or 0}; latency p50 {self.percentile(0.5) * 1000:.0f} ms, "
-                f"p99 {self.percentile(0.99) * 1000:.0f} ms")
+        return (
+            f"{total} requests in {self.duration_s:.0f} s ({total / max(self.duration_s, 1e-9):.1f}/s): "
+            f"{kinds}; errors {dict(self.errors) or 0}; latency p50 {self.percentile(0.5) * 1000:.0f} ms, "
+            f"p99 {self.percentile(0.99) * 1000:.0f} ms"
+        )
 
 
-# ---- one request of each kind: returns normally when the answer is right, raises Wrong otherwise ---------------
+# ---- one request of each kind: returns normally when the answer is right, raises Wrong otherwise ---
 async def _json(r: aiohttp.ClientResponse, status: int = 200) -> dict:
     if r.status != status:
         raise Wrong(f"status {r.status}", r.status)
@@ -85,8 +115,9 @@ def _check_usage(usage: dict | None, max_tokens: int, n: int = 1) -> None:
         raise Wrong("bad usage")
 
 
-async def _generate(s: aiohttp.ClientSession, url: str, rng: random.Random, chat: bool, n: int = 1,
-                    extra: dict | None = None) -> list[str]:
+async def _generate(
+    s: aiohttp.ClientSession, url: str, rng: random.Random, chat: bool, n: int = 1, extra: dict | None = None
+) -> list[str]:
     max_tokens = rng.randint(4, 16)
     body = {"max_tokens": max_tokens, "temperature": 0 if n == 1 else 0.8, "n": n, **(extra or {})}
     prompt = rng.choice(PROMPTS)
@@ -102,10 +133,17 @@ async def _generate(s: aiohttp.ClientSession, url: str, rng: random.Random, chat
     return [_check_choice(c, max_tokens, "message" if chat else "text") for c in data["choices"]]
 
 
-async def _stream(s: aiohttp.ClientSession, url: str, rng: random.Random, chat: bool, hang_up: bool = False) -> None:
+async def _stream(
+    s: aiohttp.ClientSession, url: str, rng: random.Random, chat: bool, hang_up: bool = False
+) -> None:
     max_tokens = 200 if hang_up else rng.randint(4, 16)
-    body = {"max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True},
-            "temperature": 0.7, **({"ignore_eos": True} if hang_up else {})}
+    body = {
+        "max_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "temperature": 0.7,
+        **({"ignore_eos": True} if hang_up else {}),
+    }
     prompt = rng.choice(PROMPTS)
     body.update({"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt})
     finish, usage, done = None, None, False
@@ -135,8 +173,11 @@ async def _stream(s: aiohttp.ClientSession, url: str, rng: random.Random, chat: 
 
 
 async def _structured(s: aiohttp.ClientSession, url: str, rng: random.Random, schema: bool) -> None:
-    extra = ({"response_format": {"type": "json_schema", "json_schema": {"name": "ok", "schema": SCHEMA}}}
-             if schema else {"structured_outputs": {"choice": CHOICES}})
+    extra = (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "ok", "schema": SCHEMA}}}
+        if schema
+        else {"structured_outputs": {"choice": CHOICES}}
+    )
     text = (await _generate(s, url, rng, chat=True, extra=extra))[0]
     if schema:
         with contextlib.suppress(orjson.JSONDecodeError):  # cut short by max_tokens: not checkable
@@ -150,8 +191,11 @@ async def _structured(s: aiohttp.ClientSession, url: str, rng: random.Random, sc
 async def _websocket(s: aiohttp.ClientSession, url: str, rng: random.Random) -> None:
     cancel = rng.random() < 0.3
     max_tokens = 200 if cancel else rng.randint(4, 16)
-    body = {"messages": [{"role": "user", "content": rng.choice(PROMPTS)}], "max_tokens": max_tokens,
-            **({"ignore_eos": True} if cancel else {})}
+    body = {
+        "messages": [{"role": "user", "content": rng.choice(PROMPTS)}],
+        "max_tokens": max_tokens,
+        **({"ignore_eos": True} if cancel else {}),
+    }
     async with s.ws_connect(url + "/v1/ws") as ws:
         await ws.send_json({"type": "chat", "id": "g", "body": body})
         while True:
@@ -194,8 +238,9 @@ def _runners(s: aiohttp.ClientSession, url: str, rng: random.Random) -> dict[str
     }
 
 
-async def soak(url: str, duration_s: float, concurrency: int = 8, seed: int = 0,
-               request_timeout_s: float = 120.0) -> SoakReport:
+async def soak(
+    url: str, duration_s: float, concurrency: int = 8, seed: int = 0, request_timeout_s: float = 120.0
+) -> SoakReport:
     """Run the mix for `duration_s` seconds with `concurrency` clients; requests in flight then finish."""
     report = SoakReport()
     deadline = time.monotonic() + duration_s

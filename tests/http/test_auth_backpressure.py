@@ -20,10 +20,26 @@ def keyed(server):
     return Http(server.url("keyed"))
 
 
-@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY},
-                                     {"Authorization": f"Basic {API_KEY}"}, {"Authorization": "Bearer "}])
-@pytest.mark.parametrize("route", [("GET", "/v1/models"), ("POST", "/v1/chat/completions"),
-                                   ("POST", "/v1/completions"), ("POST", "/tokenize"), ("GET", "/v1/nope")])
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {},
+        {"Authorization": "Bearer wrong"},
+        {"Authorization": API_KEY},
+        {"Authorization": f"Basic {API_KEY}"},
+        {"Authorization": "Bearer "},
+    ],
+)
+@pytest.mark.parametrize(
+    "route",
+    [
+        ("GET", "/v1/models"),
+        ("POST", "/v1/chat/completions"),
+        ("POST", "/v1/completions"),
+        ("POST", "/tokenize"),
+        ("GET", "/v1/nope"),
+    ],
+)
 def test_missing_or_wrong_key_is_401(keyed, headers, route):
     r = keyed.request(*route, body=b"{}", headers=headers)
     assert r.status == 401
@@ -62,23 +78,35 @@ def test_websocket_needs_the_key(server):
 def test_queue_full_is_503_with_retry_after_without_touching_the_engine(server):
     limited = Http(server.url("limited"))
     n_streams = MAX_NUM_SEQS + QUEUE_LIMIT
-    body = {"messages": [{"role": "user", "content": "Write a long poem."}], "max_tokens": 1000,
-            "ignore_eos": True, "stream": True}
+    body = {
+        "messages": [{"role": "user", "content": "Write a long poem."}],
+        "max_tokens": 1000,
+        "ignore_eos": True,
+        "stream": True,
+    }
 
     async def main():
         async with aiohttp.ClientSession() as s:
-            resps = await asyncio.gather(*(s.post(server.url() + "/v1/chat/completions", json=body)
-                                           for _ in range(n_streams)))
+            resps = await asyncio.gather(
+                *(s.post(server.url() + "/v1/chat/completions", json=body) for _ in range(n_streams))
+            )
             try:
                 deadline = time.monotonic() + HANG_S
-                while (state := server.engine_state())["running"] < MAX_NUM_SEQS and time.monotonic() < deadline:
+                while (state := server.engine_state())[
+                    "running"
+                ] < MAX_NUM_SEQS and time.monotonic() < deadline:
                     await asyncio.sleep(0.02)  # admission takes a step or two (token budget)
                 assert (state["running"], state["waiting"]) == (MAX_NUM_SEQS, QUEUE_LIMIT)
                 # Refusals and /health calls in turn, under the same load (the engine decoding 16 streams).
                 refused: list = []
-                refusal_s, health_s = await asyncio.to_thread(medians_s, [
-                    lambda: refused.append(limited.post("/v1/chat/completions", json=body)),
-                    lambda: limited.get("/health")], 5)
+                refusal_s, health_s = await asyncio.to_thread(
+                    medians_s,
+                    [
+                        lambda: refused.append(limited.post("/v1/chat/completions", json=body)),
+                        lambda: limited.get("/health"),
+                    ],
+                    5,
+                )
                 ws_err = None
                 async with s.ws_connect(server.url("limited") + "/v1/ws") as ws:
                     await ws.send_json({"type": "chat", "id": "q", "body": body})
@@ -92,7 +120,10 @@ def test_queue_full_is_503_with_retry_after_without_touching_the_engine(server):
     refused, refusal_s, health_s, ws_err, unfinished = asyncio.run(main())
     for r in refused:
         assert r.status == 503 and r.headers["retry-after"] == "1"
-        assert r.json()["error"]["code"] == "queue_full" and r.json()["error"]["type"] == "ServiceUnavailableError"
+        assert (
+            r.json()["error"]["code"] == "queue_full"
+            and r.json()["error"]["type"] == "ServiceUnavailableError"
+        )
     # As quick as the cheapest answer: a refusal that waited for the engine (a step) would take far longer.
     assert refusal_s < REFUSAL_PER_HEALTH * health_s, (refusal_s, health_s)
     assert ws_err["type"] == "error" and ws_err["error"]["status"] == 503

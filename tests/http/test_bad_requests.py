@@ -1,4 +1,4 @@
-"""Bad input never gets a 500: each bad request gets its status and OpenAI error JSON, then a good one works."""
+"""Bad input never gets a 500: each gets its status and OpenAI error JSON, then a good request works."""
 
 from __future__ import annotations
 
@@ -28,14 +28,46 @@ CASES = [
     ("messages-empty", "POST", CHAT, chat(messages=[]), 400, "messages"),
     ("message-not-object", "POST", CHAT, chat(messages=[1]), 400, "messages[0]"),
     ("message-no-role", "POST", CHAT, chat(messages=[{"content": "x"}]), 400, "messages[0].role"),
-    ("message-bad-role", "POST", CHAT, chat(messages=[{"role": "wizard", "content": "x"}]), 400, "messages[0].role"),
-    ("message-content-int", "POST", CHAT, chat(messages=[{"role": "user", "content": 5}]), 400, "messages[0].content"),
-    ("message-content-null", "POST", CHAT, chat(messages=[{"role": "user", "content": None}]), 400,
-     "messages[0].content"),
-    ("message-image-part", "POST", CHAT, chat(messages=[{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "x"}}]}]), 400, "messages[0].content[0]"),
-    ("message-unknown-field", "POST", CHAT, chat(messages=[{"role": "user", "content": "x", "mood": 1}]), 400,
-     "messages[0].mood"),
+    (
+        "message-bad-role",
+        "POST",
+        CHAT,
+        chat(messages=[{"role": "wizard", "content": "x"}]),
+        400,
+        "messages[0].role",
+    ),
+    (
+        "message-content-int",
+        "POST",
+        CHAT,
+        chat(messages=[{"role": "user", "content": 5}]),
+        400,
+        "messages[0].content",
+    ),
+    (
+        "message-content-null",
+        "POST",
+        CHAT,
+        chat(messages=[{"role": "user", "content": None}]),
+        400,
+        "messages[0].content",
+    ),
+    (
+        "message-image-part",
+        "POST",
+        CHAT,
+        chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+        400,
+        "messages[0].content[0]",
+    ),
+    (
+        "message-unknown-field",
+        "POST",
+        CHAT,
+        chat(messages=[{"role": "user", "content": "x", "mood": 1}]),
+        400,
+        "messages[0].mood",
+    ),
     ("unknown-model", "POST", CHAT, chat(model="gpt-5"), 404, "model"),
     ("unknown-model-completions", "POST", COMP, comp(model="gpt-5"), 404, "model"),
     ("max-tokens-string", "POST", CHAT, chat(max_tokens="x"), 400, "max_tokens"),
@@ -66,25 +98,78 @@ CASES = [
     ("top-logprobs-without-logprobs", "POST", CHAT, chat(top_logprobs=3), 400, "top_logprobs"),
     ("top-logprobs-out-of-range", "POST", CHAT, chat(top_logprobs=50), 400, "top_logprobs"),
     ("stream-string", "POST", CHAT, chat(stream="yes"), 400, "stream"),
-    ("stream-options-without-stream", "POST", CHAT, chat(stream_options={"include_usage": True}), 400,
-     "stream_options"),
-    ("stream-options-unknown", "POST", CHAT, chat(stream=True, stream_options={"foo": True}), 400,
-     "stream_options.foo"),
+    (
+        "stream-options-without-stream",
+        "POST",
+        CHAT,
+        chat(stream_options={"include_usage": True}),
+        400,
+        "stream_options",
+    ),
+    (
+        "stream-options-unknown",
+        "POST",
+        CHAT,
+        chat(stream=True, stream_options={"foo": True}),
+        400,
+        "stream_options.foo",
+    ),
     ("tools-not-functions", "POST", CHAT, chat(tools=[{"type": "code_interpreter"}]), 400, "tools[0]"),
-    ("tool-choice-bad", "POST", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}],
-                                           tool_choice="always"), 400, "tool_choice"),
-    ("function-call-message", "POST", CHAT, chat(messages=[{"role": "assistant", "content": None, "function_call": {
-        "name": "f", "arguments": "{}"}}]), 400, "messages[0].function_call"),
+    (
+        "tool-choice-bad",
+        "POST",
+        CHAT,
+        chat(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="always"),
+        400,
+        "tool_choice",
+    ),
+    (
+        "function-call-message",
+        "POST",
+        CHAT,
+        chat(
+            messages=[
+                {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}}
+            ]
+        ),
+        400,
+        "messages[0].function_call",
+    ),
     ("metadata-not-strings", "POST", CHAT, chat(metadata={"a": 1}), 400, "metadata"),
     ("reasoning-effort-bad", "POST", CHAT, chat(reasoning_effort="extreme"), 400, "reasoning_effort"),
     ("response-format-xml", "POST", CHAT, chat(response_format={"type": "xml"}), 400, "response_format.type"),
-    ("response-format-no-schema", "POST", CHAT, chat(response_format={"type": "json_schema", "json_schema": {}}),
-     400, "response_format.json_schema"),
-    ("structured-two-kinds", "POST", COMP, comp(structured_outputs={"regex": "a+", "choice": ["b"]}), 400,
-     "structured_outputs"),
-    ("structured-unknown-key", "POST", COMP, comp(structured_outputs={"foo": 1}), 400, "structured_outputs.foo"),
-    ("structured-bad-schema", "POST", COMP, comp(structured_outputs={"json": "{not json"}), 400,
-     "structured_outputs"),
+    (
+        "response-format-no-schema",
+        "POST",
+        CHAT,
+        chat(response_format={"type": "json_schema", "json_schema": {}}),
+        400,
+        "response_format.json_schema",
+    ),
+    (
+        "structured-two-kinds",
+        "POST",
+        COMP,
+        comp(structured_outputs={"regex": "a+", "choice": ["b"]}),
+        400,
+        "structured_outputs",
+    ),
+    (
+        "structured-unknown-key",
+        "POST",
+        COMP,
+        comp(structured_outputs={"foo": 1}),
+        400,
+        "structured_outputs.foo",
+    ),
+    (
+        "structured-bad-schema",
+        "POST",
+        COMP,
+        comp(structured_outputs={"json": "{not json"}),
+        400,
+        "structured_outputs",
+    ),
     ("logit-bias-bad-key", "POST", CHAT, chat(logit_bias={"abc": 1}), 400, "logit_bias"),
     ("logit-bias-out-of-vocab", "POST", CHAT, chat(logit_bias={"99999999": 1}), 400, "logit_bias"),
     ("bad-words-int", "POST", COMP, comp(bad_words=5), 400, "bad_words"),
@@ -111,15 +196,21 @@ CASES = [
     ("detokenize-strings", "POST", "/detokenize", {"tokens": ["a"]}, 400, "tokens"),
     ("detokenize-out-of-vocab", "POST", "/detokenize", {"tokens": [-1]}, 400, "tokens"),
 ]
-TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError",
-         413: "RequestEntityTooLargeError"}
+TYPES = {
+    400: "BadRequestError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    413: "RequestEntityTooLargeError",
+}
 
 
 def test_at_least_30_cases():
     assert len(CASES) >= 30 and len({c[0] for c in CASES}) == len(CASES)
 
 
-@pytest.mark.parametrize(("name", "method", "path", "body", "status", "param"), CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize(
+    ("name", "method", "path", "body", "status", "param"), CASES, ids=[c[0] for c in CASES]
+)
 def test_bad_request(http, name, method, path, body, status, param):
     content = body if isinstance(body, bytes) or body is None else orjson.dumps(body)
     r = http.request(method, path, body=content)
@@ -141,7 +232,9 @@ def test_context_length_message_has_counts(http):
 
 def test_good_request_after_bad_ones(http, server):
     for _name, method, path, body, *_ in CASES[:10]:
-        http.request(method, path, body=body if isinstance(body, bytes) or body is None else orjson.dumps(body))
+        http.request(
+            method, path, body=body if isinstance(body, bytes) or body is None else orjson.dumps(body)
+        )
     r = http.post(CHAT, json=chat(temperature=0))
     assert r.status == 200, r.body
     assert r.json()["choices"][0]["message"]["content"]

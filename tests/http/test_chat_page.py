@@ -8,10 +8,18 @@ import shutil
 import pytest
 
 CHROMIUM = os.environ.get("AIOENGINE_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-        "--disable-component-update", "--no-first-run"]
+ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--no-first-run",
+]
 
-sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install playwright)")
+sync_api = pytest.importorskip(
+    "playwright.sync_api", reason="playwright is not installed (pip install playwright)"
+)
 if not os.path.exists(CHROMIUM):
     pytest.skip("chromium is not installed (apt-get install chromium)", allow_module_level=True)
 
@@ -38,7 +46,8 @@ def test_question_streams_an_answer(page, server):
         new MutationObserver(() => {
             const el = document.querySelector('.msg.assistant');
             if (el) window.__seen.push(el.firstChild ? el.firstChild.textContent : '');
-        }).observe(document.getElementById('messages'), {subtree: true, childList: true, characterData: true});
+        }).observe(document.getElementById('messages'),
+                   {subtree: true, childList: true, characterData: true});
     }""")
     page.keyboard.press("Enter")
     reply = page.locator(".msg.assistant").last
@@ -60,8 +69,10 @@ def test_stop_button_cancels(page, server):
     page.fill("#prompt", "Write a very long story about dragons.")
     page.click("#send")
     reply = page.locator(".msg.assistant").last
-    page.wait_for_function("() => Number(document.querySelector('.msg.assistant:last-of-type').dataset.deltas) > 2",
-                           timeout=30_000)
+    page.wait_for_function(
+        "() => Number(document.querySelector('.msg.assistant:last-of-type').dataset.deltas) > 2",
+        timeout=30_000,
+    )
     page.click("#stop")
     page.wait_for_selector('.msg.assistant:last-of-type[data-state="done"]', timeout=10_000)
     assert "abort" in reply.locator(".meta").inner_text()

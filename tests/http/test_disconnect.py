@@ -19,14 +19,21 @@ N_CLIENTS = 20
 
 
 def _body(i: int, stream: bool) -> dict:
-    return {"model": "default", "messages": [{"role": "user", "content": f"Count to a thousand, #{i}."}],
-            "max_tokens": 1000, "ignore_eos": True, "temperature": 0.8, "stream": stream}
+    return {
+        "model": "default",
+        "messages": [{"role": "user", "content": f"Count to a thousand, #{i}."}],
+        "max_tokens": 1000,
+        "ignore_eos": True,
+        "temperature": 0.8,
+        "stream": stream,
+    }
 
 
 async def _open_streams(url: str, n: int) -> tuple[aiohttp.ClientSession, list]:
     session = aiohttp.ClientSession()
-    resps = await asyncio.gather(*(session.post(url + "/v1/chat/completions", json=_body(i, True))
-                                   for i in range(n)))
+    resps = await asyncio.gather(
+        *(session.post(url + "/v1/chat/completions", json=_body(i, True)) for i in range(n))
+    )
     for r in resps:
         assert r.status == 200
         first = await r.content.readline()  # the role chunk, sent as soon as the request is accepted
@@ -54,14 +61,17 @@ def test_dropped_streams_free_everything(server):
 
     dropped_at = asyncio.run(main())
     state = server.wait_idle(since=dropped_at)
-    assert state == {"running": 0, "waiting": 0, "kv_usage": 0.0, "unfinished": 0}, \
+    assert state == {"running": 0, "waiting": 0, "kv_usage": 0.0, "unfinished": 0}, (
         f"{server.steps() - dropped_at} steps after the drop: {state}"
+    )
 
 
 def test_dropped_non_streaming_request_is_aborted(server):
     async def main() -> int:
         async with aiohttp.ClientSession() as session:
-            post = asyncio.create_task(session.post(server.url() + "/v1/chat/completions", json=_body(0, False)))
+            post = asyncio.create_task(
+                session.post(server.url() + "/v1/chat/completions", json=_body(0, False))
+            )
             started = server.steps()
             deadline = time.monotonic() + HANG_S
             # Hang up mid-generation: once the engine has run the request for two steps.
@@ -77,5 +87,6 @@ def test_dropped_non_streaming_request_is_aborted(server):
 
     dropped_at = asyncio.run(main())
     state = server.wait_idle(since=dropped_at)
-    assert state == {"running": 0, "waiting": 0, "kv_usage": 0.0, "unfinished": 0}, \
+    assert state == {"running": 0, "waiting": 0, "kv_usage": 0.0, "unfinished": 0}, (
         f"{server.steps() - dropped_at} steps after the drop: {state}"
+    )

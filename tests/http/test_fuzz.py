@@ -18,8 +18,11 @@ from schemathesis.checks import not_a_server_error
 import aioengine
 from aioengine.http.openapi import openapi_spec
 
-OPERATIONS = [(method.upper(), path) for path, ops in openapi_spec(aioengine.__version__)["paths"].items()
-              for method in ops]
+OPERATIONS = [
+    (method.upper(), path)
+    for path, ops in openapi_spec(aioengine.__version__)["paths"].items()
+    for method in ops
+]
 GENERATION = {"/v1/chat/completions", "/v1/completions", "/v1/responses"}
 EXAMPLES = {True: 30, False: 6}  # per mode, for generation routes / the others
 CAPS = {"max_tokens": 4, "max_completion_tokens": 4, "max_output_tokens": 4, "n": 3}
@@ -39,7 +42,11 @@ def cap(body: Any, path: str) -> None:
         value = body.get(key)
         if (type(value) is int or (type(value) is float and value.is_integer())) and value > limit:
             body[key] = limit
-    if path == "/v1/chat/completions" and body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+    if (
+        path == "/v1/chat/completions"
+        and body.get("max_tokens") is None
+        and body.get("max_completion_tokens") is None
+    ):
         body["max_tokens"] = CAPS["max_tokens"]
     if path == "/v1/responses" and body.get("max_output_tokens") is None:
         body["max_output_tokens"] = CAPS["max_output_tokens"]
@@ -55,8 +62,14 @@ def test_no_server_error(server, schema, method, path, mode):
     seen: list[int] = []
 
     @given(case=operation.as_strategy(generation_mode=mode))
-    @settings(max_examples=EXAMPLES[path in GENERATION], derandomize=True, database=None, deadline=None,
-              phases=[Phase.explicit, Phase.generate, Phase.shrink], suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=EXAMPLES[path in GENERATION],
+        derandomize=True,
+        database=None,
+        deadline=None,
+        phases=[Phase.explicit, Phase.generate, Phase.shrink],
+        suppress_health_check=list(HealthCheck),
+    )
     def run(case: schemathesis.Case) -> None:
         cap(case.body, path)
         response = case.call(base_url=base_url, timeout=60)
@@ -71,13 +84,24 @@ def test_no_server_error(server, schema, method, path, mode):
 
 def test_json_integers_may_be_written_as_floats_and_top_k_minus_one_is_off(http):
     """JSON (and the schema) do not tell 4 from 4.0; -1 is the usual "off" for top_k."""
-    r = http.post("/v1/completions", json={"prompt": [1.0, 2.0], "max_tokens": 2.0, "n": 1.0, "top_k": -1,
-                                           "stop_token_ids": [0.0], "logprobs": 1.0})
+    r = http.post(
+        "/v1/completions",
+        json={
+            "prompt": [1.0, 2.0],
+            "max_tokens": 2.0,
+            "n": 1.0,
+            "top_k": -1,
+            "stop_token_ids": [0.0],
+            "logprobs": 1.0,
+        },
+    )
     assert r.status == 200, r.body
     assert r.json()["usage"]["prompt_tokens"] == 2 and 1 <= r.json()["usage"]["completion_tokens"] <= 2
 
 
 def test_a_valid_request_works_after_the_fuzzing(http, server):
-    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
+    r = http.post(
+        "/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+    )
     assert r.status == 200 and r.json()["choices"][0]["finish_reason"] in ("stop", "length")
     assert server.wait_idle()["unfinished"] == 0

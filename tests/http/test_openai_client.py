@@ -20,8 +20,14 @@ def test_chat_paris(client, server):
 
 def test_chat_stream_matches_non_stream_and_reports_usage(client):
     full = client.chat.completions.create(model="default", messages=CHAT, temperature=0, max_tokens=12)
-    stream = client.chat.completions.create(model="default", messages=CHAT, temperature=0, max_tokens=12,
-                                            stream=True, stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model="default",
+        messages=CHAT,
+        temperature=0,
+        max_tokens=12,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -40,16 +46,24 @@ def test_chat_length_and_max_completion_tokens(client):
 
 
 def test_chat_n2(client):
-    r = client.chat.completions.create(model="default", messages=CHAT, temperature=0.8, n=2, max_tokens=8,
-                                       seed=1)
+    r = client.chat.completions.create(
+        model="default", messages=CHAT, temperature=0.8, n=2, max_tokens=8, seed=1
+    )
     assert sorted(c.index for c in r.choices) == [0, 1]
     assert all(c.message.content for c in r.choices)
     assert r.usage.completion_tokens == 16 or all(c.finish_reason for c in r.choices)
 
 
 def test_chat_stream_n2(client):
-    stream = client.chat.completions.create(model="default", messages=CHAT, temperature=1.0, n=2, max_tokens=6,
-                                            stream=True, stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model="default",
+        messages=CHAT,
+        temperature=1.0,
+        n=2,
+        max_tokens=6,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     texts = {0: "", 1: ""}
     finished = set()
     usage = None
@@ -65,8 +79,9 @@ def test_chat_stream_n2(client):
 
 
 def test_completion(client):
-    r = client.completions.create(model="default", prompt="The capital of France is", temperature=0,
-                                  max_tokens=5)
+    r = client.completions.create(
+        model="default", prompt="The capital of France is", temperature=0, max_tokens=5
+    )
     assert r.object == "text_completion" and r.id.startswith("cmpl-")
     assert r.choices[0].text and r.choices[0].finish_reason in ("stop", "length")
     assert r.usage.prompt_tokens == 5 and r.usage.completion_tokens <= 5
@@ -74,21 +89,31 @@ def test_completion(client):
 
 def test_completion_stream_and_echo(client):
     full = client.completions.create(model="default", prompt="Once upon a time", temperature=0, max_tokens=8)
-    chunks = list(client.completions.create(model="default", prompt="Once upon a time", temperature=0,
-                                            max_tokens=8, stream=True, echo=True,
-                                            stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model="default",
+            prompt="Once upon a time",
+            temperature=0,
+            max_tokens=8,
+            stream=True,
+            echo=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == "Once upon a time" + full.choices[0].text
     assert chunks[-1].usage.total_tokens == full.usage.total_tokens
 
 
 def test_completion_batch_and_n2(client):
-    r = client.completions.create(model="default", prompt=["Hello", "The sky is"], n=2, temperature=0.7,
-                                  max_tokens=4, seed=3)
+    r = client.completions.create(
+        model="default", prompt=["Hello", "The sky is"], n=2, temperature=0.7, max_tokens=4, seed=3
+    )
     assert sorted(c.index for c in r.choices) == [0, 1, 2, 3]
     assert 4 <= r.usage.completion_tokens <= 16
-    ids = client.completions.create(model="default", prompt=[[504, 3458, 314], [504, 3458]], temperature=0,
-                                    max_tokens=2)
+    ids = client.completions.create(
+        model="default", prompt=[[504, 3458, 314], [504, 3458]], temperature=0, max_tokens=2
+    )
     assert [c.index for c in ids.choices] == [0, 1] and ids.usage.prompt_tokens == 5
 
 
@@ -98,18 +123,23 @@ def test_stop_strings(client):
     assert len(text) > 4
     stop = text.strip()[2:4]  # something the model will say
     assert stop
-    r = client.completions.create(model="default", prompt="1, 2, 3, 4, 5,", temperature=0, max_tokens=12,
-                                  stop=[stop])
+    r = client.completions.create(
+        model="default", prompt="1, 2, 3, 4, 5,", temperature=0, max_tokens=12, stop=[stop]
+    )
     assert r.choices[0].finish_reason == "stop" and r.choices[0].stop_reason == stop
     assert stop not in r.choices[0].text and text.startswith(r.choices[0].text)
-    chunks = list(client.completions.create(model="default", prompt="1, 2, 3, 4, 5,", temperature=0,
-                                            max_tokens=12, stop=stop, stream=True))
+    chunks = list(
+        client.completions.create(
+            model="default", prompt="1, 2, 3, 4, 5,", temperature=0, max_tokens=12, stop=stop, stream=True
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks) == r.choices[0].text
 
 
 def test_chat_stop_string(client):
-    r = client.chat.completions.create(model="default", messages=CHAT, temperature=0, max_tokens=20,
-                                       stop=["Paris"])
+    r = client.chat.completions.create(
+        model="default", messages=CHAT, temperature=0, max_tokens=20, stop=["Paris"]
+    )
     assert r.choices[0].finish_reason == "stop" and "Paris" not in r.choices[0].message.content
 
 
@@ -131,8 +161,9 @@ def test_errors_surface_as_openai_exceptions(client):
 
 
 def test_chat_logprobs(client):
-    r = client.chat.completions.create(model="default", messages=CHAT, temperature=0, max_tokens=5,
-                                       logprobs=True, top_logprobs=3)
+    r = client.chat.completions.create(
+        model="default", messages=CHAT, temperature=0, max_tokens=5, logprobs=True, top_logprobs=3
+    )
     content = r.choices[0].logprobs.content
     assert len(content) == r.usage.completion_tokens
     assert "".join(e.token for e in content) == r.choices[0].message.content
@@ -140,15 +171,21 @@ def test_chat_logprobs(client):
         assert e.logprob <= 0 and len(e.top_logprobs) == 3
         assert e.token == e.top_logprobs[0].token  # greedy: the chosen token is the best one
         assert e.bytes == list(e.token.encode())
-    chunks = list(client.chat.completions.create(model="default", messages=CHAT, temperature=0, max_tokens=5,
-                                                 logprobs=True, stream=True))
-    streamed = [e.token for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    chunks = list(
+        client.chat.completions.create(
+            model="default", messages=CHAT, temperature=0, max_tokens=5, logprobs=True, stream=True
+        )
+    )
+    streamed = [
+        e.token for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content
+    ]
     assert streamed == [e.token for e in content]
 
 
 def test_completion_logprobs(client):
-    r = client.completions.create(model="default", prompt="The capital of France is", temperature=0,
-                                  max_tokens=4, logprobs=2)
+    r = client.completions.create(
+        model="default", prompt="The capital of France is", temperature=0, max_tokens=4, logprobs=2
+    )
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
     assert lp.text_offset[0] == 0 and all(len(t) == 2 for t in lp.top_logprobs)
@@ -160,26 +197,40 @@ def test_penalties_and_logit_bias_are_applied(client, http):
     text = base.choices[0].text  # greedy SmolLM2 repeats itself here ("-party-party-...")
     first = http.post("/tokenize", json={"prompt": text, "add_special_tokens": False}).json()["tokens"][0]
     first_str = http.post("/detokenize", json={"tokens": [first]}).json()["prompt"]
-    banned = client.completions.create(model="default", prompt="Hi", temperature=0, max_tokens=12,
-                                       logit_bias={str(first): -100})
+    banned = client.completions.create(
+        model="default", prompt="Hi", temperature=0, max_tokens=12, logit_bias={str(first): -100}
+    )
     assert not banned.choices[0].text.startswith(first_str)
-    penalized = client.completions.create(model="default", prompt="Hi", temperature=0, max_tokens=12,
-                                          frequency_penalty=2.0)
+    penalized = client.completions.create(
+        model="default", prompt="Hi", temperature=0, max_tokens=12, frequency_penalty=2.0
+    )
     assert penalized.choices[0].text != text
 
 
 def test_structured_output(client):
     import json
 
-    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
-              "additionalProperties": False}
-    r = client.chat.completions.create(model="default", messages=CHAT, temperature=0, max_tokens=40,
-                                       response_format={"type": "json_schema",
-                                                        "json_schema": {"name": "answer", "schema": schema}})
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 12}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    r = client.chat.completions.create(
+        model="default",
+        messages=CHAT,
+        temperature=0,
+        max_tokens=40,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}},
+    )
     assert r.choices[0].finish_reason == "stop"
     assert set(json.loads(r.choices[0].message.content)) == {"city"}
-    r = client.completions.create(model="default", prompt="Is Paris in France? Answer:", max_tokens=5,
-                                  extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    r = client.completions.create(
+        model="default",
+        prompt="Is Paris in France? Answer:",
+        max_tokens=5,
+        extra_body={"structured_outputs": {"choice": ["yes", "no"]}},
+    )
     assert r.choices[0].text in ("yes", "no")
 
 
@@ -199,5 +250,7 @@ def test_completion_echo_with_logprobs_covers_the_prompt(client):
         assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(lp.tokens))]
     chunks = [ch for ch in client.completions.create(stream=True, **kw) if ch.choices]
     assert "".join(ch.choices[0].text for ch in chunks) == c.text
-    assert sum((ch.choices[0].logprobs.token_logprobs for ch in chunks if ch.choices[0].logprobs), []) == \
-        lp.token_logprobs
+    assert (
+        sum((ch.choices[0].logprobs.token_logprobs for ch in chunks if ch.choices[0].logprobs), [])
+        == lp.token_logprobs
+    )

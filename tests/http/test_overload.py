@@ -43,11 +43,15 @@ def rss_mb() -> float:
 def raise_fd_limit(need: int) -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != resource.RLIM_INFINITY and soft < need:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (need if hard == resource.RLIM_INFINITY else min(need, hard), hard))
+        resource.setrlimit(
+            resource.RLIMIT_NOFILE, (need if hard == resource.RLIM_INFINITY else min(need, hard), hard)
+        )
 
 
 def successes(metrics_text: str) -> float:
-    return sum(float(m) for m in re.findall(r"^aioengine:request_success_total\{[^}]*\} (\S+)$", metrics_text, re.M))
+    return sum(
+        float(m) for m in re.findall(r"^aioengine:request_success_total\{[^}]*\} (\S+)$", metrics_text, re.M)
+    )
 
 
 def overload(server, out: Path) -> tuple[list, dict]:
@@ -65,9 +69,21 @@ def overload(server, out: Path) -> tuple[list, dict]:
     watcher = asyncio.run_coroutine_threadsafe(watch_queue(), server.loop)
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run([sys.executable, "-m", "tests.http.loadgen", server.url("overload"), str(N_REQUESTS),
-                               str(MAX_TOKENS), str(out), str(HEALTH_EVERY)], cwd=ROOT, capture_output=True,
-                              timeout=300)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "tests.http.loadgen",
+                server.url("overload"),
+                str(N_REQUESTS),
+                str(MAX_TOKENS),
+                str(out),
+                str(HEALTH_EVERY),
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            timeout=300,
+        )
     finally:
         server.loop.call_soon_threadsafe(stop.set)
         watcher.result(10)
@@ -90,20 +106,26 @@ def test_1000_concurrent_requests_against_a_queue_of_128(server, tmp_path):
     answers, stats = overload(server, tmp_path / "burst.json")
     results = [r for r in answers if r[5] == "/v1/completions"]
     health = sorted(r[1] for r in answers if r[5] == "/health")
-    assert len(health) == N_REQUESTS // HEALTH_EVERY and all(r[0] == 200 for r in answers if r[5] == "/health")
+    assert len(health) == N_REQUESTS // HEALTH_EVERY and all(
+        r[0] == 200 for r in answers if r[5] == "/health"
+    )
     ok = [r for r in results if r[0] == 200]
     refused = [r for r in results if r[0] == 503]
     assert len(ok) + len(refused) == N_REQUESTS, sorted({r[0] for r in results})
     assert OVERLOAD_QUEUE_LIMIT <= len(ok) < N_REQUESTS
     for _, _, _, data, _, _ in ok:
         c = data["choices"][0]
-        assert c["finish_reason"] == "length" and c["text"] and data["usage"]["completion_tokens"] == MAX_TOKENS
+        assert (
+            c["finish_reason"] == "length" and c["text"] and data["usage"]["completion_tokens"] == MAX_TOKENS
+        )
     for _, _, retry_after, data, _, _ in refused:
         assert retry_after == "1" and data["error"]["code"] == "queue_full"
     refusals = sorted(r[1] for r in refused)
     p50, health_p50 = refusals[len(refusals) // 2], health[len(health) // 2]
-    figures = (f"503 p50 {p50 * 1000:.1f} ms, max {refusals[-1] * 1000:.1f} ms; /health in the same burst "
-               f"p50 {health_p50 * 1000:.1f} ms, max {health[-1] * 1000:.1f} ms")
+    figures = (
+        f"503 p50 {p50 * 1000:.1f} ms, max {refusals[-1] * 1000:.1f} ms; /health in the same burst "
+        f"p50 {health_p50 * 1000:.1f} ms, max {health[-1] * 1000:.1f} ms"
+    )
     assert p50 <= REFUSAL_PER_HEALTH * health_p50 and refusals[-1] <= REFUSAL_PER_HEALTH * health[-1], figures
     assert stats["max_waiting"] <= OVERLOAD_QUEUE_LIMIT
     assert stats["rss_growth"] < RSS_GROWTH_MB
@@ -112,5 +134,7 @@ def test_1000_concurrent_requests_against_a_queue_of_128(server, tmp_path):
     assert successes(http.get("/metrics").body.decode()) - before_ok == len(ok)
     r = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": MAX_TOKENS, "temperature": 0})
     assert r.status == 200 and r.json()["usage"]["completion_tokens"] >= 1
-    print(f"\n[overload] {N_REQUESTS} requests in {stats['elapsed']:.1f} s: {len(ok)} served, {len(refused)} "
-          f"refused ({figures}); engine queue max {stats['max_waiting']}; RSS +{stats['rss_growth']:.0f} MB")
+    print(
+        f"\n[overload] {N_REQUESTS} requests in {stats['elapsed']:.1f} s: {len(ok)} served, {len(refused)} "
+        f"refused ({figures}); engine queue max {stats['max_waiting']}; RSS +{stats['rss_growth']:.0f} MB"
+    )

@@ -28,13 +28,22 @@ EMPTY = {"running": 0, "waiting": 0, "kv_usage": 0.0, "unfinished": 0}
 
 
 def chat_body(topic: int, survivor: bool = True) -> dict:
-    return {"messages": [{"role": "user", "content": f"Tell me about {TOPICS[topic]}."}], "temperature": 0,
-            **_lengths(survivor), "logprobs": True, "top_logprobs": TOP}
+    return {
+        "messages": [{"role": "user", "content": f"Tell me about {TOPICS[topic]}."}],
+        "temperature": 0,
+        **_lengths(survivor),
+        "logprobs": True,
+        "top_logprobs": TOP,
+    }
 
 
 def completion_body(topic: int, survivor: bool = True) -> dict:
-    return {"prompt": f"A short story about {TOPICS[topic]}:", "temperature": 0, **_lengths(survivor),
-            "logprobs": TOP}
+    return {
+        "prompt": f"A short story about {TOPICS[topic]}:",
+        "temperature": 0,
+        **_lengths(survivor),
+        "logprobs": TOP,
+    }
 
 
 def _lengths(survivor: bool) -> dict:
@@ -77,7 +86,7 @@ def divergence(got: Output, ref: Output) -> int | None:
     return k
 
 
-# ---- the three transports ------------------------------------------------------------------------------------
+# ---- the three transports -------------------------------------------------------------------------
 @dataclass
 class Plan:
     """What one client does: its transport and prompt, and whether / where it hangs up."""
@@ -99,8 +108,10 @@ class Plan:
 
 def make_plans(rng: random.Random) -> list[Plan]:
     transports = ["chat", "completion", "ws-chat", "ws-completion"]
-    plans = [Plan(i, transports[i % 4] if i % 4 < 2 else transports[2 + (i // 4) % 2], rng.randrange(len(TOPICS)))
-             for i in range(N_CLIENTS)]
+    plans = [
+        Plan(i, transports[i % 4] if i % 4 < 2 else transports[2 + (i // 4) % 2], rng.randrange(len(TOPICS)))
+        for i in range(N_CLIENTS)
+    ]
     for i in rng.sample(range(N_CLIENTS), N_CLIENTS // 2):
         p = plans[i]
         p.drop = rng.choice(["early", "headers", "mid"])
@@ -175,7 +186,9 @@ async def run_client(session: aiohttp.ClientSession, url: str, plan: Plan) -> Ou
 async def reference(session: aiohttp.ClientSession, url: str, kind: str, topic: int) -> Output:
     """The same prompt, non-streaming."""
     path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
-    async with session.post(url + path, json=chat_body(topic) if kind == "chat" else completion_body(topic)) as r:
+    async with session.post(
+        url + path, json=chat_body(topic) if kind == "chat" else completion_body(topic)
+    ) as r:
         assert r.status == 200, await r.text()
         data = await r.json()
     c = data["choices"][0]
@@ -198,10 +211,13 @@ def test_200_clients_half_dropped_survivors_exact_engine_empty(server, caplog):
     async def main() -> tuple[dict, list, float]:
         # No client timeout: how long the storm takes is no claim (a busy machine has taken 146 s, and a
         # survivor may wait its turn in the engine's queue for minutes); pytest's timeout stops a hang.
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                         timeout=aiohttp.ClientTimeout(total=None)) as s:
+        async with aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None)
+        ) as s:
             needed = sorted({(p.kind, p.topic) for p in survivors})
-            refs = dict(zip(needed, await asyncio.gather(*(reference(s, url, *k) for k in needed)), strict=True))
+            refs = dict(
+                zip(needed, await asyncio.gather(*(reference(s, url, *k) for k in needed)), strict=True)
+            )
             assert server.wait_idle() == EMPTY
             t0 = time.perf_counter()
             outs = await asyncio.gather(*(run_client(s, url, p) for p in plans))
@@ -219,11 +235,15 @@ def test_200_clients_half_dropped_survivors_exact_engine_empty(server, caplog):
             continue
         ref = refs[(p.kind, p.topic)]
         assert out.usage is not None and out.usage["prompt_tokens"] == ref.usage["prompt_tokens"], p
-        assert out.finish_reason is not None and len(out.tokens) == out.usage["completion_tokens"] <= MAX_TOKENS
+        assert (
+            out.finish_reason is not None and len(out.tokens) == out.usage["completion_tokens"] <= MAX_TOKENS
+        )
         if divergence(out, ref) is not None:
             diverged.append(p.index)
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert not errors, errors[:3]
     modes = {m: sum(p.drop == m for p in plans) for m in ("early", "headers", "mid")}
-    print(f"\n[disconnects] {N_CLIENTS} clients, {len(survivors)} survivors, dropped {modes}; "
-          f"{len(diverged)} survivors parted at a tie; storm {elapsed:.1f} s; idle {idle_after} steps after")
+    print(
+        f"\n[disconnects] {N_CLIENTS} clients, {len(survivors)} survivors, dropped {modes}; "
+        f"{len(diverged)} survivors parted at a tie; storm {elapsed:.1f} s; idle {idle_after} steps after"
+    )

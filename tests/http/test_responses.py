@@ -12,10 +12,15 @@ QUESTION = "What is the capital of France?"
 
 
 def test_a_response_is_the_chat_completion_of_the_same_messages(client):
-    r = client.responses.create(model="default", input=QUESTION, instructions="Answer briefly.",
-                                max_output_tokens=16, temperature=0)
-    chat = client.chat.completions.create(model="default", temperature=0, max_tokens=16, messages=[
-        {"role": "system", "content": "Answer briefly."}, {"role": "user", "content": QUESTION}])
+    r = client.responses.create(
+        model="default", input=QUESTION, instructions="Answer briefly.", max_output_tokens=16, temperature=0
+    )
+    chat = client.chat.completions.create(
+        model="default",
+        temperature=0,
+        max_tokens=16,
+        messages=[{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": QUESTION}],
+    )
     assert r.object == "response" and r.id.startswith("resp_") and r.model == "default"
     assert r.output_text == chat.choices[0].message.content and r.output_text
     assert r.output[0].type == "message" and r.output[0].role == "assistant"
@@ -26,21 +31,36 @@ def test_a_response_is_the_chat_completion_of_the_same_messages(client):
 
 
 def test_message_items_and_text_parts(client):
-    r = client.responses.create(model="default", temperature=0, max_output_tokens=16, input=[
-        {"role": "user", "content": [{"type": "input_text", "text": QUESTION}]}])
+    r = client.responses.create(
+        model="default",
+        temperature=0,
+        max_output_tokens=16,
+        input=[{"role": "user", "content": [{"type": "input_text", "text": QUESTION}]}],
+    )
     plain = client.responses.create(model="default", temperature=0, max_output_tokens=16, input=QUESTION)
     assert r.output_text == plain.output_text
 
 
 def test_streamed_events_add_up_to_the_response(client):
     whole = client.responses.create(model="default", input=QUESTION, max_output_tokens=16, temperature=0)
-    events = list(client.responses.create(model="default", input=QUESTION, max_output_tokens=16, temperature=0,
-                                          stream=True))
+    events = list(
+        client.responses.create(
+            model="default", input=QUESTION, max_output_tokens=16, temperature=0, stream=True
+        )
+    )
     kinds = [e.type for e in events]
-    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
-                         "response.content_part.added"]
-    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
-                          "response.completed" if whole.status == "completed" else "response.incomplete"]
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed" if whole.status == "completed" else "response.incomplete",
+    ]
     assert [e.sequence_number for e in events] == list(range(len(events)))
     deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
     assert len(deltas) >= 2 and "".join(deltas) == whole.output_text
@@ -55,22 +75,40 @@ def test_truncation_is_incomplete_with_a_reason(client):
 
 
 def test_json_schema_format(client):
-    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
-              "additionalProperties": False}
-    r = client.responses.create(model="default", input=QUESTION, max_output_tokens=40, temperature=0,
-                                text={"format": {"type": "json_schema", "name": "answer", "schema": schema}})
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 12}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    r = client.responses.create(
+        model="default",
+        input=QUESTION,
+        max_output_tokens=40,
+        temperature=0,
+        text={"format": {"type": "json_schema", "name": "answer", "schema": schema}},
+    )
     assert set(json.loads(r.output_text)) == {"city"}
 
 
-@pytest.mark.parametrize("kw, param", [
-    ({"previous_response_id": "resp_1"}, "previous_response_id"),
-    ({"tools": [{"type": "web_search"}]}, "tools"),
-    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "o"}]}, "input[0].type"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
-     "input[0].content[0]"),
-    ({"input": []}, "input"),
-    ({"text": {"format": {"type": "xml"}}}, "text.format"),
-])
+@pytest.mark.parametrize(
+    "kw, param",
+    [
+        ({"previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"tools": [{"type": "web_search"}]}, "tools"),
+        ({"input": [{"type": "function_call_output", "call_id": "c", "output": "o"}]}, "input[0].type"),
+        (
+            {
+                "input": [
+                    {"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}
+                ]
+            },
+            "input[0].content[0]",
+        ),
+        ({"input": []}, "input"),
+        ({"text": {"format": {"type": "xml"}}}, "text.format"),
+    ],
+)
 def test_what_it_cannot_do_is_a_400_naming_the_field(client, kw, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model="default", **{"input": "hi", "max_output_tokens": 4, **kw})

@@ -25,8 +25,9 @@ def test_tokenize_detokenize_roundtrip(http):
     assert http.post("/detokenize", json={"tokens": r["tokens"]}).json() == {"prompt": "Hello world"}
     chat = http.post("/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}).json()
     assert chat["count"] > 3 and chat["token_strs"] is None
-    usage = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
-                                                    "max_tokens": 1}).json()["usage"]
+    usage = http.post(
+        "/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+    ).json()["usage"]
     assert usage["prompt_tokens"] == chat["count"]
 
 
@@ -45,14 +46,26 @@ def test_chat_page_is_served(http):
 
 
 def test_request_id_header_is_used_and_echoed(http):
-    r = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1}, headers={"X-Request-Id": "my-id-1"})
+    r = http.post(
+        "/v1/completions", json={"prompt": "Hi", "max_tokens": 1}, headers={"X-Request-Id": "my-id-1"}
+    )
     assert r.status == 200 and r.headers["x-request-id"] == "my-id-1" and r.json()["id"] == "my-id-1"
 
 
 def test_content_parts_and_developer_role(http):
-    r = http.post("/v1/chat/completions", json={"max_tokens": 2, "messages": [
-        {"role": "developer", "content": "Be brief."},
-        {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]}]})
+    r = http.post(
+        "/v1/chat/completions",
+        json={
+            "max_tokens": 2,
+            "messages": [
+                {"role": "developer", "content": "Be brief."},
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}],
+                },
+            ],
+        },
+    )
     assert r.status == 200, r.body
 
 
@@ -61,10 +74,16 @@ def test_log_requests_and_served_model_names(server, caplog):
 
     logged = Http(server.url("logged"))
     with caplog.at_level(logging.INFO, logger="aioengine.http"):
-        r = logged.post("/v1/completions", json={"model": "alias", "prompt": "Hi", "max_tokens": 2},
-                        headers={"X-Request-Id": "logged-1"})
+        r = logged.post(
+            "/v1/completions",
+            json={"model": "alias", "prompt": "Hi", "max_tokens": 2},
+            headers={"X-Request-Id": "logged-1"},
+        )
         assert r.status == 200 and r.json()["model"] == "alias"
-        assert logged.post("/v1/completions", json={"model": "default", "prompt": "Hi", "max_tokens": 1}).status == 200
+        assert (
+            logged.post("/v1/completions", json={"model": "default", "prompt": "Hi", "max_tokens": 1}).status
+            == 200
+        )
         server.wait_idle()
     text = caplog.text
     assert "Received request logged-1" in text and "Finished request logged-1" in text

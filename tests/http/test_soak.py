@@ -24,6 +24,7 @@ EMPTY = {"running": 0, "waiting": 0, "kv_usage": 0.0, "unfinished": 0}
 
 def run_soak(server, duration_s: float, seed: int) -> tuple[SoakReport, float]:
     """The soak against the "main" app, with a loop-lag probe on the server's loop: (report, lag p99)."""
+
     async def start_probe() -> LoopLagProbe:
         return LoopLagProbe().start()
 
@@ -36,9 +37,11 @@ def run_soak(server, duration_s: float, seed: int) -> tuple[SoakReport, float]:
         server.call(clock.stop)
     lag_p99, step_s = probe.percentile(0.99), clock.median_step_s()
     bound = LAG_P99_PER_STEP * step_s
-    print(f"\n[soak {duration_s:.0f} s] {report.summary()}; loop lag p99 {lag_p99 * 1000:.1f} ms, "
-          f"max {max(probe.lags, default=0) * 1000:.0f} ms, {sum(lag > bound for lag in probe.lags)} of "
-          f"{len(probe.lags)} ticks over half a step ({step_s * 1000:.1f} ms, median of {clock.steps})")
+    print(
+        f"\n[soak {duration_s:.0f} s] {report.summary()}; loop lag p99 {lag_p99 * 1000:.1f} ms, "
+        f"max {max(probe.lags, default=0) * 1000:.0f} ms, {sum(lag > bound for lag in probe.lags)} of "
+        f"{len(probe.lags)} ticks over half a step ({step_s * 1000:.1f} ms, median of {clock.steps})"
+    )
     assert report.server_errors == 0, report.errors
     assert not report.errors, report.errors
     assert set(report.requests) == set(report.latencies)  # every kind ran and was answered at least once

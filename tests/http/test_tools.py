@@ -11,13 +11,25 @@ import openai
 import pytest
 
 ASK = [{"role": "user", "content": "What is the weather in Paris? Use the tool."}]
-CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16}}, "required": ["city"],
-        "additionalProperties": False}
-TZ = {"type": "object", "properties": {"tz": {"enum": ["UTC", "CET"]}}, "required": ["tz"],
-      "additionalProperties": False}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
-                                           "parameters": CITY}},
-         {"type": "function", "function": {"name": "get_time", "parameters": TZ}}]
+CITY = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 16}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+TZ = {
+    "type": "object",
+    "properties": {"tz": {"enum": ["UTC", "CET"]}},
+    "required": ["tz"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "Weather in a city", "parameters": CITY},
+    },
+    {"type": "function", "function": {"name": "get_time", "parameters": TZ}},
+]
 SCHEMAS = {"get_weather": CITY, "get_time": TZ}
 FORCED = {"type": "function", "function": {"name": "get_weather"}}
 
@@ -34,33 +46,47 @@ def _check_calls(calls, names=None):
 def _stream(client, **kw):
     """(finish_reason, content, {index: (id, name, arguments)}) from a streamed chat."""
     content, calls, finish = "", {}, None
-    for chunk in client.chat.completions.create(model="default", messages=ASK, tools=TOOLS, stream=True, **kw):
+    for chunk in client.chat.completions.create(
+        model="default", messages=ASK, tools=TOOLS, stream=True, **kw
+    ):
         for ch in chunk.choices:
             content += ch.delta.content or ""
             for tc in ch.delta.tool_calls or []:
                 cid, name, args = calls.get(tc.index, (None, "", ""))
-                calls[tc.index] = (tc.id or cid, name + (tc.function.name or ""), args + (tc.function.arguments or ""))
+                calls[tc.index] = (
+                    tc.id or cid,
+                    name + (tc.function.name or ""),
+                    args + (tc.function.arguments or ""),
+                )
             finish = ch.finish_reason or finish
     return finish, content, calls
 
 
 def test_named_tool_choice_returns_a_valid_call(client):
-    r = client.chat.completions.create(model="default", messages=ASK, tools=TOOLS, tool_choice=FORCED,
-                                       temperature=0, max_tokens=60)
+    r = client.chat.completions.create(
+        model="default", messages=ASK, tools=TOOLS, tool_choice=FORCED, temperature=0, max_tokens=60
+    )
     c = r.choices[0]
     assert c.finish_reason == "stop" and c.message.content is None  # OpenAI's answer to a forced call
     _check_calls(c.message.tool_calls, {"get_weather"})
     finish, content, calls = _stream(client, tool_choice=FORCED, temperature=0, max_tokens=60)
     assert finish == "stop" and content == ""
-    (cid, name, args), = calls.values()
+    ((cid, name, args),) = calls.values()
     assert name == "get_weather" and args == c.message.tool_calls[0].function.arguments
 
 
 @pytest.mark.parametrize("parallel", [None, False])
 def test_required_tool_choice_returns_valid_calls(client, parallel):
     extra = {} if parallel is None else {"parallel_tool_calls": parallel}
-    r = client.chat.completions.create(model="default", messages=ASK, tools=TOOLS, tool_choice="required",
-                                       temperature=0, max_tokens=80, **extra)
+    r = client.chat.completions.create(
+        model="default",
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice="required",
+        temperature=0,
+        max_tokens=80,
+        **extra,
+    )
     c = r.choices[0]
     assert c.finish_reason == "tool_calls" and c.message.content is None
     _check_calls(c.message.tool_calls)
@@ -68,8 +94,9 @@ def test_required_tool_choice_returns_valid_calls(client, parallel):
         assert len(c.message.tool_calls) == 1
     finish, content, calls = _stream(client, tool_choice="required", temperature=0, max_tokens=80, **extra)
     assert finish == "tool_calls" and content == ""
-    assert [(n, a) for _, n, a in calls.values()] == [(t.function.name, t.function.arguments)
-                                                     for t in c.message.tool_calls]
+    assert [(n, a) for _, n, a in calls.values()] == [
+        (t.function.name, t.function.arguments) for t in c.message.tool_calls
+    ]
 
 
 def test_auto_turns_tool_call_blocks_into_calls(client):
@@ -77,8 +104,9 @@ def test_auto_turns_tool_call_blocks_into_calls(client):
     block = '<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n</tool_call>'
     regex = "Checking\\. " + block.replace("{", "\\{").replace("}", "\\}")
     body = {"structured_outputs": {"regex": regex}}
-    r = client.chat.completions.create(model="default", messages=ASK, tools=TOOLS, temperature=0, max_tokens=300,
-                                       extra_body=body)
+    r = client.chat.completions.create(
+        model="default", messages=ASK, tools=TOOLS, temperature=0, max_tokens=300, extra_body=body
+    )
     c = r.choices[0]
     assert c.finish_reason == "tool_calls" and c.message.content == "Checking."
     _check_calls(c.message.tool_calls, {"get_time"})
@@ -89,11 +117,13 @@ def test_auto_turns_tool_call_blocks_into_calls(client):
 
 def test_auto_without_a_call_is_plain_content(client):
     plain = client.chat.completions.create(model="default", messages=ASK, temperature=0, max_tokens=12)
-    r = client.chat.completions.create(model="default", messages=ASK, tools=TOOLS, tool_choice="auto",
-                                       temperature=0, max_tokens=12)
+    r = client.chat.completions.create(
+        model="default", messages=ASK, tools=TOOLS, tool_choice="auto", temperature=0, max_tokens=12
+    )
     assert r.choices[0].message.tool_calls is None and r.choices[0].message.content
-    none = client.chat.completions.create(model="default", messages=ASK, tools=TOOLS, tool_choice="none",
-                                          temperature=0, max_tokens=12)
+    none = client.chat.completions.create(
+        model="default", messages=ASK, tools=TOOLS, tool_choice="none", temperature=0, max_tokens=12
+    )
     assert none.choices[0].message.content == plain.choices[0].message.content  # this template ignores tools
     finish, content, calls = _stream(client, temperature=0, max_tokens=12)
     assert content == r.choices[0].message.content and not calls and finish == r.choices[0].finish_reason
@@ -101,24 +131,57 @@ def test_auto_without_a_call_is_plain_content(client):
 
 def test_tool_results_in_the_history(client):
     history = ASK + [
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
-            "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 C"}]
-    r = client.chat.completions.create(model="default", messages=history, tools=TOOLS, temperature=0,
-                                       max_tokens=10)
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 C"},
+    ]
+    r = client.chat.completions.create(
+        model="default", messages=history, tools=TOOLS, temperature=0, max_tokens=10
+    )
     assert r.choices[0].message.content and r.usage.prompt_tokens > 30
 
 
-@pytest.mark.parametrize("kw, param", [
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name"),
-    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
-        "a": {"type": "string", "pattern": "(unclosed"}}}}}], "tool_choice": "required"}, "tools"),
-    ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages[0].tool_calls"),
-])
+@pytest.mark.parametrize(
+    "kw, param",
+    [
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name"),
+        (
+            {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "tool_choice",
+        ),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "f",
+                            "parameters": {
+                                "type": "object",
+                                "properties": {"a": {"type": "string", "pattern": "(unclosed"}},
+                            },
+                        },
+                    }
+                ],
+                "tool_choice": "required",
+            },
+            "tools",
+        ),
+        ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages[0].tool_calls"),
+    ],
+)
 def test_bad_tool_fields_are_400s(client, kw, param):
     kw = {"messages": ASK, **kw}
     with pytest.raises(openai.BadRequestError) as e:
@@ -133,8 +196,19 @@ def test_websocket_done_message_carries_the_calls(server):
 
     async def main():
         async with aiohttp.ClientSession() as session, session.ws_connect(server.url() + "/v1/ws") as ws:
-            await ws.send_json({"type": "chat", "id": "t", "body": {
-                "messages": ASK, "tools": TOOLS, "tool_choice": "required", "temperature": 0, "max_tokens": 80}})
+            await ws.send_json(
+                {
+                    "type": "chat",
+                    "id": "t",
+                    "body": {
+                        "messages": ASK,
+                        "tools": TOOLS,
+                        "tool_choice": "required",
+                        "temperature": 0,
+                        "max_tokens": 80,
+                    },
+                }
+            )
             texts, end = [], None
             while end is None:
                 msg = await asyncio.wait_for(ws.receive_json(), 60)
@@ -147,5 +221,7 @@ def test_websocket_done_message_carries_the_calls(server):
     text, end = asyncio.run(main())
     choice = end["choices"][0]
     assert end["type"] == "done" and choice["finish_reason"] == "tool_calls" and choice["content"] is None
-    assert [{"name": c["function"]["name"], "parameters": json.loads(c["function"]["arguments"])}
-            for c in choice["tool_calls"]] == json.loads(text)  # the deltas are the raw forced JSON
+    assert [
+        {"name": c["function"]["name"], "parameters": json.loads(c["function"]["arguments"])}
+        for c in choice["tool_calls"]
+    ] == json.loads(text)  # the deltas are the raw forced JSON

@@ -11,25 +11,37 @@ import pytest
 
 from aioengine.http.tools import StreamParser, ToolError, extract, parse_tools, template_tool_calls
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 TIME = {"type": "function", "function": {"name": "get_time", "description": "now"}}
 
 
-@pytest.mark.parametrize("tools, choice, param", [
-    ("x", None, "tools"),
-    ([{"type": "retrieval"}], None, "tools[0]"),
-    ([{"type": "function"}], None, "tools[0].function"),
-    ([{"type": "function", "function": {"name": "has space"}}], None, "tools[0].function.name"),
-    ([{"type": "function", "function": {"name": "f", "parameters": "x"}}], None, "tools[0].function.parameters"),
-    ([{"type": "function", "function": {"name": "f", "colour": 1}}], None, "tools[0].function"),
-    ([WEATHER, WEATHER], None, "tools[1].function.name"),
-    ([WEATHER], "sometimes", "tool_choice"),
-    ([WEATHER], {"type": "function", "function": {"name": "nope"}}, "tool_choice"),
-    ([WEATHER], {"type": "function"}, "tool_choice.function.name"),
-    (None, "required", "tool_choice"),
-    ([], {"type": "function", "function": {"name": "f"}}, "tool_choice"),
-])
+@pytest.mark.parametrize(
+    "tools, choice, param",
+    [
+        ("x", None, "tools"),
+        ([{"type": "retrieval"}], None, "tools[0]"),
+        ([{"type": "function"}], None, "tools[0].function"),
+        ([{"type": "function", "function": {"name": "has space"}}], None, "tools[0].function.name"),
+        (
+            [{"type": "function", "function": {"name": "f", "parameters": "x"}}],
+            None,
+            "tools[0].function.parameters",
+        ),
+        ([{"type": "function", "function": {"name": "f", "colour": 1}}], None, "tools[0].function"),
+        ([WEATHER, WEATHER], None, "tools[1].function.name"),
+        ([WEATHER], "sometimes", "tool_choice"),
+        ([WEATHER], {"type": "function", "function": {"name": "nope"}}, "tool_choice"),
+        ([WEATHER], {"type": "function"}, "tool_choice.function.name"),
+        (None, "required", "tool_choice"),
+        ([], {"type": "function", "function": {"name": "f"}}, "tool_choice"),
+    ],
+)
 def test_bad_tool_fields_name_the_field(tools, choice, param):
     with pytest.raises(ToolError) as e:
         parse_tools(tools, choice, None)
@@ -45,8 +57,10 @@ def test_no_tools_is_no_spec_and_auto_is_the_default():
 
 def test_required_schema_takes_exactly_the_calls_it_should():
     schema = parse_tools([WEATHER, TIME], "required", None).structured_outputs()["json"]
-    jsonschema.validate([{"name": "get_weather", "parameters": {"city": "Oslo"}},
-                         {"name": "get_time", "parameters": {}}], schema)
+    jsonschema.validate(
+        [{"name": "get_weather", "parameters": {"city": "Oslo"}}, {"name": "get_time", "parameters": {}}],
+        schema,
+    )
     for wrong in ([], [{"name": "get_weather", "parameters": {}}], [{"name": "other", "parameters": {}}]):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(wrong, schema)
@@ -65,11 +79,16 @@ def test_named_choice_forces_that_functions_parameters():
 
 def test_required_output_becomes_calls():
     spec = parse_tools([WEATHER, TIME], "required", None)
-    content, calls, reason = extract(spec, '[{"name": "get_time", "parameters": {}}, '
-                                           '{"name": "get_weather", "parameters": {"city": "Oslo"}}]', "stop")
+    content, calls, reason = extract(
+        spec,
+        '[{"name": "get_time", "parameters": {}}, {"name": "get_weather", "parameters": {"city": "Oslo"}}]',
+        "stop",
+    )
     assert content is None and reason == "tool_calls"
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
-        ("get_time", {}), ("get_weather", {"city": "Oslo"})]
+        ("get_time", {}),
+        ("get_weather", {"city": "Oslo"}),
+    ]
     assert len({c["id"] for c in calls}) == 2
     assert extract(spec, '[{"name": "get_ti', "length") == ('[{"name": "get_ti', [], "length")
 
@@ -105,7 +124,8 @@ def test_auto_streamed_in_any_pieces_equals_the_whole(text):
         calls = (last or {}).get("tool_calls", [])
         assert reason == whole_reason
         assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
-            (c["function"]["name"], c["function"]["arguments"]) for c in whole_calls]
+            (c["function"]["name"], c["function"]["arguments"]) for c in whole_calls
+        ]
         assert content.strip() == (whole_content or "").strip()
         if not whole_calls:
             assert content == text  # nothing lost, nothing added
@@ -120,23 +140,40 @@ def test_auto_parses_calls_and_keeps_the_text_before():
 
 
 def test_history_tool_calls_reach_the_template_with_object_arguments():
-    calls = template_tool_calls([{"id": "c1", "type": "function", "function": {
-        "name": "get_weather", "arguments": '{"city": "Oslo"}'}}], "messages[1]")
-    assert calls == [{"id": "c1", "type": "function", "function": {"name": "get_weather",
-                                                                   "arguments": {"city": "Oslo"}}}]
+    calls = template_tool_calls(
+        [
+            {
+                "id": "c1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+            }
+        ],
+        "messages[1]",
+    )
+    assert calls == [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}
+    ]
     with pytest.raises(ToolError):
         template_tool_calls([{"id": "c1"}], "messages[1]")
 
 
-@pytest.mark.parametrize(("text", "calls"), [
-    ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Oslo"}}]', [("get_weather", {"city": "Oslo"})]),
-    ('<|python_tag|>{"name": "get_time", "parameters": {}}', [("get_time", {})]),
-    ('{"name": "get_weather", "parameters": {"city": "Rome"}}; {"name": "get_time", "parameters": {}}',
-     [("get_weather", {"city": "Rome"}), ("get_time", {})]),
-    ('{"name": "unknown_tool", "parameters": {}}', []),
-    ('{"name": "get_time"}', []),  # no arguments: not a call
-    ('{"answer": 42}', []),
-])
+@pytest.mark.parametrize(
+    ("text", "calls"),
+    [
+        (
+            '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Oslo"}}]',
+            [("get_weather", {"city": "Oslo"})],
+        ),
+        ('<|python_tag|>{"name": "get_time", "parameters": {}}', [("get_time", {})]),
+        (
+            '{"name": "get_weather", "parameters": {"city": "Rome"}}; {"name": "get_time", "parameters": {}}',
+            [("get_weather", {"city": "Rome"}), ("get_time", {})],
+        ),
+        ('{"name": "unknown_tool", "parameters": {}}', []),
+        ('{"name": "get_time"}', []),  # no arguments: not a call
+        ('{"answer": 42}', []),
+    ],
+)
 def test_auto_knows_mistral_and_llama3_whole_output_calls(text, calls):
     spec = parse_tools([WEATHER, TIME], "auto", None)
     content, got, reason = extract(spec, text, "stop")

@@ -1,4 +1,4 @@
-"""The websocket protocol (docs/websocket.md): start/delta/done, usage, cancel, several generations, errors."""
+"""The websocket protocol (docs/websocket.md): start/delta/done, usage, cancel, many generations, errors."""
 
 from __future__ import annotations
 
@@ -27,16 +27,20 @@ async def _collect(ws: aiohttp.ClientWebSocketResponse, gen_id: str) -> dict:
 
 def run_ws(server, fn, app: str = "main", query: str = "", headers: dict | None = None):
     async def main():
-        async with aiohttp.ClientSession() as session, session.ws_connect(
-                server.url(app) + "/v1/ws" + query, headers=headers) as ws:
+        async with (
+            aiohttp.ClientSession() as session,
+            session.ws_connect(server.url(app) + "/v1/ws" + query, headers=headers) as ws,
+        ):
             return await fn(ws)
+
     return asyncio.run(main())
 
 
 def test_chat_generation_streams_and_reports_usage(server):
     async def fn(ws):
-        await ws.send_json({"type": "chat", "id": "a", "body": {"messages": CHAT, "temperature": 0,
-                                                                 "max_tokens": 20}})
+        await ws.send_json(
+            {"type": "chat", "id": "a", "body": {"messages": CHAT, "temperature": 0, "max_tokens": 20}}
+        )
         return await _collect(ws, "a")
 
     got = run_ws(server, fn)
@@ -53,13 +57,19 @@ def test_two_generations_on_one_socket_sequential_and_concurrent(server):
     async def fn(ws):
         await ws.send_json({"type": "completion", "id": 1, "body": {"prompt": "Hello", "max_tokens": 4}})
         first = await _collect(ws, "1")
-        await ws.send_json({"type": "completion", "id": "second", "body": {"prompt": "Hi", "max_tokens": 3,
-                                                                           "temperature": 0}})
+        await ws.send_json(
+            {
+                "type": "completion",
+                "id": "second",
+                "body": {"prompt": "Hi", "max_tokens": 3, "temperature": 0},
+            }
+        )
         second = await _collect(ws, "second")
         # Two at once, interleaved on the socket.
         for gid in ("x", "y"):
-            await ws.send_json({"type": "chat", "id": gid, "body": {"messages": CHAT, "max_tokens": 5,
-                                                                    "temperature": 0}})
+            await ws.send_json(
+                {"type": "chat", "id": gid, "body": {"messages": CHAT, "max_tokens": 5, "temperature": 0}}
+            )
         ends: dict = {}
         texts = {"x": "", "y": ""}
         while len(ends) < 2:
@@ -71,15 +81,22 @@ def test_two_generations_on_one_socket_sequential_and_concurrent(server):
         return first, second, ends, texts
 
     first, second, ends, texts = run_ws(server, fn)
-    assert first["end"]["usage"]["completion_tokens"] == 4 and second["end"]["usage"]["completion_tokens"] <= 3
+    assert (
+        first["end"]["usage"]["completion_tokens"] == 4 and second["end"]["usage"]["completion_tokens"] <= 3
+    )
     assert texts["x"] == texts["y"] and texts["x"]  # same greedy prompt, same answer
     assert set(ends) == {"x", "y"}
 
 
 def test_cancel_aborts_and_socket_stays_usable(server):
     async def fn(ws):
-        await ws.send_json({"type": "completion", "id": "long", "body": {
-            "prompt": "Once upon a time", "max_tokens": 1000, "ignore_eos": True}})
+        await ws.send_json(
+            {
+                "type": "completion",
+                "id": "long",
+                "body": {"prompt": "Once upon a time", "max_tokens": 1000, "ignore_eos": True},
+            }
+        )
         while (msg := await ws.receive_json())["type"] != "delta":
             pass
         await ws.send_json({"type": "cancel", "id": "long"})
@@ -107,8 +124,9 @@ def test_cancel_aborts_and_socket_stays_usable(server):
 def test_closing_the_socket_aborts_its_generations(server):
     async def fn(ws):
         for i in range(3):
-            await ws.send_json({"type": "chat", "id": i, "body": {"messages": CHAT, "max_tokens": 1000,
-                                                                  "ignore_eos": True}})
+            await ws.send_json(
+                {"type": "chat", "id": i, "body": {"messages": CHAT, "max_tokens": 1000, "ignore_eos": True}}
+            )
         seen = set()
         while len(seen) < 3:
             msg = await ws.receive_json()
@@ -120,19 +138,26 @@ def test_closing_the_socket_aborts_its_generations(server):
     assert server.wait_idle() == {"running": 0, "waiting": 0, "kv_usage": 0.0, "unfinished": 0}
 
 
-@pytest.mark.parametrize(("message", "status", "param"), [
-    ("not json", 400, None),
-    ("[1]", 400, None),
-    ('{"type": "dance"}', 400, "type"),
-    ('{"type": "chat", "id": "a"}', 400, "body"),
-    ('{"type": "chat", "id": "a", "body": {"messages": []}}', 400, "messages"),
-    ('{"type": "chat", "id": "a", "body": {"messages": [{"role": "user", "content": "x"}], "max_tokens": "x"}}',
-     400, "max_tokens"),
-    ('{"type": "completion", "id": "a", "body": {"prompt": "x", "model": "nope"}}', 404, "model"),
-    ('{"type": "completion", "id": true, "body": {"prompt": "x"}}', 400, "id"),
-    ('{"type": "completion", "id": "a", "body": {"prompt": "x"}, "extra": 1}', 400, "extra"),
-    ('{"type": "cancel", "id": "nothing"}', 404, "id"),
-])
+@pytest.mark.parametrize(
+    ("message", "status", "param"),
+    [
+        ("not json", 400, None),
+        ("[1]", 400, None),
+        ('{"type": "dance"}', 400, "type"),
+        ('{"type": "chat", "id": "a"}', 400, "body"),
+        ('{"type": "chat", "id": "a", "body": {"messages": []}}', 400, "messages"),
+        (
+            '{"type": "chat", "id": "a", "body": {"messages": [{"role": "user", "content": "x"}], '
+            '"max_tokens": "x"}}',
+            400,
+            "max_tokens",
+        ),
+        ('{"type": "completion", "id": "a", "body": {"prompt": "x", "model": "nope"}}', 404, "model"),
+        ('{"type": "completion", "id": true, "body": {"prompt": "x"}}', 400, "id"),
+        ('{"type": "completion", "id": "a", "body": {"prompt": "x"}, "extra": 1}', 400, "extra"),
+        ('{"type": "cancel", "id": "nothing"}', 404, "id"),
+    ],
+)
 def test_bad_messages_get_error_messages(server, message, status, param):
     async def fn(ws):
         await ws.send_str(message)
