@@ -1,0 +1,1 @@
+"""Tests of aioengine/kernels/: the torch references, the CPU C kernels (cpu/), the Triton ones (triton/)."""
