@@ -14,11 +14,21 @@ from aioengine.cli_common import (
     add_engine_args,
     engine_args_from,
     parse_bytes,
-    parse_request_limit,
     run_in_loop,
 )
 
 logger = logging.getLogger("aioengine.serve")
+
+
+def parse_request_limit(text: str) -> tuple[str, int]:
+    """'max_n=16' -> ("max_n", 16): one field of aioengine.http.protocol.RequestLimits."""
+    from aioengine.http.protocol import RequestLimits
+
+    name, _, value = text.partition("=")
+    names = [f.name for f in dataclasses.fields(RequestLimits)]
+    if name not in names or not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"expected NAME=N with N >= 1 and NAME one of {', '.join(names)}")
+    return name, int(value)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -70,17 +70,6 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * scale)
 
 
-def parse_request_limit(text: str) -> tuple[str, int]:
-    """'max_n=16' -> ("max_n", 16): one field of aioengine.http.protocol.RequestLimits."""
-    from aioengine.http.protocol import RequestLimits
-
-    name, _, value = text.partition("=")
-    names = [f.name for f in dataclasses.fields(RequestLimits)]
-    if name not in names or not value.isdigit() or int(value) < 1:
-        raise argparse.ArgumentTypeError(f"expected NAME=N with N >= 1 and NAME one of {', '.join(names)}")
-    return name, int(value)
-
-
 def _field_type(f: dataclasses.Field) -> Callable[[str], Any]:
     ann = str(f.type)
     if f.name.endswith("_bytes"):
