@@ -15,6 +15,41 @@ MAX_LOGIT_BIAS = 100.0
 _SAMPLING_EPS = 1e-5
 
 
+@dataclass(frozen=True, slots=True)
+class Range:
+    """A numeric field's bounds (inclusive unless exclusive_lo) and vLLM's wording for them."""
+
+    lo: float | None = None
+    hi: float | None = None
+    exclusive_lo: bool = False
+    words: str = ""  # "{name} must be {words}, got {value}."
+
+    def holds(self, value: float) -> bool:
+        if self.lo is not None and (value <= self.lo if self.exclusive_lo else value < self.lo):
+            return False
+        return self.hi is None or value <= self.hi
+
+
+# The one statement of the sampling bounds: SamplingParams checks them, and the HTTP request tables
+# (http/request_fields.py) state them in /openapi.json from here.
+BOUNDS: dict[str, Range] = {
+    "n": Range(lo=1, words="at least 1"),
+    "temperature": Range(lo=0, words="non-negative"),
+    "top_p": Range(lo=0, hi=1, exclusive_lo=True, words="in (0, 1]"),
+    "top_k": Range(lo=-1, hi=_INT32_MAX, words=f"0 or -1 (disable), or between 1 and {_INT32_MAX}"),
+    "min_p": Range(lo=0, hi=1, words="in [0, 1]"),
+    "presence_penalty": Range(lo=-2, hi=2, words="in [-2, 2]"),
+    "frequency_penalty": Range(lo=-2, hi=2, words="in [-2, 2]"),
+    "repetition_penalty": Range(lo=0, exclusive_lo=True, words="greater than zero"),
+    "max_tokens": Range(lo=1, words="at least 1"),
+    # kept as 64-bit ints on the device: a bigger int kills the step that stores it
+    "min_tokens": Range(lo=0, hi=_INT32_MAX, words=f"between 0 and {_INT32_MAX}"),
+    "seed": Range(lo=-(2**63), hi=2**63 - 1, words="a 64-bit integer"),
+    "logprobs": Range(lo=0, hi=MAX_LOGPROBS, words="non-negative"),
+    "prompt_logprobs": Range(lo=0, hi=MAX_LOGPROBS, words="non-negative"),
+}
+
+
 @dataclass(slots=True)
 class StructuredOutputsParams:
     """One structured-output constraint (vLLM's names): exactly one of the first five fields is set.
@@ -161,50 +196,31 @@ class SamplingParams:
                 raise bad(name, f"{name} must be a number, got {value!r}.")
             if abs(value) > _FLOAT32_MAX:  # the device keeps them as float32: beyond, they would become inf
                 raise bad(name, f"{name} must be a finite float32, got {value!r}.")
-        for name in (
-            "top_k",
-            "min_tokens",
-        ):  # kept as 64-bit ints: a bigger int kills the step that stores it
-            if getattr(self, name) > _INT32_MAX:
-                raise bad(name, f"{name} must be at most {_INT32_MAX}, got {getattr(self, name)}.")
-        if self.n < 1:
-            raise bad("n", f"n must be at least 1, got {self.n}.")
-        if self.temperature < 0.0:
-            raise bad("temperature", f"temperature must be non-negative, got {self.temperature}.")
-        if not 0.0 < self.top_p <= 1.0:
-            raise bad("top_p", f"top_p must be in (0, 1], got {self.top_p}.")
-        if self.top_k < 0:
-            raise bad("top_k", f"top_k must be 0 or -1 (disable), or at least 1, got {self.top_k}.")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise bad("min_p", f"min_p must be in [0, 1], got {self.min_p}.")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            raise bad(
-                "presence_penalty", f"presence_penalty must be in [-2, 2], got {self.presence_penalty}."
-            )
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise bad(
-                "frequency_penalty", f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}."
-            )
-        if not self.repetition_penalty > 0.0:
-            raise bad(
-                "repetition_penalty",
-                f"repetition_penalty must be greater than zero, got {self.repetition_penalty}.",
-            )
-        if self.max_tokens is not None:
-            if type(self.max_tokens) is not int:
-                raise bad("max_tokens", f"max_tokens must be an integer, got {self.max_tokens!r}.")
-            if self.max_tokens < 1:
-                raise bad("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}.")
-        if self.min_tokens < 0:
-            raise bad("min_tokens", f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.")
+        if self.max_tokens is not None and type(self.max_tokens) is not int:
+            raise bad("max_tokens", f"max_tokens must be an integer, got {self.max_tokens!r}.")
+        if self.seed is not None and type(self.seed) is not int:
+            raise bad("seed", f"seed must be a 64-bit integer, got {self.seed!r}.")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and type(value) is not int:
+                raise bad(name, f"{name} must be an integer, got {value!r}.")
+            if value is not None and value > MAX_LOGPROBS:
+                what = "sample" if name == "logprobs" else "prompt"
+                raise bad(
+                    name,
+                    f"Requested {what} logprobs of {value}, which is greater than max allowed: "
+                    f"{MAX_LOGPROBS}",
+                )
+        for name, bounds in BOUNDS.items():
+            value = getattr(self, name)
+            if value is not None and not bounds.holds(value):
+                raise bad(name, f"{name} must be {bounds.words}, got {value}.")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad(
                 "min_tokens",
                 f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
                 f"got {self.min_tokens}.",
             )
-        if self.seed is not None and (type(self.seed) is not int or not -(2**63) <= self.seed < 2**63):
-            raise bad("seed", f"seed must be a 64-bit integer, got {self.seed!r}.")
         if not isinstance(self.stop, list | tuple) or not all(isinstance(s, str) for s in self.stop):
             raise bad("stop", "stop must be a string or a list of strings.")
         if any(s == "" for s in self.stop):
@@ -213,20 +229,6 @@ class SamplingParams:
             type(t) is int and t >= 0 for t in self.stop_token_ids
         ):
             raise bad("stop_token_ids", "stop_token_ids must be a list of non-negative integers.")
-        for name, what in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
-            value = getattr(self, name)
-            if value is None:
-                continue
-            if type(value) is not int:
-                raise bad(name, f"{name} must be an integer, got {value!r}.")
-            if value < 0:
-                raise bad(name, f"{name} must be non-negative, got {value}.")
-            if value > MAX_LOGPROBS:
-                raise bad(
-                    name,
-                    f"Requested {what} logprobs of {value}, which is greater than max allowed: "
-                    f"{MAX_LOGPROBS}",
-                )
         if self.n > 1 and self.greedy:
             raise bad("n", f"n must be 1 when using greedy sampling, got {self.n}.")
         if self.allowed_token_ids is not None:

@@ -164,7 +164,8 @@ class Spec:
 
     ``kind``: the JSON type Fields reads (None: any; the parser reads the field itself). ``lo``/``hi``
     (inclusive unless ``exclusive_lo``) and ``enum`` are checked by Fields unless ``checked_later``: then
-    SamplingParams or the engine checks them, with their own messages, and the spec only states them.
+    SamplingParams or the engine checks them (sampling fields take their bounds from sampling_params.BOUNDS,
+    the same numbers), with vLLM's messages, and the spec states them.
     ``schema``: more JSON schema (a callable gets the SchemaContext), for what the type and bounds cannot say.
     """
 

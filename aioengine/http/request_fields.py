@@ -8,10 +8,12 @@ by the parser's own code; its entry here holds the JSON schema of that shape.
 
 from __future__ import annotations
 
+from typing import Any
+
 from aioengine.http.fields import JSON, SchemaContext, Spec, Table, object_schema
 from aioengine.http.messages import RESERVED_TEMPLATE_KWARGS
 from aioengine.http.tools import MAX_TOOLS
-from aioengine.sampling_params import MAX_LOGPROBS
+from aioengine.sampling_params import BOUNDS
 
 REQUEST_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
 COMPLETION_MAX_TOKENS = 16  # /v1/completions' default max_tokens (OpenAI's)
@@ -167,6 +169,13 @@ def _tokens(ctx: SchemaContext) -> JSON:
     return {"items": ctx.token()}
 
 
+def _sampled(kind: type, name: str, later: bool = True, **extra: Any) -> Spec:
+    """A field whose bounds are sampling_params.BOUNDS[name], the one statement of them. ``later``: Fields
+    leaves the check to SamplingParams (vLLM's messages); otherwise Fields checks them first."""
+    r = BOUNDS[name]
+    return Spec(kind, lo=r.lo, hi=r.hi, exclusive_lo=r.exclusive_lo, checked_later=later, **extra)
+
+
 def _metadata() -> Spec:
     return Spec(dict, schema={"maxProperties": MAX_METADATA, "additionalProperties": _STR})
 
@@ -190,13 +199,15 @@ STRUCTURED_OUTPUTS: Table = {
 _MAX_TOKENS = "prompt + max_tokens must fit max_model_len"
 SAMPLING: Table = {
     "model": Spec(str),
-    "n": Spec(int, lo=1, hi=lambda limits: limits.max_n, description="above 1 needs temperature > 0"),
-    "temperature": Spec(float, lo=0, checked_later=True, description="0 is greedy"),
-    "top_p": Spec(float, lo=0, exclusive_lo=True, hi=1, checked_later=True),
-    "top_k": Spec(int, lo=-1, checked_later=True, description="0 or -1: off"),
-    "min_p": Spec(float, lo=0, hi=1, checked_later=True),
-    "seed": Spec(int, lo=-(2**63), hi=2**63 - 1, checked_later=True),
-    "min_tokens": Spec(int, lo=0, checked_later=True, description="at most max_tokens"),
+    "n": Spec(
+        int, lo=BOUNDS["n"].lo, hi=lambda limits: limits.max_n, description="above 1 needs temperature > 0"
+    ),
+    "temperature": _sampled(float, "temperature", description="0 is greedy"),
+    "top_p": _sampled(float, "top_p"),
+    "top_k": _sampled(int, "top_k", description="0 or -1: off"),
+    "min_p": _sampled(float, "min_p"),
+    "seed": _sampled(int, "seed"),
+    "min_tokens": _sampled(int, "min_tokens", description="at most max_tokens"),
     "stop": Spec(None, schema=stop_schema),
     "stop_token_ids": Spec(
         list, schema=lambda ctx: {"items": ctx.token(), "maxItems": ctx.limits.max_token_ids}
@@ -219,9 +230,9 @@ SAMPLING: Table = {
             else {"const": 0, "description": "only 0 unless --scheduling-policy priority"}
         ),
     ),
-    "presence_penalty": Spec(float, lo=-2, hi=2, checked_later=True),
-    "frequency_penalty": Spec(float, lo=-2, hi=2, checked_later=True),
-    "repetition_penalty": Spec(float, lo=0, exclusive_lo=True, checked_later=True),
+    "presence_penalty": _sampled(float, "presence_penalty"),
+    "frequency_penalty": _sampled(float, "frequency_penalty"),
+    "repetition_penalty": _sampled(float, "repetition_penalty"),
     "logit_bias": Spec(
         dict,
         schema=lambda ctx: {
@@ -254,10 +265,10 @@ SAMPLING: Table = {
 CHAT: Table = {
     **SAMPLING,
     "messages": Spec(None, schema=messages_schema),
-    "max_tokens": Spec(int, lo=1, checked_later=True, description=_MAX_TOKENS),
-    "max_completion_tokens": Spec(int, lo=1, checked_later=True, description=_MAX_TOKENS),
+    "max_tokens": _sampled(int, "max_tokens", description=_MAX_TOKENS),
+    "max_completion_tokens": _sampled(int, "max_tokens", description=_MAX_TOKENS),
     "logprobs": Spec(bool),
-    "top_logprobs": Spec(int, lo=0, hi=MAX_LOGPROBS, description="needs logprobs: true"),
+    "top_logprobs": _sampled(int, "logprobs", later=False, description="needs logprobs: true"),
     "chat_template_kwargs": Spec(dict, schema=template_kwargs_schema),
     "add_generation_prompt": Spec(bool),
     "continue_final_message": Spec(bool, description="the last message must be the assistant's"),
@@ -274,13 +285,15 @@ CHAT_REQUIRED = ("messages",)
 COMPLETION: Table = {
     **SAMPLING,
     "prompt": Spec(None, schema=prompt_schema),
-    "max_tokens": Spec(
-        int, lo=1, checked_later=True, schema={"default": COMPLETION_MAX_TOKENS}, description=_MAX_TOKENS
+    "max_tokens": _sampled(
+        int, "max_tokens", schema={"default": COMPLETION_MAX_TOKENS}, description=_MAX_TOKENS
     ),
     "echo": Spec(bool),
     "best_of": Spec(int, lo=1, description="only equal to n"),
     "suffix": Spec(str, schema={"maxLength": 0}),  # not supported: only empty
-    "logprobs": Spec(int, lo=0, hi=MAX_LOGPROBS, description="with echo, the prompt tokens get logprobs too"),
+    "logprobs": _sampled(
+        int, "logprobs", later=False, description="with echo, the prompt tokens get logprobs too"
+    ),
 }
 COMPLETION_REQUIRED = ("prompt",)
 
@@ -345,7 +358,7 @@ RESPONSE: Table = {  # openai_responses.to_chat_body turns it into a CHAT body
     "model": Spec(str),
     "input": Spec(None, schema=_input_schema),
     "instructions": Spec(str),
-    "max_output_tokens": Spec(int, lo=1, checked_later=True, description=_MAX_TOKENS),
+    "max_output_tokens": _sampled(int, "max_tokens", description=_MAX_TOKENS),
     "temperature": SAMPLING["temperature"],
     "top_p": SAMPLING["top_p"],
     "stream": Spec(bool),

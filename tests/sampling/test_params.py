@@ -125,3 +125,49 @@ def test_wrong_types_and_sizes_are_typed_errors(kw, param):
     with pytest.raises(InvalidRequestError) as e:
         SamplingParams(**kw)
     assert e.value.param == param
+
+
+def _outside(r, kind):
+    """A value just beyond each bound of the range r (int fields step by 1, floats by a little)."""
+    step = 1 if kind is int else 1e-3
+    out = []
+    if r.lo is not None:
+        out.append(r.lo if r.exclusive_lo else r.lo - step)
+    if r.hi is not None:
+        out.append(r.hi + step)
+    return out
+
+
+def test_one_source_for_the_sampling_bounds_sampling_params_and_openapi_agree():
+    """sampling_params.BOUNDS is the one statement of the bounds: SamplingParams refuses just outside each
+    and accepts each bound itself, and /openapi.json's chat schema states the same numbers."""
+    from aioengine.http.openapi import openapi_spec
+    from aioengine.sampling_params import BOUNDS
+
+    base = dict(temperature=1.0, max_tokens=None)
+    kinds = {
+        name: int
+        if name in ("n", "top_k", "max_tokens", "min_tokens", "seed", "logprobs", "prompt_logprobs")
+        else float
+        for name in BOUNDS
+    }
+    for name, r in BOUNDS.items():
+        for value in _outside(r, kinds[name]):
+            with pytest.raises(InvalidRequestError) as e:
+                SamplingParams(**{**base, name: value})
+            assert e.value.param == name, (name, value)
+        for value in (r.lo, r.hi):
+            if value is not None and not (value == r.lo and r.exclusive_lo):
+                SamplingParams(**{**base, name: kinds[name](value)})
+
+    props = openapi_spec("test")["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+    http_names = {"max_tokens": ("max_tokens", "max_completion_tokens"), "logprobs": ("top_logprobs",)}
+    for name, r in BOUNDS.items():
+        for field in http_names.get(name, (name,)):
+            if field not in props:
+                continue  # prompt_logprobs: not a chat field
+            schema = props[field]["anyOf"][0]
+            lo_key = "exclusiveMinimum" if r.exclusive_lo else "minimum"
+            assert schema.get(lo_key) == r.lo, field
+            if name != "n":  # n's ceiling is the server's --request-limit max_n
+                assert schema.get("maximum") == r.hi, field
