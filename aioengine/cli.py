@@ -162,8 +162,12 @@ async def _serve_main(args: argparse.Namespace, engine_args: Any, config: Any) -
         await engine.shutdown()
         return 0
     stopped.cancel()
-    if start.exception() is not None:
-        logger.error("the engine failed to start", exc_info=start.exception())
+    error = start.exception()
+    if error is not None:
+        if isinstance(error, ValueError):  # a bad model path or file, a bad config: its message says it
+            print(f"aioengine serve: {error}", file=sys.stderr)
+        else:
+            logger.error("the engine failed to start", exc_info=error)
         await engine.shutdown()
         return 1
     return await serve_engine(

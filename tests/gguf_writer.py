@@ -1,0 +1,159 @@
+"""Write small GGUF files of a tiny random Llama with the gguf package's writer and quantizers (tests only).
+
+The tokenizer (and its chat template) is copied from the bundled SmolLM2 GGUF. Block types the gguf
+package cannot quantize (the K-quants) get random blocks whose float16 scales are set to finite values;
+their reference is the package's own dequantizer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFWriter
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.quants import dequantize, quantize
+
+from aioengine.gguf_file import read_header
+from aioengine.model_files import default_gguf_path
+
+TOKENIZER_ARRAYS = frozenset({"tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type"})
+# byte offsets of each K-quant block's float16 scales (ggml's block_q*_K layouts)
+_K_SCALES = {
+    GGMLQuantizationType.Q2_K: (80, 82),
+    GGMLQuantizationType.Q3_K: (108,),
+    GGMLQuantizationType.Q4_K: (0, 2),
+    GGMLQuantizationType.Q5_K: (0, 2),
+    GGMLQuantizationType.Q6_K: (208,),
+}
+
+
+@dataclass
+class TinyLlama:
+    hidden: int = 256  # a multiple of 256: K-quant rows are whole super-blocks
+    intermediate: int = 512
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 64
+    weights: dict[str, np.ndarray] = field(default_factory=dict)  # HF names, HF layout
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's q/k row order (convert_hf_to_gguf's permute), from the HF layout."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _blocks(w: np.ndarray, qtype: GGMLQuantizationType, rng: np.random.Generator) -> np.ndarray:
+    """``w`` stored as ``qtype``: quantized where the package can, else random blocks with sane scales."""
+    if qtype == GGMLQuantizationType.F32:
+        return w.astype(np.float32)
+    if qtype not in _K_SCALES:
+        return quantize(w, qtype)
+    block, nbytes = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(w.shape[0], w.shape[1] // block, nbytes), dtype=np.uint8)
+    scale = np.frombuffer(np.float16(0.01).tobytes(), dtype=np.uint8)
+    for at in _K_SCALES[qtype]:
+        raw[:, :, at : at + 2] = scale
+    return raw.reshape(w.shape[0], -1)
+
+
+def write_tiny_llama(
+    path: Path,
+    qtype: GGMLQuantizationType = GGMLQuantizationType.F32,
+    seed: int = 0,
+    arch: str = "llama",
+    with_tokenizer: bool = True,
+    shapes: dict[str, tuple[int, ...]] | None = None,
+    raw_types: dict[str, GGMLQuantizationType] | None = None,
+    mixed: list[GGMLQuantizationType] | None = None,
+) -> dict[str, np.ndarray]:
+    """Write the file; return the weights the loader must produce (HF names, float32, HF layout).
+
+    ``shapes`` overrides a GGUF tensor's shape (a wrong-shape file); ``raw_types`` stores a tensor as
+    that type's bytes without quantizing (an unsupported type); ``mixed``: the weight matrices take these
+    types in turn instead of ``qtype`` (one file covers them all)."""
+    m = TinyLlama()
+    rng = np.random.default_rng(seed)
+    src = read_header(default_gguf_path(), keep_arrays=TOKENIZER_ARRAYS)
+    vocab = len(src.metadata["tokenizer.ggml.tokens"])
+    w = GGUFWriter(str(path), arch)
+    w.add_context_length(256)
+    w.add_embedding_length(m.hidden)
+    w.add_block_count(m.layers)
+    w.add_feed_forward_length(m.intermediate)
+    w.add_head_count(m.heads)
+    w.add_head_count_kv(m.kv_heads)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    w.add_vocab_size(vocab)
+    if with_tokenizer:
+        w.add_tokenizer_model(src.metadata["tokenizer.ggml.model"])
+        w.add_tokenizer_pre(src.metadata.get("tokenizer.ggml.pre", "default"))
+        w.add_token_list(src.metadata["tokenizer.ggml.tokens"])
+        w.add_token_types(src.metadata["tokenizer.ggml.token_type"])
+        w.add_token_merges(src.metadata["tokenizer.ggml.merges"])
+        w.add_bos_token_id(src.metadata["tokenizer.ggml.bos_token_id"])
+        w.add_eos_token_id(src.metadata["tokenizer.ggml.eos_token_id"])
+        w.add_chat_template(src.metadata["tokenizer.chat_template"])
+
+    q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
+    plan: list[tuple[str, str, tuple[int, int] | tuple[int], int | None]] = [
+        ("token_embd.weight", "model.embed_tokens.weight", (vocab, m.hidden), None),
+        ("output_norm.weight", "model.norm.weight", (m.hidden,), None),
+        ("output.weight", "lm_head.weight", (vocab, m.hidden), None),
+    ]
+    for i in range(m.layers):
+        hf = f"model.layers.{i}."
+        plan += [
+            (f"blk.{i}.attn_norm.weight", hf + "input_layernorm.weight", (m.hidden,), None),
+            (f"blk.{i}.ffn_norm.weight", hf + "post_attention_layernorm.weight", (m.hidden,), None),
+            (f"blk.{i}.attn_q.weight", hf + "self_attn.q_proj.weight", (q, m.hidden), m.heads),
+            (f"blk.{i}.attn_k.weight", hf + "self_attn.k_proj.weight", (kv, m.hidden), m.kv_heads),
+            (f"blk.{i}.attn_v.weight", hf + "self_attn.v_proj.weight", (kv, m.hidden), None),
+            (f"blk.{i}.attn_output.weight", hf + "self_attn.o_proj.weight", (m.hidden, q), None),
+            (f"blk.{i}.ffn_gate.weight", hf + "mlp.gate_proj.weight", (m.intermediate, m.hidden), None),
+            (f"blk.{i}.ffn_up.weight", hf + "mlp.up_proj.weight", (m.intermediate, m.hidden), None),
+            (f"blk.{i}.ffn_down.weight", hf + "mlp.down_proj.weight", (m.hidden, m.intermediate), None),
+        ]
+    expected = {}
+    matrices = 0
+    for gguf_name, hf_name, shape, heads in plan:
+        shape = (shapes or {}).get(gguf_name, shape)
+        if len(shape) == 1:  # norms stay float32, as llama.cpp keeps them
+            value = (1 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+            w.add_tensor(gguf_name, value)
+            expected[hf_name] = value
+            continue
+        hf_value = (0.05 * rng.standard_normal(shape)).astype(np.float32)
+        stored = _permute(hf_value, heads) if heads and arch == "llama" else hf_value
+        raw_type = (raw_types or {}).get(gguf_name)
+        if raw_type is not None:
+            block, nbytes = GGML_QUANT_SIZES[raw_type]
+            data = rng.integers(0, 256, size=(shape[0], shape[1] // block * nbytes), dtype=np.uint8)
+            w.add_tensor(gguf_name, data, raw_dtype=raw_type)
+            continue
+        if mixed:
+            qtype = mixed[matrices % len(mixed)]
+        matrices += 1
+        data = _blocks(stored, qtype, rng)
+        if qtype == GGMLQuantizationType.F32:
+            w.add_tensor(gguf_name, data)
+            expected[hf_name] = hf_value
+        elif qtype not in _K_SCALES:  # rows quantize alone, so the row order commutes with quantizing
+            w.add_tensor(gguf_name, data, raw_dtype=qtype)
+            expected[hf_name] = dequantize(quantize(hf_value, qtype), qtype).astype(np.float32)
+        else:  # random blocks: the package's dequantizer is the reference
+            w.add_tensor(gguf_name, data, raw_dtype=qtype)
+            loaded = dequantize(data, qtype).reshape(shape).astype(np.float32)
+            expected[hf_name] = _unpermute(loaded, heads) if heads and arch == "llama" else loaded
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return expected
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
