@@ -40,15 +40,30 @@ class Ops:
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return reference.silu_and_mul(x)
 
+    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return reference.gelu_tanh_and_mul(x)
+
+    def gemma_rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``norm(x) * (1 + weight)`` (Gemma); with ``residual`` as rms_norm."""
+        return reference.gemma_rms_norm(x, weight, eps, residual)
+
     def store_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:
         reference.store_kv(key, value, kv_cache, slot_mapping)
 
     def attention(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
-        return reference.paged_attention(query, kv_cache, meta, scale)
+        """Causal paged attention; ``window``: a sliding-window layer's span (itself, window - 1 before)."""
+        return reference.paged_attention(query, kv_cache, meta, scale, window=window)
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """Each row's argmax (int64; torch's: first maximum, NaN wins), for a plain greedy batch."""

@@ -28,6 +28,8 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     # Torch path only: decode grouping planned by the first layer of a step, reused by the others.
     decode_groups: list[Any] | None = None
+    # Torch path only: windowed decodes' gather plan per window size, likewise built once a step.
+    window_plans: dict[int, Any] | None = None
 
     @classmethod
     def build(

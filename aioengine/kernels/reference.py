@@ -11,6 +11,7 @@ function here takes either.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,6 +39,24 @@ def add_rms_norm(
         return rms_norm(x, weight, eps)
     residual = x + residual
     return rms_norm(residual, weight, eps), residual
+
+
+def gemma_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Gemma's norm, ``norm(x) * (1 + weight)`` all in fp32 then cast (HF's order); with ``residual`` as
+    add_rms_norm."""
+    if residual is not None:
+        residual = x + residual
+        x = residual
+    out = (F.rms_norm(x.float(), (x.shape[-1],), eps=eps) * (1.0 + weight.float())).to(x.dtype)
+    return out if residual is None else (out, residual)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(x[..., :d]) * x[..., d:]``: GeGLU (Gemma's MLP)."""
+    d = x.shape[-1] // 2
+    return F.gelu(x[..., :d], approximate="tanh") * x[..., d:]
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -260,22 +279,37 @@ def _decodes(
 
 
 def _prefill_attention(
-    query: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int, scale: float
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_ids: torch.Tensor,
+    seq_len: int,
+    scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """One request's chunk: query ``[q_len, Hq, D]`` ending at position ``seq_len - 1``."""
+    """One request's chunk: query ``[q_len, Hq, D]`` ending at position ``seq_len - 1``. ``window``: each
+    token sees only itself and the ``window - 1`` positions before it (blocks before those are not read)."""
     q_len, num_heads, _ = query.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
-    key, value = _gather_kv(kv_cache, block_ids[: -(-seq_len // block_size)].reshape(-1))
+    context_len = seq_len - q_len
+    first_block = 0
+    if window is not None and seq_len > window:
+        first_block = max(0, context_len - window + 1) // block_size
+    else:
+        window = None
+    key, value = _gather_kv(kv_cache, block_ids[first_block : -(-seq_len // block_size)].reshape(-1))
+    base = first_block * block_size  # position of the first gathered slot
     # 4-D [1, H, L, D] inputs: torch's CPU flash kernel takes only those (3-D falls back to the
     # math path, which materialises the whole score matrix).
-    key = key[None, :seq_len].transpose(1, 2)  # [1, Hkv, S, D]
-    value = value[None, :seq_len].transpose(1, 2)
-    context_len = seq_len - q_len
+    key = key[None, : seq_len - base].transpose(1, 2)  # [1, Hkv, S, D]
+    value = value[None, : seq_len - base].transpose(1, 2)
     mask = None
-    if context_len > 0:
-        # Bottom-right aligned causal mask; SDPA's is_causal is top-left aligned.
-        positions = torch.arange(context_len, seq_len, device=query.device)
-        mask = torch.arange(seq_len, device=query.device)[None, :] <= positions[:, None]
+    if context_len > 0 or window is not None:
+        # Bottom-right aligned causal mask (SDPA's is_causal is top-left aligned), cut to the window.
+        positions = torch.arange(context_len, seq_len, device=query.device)[:, None]
+        keys = torch.arange(base, seq_len, device=query.device)[None, :]
+        mask = keys <= positions
+        if window is not None:
+            mask &= keys > positions - window
     kwargs = {}
     if num_heads != num_kv_heads:
         if _HAS_ENABLE_GQA:
@@ -289,21 +323,64 @@ def _prefill_attention(
     return out[0].transpose(0, 1)  # [q_len, Hq, D]
 
 
+def _windowed_decodes(
+    query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int
+) -> torch.Tensor:
+    """Decodes that see only their last ``window`` positions: each gathers just the blocks those span
+    (at most ``window / block_size + 1``), so the cost is bounded by the window, not the context."""
+    nd = meta.num_decodes
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    b, hq, d = nd, query.shape[1], query.shape[2]
+    plans = meta.window_plans if meta.window_plans is not None else {}
+    meta.window_plans = plans
+    plan = plans.get(window)
+    if plan is None:  # planned by the first windowed layer of a step, reused by the others
+        seq_lens = meta.seq_lens[:nd].long()
+        first = (seq_lens - window).clamp(min=0) // block_size
+        last = (seq_lens - 1) // block_size
+        nb = int((last - first).max()) + 1
+        cols = (first[:, None] + torch.arange(nb, device=query.device)).clamp(
+            max=meta.block_table.shape[1] - 1
+        )
+        block_ids = meta.block_table[:nd].long().gather(1, cols).reshape(-1)
+        pos = first[:, None] * block_size + torch.arange(nb * block_size, device=query.device)
+        mask = ((pos < seq_lens[:, None]) & (pos >= seq_lens[:, None] - window))[:, None, None, :]
+        plan = plans[window] = (block_ids, mask)
+    block_ids, mask = plan
+    views = _views(kv_cache)
+    key, value = _gather_buffers(views, block_ids.shape[0])
+    torch.index_select(views.key_blocks, 0, block_ids, out=key)
+    torch.index_select(views.value_blocks, 0, block_ids, out=value)
+    key, value = key.view(b, -1, num_kv_heads, d), value.view(b, -1, num_kv_heads, d)
+    q = query[:nd].reshape(b, num_kv_heads, hq // num_kv_heads, d)
+    out = F.scaled_dot_product_attention(
+        q, key.transpose(1, 2), value.transpose(1, 2), attn_mask=mask, scale=scale
+    )
+    return out.reshape(b, hq, d)
+
+
 def paged_attention(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
     decodes: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor] | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of query ``[T, Hq, D]`` against the paged cache; returns ``[T, Hq, D]``.
 
     Rows past ``num_actual_tokens`` (padding) come back zero. ``decodes`` replaces the SDPA path for the
-    leading decode rows (a backend's kernel: ``decodes(query, kv_cache, meta, scale)``).
+    leading decode rows (a backend's kernel: ``decodes(query, kv_cache, meta, scale)``). ``window``
+    (sliding-window layers): a token attends to itself and the ``window - 1`` positions before it; while
+    no sequence is longer than the window that is full attention, and takes the same paths.
     """
     assert query.shape[1] % kv_cache.shape[-2] == 0, "query heads must be a multiple of KV heads"
     num_decodes = meta.num_decodes
-    decodes = decodes or _decodes
+    if window is not None and meta.max_seq_len > window:
+        decodes = functools.partial(_windowed_decodes, window=window)
+    else:
+        window = None
+        decodes = decodes or _decodes
     if meta.num_reqs == num_decodes and query.shape[0] == num_decodes:
         return decodes(query, kv_cache, meta, scale)  # pure decode: no extra copy
     output = torch.zeros_like(query) if query.shape[0] > meta.num_actual_tokens else torch.empty_like(query)
@@ -313,13 +390,17 @@ def paged_attention(
     for i in range(num_decodes, meta.num_reqs):
         start, end = starts[i], starts[i + 1]
         output[start:end] = _prefill_attention(
-            query[start:end], kv_cache, meta.block_table[i], meta.seq_lens_cpu[i], scale
+            query[start:end], kv_cache, meta.block_table[i], meta.seq_lens_cpu[i], scale, window
         )
     return output
 
 
 def paged_attention_reference(
-    query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """The dumbest correct version: per request, per token, slot by slot. Tests only."""
     _, num_heads, head_size = query.shape
@@ -331,12 +412,13 @@ def paged_attention_reference(
         seq_len = meta.seq_lens_cpu[i]
         for j in range(end - start):
             position = seq_len - (end - start) + j
-            keys = torch.empty(position + 1, num_kv_heads, head_size, dtype=torch.float64)
+            lo = 0 if window is None else max(0, position - window + 1)
+            keys = torch.empty(position + 1 - lo, num_kv_heads, head_size, dtype=torch.float64)
             values = torch.empty_like(keys)
-            for p in range(position + 1):
+            for p in range(lo, position + 1):
                 block_id = int(meta.block_table[i, p // block_size])
-                keys[p] = kv_cache[0, block_id, p % block_size]
-                values[p] = kv_cache[1, block_id, p % block_size]
+                keys[p - lo] = kv_cache[0, block_id, p % block_size]
+                values[p - lo] = kv_cache[1, block_id, p % block_size]
             for h in range(num_heads):
                 q = query[start + j, h].double()
                 scores = (keys[:, h // group] @ q) * scale

@@ -409,3 +409,38 @@ def test_the_kernels_exp_is_within_two_ulp_of_the_exact_one():
     assert got[0] == 0 and got[1].isnan() and got[2] == float("inf") and got[3] == float("inf")
     assert got[4] == 0 and got[5] == 0
     torch.testing.assert_close(got[6:], special[6:].exp())
+
+
+def _dense_windowed(batch, dense, scale, window):
+    outs = []
+    for (q_len, _), (q, k, v) in zip(batch, dense, strict=True):
+        group = q.shape[1] // k.shape[1]
+        k = k.repeat_interleave(group, 1).transpose(0, 1)
+        v = v.repeat_interleave(group, 1).transpose(0, 1)
+        n = q.shape[0]
+        pos = torch.arange(n)
+        mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask, scale=scale)
+        outs.append(out.transpose(0, 1)[-q_len:])
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("window", [1, 5, 8, 19])
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("batch", BATCHES)
+def test_sliding_window_attention_matches_reference_and_dense(batch, block_size, window):
+    """A window sees itself and window - 1 earlier positions, in decodes and chunks alike; blocks wholly
+    before every query's window are never read (here they hold NaN, as freed blocks may)."""
+    query, kv_cache, meta, dense = _setup(batch, block_size, group=2)
+    scale = HEAD_SIZE**-0.5
+    want = _dense_windowed(batch, dense, scale, window)
+    torch.testing.assert_close(
+        paged_attention_reference(query, kv_cache, meta, scale, window=window), want, atol=1e-5, rtol=0
+    )
+    poisoned = kv_cache.clone()
+    for i, (q_len, seq_len) in enumerate(batch):
+        first_needed = max(0, seq_len - q_len - window + 1)
+        for b in range(first_needed // block_size):
+            poisoned[:, int(meta.block_table[i, b])] = float("nan")
+    out = OPS.attention(query, poisoned, meta, scale, window=window)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=0)

@@ -108,10 +108,17 @@ class CpuOps(Ops):
             reference.store_kv(key, value, kv_cache, slot_mapping)
 
     def attention(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
-        if not self.c_attention:
-            return reference.paged_attention(query, kv_cache, meta, scale)
+        # Within the window a windowed layer attends fully; past it, the torch path (the C kernels take
+        # no window yet).
+        if not self.c_attention or (window is not None and meta.max_seq_len > window):
+            return reference.paged_attention(query, kv_cache, meta, scale, window=window)
         pure_decode = meta.num_reqs == meta.num_decodes and query.shape[0] == meta.num_decodes
         if not pure_decode and self.c_prefill and clib.fast_prefill(query, kv_cache):
             return _c_mixed(query, kv_cache, meta, scale)

@@ -20,6 +20,7 @@ from aioengine.gpu.cuda.staging import HostStaging
 from aioengine.gpu.cuda.timeline import GpuTimeline
 from aioengine.gpu.cuda.worker import CudaWorker
 from aioengine.gpu.loader import kv_cache_shape
+from aioengine.kernels import reference
 from aioengine.kernels.metadata import AttentionMetadata
 from aioengine.sched.output import ModelRunnerOutput
 
@@ -65,8 +66,15 @@ class CudaOps(Ops):
         _triton().store_kv(key, value, kv_cache, slot_mapping)
 
     def attention(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
+        if window is not None and meta.max_seq_len > window:  # the Triton kernel takes no window yet
+            return reference.paged_attention(query, kv_cache, meta, scale, window=window)
         return _triton().attention(query, kv_cache, meta, scale)
 
 
