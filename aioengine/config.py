@@ -114,11 +114,9 @@ class EngineConfig:
     max_num_batched_tokens: int
 
 
-def resolve_max_model_len(
-    requested: int | None, max_position_embeddings: int, sliding_window: int | None
-) -> int:
-    """The context length: ``requested`` or the model's; with no sliding-window kernels, a window caps it
-    (a ValueError when the cap contradicts an explicit request)."""
+def resolve_max_model_len(requested: int | None, max_position_embeddings: int) -> int:
+    """The context length: ``requested`` or the model's (sliding windows cap nothing: attention applies
+    them)."""
     max_model_len = requested or max_position_embeddings
     if max_model_len > max_position_embeddings:
         logger.warning(
@@ -127,14 +125,6 @@ def resolve_max_model_len(
             max_model_len,
             max_position_embeddings,
         )
-    if sliding_window is not None and max_model_len > sliding_window:
-        if requested:
-            raise ValueError(
-                f"max_model_len {max_model_len} exceeds the model's sliding window ({sliding_window}); "
-                "sliding-window attention is not supported, so the context is capped there"
-            )
-        logger.warning("max_model_len capped at the model's sliding window, %d tokens", sliding_window)
-        max_model_len = sliding_window
     return max_model_len
 
 

@@ -129,9 +129,7 @@ class AsyncEngine:
         return EngineConfig(
             device=backend.name,
             dtype=args.dtype if args.dtype != "auto" else backend.default_dtype(),
-            max_model_len=resolve_max_model_len(
-                args.max_model_len, cfg_probe["max_position_embeddings"], cfg_probe.get("sliding_window")
-            ),
+            max_model_len=resolve_max_model_len(args.max_model_len, cfg_probe["max_position_embeddings"]),
             max_num_seqs=args.max_num_seqs or backend.default_max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens or backend.default_max_num_batched_tokens,
         )

@@ -1,4 +1,5 @@
-"""Tiny random-weight checkpoints (Llama, Qwen2, Qwen3) with a real tokenizer, for engine tests."""
+"""Tiny random-weight checkpoints (Llama, Qwen2, Qwen3, Mistral and Gemma 3 with sliding windows) with a
+real tokenizer, for engine tests."""
 
 from __future__ import annotations
 
@@ -37,6 +38,20 @@ TINY = {
     ),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(tie_word_embeddings=False)),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(head_dim=24)),
+    # every layer windowed; prompts run past the window
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(sliding_window=32)),
+    # a windowed layer (its own RoPE base) beside a full one, GeGLU, (1 + w) norms, soft-capped logits
+    "gemma3": (
+        transformers.Gemma3TextConfig,
+        transformers.Gemma3ForCausalLM,
+        dict(
+            head_dim=16,
+            sliding_window=16,
+            layer_types=["sliding_attention", "full_attention"],
+            query_pre_attn_scalar=24,
+            final_logit_softcapping=30.0,
+        ),
+    ),
 }
 
 

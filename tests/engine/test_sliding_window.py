@@ -1,42 +1,21 @@
-"""Sliding-window configs: with no windowed kernels the context is capped at the window, where windowed
-attention equals full attention; tokens then equal transformers' (which does apply the window)."""
+"""Sliding-window configs run past their window: each layer's window comes from the config, and tokens
+equal transformers' (which applies the same windows) on requests several windows long."""
 
 from __future__ import annotations
 
 import asyncio
 import random
-import shutil
 
 import pytest
-import torch
 import transformers
 
 from aioengine import AsyncEngine, EngineArgs, SamplingParams
 from aioengine.gpu.models import sliding_window
-from aioengine.model_files import resolve_model
-from tests.engine.conftest import SMALL
+from aioengine.gpu.models.llama import layer_windows
+from tests.engine.conftest import make_tiny_checkpoint
 from tests.engine.test_parity import NEW_TOKENS, hf_greedy
 
-WINDOW = 48
-
-
-@pytest.fixture(scope="module")
-def tiny_mistral(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-mistral")
-    torch.manual_seed(0)
-    model = (
-        transformers.MistralForCausalLM(transformers.MistralConfig(**SMALL, sliding_window=WINDOW))
-        .float()
-        .eval()
-    )
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn_like(p) * 0.3)
-    model.save_pretrained(path)
-    for f in resolve_model("default").iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy(f, path / f.name)
-    return path, model
+WINDOW = 32  # conftest's tiny Mistral
 
 
 def test_which_configs_have_a_window():
@@ -47,30 +26,44 @@ def test_which_configs_have_a_window():
     assert sliding_window({}) is None
 
 
-def test_the_context_is_capped_at_the_window_and_tokens_match(tiny_mistral):
+def test_each_layer_takes_its_window_from_the_config():
+    mistral = transformers.MistralConfig(num_hidden_layers=3, sliding_window=64)
+    assert layer_windows(mistral) == [64, 64, 64]
+    qwen = transformers.Qwen2Config(
+        num_hidden_layers=4, use_sliding_window=True, sliding_window=64, max_window_layers=2
+    )
+    assert layer_windows(qwen) == [None, None, 64, 64]  # as transformers' layer_types says
+    assert layer_windows(transformers.Qwen2Config(num_hidden_layers=2)) == [None, None]
+
+
+@pytest.fixture(scope="module")
+def tiny_mistral(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-mistral-long")
+    return path, make_tiny_checkpoint("mistral", path)
+
+
+def test_requests_several_windows_long_match_transformers(tiny_mistral):
+    """Past the window, with chunks that start before it and end after it: no cap on the context."""
     path, hf = tiny_mistral
     rng = random.Random(3)
-    prompts = [[rng.randrange(3, 49152) for _ in range(n)] for n in (5, 20, WINDOW - NEW_TOKENS)]
+    prompts = [
+        [rng.randrange(3, 49152) for _ in range(n)] for n in (5, WINDOW - 1, WINDOW + 1, 3 * WINDOW + 7)
+    ]
     expected = [hf_greedy(hf, p) for p in prompts]
 
     async def run():
-        async with AsyncEngine(
-            EngineArgs(model=str(path), dtype="float32", device="cpu", block_size=4)
-        ) as engine:
+        args = EngineArgs(
+            model=str(path),
+            dtype="float32",
+            device="cpu",
+            block_size=4,
+            max_model_len=8 * WINDOW,
+            max_num_batched_tokens=24,
+        )
+        async with AsyncEngine(args) as engine:
             params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
             outs = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
             return engine.max_model_len, [o.outputs[0].token_ids for o in outs]
 
     max_model_len, got = asyncio.run(run())
-    assert max_model_len == WINDOW and got == expected
-
-
-def test_asking_for_more_than_the_window_is_refused(tiny_mistral):
-    async def run():
-        async with AsyncEngine(
-            EngineArgs(model=str(tiny_mistral[0]), dtype="float32", device="cpu", max_model_len=2 * WINDOW)
-        ):
-            pass
-
-    with pytest.raises(ValueError, match="sliding window"):
-        asyncio.run(run())
+    assert max_model_len == 8 * WINDOW and got == expected

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from aioengine.gpu.models.gemma3 import Gemma3ForCausalLM
 from aioengine.gpu.models.llama import LlamaForCausalLM
 from aioengine.gpu.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 
@@ -12,6 +13,7 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 
 
@@ -37,6 +39,7 @@ def sliding_window(cfg: Any) -> int | None:
 
 __all__ = [
     "MODEL_REGISTRY",
+    "Gemma3ForCausalLM",
     "LlamaForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",

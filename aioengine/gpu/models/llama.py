@@ -44,9 +44,11 @@ class LlamaAttention(nn.Module):
         qk_norm: bool,
         rotary_emb: RotaryEmbedding,
         ops: Ops,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
         self.ops = ops
+        self.sliding_window = sliding_window  # this layer's window (None: full attention)
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = num_kv_heads_of(config)
         assert self.num_heads % self.num_kv_heads == 0, "GQA needs heads to be a multiple of KV heads"
@@ -85,7 +87,7 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)
         self.ops.store_kv(k, v, kv_cache, meta.slot_mapping)
-        out = self.ops.attention(q, kv_cache, meta, self.scaling)
+        out = self.ops.attention(q, kv_cache, meta, self.scaling, window=self.sliding_window)
         return self.o_proj(out.view(num_tokens, self.q_size))
 
 
@@ -102,6 +104,22 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+def layer_windows(config: Any) -> list[int | None]:
+    """Each layer's attention window: the config's ``sliding_window`` on the layers ``layer_types`` marks
+    "sliding_attention" (every layer when it has none, as Mistral), or None for full attention."""
+    from aioengine.gpu.models import sliding_window
+
+    window = sliding_window(config)
+    types = getattr(config, "layer_types", None)
+    n = config.num_hidden_layers
+    if window is None:
+        return [None] * n
+    if types is None:
+        return [window] * n
+    assert len(types) == n, f"layer_types names {len(types)} layers, the model has {n}"
+    return [window if t == "sliding_attention" else None for t in types]
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -139,8 +157,8 @@ class LlamaModel(nn.Module):
         )
         rope = get_rope(head_dim_of(config), config.max_position_embeddings, config, dtype, device, ops)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, dtype, device, ops, rotary_emb=rope, **attn_switches)
-            for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, dtype, device, ops, rotary_emb=rope, sliding_window=w, **attn_switches)
+            for w in layer_windows(config)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, ops)
 

@@ -114,7 +114,8 @@ def test_static_forward_matches_eager_with_the_triton_kernels():
         def store_kv(self, key, value, kv_cache, slot_mapping):
             store_kv_triton(key, value, kv_cache, slot_mapping)
 
-        def attention(self, query, kv_cache, meta, scale):
+        def attention(self, query, kv_cache, meta, scale, window=None):
+            assert window is None  # a full-attention model
             return paged_attention_triton(query, kv_cache, meta, scale)
 
     model, config = build_random_model("random:tiny", torch.float32, "cpu", seed=3, ops=TritonAttentionOps())
