@@ -370,14 +370,15 @@ def paged_attention(
     """Causal attention of query ``[T, Hq, D]`` against the paged cache; returns ``[T, Hq, D]``.
 
     Rows past ``num_actual_tokens`` (padding) come back zero. ``decodes`` replaces the SDPA path for the
-    leading decode rows (a backend's kernel: ``decodes(query, kv_cache, meta, scale)``). ``window``
+    leading decode rows (a backend's kernel: ``decodes(query, kv_cache, meta, scale)``, which applies the
+    window itself when one is given). ``window``
     (sliding-window layers): a token attends to itself and the ``window - 1`` positions before it; while
     no sequence is longer than the window that is full attention, and takes the same paths.
     """
     assert query.shape[1] % kv_cache.shape[-2] == 0, "query heads must be a multiple of KV heads"
     num_decodes = meta.num_decodes
     if window is not None and meta.max_seq_len > window:
-        decodes = functools.partial(_windowed_decodes, window=window)
+        decodes = decodes or functools.partial(_windowed_decodes, window=window)
     else:
         window = None
         decodes = decodes or _decodes

@@ -210,11 +210,12 @@ def test_loading_the_c_kernels_keeps_subnormal_floats():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
+@pytest.mark.parametrize("window", [None, 1, 5, 33])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("block_size", "group", "head_dim"), [(16, 3, 64), (4, 1, 8), (32, 4, 128), (8, 8, 32)]
 )
-def test_c_decode_kernel_matches_reference(dtype, block_size, group, head_dim):
+def test_c_decode_kernel_matches_reference(dtype, block_size, group, head_dim, window):
     from aioengine.kernels.cpu import clib as cpu_kernels
 
     gen = torch.Generator().manual_seed(block_size * group)
@@ -227,8 +228,9 @@ def test_c_decode_kernel_matches_reference(dtype, block_size, group, head_dim):
         [1] * len(seq_lens), seq_lens, block_table.view(len(seq_lens), -1), block_size
     )
     query = torch.randn(len(seq_lens), 2 * group, head_dim, generator=gen).to(dtype)
-    out = cpu_kernels.decode_attention(query, kv_cache, meta.block_table, meta.seq_lens, head_dim**-0.5)
-    ref = paged_attention_reference(query, kv_cache, meta, head_dim**-0.5)
+    scale = head_dim**-0.5
+    out = cpu_kernels.decode_attention(query, kv_cache, meta.block_table, meta.seq_lens, scale, window)
+    ref = paged_attention_reference(query, kv_cache, meta, scale, window=window)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
 

@@ -5,6 +5,7 @@ Every choice comes from the engine's ``KernelConfig``, so two engines in one pro
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -115,16 +116,18 @@ class CpuOps(Ops):
         scale: float,
         window: int | None = None,
     ) -> torch.Tensor:
-        # Within the window a windowed layer attends fully; past it, the torch path (the C kernels take
-        # no window yet).
-        if not self.c_attention or (window is not None and meta.max_seq_len > window):
+        if window is not None and meta.max_seq_len <= window:
+            window = None  # within its window a windowed layer attends fully
+        if not self.c_attention:
             return reference.paged_attention(query, kv_cache, meta, scale, window=window)
         pure_decode = meta.num_reqs == meta.num_decodes and query.shape[0] == meta.num_decodes
-        if not pure_decode and self.c_prefill and clib.fast_prefill(query, kv_cache):
+        # The packed prefill kernel takes no window: past one, chunks run the torch path.
+        if window is None and not pure_decode and self.c_prefill and clib.fast_prefill(query, kv_cache):
             return _c_mixed(query, kv_cache, meta, scale)
         if clib.supports(query, kv_cache) and clib.load() is not None:
-            return reference.paged_attention(query, kv_cache, meta, scale, decodes=_c_decodes)
-        return reference.paged_attention(query, kv_cache, meta, scale)
+            decodes = functools.partial(_c_decodes, window=window)
+            return reference.paged_attention(query, kv_cache, meta, scale, decodes=decodes, window=window)
+        return reference.paged_attention(query, kv_cache, meta, scale, window=window)
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """Widening bf16 is exact (the same winner), and torch's CPU argmax is much faster on float32 than
@@ -149,10 +152,15 @@ def _adjacent_heads(query: torch.Tensor, key: torch.Tensor) -> bool:
 
 
 def _c_decodes(
-    query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """The decode rows straight from the blocks: no gather, no padding (cpu_decode_attention.c)."""
-    return clib.decode_attention(query[: meta.num_decodes], kv_cache, meta.block_table, meta.seq_lens, scale)
+    nd = meta.num_decodes
+    return clib.decode_attention(query[:nd], kv_cache, meta.block_table, meta.seq_lens, scale, window)
 
 
 def _c_mixed(

@@ -151,6 +151,7 @@ def load() -> ctypes.CDLL | None:
                 ctypes.c_int,
                 ctypes.c_int,
                 ctypes.c_float,
+                ctypes.c_int,  # window (0: none)
                 ctypes.c_int64,
                 ctypes.c_int64,
                 ctypes.c_int64,
@@ -426,8 +427,10 @@ def decode_attention(
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """query ``[B, Hq, D]`` (one token per request) -> ``[B, Hq, D]`` over each request's blocks."""
+    """query ``[B, Hq, D]`` (one token per request) -> ``[B, Hq, D]`` over each request's blocks (only
+    the last ``window`` positions of each, for a sliding-window layer)."""
     lib = load()
     assert lib is not None and supports(query, kv_cache)
     num_reqs, num_heads, head_dim = query.shape
@@ -450,6 +453,7 @@ def decode_attention(
         head_dim,
         block_size,
         scale,
+        window or 0,
         kv_cache.stride(1),
         kv_cache.stride(2),
         kv_cache.stride(3),

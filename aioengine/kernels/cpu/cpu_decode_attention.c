@@ -8,6 +8,7 @@
  * Layouts (aioengine/kernels/reference.py): key/value caches [num_blocks, block_size, Hkv, D] with any
  * block, token and head strides (elements; D contiguous): token-major, or the CPU's head-major memory;
  * query [B, Hq, D] with a token stride; block_table [B, table_stride] int32; seq_lens [B] int32.
+ * window > 0 (a sliding-window layer): each query sees only its last `window` positions.
  * Accumulation is in float32; bf16 inputs are widened exactly and the output rounded to nearest even.
  *
  * Where the compiler targets AVX512-BF16 (-march=native on such a CPU), bf16 with a head_dim that is a
@@ -30,7 +31,8 @@
     int NAME(const T *query, int64_t query_stride, const T *key_cache, const T *value_cache,            \
              const int32_t *block_table, int64_t table_stride, const int32_t *seq_lens, T *out,           \
              int num_reqs, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,    \
-             int64_t block_stride, int64_t token_stride, int64_t head_stride, int num_threads) {         \
+             int window, int64_t block_stride, int64_t token_stride, int64_t head_stride,                 \
+             int num_threads) {                                                                           \
         const int group = num_heads / num_kv_heads;                                                      \
         if (head_dim > MAX_HEAD_DIM || group > MAX_GROUP || block_size > MAX_BLOCK) return -1;           \
         _Pragma("omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)")            \
@@ -50,11 +52,14 @@
                 }                                                                                        \
                 const int seq_len = seq_lens[r];                                                         \
                 const int32_t *blocks = block_table + (int64_t)r * table_stride;                         \
-                for (int start = 0; start < seq_len; start += block_size) {                              \
+                /* a window sees the last `window` positions: blocks before them are never read */       \
+                const int lo = window > 0 && seq_len > window ? seq_len - window : 0;                   \
+                for (int start = lo - lo % block_size; start < seq_len; start += block_size) {           \
                     const int n = seq_len - start < block_size ? seq_len - start : block_size;           \
+                    const int t0 = start < lo ? lo - start : 0;                                          \
                     const int64_t base = (int64_t)blocks[start / block_size] * block_stride               \
                                          + (int64_t)kvh * head_stride;                                   \
-                    for (int t = 0; t < n; t++) {                                                        \
+                    for (int t = t0; t < n; t++) {                                                       \
                         const T *kp = key_cache + base + t * token_stride;                               \
                         for (int d = 0; d < head_dim; d++) row[d] = LOAD(kp[d]);                         \
                         for (int g = 0; g < group; g++) {                                                \
@@ -65,17 +70,17 @@
                     }                                                                                    \
                     for (int g = 0; g < group; g++) {                                                    \
                         float m = run_max[g];                                                            \
-                        for (int t = 0; t < n; t++) m = scores[g][t] > m ? scores[g][t] : m;             \
+                        for (int t = t0; t < n; t++) m = scores[g][t] > m ? scores[g][t] : m;            \
                         const float correction = expf(run_max[g] - m);                                   \
                         run_sum[g] *= correction;                                                        \
                         for (int d = 0; d < head_dim; d++) acc[g][d] *= correction;                      \
-                        for (int t = 0; t < n; t++) {                                                    \
+                        for (int t = t0; t < n; t++) {                                                   \
                             scores[g][t] = expf(scores[g][t] - m);                                       \
                             run_sum[g] += scores[g][t];                                                  \
                         }                                                                                \
                         run_max[g] = m;                                                                  \
                     }                                                                                    \
-                    for (int t = 0; t < n; t++) {                                                        \
+                    for (int t = t0; t < n; t++) {                                                       \
                         const T *vp = value_cache + base + t * token_stride;                             \
                         for (int d = 0; d < head_dim; d++) row[d] = LOAD(vp[d]);                         \
                         for (int g = 0; g < group; g++) {                                                \
@@ -202,8 +207,8 @@ static int decode_attention_bf16_avx512(const uint16_t *query, int64_t query_str
                                         const uint16_t *value_cache, const int32_t *block_table,
                                         int64_t table_stride, const int32_t *seq_lens, uint16_t *out, int num_reqs,
                                         int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
-                                        int64_t block_stride, int64_t token_stride, int64_t head_stride,
-                                        int num_threads) {
+                                        int window, int64_t block_stride, int64_t token_stride,
+                                        int64_t head_stride, int num_threads) {
     const int group = num_heads / num_kv_heads;
     const int halves = head_dim / 32;
 #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)
@@ -220,7 +225,7 @@ static int decode_attention_bf16_avx512(const uint16_t *query, int64_t query_str
             const int32_t *blocks = block_table + (int64_t)r * table_stride;
             const int last = (seq_len - 1) / block_size;
             const uint16_t *k_head = key_cache + (int64_t)kvh * head_stride, *v_head = value_cache + (int64_t)kvh * head_stride;
-            for (int pos = 0; pos < seq_len;) {
+            for (int pos = window > 0 && seq_len > window ? seq_len - window : 0; pos < seq_len;) {
                 const int in_block = pos % block_size, j = pos / block_size;
                 if (in_block == 0) { /* scattered blocks defeat the hardware prefetchers: without these the
                                         loop waits on DRAM. Far blocks go to L2 first, which keeps more lines in
@@ -275,18 +280,18 @@ static int decode_attention_bf16_avx512(const uint16_t *query, int64_t query_str
 int decode_attention_bf16(const uint16_t *query, int64_t query_stride, const uint16_t *key_cache,
                           const uint16_t *value_cache, const int32_t *block_table, int64_t table_stride,
                           const int32_t *seq_lens, uint16_t *out, int num_reqs, int num_heads, int num_kv_heads,
-                          int head_dim, int block_size, float scale, int64_t block_stride, int64_t token_stride,
-                          int64_t head_stride, int num_threads) {
+                          int head_dim, int block_size, float scale, int window, int64_t block_stride,
+                          int64_t token_stride, int64_t head_stride, int num_threads) {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
     if (head_dim % 32 == 0 && head_dim <= MAX_HEAD_DIM && num_heads / num_kv_heads <= MAX_GROUP
         && block_size <= MAX_BLOCK)
         return decode_attention_bf16_avx512(query, query_stride, key_cache, value_cache, block_table, table_stride,
                                             seq_lens, out, num_reqs, num_heads, num_kv_heads, head_dim, block_size,
-                                            scale, block_stride, token_stride, head_stride, num_threads);
+                                            scale, window, block_stride, token_stride, head_stride, num_threads);
 #endif
     return decode_attention_bf16_generic(query, query_stride, key_cache, value_cache, block_table, table_stride,
                                          seq_lens, out, num_reqs, num_heads, num_kv_heads, head_dim, block_size,
-                                         scale, block_stride, token_stride, head_stride, num_threads);
+                                         scale, window, block_stride, token_stride, head_stride, num_threads);
 }
 
 /* out[i] = exp16(x[i]), the attention kernels' e^x, for the tests; -1 where the AVX512 loops are not built. */

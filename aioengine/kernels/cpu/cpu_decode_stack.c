@@ -54,7 +54,7 @@ int decode_stack_bf16(const layer_weights *layers, int num_layers, const stack_a
                      a->token_stride, a->head_stride, 2, a->num_slots);
         status = decode_attention_bf16(a->qk_rotated, (hq + hkv) * d, w->key_cache, w->value_cache, a->block_table,
                                        a->table_stride, a->seq_lens, a->attn, (int)rows, (int)hq, (int)hkv, (int)d,
-                                       (int)a->block_size, a->scale, a->block_stride, a->token_stride,
+                                       (int)a->block_size, a->scale, 0, a->block_stride, a->token_stride,
                                        a->head_stride, (int)nt);
         if (status) return status;
         status = gemm_bf16(a->attn, hq * d, w->o, w->o_bias, hidden, h, rows, h, hq * d, OUT_BF16, NULL, nt);

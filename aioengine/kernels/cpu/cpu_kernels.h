@@ -22,8 +22,8 @@ int gemm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *packed, const uint
 int decode_attention_bf16(const uint16_t *query, int64_t query_stride, const uint16_t *key_cache,
                           const uint16_t *value_cache, const int32_t *block_table, int64_t table_stride,
                           const int32_t *seq_lens, uint16_t *out, int num_reqs, int num_heads, int num_kv_heads,
-                          int head_dim, int block_size, float scale, int64_t block_stride, int64_t token_stride,
-                          int64_t head_stride, int num_threads);
+                          int head_dim, int block_size, float scale, int window, int64_t block_stride,
+                          int64_t token_stride, int64_t head_stride, int num_threads);
 void store_kv_cpu(const char *key, int64_t key_stride, const char *value, int64_t value_stride, char *key_cache,
                   char *value_cache, const int64_t *slots, int64_t num_tokens, int num_kv_heads, int head_dim,
                   int block_size, int64_t block_stride, int64_t token_stride, int64_t head_stride, int elem,
