@@ -20,7 +20,6 @@ from aioengine.gpu.cuda.staging import HostStaging
 from aioengine.gpu.cuda.timeline import GpuTimeline
 from aioengine.gpu.cuda.worker import CudaWorker
 from aioengine.gpu.loader import kv_cache_shape
-from aioengine.kernels import reference
 from aioengine.kernels.metadata import AttentionMetadata
 from aioengine.sched.output import ModelRunnerOutput
 
@@ -73,9 +72,7 @@ class CudaOps(Ops):
         scale: float,
         window: int | None = None,
     ) -> torch.Tensor:
-        if window is not None and meta.max_seq_len > window:  # the Triton kernel takes no window yet
-            return reference.paged_attention(query, kv_cache, meta, scale, window=window)
-        return _triton().attention(query, kv_cache, meta, scale)
+        return _triton().attention(query, kv_cache, meta, scale, window=window)
 
 
 class CudaBackend(Backend):

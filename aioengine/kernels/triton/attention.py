@@ -5,8 +5,9 @@ share one KV head (GQA packs them into the ``BLOCK_M = BLOCK_Q * GROUP`` rows of
 the request's KV positions ``0..last query position`` in tiles of ``TILE`` positions, gathered
 through the block table (so ``TILE`` is independent of the cache's block size), with an online
 softmax accumulated in fp32. Query token ``j`` of request ``i`` sits at position
-``seq_lens[i] - q_len_i + j`` and sees cache positions up to its own: decodes, prefill chunks that
-start mid-sequence (prefix hits, chunked prefill) and whole prompts are one case.
+``seq_lens[i] - q_len_i + j`` and sees cache positions up to its own (a sliding-window layer: only the
+``window`` last of them): decodes, prefill chunks that start mid-sequence (prefix hits, chunked prefill)
+and whole prompts are one case.
 
 The grid depends only on shapes (``num_tokens // BLOCK_Q + num_reqs`` programs per KV head; each
 finds its request by a binary search over ``query_start_loc``), so a launch can be captured in a
@@ -53,6 +54,7 @@ def _paged_attention_kernel(
     seq_lens_ptr,
     query_start_loc_ptr,
     scale_log2,  # softmax scale * log2(e): the kernel works in base 2
+    window,  # a sliding-window layer's span (itself and window - 1 before); 0: full attention
     num_reqs,
     stride_q_tok,
     stride_q_head,
@@ -103,12 +105,16 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_P], dtype=tl.float32)
 
-    # Positions this program needs: up to its last valid query's position.
+    # Positions this program needs: up to its last valid query's position, from its first query's
+    # window on (blocks before that are never read: a windowed cache may have freed them).
     kv_len = tl.minimum(context_len + (q_block_local + 1) * BLOCK_Q, seq_len)
+    kv_lo = 0
+    if window > 0:
+        kv_lo = tl.maximum(context_len + q_block_local * BLOCK_Q - window + 1, 0)
     table_row = block_table_ptr + req.to(tl.int64) * stride_bt
-    for start in range(0, kv_len, TILE):
+    for start in range(kv_lo - kv_lo % TILE, kv_len, TILE):
         pos = start + tl.arange(0, TILE)
-        pos_ok = pos < kv_len
+        pos_ok = (pos < kv_len) & (pos >= kv_lo)
         block = tl.load(table_row + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
         kv_off = block * stride_c_block + (pos % BLOCK_SIZE) * stride_c_off + kv_head * stride_c_head
         k = tl.load(  # [HEAD_DIM_P, TILE]: K transposed for the dot
@@ -125,6 +131,8 @@ def _paged_attention_kernel(
         v = v.to(DOT_DTYPE)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
         visible = row_ok[:, None] & (pos[None, :] <= q_pos[:, None])
+        if window > 0:
+            visible = visible & (pos[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_new = tl.where(m_new > float("-inf"), m_new, 0.0)  # rows with nothing visible yet
@@ -163,10 +171,12 @@ def paged_attention_triton(
     meta: AttentionMetadata,
     scale: float,
     *,
+    window: int | None = None,
     block_m: int | None = None,
     tile: int = 32,
 ) -> torch.Tensor:
     """Causal attention of query ``[T, Hq, D]`` against the paged cache; returns ``[T, Hq, D]``.
+    ``window``: a sliding-window layer's span, as ``reference.paged_attention``'s.
 
     Same contract as ``reference.paged_attention``: rows past ``num_actual_tokens`` come back zero.
     Uses ``meta.query_start_loc``, ``seq_lens`` and ``block_table`` (device tensors) and the host
@@ -211,6 +221,7 @@ def paged_attention_triton(
         meta.seq_lens,
         meta.query_start_loc,
         scale * math.log2(math.e),
+        window or 0,
         num_reqs,
         query.stride(0),
         query.stride(1),

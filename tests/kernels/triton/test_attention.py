@@ -88,6 +88,23 @@ def test_matches_reference(batch, block_size, group, head_dim):
     torch.testing.assert_close(out.cpu(), _reference(query, kv_cache, meta, scale), atol=2e-5, rtol=0)
 
 
+@pytest.mark.parametrize("window", [1, 6, 19])
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("batch", list(BATCHES))
+def test_sliding_window_matches_reference_and_skips_blocks_before_it(batch, block_size, window):
+    """Decodes and chunks see only their last ``window`` positions; blocks wholly before a request's
+    first window hold NaN here (as a freed block may) and must not leak in."""
+    query, kv_cache, meta = _setup(BATCHES[batch], block_size, 2, 24, seed=3)
+    scale = 24**-0.5
+    cpu = _to(AttentionMetadata(**{f: getattr(meta, f) for f in meta.__slots__}), "cpu")
+    want = paged_attention_reference(query.cpu(), kv_cache.cpu(), cpu, scale, window=window)
+    for i, (q_len, seq_len) in enumerate(BATCHES[batch]):
+        for b in range(max(0, seq_len - q_len - window + 1) // block_size):
+            kv_cache[:, int(cpu.block_table[i, b])] = float("nan")
+    out = paged_attention_triton(query, kv_cache, meta, scale, window=window, block_m=16, tile=16)
+    torch.testing.assert_close(out.cpu(), want, atol=2e-5, rtol=0)
+
+
 @pytest.mark.parametrize("block_m", [16, 32, 64])
 @pytest.mark.parametrize("tile", [16, 64])
 def test_tile_shapes_and_odd_group(block_m, tile):
