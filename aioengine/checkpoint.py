@@ -1,5 +1,5 @@
 """What the engine reads from a checkpoint around loading it: the config probe (context length, vocabulary,
-EOS, sliding window), the default sampling parameters of its generation config, and its tokenizer."""
+EOS), the default sampling parameters of its generation config, and its tokenizer."""
 
 from __future__ import annotations
 
@@ -59,8 +59,8 @@ def generation_defaults(source: str, model_generation_config: dict) -> dict:
 
 
 def read_config(path: str) -> dict:
-    """What start() needs before the weights load: context length, vocabulary, EOS, sliding window, and the
-    generation config (its sampling defaults)."""
+    """What start() needs before the weights load: context length, vocabulary, EOS, and the generation
+    config (its sampling defaults)."""
     if path.startswith(RANDOM_PREFIX):
         from aioengine.gpu.random_model import random_config
 
@@ -77,13 +77,10 @@ def read_config(path: str) -> dict:
     eos = generation.get("eos_token_id", cfg.get("eos_token_id"))
     if isinstance(eos, list):
         eos = eos[0] if eos else None
-    from aioengine.gpu.models import sliding_window
-
     text_cfg = cfg.get("text_config", cfg)
     return {
         "max_position_embeddings": text_cfg.get("max_position_embeddings", 2048),
         "vocab_size": text_cfg["vocab_size"],
         "eos_token_id": eos,
-        "sliding_window": sliding_window(text_cfg),
         "generation_config": generation,
     }

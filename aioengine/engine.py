@@ -22,6 +22,7 @@ from aioengine.handle import GenerateHandle, RequestState
 from aioengine.output_processor import OutputProcessor
 from aioengine.outputs import CompletionOutput
 from aioengine.sampling_params import SamplingParams
+from aioengine.sched.kv_cache_spec import capacity_tokens
 from aioengine.sched.output import ModelRunnerOutput, NewRequestData
 from aioengine.sched.request import Request, RequestStatus
 from aioengine.sched.scheduler import Scheduler, SchedulerConfig
@@ -194,7 +195,9 @@ class AsyncEngine:
                     backend.num_kv_blocks, runner, args, config.max_num_batched_tokens, config.max_num_seqs
                 )
             )
-            num_blocks = min(fits, config.max_num_seqs * -(-config.max_model_len // args.block_size) + 1)
+            groups = len(runner.kv_cache_groups)
+            per_seq = -(-config.max_model_len // args.block_size) * groups
+            num_blocks = min(fits, config.max_num_seqs * per_seq + 1)
         if num_blocks < 2:
             raise ValueError(f"the KV cache budget fits {num_blocks} blocks; at least 2 are needed")
         return num_blocks
@@ -208,7 +211,13 @@ class AsyncEngine:
         await asyncio.wrap_future(
             worker.submit(backend.build_fast_paths, runner, args, config.max_num_batched_tokens)
         )
-        self.kv_capacity_tokens = (num_blocks - 1) * args.block_size
+        self.kv_capacity_tokens = capacity_tokens(
+            runner.kv_cache_groups,
+            num_blocks - 1,
+            args.block_size,
+            config.max_num_batched_tokens,
+            config.max_model_len,
+        )
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_batched_tokens=config.max_num_batched_tokens,
@@ -219,6 +228,7 @@ class AsyncEngine:
                 enable_prefix_caching=args.enable_prefix_caching,
                 long_prefill_token_threshold=args.long_prefill_token_threshold,
                 policy=args.scheduling_policy,
+                kv_cache_groups=runner.kv_cache_groups,
             )
         )
 

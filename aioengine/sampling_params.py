@@ -23,11 +23,15 @@ class Range:
     hi: float | None = None
     exclusive_lo: bool = False
     words: str = ""  # "{name} must be {words}, got {value}."
+    above: str | None = None  # the words for a value past hi, where they differ
 
-    def holds(self, value: float) -> bool:
+    def problem(self, value: float) -> str | None:
+        """What is wrong with value ("must be ..."), or None when it is within the bounds."""
         if self.lo is not None and (value <= self.lo if self.exclusive_lo else value < self.lo):
-            return False
-        return self.hi is None or value <= self.hi
+            return self.words
+        if self.hi is not None and value > self.hi:
+            return self.above or self.words
+        return None
 
 
 # The one statement of the sampling bounds: SamplingParams checks them, and the HTTP request tables
@@ -36,14 +40,18 @@ BOUNDS: dict[str, Range] = {
     "n": Range(lo=1, words="at least 1"),
     "temperature": Range(lo=0, words="non-negative"),
     "top_p": Range(lo=0, hi=1, exclusive_lo=True, words="in (0, 1]"),
-    "top_k": Range(lo=-1, hi=_INT32_MAX, words=f"0 or -1 (disable), or between 1 and {_INT32_MAX}"),
+    "top_k": Range(
+        lo=-1, hi=_INT32_MAX, words="0 or -1 (disable), or at least 1", above=f"at most {_INT32_MAX}"
+    ),
     "min_p": Range(lo=0, hi=1, words="in [0, 1]"),
     "presence_penalty": Range(lo=-2, hi=2, words="in [-2, 2]"),
     "frequency_penalty": Range(lo=-2, hi=2, words="in [-2, 2]"),
     "repetition_penalty": Range(lo=0, exclusive_lo=True, words="greater than zero"),
     "max_tokens": Range(lo=1, words="at least 1"),
     # kept as 64-bit ints on the device: a bigger int kills the step that stores it
-    "min_tokens": Range(lo=0, hi=_INT32_MAX, words=f"between 0 and {_INT32_MAX}"),
+    "min_tokens": Range(
+        lo=0, hi=_INT32_MAX, words="greater than or equal to 0", above=f"at most {_INT32_MAX}"
+    ),
     "seed": Range(lo=-(2**63), hi=2**63 - 1, words="a 64-bit integer"),
     "logprobs": Range(lo=0, hi=MAX_LOGPROBS, words="non-negative"),
     "prompt_logprobs": Range(lo=0, hi=MAX_LOGPROBS, words="non-negative"),
@@ -213,8 +221,9 @@ class SamplingParams:
                 )
         for name, bounds in BOUNDS.items():
             value = getattr(self, name)
-            if value is not None and not bounds.holds(value):
-                raise bad(name, f"{name} must be {bounds.words}, got {value}.")
+            problem = None if value is None else bounds.problem(value)
+            if problem is not None:
+                raise bad(name, f"{name} must be {problem}, got {value}.")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad(
                 "min_tokens",

@@ -145,9 +145,15 @@ class Backend(ABC):
 
     @abstractmethod
     def allocate_kv_caches(
-        self, hf_config: Any, num_blocks: int, block_size: int, dtype: torch.dtype
+        self,
+        hf_config: Any,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        num_tensors: int | None = None,
     ) -> list[torch.Tensor]:
-        """One zeroed cache per layer, in this device's layout behind the shape of ``kv_cache_shape``."""
+        """``num_tensors`` zeroed caches (the KV cache groups' shared tensors; default one per layer), in
+        this device's layout behind the shape of ``kv_cache_shape``."""
 
     @abstractmethod
     def num_kv_blocks(

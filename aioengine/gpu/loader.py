@@ -70,8 +70,12 @@ def kv_cache_shape(model_config: Any, num_blocks: int, block_size: int) -> tuple
     return (2, num_blocks, block_size, num_kv_heads_of(hf), head_dim_of(hf))
 
 
-def kv_cache_bytes_per_block(model_config: Any, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block costs across all layers (for sizing ``num_blocks`` from a memory budget)."""
+def kv_cache_bytes_per_block(
+    model_config: Any, block_size: int, dtype: torch.dtype, num_tensors: int | None = None
+) -> int:
+    """Bytes one block id costs (for sizing ``num_blocks`` from a memory budget): a slot in each of the
+    ``num_tensors`` cache tensors (default: one per layer)."""
     hf = getattr(model_config, "hf_config", model_config)
     per_layer = 2 * block_size * num_kv_heads_of(hf) * head_dim_of(hf)
-    return per_layer * hf.num_hidden_layers * torch.empty((), dtype=dtype).element_size()
+    n = hf.num_hidden_layers if num_tensors is None else num_tensors
+    return per_layer * n * torch.empty((), dtype=dtype).element_size()

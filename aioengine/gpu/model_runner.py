@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import logging
 import time
@@ -18,6 +19,7 @@ from aioengine.gpu.loader import kv_cache_bytes_per_block, load_model
 from aioengine.gpu.sampler import Sampler, SamplerOutput, SamplingMetadata, gather_logprobs
 from aioengine.gpu.states import RequestStates
 from aioengine.kernels.metadata import AttentionMetadata
+from aioengine.sched.kv_cache_spec import group_size, layer_slots
 from aioengine.sched.output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -59,6 +61,7 @@ class ModelRunner:
         self.max_blocks_per_req = -(-max_model_len // block_size)
         self.model, self.hf_config = load_model(model_path, dtype=dtype, device=device, ops=backend.ops)
         self.model.cover_positions(max_model_len)  # a max_model_len past max_position_embeddings extrapolates
+        self.kv_cache_groups = self.model.kv_cache_groups  # layers grouped by attention window
         self._num_parameters = sum(p.numel() for p in self.model.parameters())  # before any repacking
         backend.prepare_model(self.model, quantization)
         self.sampler = Sampler(
@@ -76,6 +79,7 @@ class ModelRunner:
             device,
             vocab_size=self.hf_config.vocab_size,
             staging=self.staging,
+            num_kv_groups=len(self.kv_cache_groups),
         )
         self.kv_caches: list[torch.Tensor] = []
         self._pending: tuple[InputBatch, torch.Tensor] | None = None
@@ -90,12 +94,18 @@ class ModelRunner:
         return self._num_parameters
 
     def kv_cache_bytes_per_block(self) -> int:
-        return kv_cache_bytes_per_block(self.hf_config, self.block_size, self.dtype)
+        """A block id costs one slot in each of the groups' shared cache tensors."""
+        return kv_cache_bytes_per_block(
+            self.hf_config, self.block_size, self.dtype, group_size(self.kv_cache_groups)
+        )
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.kv_caches = self.backend.allocate_kv_caches(
-            self.hf_config, num_blocks, self.block_size, self.dtype
+        tensors = self.backend.allocate_kv_caches(
+            self.hf_config, num_blocks, self.block_size, self.dtype, group_size(self.kv_cache_groups)
         )
+        # layer l of a group uses the tensor at its place in the group
+        slots = layer_slots(self.kv_cache_groups, self.hf_config.num_hidden_layers)
+        self.kv_caches = [tensors[p] for _, p in slots]
 
     # ---- stop 5: update states ----------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -143,9 +153,12 @@ class ModelRunner:
             known, states.token_ids[rows_tok, np.minimum(positions, self.max_model_len - 1)], 0
         )
         bs = self.block_size
-        slot_mapping = states.block_table[rows_tok, positions // bs].astype(np.int64) * bs + positions % bs
         max_seq_len = int(seq_lens.max())
-        block_table = np.ascontiguousarray(states.block_table[rows, : -(-max_seq_len // bs)])
+        tables = states.block_table
+        slot_mappings = [
+            table[rows_tok, positions // bs].astype(np.int64) * bs + positions % bs for table in tables
+        ]
+        block_tables = [np.ascontiguousarray(table[rows, : -(-max_seq_len // bs)]) for table in tables]
         sample_mask = seq_lens >= prefill_len
         logits_indices = (cu[1:] - 1)[sample_mask]
 
@@ -166,11 +179,16 @@ class ModelRunner:
             max_seq_len=max_seq_len,
             query_start_loc=to_device(cu.astype(np.int32)),
             seq_lens=to_device(seq_lens.astype(np.int32)),
-            block_table=to_device(block_table),
-            slot_mapping=to_device(slot_mapping),
+            block_table=to_device(block_tables[0]),
+            slot_mapping=to_device(slot_mappings[0]),
             query_start_loc_cpu=cu_list,
             seq_lens_cpu=seq_lens_list,
         )
+        if len(tables) > 1:  # the other groups see the same batch through their own blocks
+            meta.group_metadata = [meta] + [
+                dataclasses.replace(meta, block_table=to_device(t), slot_mapping=to_device(m))
+                for t, m in zip(block_tables[1:], slot_mappings[1:], strict=True)
+            ]
         return InputBatch(
             req_ids=req_ids,
             rows=rows,

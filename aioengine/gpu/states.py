@@ -33,14 +33,16 @@ class RequestStates:
         vocab_size: int | None = None,
         *,
         staging: Staging,
+        num_kv_groups: int = 1,
     ) -> None:
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
         self.prefill_len = np.zeros(max_num_reqs, dtype=np.int64)
-        self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
-        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int32)
+        # one block table per KV cache group (sched/kv_cache_spec.py)
+        self.block_table = np.zeros((num_kv_groups, max_num_reqs, max_blocks_per_req), dtype=np.int32)
+        self.num_blocks = np.zeros((num_kv_groups, max_num_reqs), dtype=np.int32)
         self.temperature = np.zeros(max_num_reqs, dtype=np.float32)
         self.top_k = np.zeros(max_num_reqs, dtype=np.int64)
         self.top_p = np.ones(max_num_reqs, dtype=np.float32)
@@ -83,7 +85,7 @@ class RequestStates:
         n = len(data.prompt_token_ids)
         self.token_ids[row, :n] = data.prompt_token_ids
         self.prefill_len[row] = n
-        self.num_blocks[row] = 0
+        self.num_blocks[:, row] = 0
         self.append_blocks(row, data.block_ids)
         p = data.sampling_params
         self.temperature[row] = p.temperature
@@ -141,10 +143,11 @@ class RequestStates:
                         np.asarray(data.prompt_token_ids[num_prompt:], dtype=np.int64)
                     )
 
-    def append_blocks(self, row: int, block_ids: list[int]) -> None:
-        start = self.num_blocks[row]
-        self.block_table[row, start : start + len(block_ids)] = block_ids
-        self.num_blocks[row] = start + len(block_ids)
+    def append_blocks(self, row: int, block_ids: tuple[list[int], ...]) -> None:
+        for g, ids in enumerate(block_ids):
+            start = self.num_blocks[g, row]
+            self.block_table[g, row, start : start + len(ids)] = ids
+            self.num_blocks[g, row] = start + len(ids)
 
     def remove(self, req_id: str) -> None:
         row = self.row_of.pop(req_id, None)

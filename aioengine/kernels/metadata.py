@@ -30,6 +30,12 @@ class AttentionMetadata:
     decode_groups: list[Any] | None = None
     # Torch path only: windowed decodes' gather plan per window size, likewise built once a step.
     window_plans: dict[int, Any] | None = None
+    # With several KV cache groups: each group's view of this batch (its block table and slot mapping),
+    # by group index (this one is group 0's); None with one group.
+    group_metadata: list[AttentionMetadata] | None = None
+
+    def for_group(self, group: int) -> AttentionMetadata:
+        return self if self.group_metadata is None else self.group_metadata[group]
 
     @classmethod
     def build(

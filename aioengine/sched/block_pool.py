@@ -20,6 +20,7 @@ class KVCacheBlock:
     block_id: int
     ref_cnt: int = 0
     block_hash: int | None = None  # set while the block holds a full, cached block of tokens
+    cache_group: int = 0  # the KV cache group it is cached for (sched/kv_cache_spec.py)
     prev_free_block: KVCacheBlock | None = None
     next_free_block: KVCacheBlock | None = None
     is_null: bool = False
@@ -88,7 +89,8 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
-        self.cached_block_hash_to_block: dict[int, KVCacheBlock] = {}
+        # (block hash, group) -> block: each group caches its own copy of a token block's KV
+        self.cached_block_hash_to_block: dict[tuple[int, int], KVCacheBlock] = {}
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
 
@@ -100,8 +102,8 @@ class BlockPool:
         usable = self.num_blocks - 1
         return 1.0 - self.get_num_free_blocks() / usable
 
-    def get_cached_block(self, block_hash: int) -> KVCacheBlock | None:
-        return self.cached_block_hash_to_block.get(block_hash)
+    def get_cached_block(self, block_hash: int, group: int = 0) -> KVCacheBlock | None:
+        return self.cached_block_hash_to_block.get((block_hash, group))
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         assert num_blocks <= self.get_num_free_blocks(), "not enough free blocks"
@@ -116,8 +118,9 @@ class BlockPool:
 
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is not None:
-            if self.cached_block_hash_to_block.get(block.block_hash) is block:
-                del self.cached_block_hash_to_block[block.block_hash]
+            key = (block.block_hash, block.cache_group)
+            if self.cached_block_hash_to_block.get(key) is block:
+                del self.cached_block_hash_to_block[key]
             block.block_hash = None
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -141,13 +144,14 @@ class BlockPool:
         block_hashes: list[int],
         num_cached_blocks: int,
         num_full_blocks: int,
+        group: int = 0,
     ) -> None:
         """Publish blocks [num_cached_blocks, num_full_blocks) of a request under their chained hashes."""
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
-            if block.block_hash is not None:  # a prefix-cache hit: already published
+            if block.block_hash is not None or block.is_null:  # a hit (already published), or none held
                 continue
             h = block_hashes[i]
-            block.block_hash = h
+            block.block_hash, block.cache_group = h, group
             # Keep the first block published under a hash; a duplicate stays private to its request.
-            self.cached_block_hash_to_block.setdefault(h, block)
+            self.cached_block_hash_to_block.setdefault((h, group), block)

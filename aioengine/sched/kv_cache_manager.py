@@ -1,11 +1,22 @@
-"""KVCacheManager: per-request block lists, prefix-cache lookups and slot allocation over the BlockPool."""
+"""KVCacheManager: per-request block lists (one per KV cache group), prefix-cache lookups and slot allocation
+over the one BlockPool.
+
+With a sliding-window group (sched/kv_cache_spec.py) it is vLLM's hybrid manager: a windowed group frees the
+blocks that fall out of every future token's window (the null block takes their place in the request's
+list), so a request holds at most ``cdiv(window - 1 + tokens scheduled in a step, block_size) + 1`` blocks
+in each windowed group, however long it grows; a full-attention group keeps every block.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from aioengine.sched.block_pool import NONE_HASH, BlockPool, KVCacheBlock, hash_block_tokens
+from aioengine.sched.kv_cache_spec import KVCacheGroup
 from aioengine.sched.request import Request
+
+GroupBlocks = list[list[KVCacheBlock]]  # one block list per KV cache group
+FULL = (KVCacheGroup((0,), None),)  # one full-attention group (the layer list does not matter here)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -26,14 +37,20 @@ class PrefixCacheStats:
 
 class KVCacheManager:
     def __init__(
-        self, num_blocks: int, block_size: int, max_model_len: int, enable_caching: bool = True
+        self,
+        num_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        enable_caching: bool = True,
+        groups: tuple[KVCacheGroup, ...] = FULL,
     ) -> None:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
+        self.groups = groups
         self.block_pool = BlockPool(num_blocks, enable_caching)
-        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
-        self.num_cached_block: dict[str, int] = {}
+        self.req_to_blocks: dict[str, GroupBlocks] = {}
+        self.num_cached_block: dict[str, list[int]] = {}
         self.prefix_cache_stats = PrefixCacheStats()  # since the last take_prefix_cache_stats()
         self.total_prefix_cache = PrefixCacheStats()
 
@@ -52,19 +69,49 @@ class KVCacheManager:
             hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs], extra if i == 0 else None))
 
     # ---- lookup and allocation ----------------------------------------------------------------
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        """Longest cached prefix of the request, never covering its last token (that one must be computed)."""
+    def get_computed_blocks(self, request: Request) -> tuple[GroupBlocks, int]:
+        """Longest cached prefix of the request, never covering its last token (that one must be computed).
+
+        A full group needs every block of the prefix; a windowed group only those the next token's window
+        reaches (null before them). The hit is the longest prefix every group can serve."""
         if not self.enable_caching:
             return [], 0
         self.update_block_hashes(request)
-        max_hit_blocks = (request.num_tokens - 1) // self.block_size
-        blocks: list[KVCacheBlock] = []
-        for h in request.block_hashes[:max_hit_blocks]:
-            block = self.block_pool.get_cached_block(h)
-            if block is None:
-                break
-            blocks.append(block)
-        return blocks, len(blocks) * self.block_size
+        pool, bs, hashes = self.block_pool, self.block_size, request.block_hashes
+        n = min((request.num_tokens - 1) // bs, len(hashes))
+        for g, group in enumerate(self.groups):
+            if group.sliding_window is None:  # prefix-closed: walk from the start
+                k = 0
+                while k < n and pool.get_cached_block(hashes[k], g) is not None:
+                    k += 1
+                n = k
+        changed = True
+        while changed:  # each windowed group may shorten the hit; the others then check again
+            changed = False
+            for g, group in enumerate(self.groups):
+                if group.sliding_window is None:
+                    continue
+                k = n
+                while k > 0:
+                    first = group.blocks_needed_from(k * bs, bs)
+                    missing = [i for i in range(first, k) if pool.get_cached_block(hashes[i], g) is None]
+                    if not missing:
+                        break
+                    k = missing[-1]  # a hit ending at or before the last missing block
+                if k < n:
+                    n, changed = k, True
+        if n == 0:
+            return [], 0
+        out: GroupBlocks = []
+        for g, group in enumerate(self.groups):
+            first = group.blocks_needed_from(n * bs, bs)
+            blocks = [pool.null_block] * first
+            for i in range(first, n):
+                block = pool.get_cached_block(hashes[i], g)
+                assert block is not None
+                blocks.append(block)
+            out.append(blocks)
+        return out, n * bs
 
     def record_prefix_hit(self, request: Request, num_hit_tokens: int) -> None:
         """Count one admitted request's lookup (lookups of requests that did not fit are not counted)."""
@@ -75,75 +122,109 @@ class KVCacheManager:
             stats.queries += request.num_tokens
             stats.hits += num_hit_tokens
 
+    def remove_skipped_blocks(self, request: Request) -> None:
+        """Free windowed groups' blocks no future token of the request attends to (null in their place)."""
+        req_blocks = self.req_to_blocks.get(request.request_id)
+        if req_blocks is None:
+            return
+        null = self.block_pool.null_block
+        for group, blocks in zip(self.groups, req_blocks, strict=True):
+            first = min(group.blocks_needed_from(request.num_computed_tokens, self.block_size), len(blocks))
+            freed = []
+            for i in range(first - 1, -1, -1):  # newest first: the walk stops at the previous frontier
+                if blocks[i] is null:
+                    break
+                freed.append(blocks[i])
+                blocks[i] = null
+            if freed:
+                self.block_pool.free_blocks(freed)  # each keeps its hash (evictable) until reused
+
     def allocate_slots(
         self,
         request: Request,
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
-        new_computed_blocks: list[KVCacheBlock] | None = None,
-    ) -> list[KVCacheBlock] | None:
-        """Reserve slots for num_new_tokens after the computed ones; None when the pool cannot fit them.
+        new_computed_blocks: GroupBlocks | None = None,
+    ) -> GroupBlocks | None:
+        """Reserve slots for num_new_tokens after the computed ones, in every group; None when the pool cannot
+        fit them.
 
-        Returns the blocks added to the request (cache hits first, then fresh blocks).
+        Returns the blocks added to the request in each group (cache hits first, then fresh blocks).
         """
         assert num_new_tokens > 0
         rid = request.request_id
+        num_groups = len(self.groups)
         req_blocks = self.req_to_blocks.get(rid)
         if req_blocks is None:
-            req_blocks = self.req_to_blocks[rid] = []
+            req_blocks = self.req_to_blocks[rid] = [[] for _ in range(num_groups)]
             if self.enable_caching:
-                self.num_cached_block[rid] = 0
+                self.num_cached_block[rid] = [0] * num_groups
+        else:
+            self.remove_skipped_blocks(request)
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         total_tokens = min(num_computed + num_new_tokens, self.max_model_len)
-        num_required = -(-total_tokens // self.block_size)
-        num_hits = len(new_computed_blocks) if new_computed_blocks else 0
-        num_new_blocks = num_required - len(req_blocks) - num_hits
-        if num_new_blocks <= 0 and not num_hits:
+        num_required = cdiv(total_tokens, self.block_size)
+        hits = new_computed_blocks or [[] for _ in range(num_groups)]
+        num_new = [max(0, num_required - len(req_blocks[g]) - len(hits[g])) for g in range(num_groups)]
+        if not any(num_new) and not any(hits):
             # The common decode case: the current block has room.
-            if self.enable_caching and total_tokens // self.block_size > self.num_cached_block[rid]:
+            if self.enable_caching:
                 self.cache_blocks(request, total_tokens)
-            return []
-        num_new_blocks = max(0, num_new_blocks)
-        new_computed_blocks = new_computed_blocks or []
+            return [[] for _ in range(num_groups)]
         # Cache hits that sit in the free queue stop being free once touched.
-        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        if num_new_blocks > self.block_pool.get_num_free_blocks() - num_evictable_hits:
-            if not req_blocks:
+        touched = [b for blocks in hits for b in blocks if not b.is_null]
+        num_evictable_hits = sum(1 for b in touched if b.ref_cnt == 0)
+        if sum(num_new) > self.block_pool.get_num_free_blocks() - num_evictable_hits:
+            if not any(req_blocks):
                 del self.req_to_blocks[rid]
                 self.num_cached_block.pop(rid, None)
             return None
-        self.block_pool.touch(new_computed_blocks)
-        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
-        req_blocks.extend(new_computed_blocks)
-        req_blocks.extend(new_blocks)
+        self.block_pool.touch(touched)
+        out: GroupBlocks = []
+        for g in range(num_groups):
+            new_blocks = self.block_pool.get_new_blocks(num_new[g])
+            req_blocks[g].extend(hits[g])
+            req_blocks[g].extend(new_blocks)
+            out.append(hits[g] + new_blocks)
         if self.enable_caching:
             # Prompt blocks filled by this step can serve hits at once: steps run in order on the device.
             self.cache_blocks(request, total_tokens)
-        return new_computed_blocks + new_blocks
+        return out
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Publish the request's full blocks holding its first num_tokens tokens (known tokens only)."""
         num_cached = self.num_cached_block.get(request.request_id)
-        if num_cached is None or num_tokens // self.block_size <= num_cached:
+        if num_cached is None or num_tokens // self.block_size <= min(num_cached):
             return  # not holding blocks, or no new full block
         self.update_block_hashes(request)
         num_full = min(num_tokens // self.block_size, len(request.block_hashes))
-        if num_full <= num_cached:
-            return
-        self.block_pool.cache_full_blocks(
-            self.req_to_blocks[request.request_id], request.block_hashes, num_cached, num_full
-        )
-        self.num_cached_block[request.request_id] = num_full
+        req_blocks = self.req_to_blocks[request.request_id]
+        for g in range(len(self.groups)):
+            if num_full > num_cached[g]:
+                self.block_pool.cache_full_blocks(
+                    req_blocks[g], request.block_hashes, num_cached[g], num_full, g
+                )
+                num_cached[g] = num_full
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, so a prefix's tail is evicted before its head."""
-        blocks = self.req_to_blocks.pop(request.request_id, None)
+        req_blocks = self.req_to_blocks.pop(request.request_id, None)
         self.num_cached_block.pop(request.request_id, None)
-        if blocks:
-            self.block_pool.free_blocks(reversed(blocks))
+        for blocks in req_blocks or ():
+            self.block_pool.free_blocks(b for b in reversed(blocks) if not b.is_null)
 
-    def get_block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """The request's block ids in each group (the null block's id where a window let a block go)."""
+        blocks = self.req_to_blocks.get(request_id)
+        if blocks is None:
+            return tuple([] for _ in self.groups)
+        return tuple([b.block_id for b in g] for g in blocks)
+
+    def num_blocks_held(self, request_id: str, group: int) -> int:
+        """Blocks the request holds in a group (nulls excluded)."""
+        return sum(
+            1 for b in self.req_to_blocks.get(request_id, [[]] * len(self.groups))[group] if not b.is_null
+        )
 
     @property
     def usage(self) -> float:

@@ -23,7 +23,7 @@ class NewRequestData:
     req_id: str
     prompt_token_ids: list[int]  # every known token (prompt + outputs so far for a resumed request)
     sampling_params: SamplingParams
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]  # per KV cache group
     num_computed_tokens: int  # prefix-cache hit, before this step
     num_prompt_tokens: int  # the user's prompt length (penalties look at outputs only)
     eos_token_id: int | None = None  # masked with stop_token_ids until min_tokens (unless ignore_eos)
@@ -34,7 +34,7 @@ class CachedRequestData:
     """Diffs for requests the runner already holds, in parallel lists."""
 
     req_ids: list[str] = field(default_factory=list)
-    new_block_ids: list[list[int] | None] = field(default_factory=list)
+    new_block_ids: list[tuple[list[int], ...] | None] = field(default_factory=list)  # per KV cache group
     num_computed_tokens: list[int] = field(default_factory=list)  # before this step
     num_output_tokens: list[int] = field(default_factory=list)  # known outputs + placeholders
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from aioengine.sched.kv_cache_manager import KVCacheManager
+from aioengine.sched.kv_cache_manager import FULL, KVCacheManager
+from aioengine.sched.kv_cache_spec import KVCacheGroup
 from aioengine.sched.output import (
     CachedRequestData,
     EngineCoreOutput,
@@ -37,6 +38,7 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     long_prefill_token_threshold: int = 0  # 0: no cap on one prompt's share of a step
     policy: str = "fcfs"  # or "priority"
+    kv_cache_groups: tuple[KVCacheGroup, ...] = FULL  # one full-attention group unless the model has windows
 
     def __post_init__(self) -> None:
         assert self.max_num_batched_tokens >= 1 and self.max_num_seqs >= 1 and self.block_size >= 1
@@ -48,7 +50,11 @@ class Scheduler:
         self.config = config
         self.max_model_len = config.max_model_len
         self.kv_cache_manager = KVCacheManager(
-            config.num_blocks, config.block_size, config.max_model_len, config.enable_prefix_caching
+            config.num_blocks,
+            config.block_size,
+            config.max_model_len,
+            config.enable_prefix_caching,
+            config.kv_cache_groups,
         )
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(config.policy)
@@ -108,7 +114,7 @@ class Scheduler:
         max_model_len = self.max_model_len
         token_budget = cfg.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
-        new_block_ids: dict[str, list[int]] = {}
+        new_block_ids: dict[str, tuple[list[int], ...]] = {}
         scheduled_running: list[Request] = []
         scheduled_new: list[Request] = []
         preempted: list[Request] = []
@@ -154,8 +160,8 @@ class Scheduler:
                 continue  # the request itself was preempted; running[i] is now the next one
             scheduled_running.append(request)
             num_scheduled[request.request_id] = need
-            if blocks:
-                new_block_ids[request.request_id] = [b.block_id for b in blocks]
+            if any(blocks):
+                new_block_ids[request.request_id] = tuple([b.block_id for b in g] for g in blocks)
             token_budget -= need
             i += 1
 
@@ -325,7 +331,7 @@ class Scheduler:
                 else:
                     self.waiting.remove(request)
                 self._free_request(request)
-            elif request.num_computed_tokens // block_size > num_cached_block.get(req_id, 1 << 62):
+            elif request.num_computed_tokens // block_size > min(num_cached_block.get(req_id, (1 << 62,))):
                 kv.cache_blocks(request, request.num_computed_tokens)  # a block just filled up
             out = EngineCoreOutput(
                 req_id,

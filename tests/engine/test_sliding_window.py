@@ -67,3 +67,39 @@ def test_requests_several_windows_long_match_transformers(tiny_mistral):
 
     max_model_len, got = asyncio.run(run())
     assert max_model_len == 8 * WINDOW and got == expected
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma3_w64(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-gemma3-w64")
+    return path, make_tiny_checkpoint("gemma3", path, sliding_window=64, max_position_embeddings=4096)
+
+
+def test_a_4000_token_request_fits_a_pool_only_the_hybrid_manager_can_serve(tiny_gemma3_w64):
+    """One full and one window-64 layer, 16-token blocks, 256-token chunks: the full group needs 251 blocks,
+    the windowed one at most cdiv(63 + 256, 16) + 1 = 21 (kv_cache_spec.window_blocks_bound). A pool of
+    1 + 251 + 21 blocks serves it only if windowed blocks are freed as they fall out of the window; the
+    tokens equal transformers' and the pool is empty after."""
+    path, hf = tiny_gemma3_w64
+    rng = random.Random(5)
+    prompt = [rng.randrange(3, 49152) for _ in range(4000)]
+    expected = hf_greedy(hf, prompt)
+
+    async def run():
+        args = EngineArgs(
+            model=str(path),
+            dtype="float32",
+            device="cpu",
+            block_size=16,
+            max_model_len=4096,
+            max_num_batched_tokens=256,
+            num_kv_blocks=1 + 251 + 21,
+        )
+        async with AsyncEngine(args) as engine:
+            params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+            out = await engine.generate(prompt, params)
+            sched = engine.scheduler
+            return out.outputs[0].token_ids, engine.kv_cache_usage(), sched.num_preemptions_total
+
+    got, usage, preemptions = asyncio.run(run())
+    assert got == expected and usage == 0.0 and preemptions == 0

@@ -186,3 +186,37 @@ def test_async_scheduling_does_not_run_past_max_tokens() -> None:
         if drv.queue and (out is None or len(drv.queue) == 2):
             drv.update()
     assert steps == 3  # prefill + 2 decodes: no wasted extra step
+
+
+def test_a_long_request_holds_a_bounded_number_of_windowed_blocks():
+    """A 4,000-token prompt on a window-64 hybrid layout (one full, two windowed groups), 64 tokens a step:
+    each windowed group never holds more than cdiv(64 - 1 + 64, 16) + 1 = 9 blocks, the full group grows
+    with the request, and everything is freed at the end."""
+    from aioengine.sched.kv_cache_spec import kv_cache_groups, window_blocks_bound
+
+    from .fake import Driver
+
+    groups = kv_cache_groups([None, 64, 64])
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=64,
+        max_num_seqs=4,
+        max_model_len=4096,
+        num_blocks=400,
+        block_size=16,
+        kv_cache_groups=groups,
+    )
+    sched = Scheduler(cfg)
+    drv = Driver(sched)
+    sched.add_request(Request("long", list(range(4000)), SamplingParams(max_tokens=32, ignore_eos=True)))
+    kv = sched.kv_cache_manager
+    bound = window_blocks_bound(groups[1], 16, 64)
+    assert bound == 9
+    most = [0, 0, 0]
+    while sched.has_requests():
+        drv.step()
+        if "long" in kv.req_to_blocks:
+            for g in range(3):
+                most[g] = max(most[g], kv.num_blocks_held("long", g))
+    assert most[1] <= bound and most[2] <= bound
+    assert most[0] == -(-4031 // 16)  # the full group: every block of the prompt and outputs but the last
+    assert kv.usage == 0.0 and not kv.req_to_blocks

@@ -6,6 +6,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from aioengine.sampling_params import SamplingParams
+from aioengine.sched.kv_cache_spec import capacity_tokens, kv_cache_groups, window_blocks_bound
 from aioengine.sched.request import Request, RequestStatus
 from aioengine.sched.scheduler import Scheduler, SchedulerConfig
 
@@ -15,19 +16,26 @@ from .fake import Driver, token_at
 def check_invariants(sched: Scheduler, budget: int) -> None:
     kv = sched.kv_cache_manager
     pool = kv.block_pool
-    refs = Counter(id(b) for blocks in kv.req_to_blocks.values() for b in blocks)
+    refs = Counter(
+        id(b) for groups in kv.req_to_blocks.values() for blocks in groups for b in blocks if not b.is_null
+    )
     free = {id(b) for b in pool.free_block_queue}
     assert len(free) == pool.get_num_free_blocks()
     for block in pool.blocks[1:]:
         assert block.ref_cnt == refs.get(id(block), 0), block
         assert (block.ref_cnt == 0) == (id(block) in free), block  # never both free and used
     assert id(pool.null_block) not in free
-    for h, block in pool.cached_block_hash_to_block.items():
-        assert block.block_hash == h
+    for (h, g), block in pool.cached_block_hash_to_block.items():
+        assert block.block_hash == h and block.cache_group == g
+    for groups in kv.req_to_blocks.values():  # a windowed group holds only what its window can reach
+        for group, blocks in zip(kv.groups, groups, strict=True):
+            bound = window_blocks_bound(group, kv.block_size, budget)
+            assert bound is None or sum(not b.is_null for b in blocks) <= bound
     assert len(sched.running) <= sched.config.max_num_seqs
     for r in sched.running:
         assert r.status == RequestStatus.RUNNING
-        assert len(kv.req_to_blocks[r.request_id]) * kv.block_size >= r.num_computed_tokens
+        for blocks in kv.req_to_blocks[r.request_id]:  # nulls hold the places of blocks a window let go
+            assert len(blocks) * kv.block_size >= r.num_computed_tokens
     assert set(kv.req_to_blocks) <= {r.request_id for r in sched.running}
 
 
@@ -55,10 +63,13 @@ events = st.lists(
     caching=st.booleans(),
     max_seqs=st.integers(1, 8),
     seed=st.integers(0, 1000),
+    windows=st.sampled_from([[None], [8], [24, 24], [None, 8], [None, 24, 24, 24]]),
 )
 def test_random_workloads_keep_invariants(
-    events, budget, num_blocks, block_size, threshold, policy, caching, max_seqs, seed
+    events, budget, num_blocks, block_size, threshold, policy, caching, max_seqs, seed, windows
 ) -> None:
+    """Full attention, windowed layers only, and hybrid layouts (sched/kv_cache_spec.py)."""
+    groups = kv_cache_groups(windows)
     cfg = SchedulerConfig(
         max_num_batched_tokens=budget,
         max_num_seqs=max_seqs,
@@ -68,10 +79,11 @@ def test_random_workloads_keep_invariants(
         enable_prefix_caching=caching,
         long_prefill_token_threshold=threshold,
         policy=policy,
+        kv_cache_groups=groups,
     )
     sched = Scheduler(cfg)
     drv = Driver(sched)
-    usable_tokens = (num_blocks - 1) * block_size
+    usable_tokens = capacity_tokens(groups, num_blocks - 1, block_size, budget, 200)
     live: dict[str, Request] = {}
     shapes: dict[str, tuple[int, int]] = {}
     aborted: set[str] = set()
@@ -79,7 +91,9 @@ def test_random_workloads_keep_invariants(
     for arrivals, plen, max_tokens, abort, prefix in events:
         for _ in range(arrivals):
             # A request must fit in the pool alone, or it could never run (the engine checks this).
-            plen_i = max(1, min(plen, usable_tokens - max_tokens - block_size, 199 - max_tokens))
+            plen_i = min(plen, usable_tokens - max_tokens - block_size, 199 - max_tokens)
+            if plen_i < 1:
+                continue  # the engine refuses a request that can never fit
             prompt = ([prefix] * 20 + [n] * plen_i)[-plen_i:]
             r = Request(
                 f"r{n}",

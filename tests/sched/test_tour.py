@@ -36,8 +36,8 @@ def test_tour_worked_example() -> None:
     assert b.num_output_tokens == 40
     assert a.num_computed_tokens == 8191 and a.is_prefill_chunk
     assert sched.running == [b, a]
-    assert len(sched.kv_cache_manager.req_to_blocks["A"]) == 512
-    assert len(sched.kv_cache_manager.req_to_blocks["B"]) == 34
+    assert len(sched.kv_cache_manager.req_to_blocks["A"][0]) == 512  # group 0, the only one
+    assert len(sched.kv_cache_manager.req_to_blocks["B"][0]) == 34
 
     # S k: (B 1, A 8191); the output is built from the values before the step.
     out = drv.schedule()
@@ -49,8 +49,8 @@ def test_tour_worked_example() -> None:
     assert cached.num_computed_tokens == [540, 8191]
     assert cached.num_output_tokens == [41, 0]
     assert cached.new_block_ids[0] is None
-    assert len(cached.new_block_ids[1]) == 512  # A: ceil(16382 / 16) = 1024 blocks, had 512
-    assert len(sched.kv_cache_manager.req_to_blocks["B"]) == 34  # ceil(541 / 16)
+    assert len(cached.new_block_ids[1][0]) == 512  # A: ceil(16382 / 16) = 1024 blocks, had 512
+    assert len(sched.kv_cache_manager.req_to_blocks["B"][0]) == 34  # ceil(541 / 16)
     assert counters_b(b) == (540, 541, 2)
     assert a.num_computed_tokens == 16382 and a.is_prefill_chunk and a.num_output_placeholders == 0
 

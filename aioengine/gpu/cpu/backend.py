@@ -228,7 +228,12 @@ class CpuBackend(Backend):
             clib.load()  # built now (seconds), not inside the first step
 
     def allocate_kv_caches(
-        self, hf_config: Any, num_blocks: int, block_size: int, dtype: torch.dtype
+        self,
+        hf_config: Any,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        num_tensors: int | None = None,
     ) -> list[torch.Tensor]:
         """Head-major memory (``[2, blocks, heads, block_size, D]``) behind the usual shape: a decode reads
         one KV head's rows of a block as one contiguous run, which DRAM serves faster than rows strided by
@@ -237,7 +242,7 @@ class CpuBackend(Backend):
         with torch.inference_mode(False):  # normal tensors: writable under inference_mode and no_grad alike
             return [
                 torch.zeros((two, blocks, heads, size, dim), dtype=dtype).transpose(2, 3)
-                for _ in range(hf_config.num_hidden_layers)
+                for _ in range(num_tensors or hf_config.num_hidden_layers)
             ]
 
     def num_kv_blocks(

@@ -150,6 +150,7 @@ class CpuDecodeStack:
             if (
                 a is None
                 or m is None
+                or getattr(a, "sliding_window", None) is not None  # the C stack attends to every position
                 or a.q_norm is not None
                 or not _packed(a.qkv_proj, cpu_kernels.GEMM_BF16)
                 or not _packed(a.o_proj, cpu_kernels.GEMM_BF16)

@@ -103,15 +103,18 @@ class CudaBackend(Backend):
             raise ValueError(f"quantization={quantization!r} is a CPU option (its kernels are CPU kernels)")
 
     def allocate_kv_caches(
-        self, hf_config: Any, num_blocks: int, block_size: int, dtype: torch.dtype
+        self,
+        hf_config: Any,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        num_tensors: int | None = None,
     ) -> list[torch.Tensor]:
         """Zeroed: padded attention reads slots nobody wrote, and 0 * NaN = NaN."""
         shape = kv_cache_shape(hf_config, num_blocks, block_size)
         with torch.inference_mode(False):  # normal tensors: writable under inference_mode and no_grad alike
-            return [
-                torch.zeros(shape, dtype=dtype, device=self.device)
-                for _ in range(hf_config.num_hidden_layers)
-            ]
+            n = num_tensors or hf_config.num_hidden_layers
+            return [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(n)]
 
     def num_kv_blocks(
         self, runner: RunnerParts, args: EngineArgs, max_num_batched_tokens: int, max_num_seqs: int
@@ -154,7 +157,8 @@ class CudaBackend(Backend):
         return num_blocks
 
     def build_fast_paths(self, runner: RunnerParts, args: EngineArgs, max_num_batched_tokens: int) -> None:
-        if not args.enforce_eager:
+        # The graphs' static inputs hold one block table: a model with several KV cache groups runs eager.
+        if not args.enforce_eager and len(getattr(runner.model, "kv_cache_groups", ())) <= 1:
             self.capture_graphs(runner, max_num_batched_tokens, args.max_cudagraph_capture_size)
 
     def capture_graphs(

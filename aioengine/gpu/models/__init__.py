@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from aioengine.gpu.models.gemma3 import Gemma3ForCausalLM
-from aioengine.gpu.models.llama import LlamaForCausalLM
+from aioengine.gpu.models.llama import LlamaForCausalLM, sliding_window
 from aioengine.gpu.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
@@ -27,14 +27,6 @@ def get_model_class(config: Any) -> type[LlamaForCausalLM]:
         f"unsupported model architectures {architectures or '(none in config)'}; "
         f"supported: {', '.join(MODEL_REGISTRY)}"
     )
-
-
-def sliding_window(cfg: Any) -> int | None:
-    """The attention window a config asks for (Mistral: `sliding_window`; Qwen: only with
-    `use_sliding_window`), or None. Within it, windowed attention is full attention."""
-    get = cfg.get if isinstance(cfg, dict) else lambda k, d=None: getattr(cfg, k, d)
-    window = get("sliding_window")
-    return int(window) if window and get("use_sliding_window", True) else None
 
 
 __all__ = [

@@ -18,6 +18,7 @@ from aioengine.gpu.backend import REFERENCE_OPS, Ops
 from aioengine.gpu.layers import RotaryEmbedding
 from aioengine.gpu.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, head_dim_of
 from aioengine.kernels.metadata import AttentionMetadata
+from aioengine.sched.kv_cache_spec import kv_cache_groups, layer_slots
 
 
 class GemmaRMSNorm(nn.Module):
@@ -121,6 +122,7 @@ class Gemma3DecoderLayer(nn.Module):
         ops: Ops,
         rotary_emb: RotaryEmbedding,
         sliding_window: int | None,
+        kv_group: int,
     ) -> None:
         super().__init__()
         self.self_attn = Gemma3Attention(
@@ -132,6 +134,7 @@ class Gemma3DecoderLayer(nn.Module):
             o_bias=bool(getattr(config, "attention_bias", False)),
             rotary_emb=rotary_emb,
             sliding_window=sliding_window,
+            kv_group=kv_group,
         )
         self.mlp = Gemma3MLP(config, dtype, device, ops)
         hidden, eps = config.hidden_size, config.rms_norm_eps
@@ -174,9 +177,11 @@ class Gemma3Model(nn.Module):
         window = getattr(config, "sliding_window", None)
         windows = [window if t == "sliding_attention" else None for t in self.layer_types]
         self.ropes = self.make_ropes(config.max_position_embeddings, dtype, device, ops)
+        self.kv_cache_groups = kv_cache_groups(windows)
+        slots = layer_slots(self.kv_cache_groups, len(windows))
         self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(config, dtype, device, ops, self.ropes[t], w)
-            for t, w in zip(self.layer_types, windows, strict=True)
+            Gemma3DecoderLayer(config, dtype, device, ops, self.ropes[t], w, g)
+            for t, w, (g, _) in zip(self.layer_types, windows, slots, strict=True)
         )
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, ops)
 

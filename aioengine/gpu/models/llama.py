@@ -17,6 +17,7 @@ from torch.nn.utils import skip_init
 from aioengine.gpu.backend import REFERENCE_OPS, Ops
 from aioengine.gpu.layers import RMSNorm, RotaryEmbedding, SiluAndMul, get_rope
 from aioengine.kernels.metadata import AttentionMetadata
+from aioengine.sched.kv_cache_spec import KVCacheGroup, kv_cache_groups, layer_slots
 
 
 def _linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device: Any) -> nn.Linear:
@@ -45,10 +46,12 @@ class LlamaAttention(nn.Module):
         rotary_emb: RotaryEmbedding,
         ops: Ops,
         sliding_window: int | None = None,
+        kv_group: int = 0,
     ) -> None:
         super().__init__()
         self.ops = ops
         self.sliding_window = sliding_window  # this layer's window (None: full attention)
+        self.kv_group = kv_group  # its KV cache group: whose block table and slots it uses
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = num_kv_heads_of(config)
         assert self.num_heads % self.num_kv_heads == 0, "GQA needs heads to be a multiple of KV heads"
@@ -86,6 +89,7 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)
+        meta = meta.for_group(self.kv_group)
         self.ops.store_kv(k, v, kv_cache, meta.slot_mapping)
         out = self.ops.attention(q, kv_cache, meta, self.scaling, window=self.sliding_window)
         return self.o_proj(out.view(num_tokens, self.q_size))
@@ -106,11 +110,17 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
+def sliding_window(cfg: Any) -> int | None:
+    """The attention window a config asks for (Mistral: `sliding_window`; Qwen: only with
+    `use_sliding_window`), or None."""
+    get = cfg.get if isinstance(cfg, dict) else lambda k, d=None: getattr(cfg, k, d)
+    window = get("sliding_window")
+    return int(window) if window and get("use_sliding_window", True) else None
+
+
 def layer_windows(config: Any) -> list[int | None]:
     """Each layer's attention window: the config's ``sliding_window`` on the layers ``layer_types`` marks
     "sliding_attention" (every layer when it has none, as Mistral), or None for full attention."""
-    from aioengine.gpu.models import sliding_window
-
     window = sliding_window(config)
     types = getattr(config, "layer_types", None)
     n = config.num_hidden_layers
@@ -156,9 +166,14 @@ class LlamaModel(nn.Module):
             nn.Embedding, config.vocab_size, config.hidden_size, dtype=dtype, device=device
         )
         rope = get_rope(head_dim_of(config), config.max_position_embeddings, config, dtype, device, ops)
+        windows = layer_windows(config)
+        self.kv_cache_groups = kv_cache_groups(windows)
+        slots = layer_slots(self.kv_cache_groups, len(windows))
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, dtype, device, ops, rotary_emb=rope, sliding_window=w, **attn_switches)
-            for w in layer_windows(config)
+            LlamaDecoderLayer(
+                config, dtype, device, ops, rotary_emb=rope, sliding_window=w, kv_group=g, **attn_switches
+            )
+            for w, (g, _) in zip(windows, slots, strict=True)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, ops)
 
@@ -205,6 +220,12 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = self.model.embed_tokens  # same weight; the checkpoint may omit lm_head
         else:
             self.lm_head = _linear(config.hidden_size, config.vocab_size, False, dtype, device)
+
+    @property
+    def kv_cache_groups(self) -> tuple[KVCacheGroup, ...]:
+        """The layers grouped by attention window, as the KV cache manager and the runner lay them out."""
+        groups: tuple[KVCacheGroup, ...] = self.model.kv_cache_groups
+        return groups
 
     def forward(
         self,
