@@ -157,8 +157,7 @@ class CudaBackend(Backend):
         return num_blocks
 
     def build_fast_paths(self, runner: RunnerParts, args: EngineArgs, max_num_batched_tokens: int) -> None:
-        # The graphs' static inputs hold one block table: a model with several KV cache groups runs eager.
-        if not args.enforce_eager and len(getattr(runner.model, "kv_cache_groups", ())) <= 1:
+        if not args.enforce_eager:
             self.capture_graphs(runner, max_num_batched_tokens, args.max_cudagraph_capture_size)
 
     def capture_graphs(

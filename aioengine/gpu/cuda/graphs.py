@@ -14,6 +14,7 @@ read (by the logits gather, queued on the same stream) before the next replay ca
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -66,32 +67,41 @@ class DecodeGraphs:
         self.model = model
         self.kv_caches = kv_caches
         self.max_size = max_size
+        groups = len(getattr(model, "kv_cache_groups", ())) or 1  # a block table and slots per KV group
         with torch.inference_mode(False):  # normal tensors: writable in and out of inference mode
             self.input_ids = torch.zeros(max_size, dtype=torch.int64, device=device)
             self.positions = torch.zeros(max_size, dtype=torch.int64, device=device)
-            self.slot_mapping = torch.full((max_size,), -1, dtype=torch.int64, device=device)
+            self.slot_mapping = torch.full((groups, max_size), -1, dtype=torch.int64, device=device)
             self.seq_lens = torch.ones(max_size, dtype=torch.int32, device=device)
             self.query_start_loc = torch.arange(max_size + 1, dtype=torch.int32, device=device)
-            self.block_table = torch.zeros(max_size, max_blocks_per_req, dtype=torch.int32, device=device)
+            self.block_table = torch.zeros(
+                groups, max_size, max_blocks_per_req, dtype=torch.int32, device=device
+            )
         self.graphs: dict[int, tuple[Any, torch.Tensor]] = {}
         self.sizes: list[int] = []  # captured, ascending
         self.num_replays = 0
 
     def metadata(self, size: int) -> AttentionMetadata:
         """Metadata over the static buffers: only device tensors and shape-derived host ints."""
-        return AttentionMetadata(
+        meta = AttentionMetadata(
             num_reqs=size,
             num_decodes=size,
             num_actual_tokens=size,
             max_query_len=1,
-            max_seq_len=self.block_table.shape[1],  # unused by the Triton path
+            max_seq_len=self.block_table.shape[-1],  # unused by the Triton path
             query_start_loc=self.query_start_loc[: size + 1],
             seq_lens=self.seq_lens[:size],
-            block_table=self.block_table[:size],
-            slot_mapping=self.slot_mapping[:size],
+            block_table=self.block_table[0, :size],
+            slot_mapping=self.slot_mapping[0, :size],
             query_start_loc_cpu=[],
             seq_lens_cpu=[],
         )
+        if self.block_table.shape[0] > 1:
+            meta.group_metadata = [meta] + [
+                dataclasses.replace(meta, block_table=table[:size], slot_mapping=slots[:size])
+                for table, slots in zip(self.block_table[1:], self.slot_mapping[1:], strict=True)
+            ]
+        return meta
 
     def load(
         self, size: int, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
@@ -99,18 +109,20 @@ class DecodeGraphs:
         """Copy a decode batch of ``n = meta.num_reqs`` rows into the buffers and pad rows n..size-1."""
         n = meta.num_reqs
         width = meta.block_table.shape[1]
-        assert n <= size <= self.max_size and width <= self.block_table.shape[1]
+        assert n <= size <= self.max_size and width <= self.block_table.shape[-1]
         self.input_ids[:n].copy_(input_ids[:n], non_blocking=True)
         self.positions[:n].copy_(positions[:n], non_blocking=True)
-        self.slot_mapping[:n].copy_(meta.slot_mapping[:n], non_blocking=True)
         self.seq_lens[:n].copy_(meta.seq_lens[:n], non_blocking=True)
-        self.block_table[:n, :width].copy_(meta.block_table[:n], non_blocking=True)
+        for g in range(self.block_table.shape[0]):
+            group = meta.for_group(g)
+            self.slot_mapping[g, :n].copy_(group.slot_mapping[:n], non_blocking=True)
+            self.block_table[g, :n, :width].copy_(group.block_table[:n], non_blocking=True)
         if size > n:  # padding rows: no KV write, attend to one slot of the null block
             self.input_ids[n:size].zero_()
             self.positions[n:size].zero_()
-            self.slot_mapping[n:size].fill_(-1)
+            self.slot_mapping[:, n:size].fill_(-1)
             self.seq_lens[n:size].fill_(1)
-            self.block_table[n:size, 0].zero_()
+            self.block_table[:, n:size, 0].zero_()
 
     def forward(self, size: int) -> torch.Tensor:
         """The model over the first ``size`` static rows (what a graph captures)."""

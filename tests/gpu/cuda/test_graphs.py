@@ -74,18 +74,18 @@ def test_load_pads_rows_past_the_batch(tiny):
     kv = CpuBackend().allocate_kv_caches(config, 40, BLOCK, torch.float32)
     graphs = DecodeGraphs(model, kv, max_size=8, max_blocks_per_req=16, device=torch.device("cpu"))
     meta, input_ids, positions = _decode_meta([5, 9, 3], 40)
-    graphs.block_table.fill_(7)  # stale rows from an earlier step
+    graphs.block_table.fill_(7)  # stale rows from an earlier step (one KV cache group: index 0)
     graphs.load(8, input_ids, positions, meta)
     assert graphs.input_ids[:3].tolist() == input_ids.tolist() and graphs.input_ids[3:].eq(0).all()
     assert graphs.positions[:3].tolist() == [4, 8, 2]
     assert (
-        graphs.slot_mapping[:3].tolist() == meta.slot_mapping.tolist()
-        and graphs.slot_mapping[3:].eq(-1).all()
+        graphs.slot_mapping[0, :3].tolist() == meta.slot_mapping.tolist()
+        and graphs.slot_mapping[0, 3:].eq(-1).all()
     )
     assert graphs.seq_lens[:3].tolist() == [5, 9, 3] and graphs.seq_lens[3:].eq(1).all()
     width = meta.block_table.shape[1]
-    assert torch.equal(graphs.block_table[:3, :width], meta.block_table)
-    assert graphs.block_table[3:, 0].eq(0).all()  # padded rows read the null block
+    assert torch.equal(graphs.block_table[0, :3, :width], meta.block_table)
+    assert graphs.block_table[0, 3:, 0].eq(0).all()  # padded rows read the null block
     m = graphs.metadata(8)
     assert m.num_reqs == m.num_decodes == m.num_actual_tokens == 8 and m.max_query_len == 1
     assert m.query_start_loc.tolist() == list(range(9))
@@ -133,3 +133,57 @@ def test_static_forward_matches_eager_with_the_triton_kernels():
     torch.testing.assert_close(got[:3], expected, atol=1e-4, rtol=1e-4)
     for a, b in zip(kv, kv_eager, strict=True):
         torch.testing.assert_close(a, b)  # same writes: the padded row stored nothing
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="interpreter test; tests/gpu/cuda/test_device.py replays real graphs"
+)
+def test_static_forward_of_a_hybrid_model_matches_eager():
+    """A windowed layer beside a full one: two KV cache groups, each with its own block table in the
+    static buffers (blocks of one shared tensor); past the window, the graph's rows match eager."""
+    import dataclasses
+
+    from aioengine.gpu.backend import Ops
+    from aioengine.gpu.models.llama import LlamaForCausalLM
+    from aioengine.gpu.random_model import random_config, randomize_
+    from aioengine.kernels.triton.attention import paged_attention_triton
+    from aioengine.kernels.triton.kv_store import store_kv_triton
+    from aioengine.sched.kv_cache_spec import group_size, layer_slots
+
+    class TritonOps(Ops):
+        def store_kv(self, key, value, kv_cache, slot_mapping):
+            store_kv_triton(key, value, kv_cache, slot_mapping)
+
+        def attention(self, query, kv_cache, meta, scale, window=None):
+            return paged_attention_triton(query, kv_cache, meta, scale, window=window)
+
+    config = random_config("random:tiny")
+    config.sliding_window, config.layer_types = 5, ["sliding_attention", "full_attention"]
+    with torch.no_grad():
+        model = LlamaForCausalLM(config, ops=TritonOps())
+    randomize_(model, 3)
+    groups = model.kv_cache_groups
+    assert len(groups) == 2 and groups[1].sliding_window == 5
+    seq_lens = [6, 11, 3]
+    meta, input_ids, positions = _decode_meta(seq_lens, 24)
+    # the windowed group's blocks: other ids of the same pool (blocks 1..23 are group 0's, 25..47 its)
+    other = dataclasses.replace(
+        meta, block_table=meta.block_table + 24, slot_mapping=meta.slot_mapping + 24 * BLOCK
+    )
+    meta.group_metadata = [meta, other]
+    torch.manual_seed(0)
+    tensors = [
+        t.normal_()
+        for t in CpuBackend().allocate_kv_caches(config, 48, BLOCK, torch.float32, group_size(groups))
+    ]
+    kv = [tensors[p] for _, p in layer_slots(groups, 2)]
+    eager_tensors = [t.clone() for t in tensors]
+    kv_eager = [eager_tensors[p] for _, p in layer_slots(groups, 2)]
+    with torch.inference_mode():
+        expected = model(input_ids, positions, kv_eager, meta)
+        graphs = DecodeGraphs(model, kv, max_size=8, max_blocks_per_req=8, device=torch.device("cpu"))
+        graphs.load(4, input_ids, positions, meta)
+        got = graphs.forward(4)
+    torch.testing.assert_close(got[:3], expected, atol=1e-4, rtol=1e-4)
+    for a, b in zip(tensors, eager_tensors, strict=True):
+        torch.testing.assert_close(a, b)
