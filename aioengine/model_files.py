@@ -194,14 +194,15 @@ def _hf_offline() -> Iterator[None]:
 def _convert_into(header: GGUFHeader, out: Path) -> None:
     """Write config, weights (float32) and tokenizer of the checked file into ``out``."""
     try:
-        _convert_checked(header.path, header, out)
+        _convert_checked(header, out)
     except GGUFError:
         raise
     except Exception as e:  # what transformers' config or tokenizer readers found wrong
         raise GGUFError(f"{header.path}: cannot be converted: {type(e).__name__}: {e}") from e
 
 
-def _convert_checked(gguf: Path, header: GGUFHeader, out: Path) -> None:
+def _convert_checked(header: GGUFHeader, out: Path) -> None:
+    gguf = header.path
     with _hf_offline():
         import torch
         from safetensors.torch import save_file

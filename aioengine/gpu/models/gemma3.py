@@ -16,7 +16,15 @@ from torch.nn.utils import skip_init
 
 from aioengine.gpu.backend import REFERENCE_OPS, Ops
 from aioengine.gpu.layers import RotaryEmbedding
-from aioengine.gpu.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, head_dim_of
+from aioengine.gpu.models.llama import (
+    LlamaAttention,
+    LlamaForCausalLM,
+    LlamaMLP,
+    LlamaModel,
+    _linear,
+    head_dim_of,
+    layer_windows,
+)
 from aioengine.kernels.metadata import AttentionMetadata
 from aioengine.sched.kv_cache_spec import kv_cache_groups, layer_slots
 
@@ -101,16 +109,7 @@ class Gemma3MLP(LlamaMLP):
         act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
         if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
             raise NotImplementedError(f"Gemma 3 MLP activation {act!r} is not supported (gelu_pytorch_tanh)")
-        nn.Module.__init__(self)
-        inter = config.intermediate_size
-        self.gate_up_proj = skip_init(
-            nn.Linear, config.hidden_size, 2 * inter, bias=False, dtype=dtype, device=device
-        )
-        self.gate_up_proj.shard_offsets = {"gate_proj": (0, inter), "up_proj": (inter, inter)}
-        self.down_proj = skip_init(
-            nn.Linear, inter, config.hidden_size, bias=False, dtype=dtype, device=device
-        )
-        self.act_fn = GeluTanhAndMul(ops)
+        super().__init__(config, dtype, device, ops, act_fn=GeluTanhAndMul(ops))
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -164,9 +163,11 @@ class Gemma3DecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(self.mlp(hidden_states)), residual
 
 
-class Gemma3Model(nn.Module):
+class Gemma3Model(LlamaModel):
+    """Gemma's layers and norms; the forward is Llama's, with the embeddings scaled."""
+
     def __init__(self, config: Any, dtype: torch.dtype, device: Any, ops: Ops) -> None:
-        super().__init__()
+        nn.Module.__init__(self)
         self.config = config
         self.embed_tokens = skip_init(
             nn.Embedding, config.vocab_size, config.hidden_size, dtype=dtype, device=device
@@ -174,8 +175,7 @@ class Gemma3Model(nn.Module):
         # HF keeps the scale as a float32 tensor and casts it to the weights' dtype.
         self.embed_scale = float(torch.tensor(config.hidden_size**0.5, dtype=torch.float32).to(dtype))
         self.layer_types = layer_types_of(config)
-        window = getattr(config, "sliding_window", None)
-        windows = [window if t == "sliding_attention" else None for t in self.layer_types]
+        windows = layer_windows(config, self.layer_types)
         self.ropes = self.make_ropes(config.max_position_embeddings, dtype, device, ops)
         self.kv_cache_groups = kv_cache_groups(windows)
         slots = layer_slots(self.kv_cache_groups, len(windows))
@@ -192,19 +192,8 @@ class Gemma3Model(nn.Module):
             t: gemma_rope(self.config, t, max_position, dtype, device, ops) for t in set(self.layer_types)
         }
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[torch.Tensor],
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids) * self.embed_scale
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden_states, residual = layer(positions, hidden_states, residual, kv_cache, meta)
-        hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids) * self.embed_scale
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
@@ -216,14 +205,12 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         nn.Module.__init__(self)
         self.config = config
         self.ops = ops
-        self.model = Gemma3Model(config, dtype, device, ops)  # type: ignore[assignment]
+        self.model = Gemma3Model(config, dtype, device, ops)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
         if self.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
         else:
-            self.lm_head = skip_init(
-                nn.Linear, config.hidden_size, config.vocab_size, bias=False, dtype=dtype, device=device
-            )
+            self.lm_head = _linear(config.hidden_size, config.vocab_size, False, dtype, device)
         self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -96,15 +96,22 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: Any, dtype: torch.dtype, device: Any, ops: Ops) -> None:
+    def __init__(
+        self, config: Any, dtype: torch.dtype, device: Any, ops: Ops, act_fn: nn.Module | None = None
+    ) -> None:
+        """``act_fn``: the gated activation over the fused gate_up output (default SiluAndMul)."""
         super().__init__()
-        assert getattr(config, "hidden_act", "silu") == "silu", f"unsupported hidden_act {config.hidden_act}"
+        if act_fn is None:
+            assert getattr(config, "hidden_act", "silu") == "silu", (
+                f"unsupported hidden_act {config.hidden_act}"
+            )
+            act_fn = SiluAndMul(ops)
         inter = config.intermediate_size
         bias = bool(getattr(config, "mlp_bias", False))
         self.gate_up_proj = _linear(config.hidden_size, 2 * inter, bias, dtype, device)
         self.gate_up_proj.shard_offsets = {"gate_proj": (0, inter), "up_proj": (inter, inter)}
         self.down_proj = _linear(inter, config.hidden_size, bias, dtype, device)
-        self.act_fn = SiluAndMul(ops)
+        self.act_fn = act_fn
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -118,11 +125,12 @@ def sliding_window(cfg: Any) -> int | None:
     return int(window) if window and get("use_sliding_window", True) else None
 
 
-def layer_windows(config: Any) -> list[int | None]:
-    """Each layer's attention window: the config's ``sliding_window`` on the layers ``layer_types`` marks
-    "sliding_attention" (every layer when it has none, as Mistral), or None for full attention."""
+def layer_windows(config: Any, layer_types: list[str] | None = None) -> list[int | None]:
+    """Each layer's attention window: the config's ``sliding_window`` on the layers ``layer_types`` (by
+    default the config's) marks "sliding_attention" (every layer when there are none, as Mistral), or None
+    for full attention."""
     window = sliding_window(config)
-    types = getattr(config, "layer_types", None)
+    types = layer_types if layer_types is not None else getattr(config, "layer_types", None)
     n = config.num_hidden_layers
     if window is None:
         return [None] * n
@@ -177,6 +185,9 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, ops)
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -185,7 +196,7 @@ class LlamaModel(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         assert len(kv_caches) == len(self.layers), "one KV cache per layer"
-        hidden_states = self.embed_tokens(input_ids)
+        hidden_states = self.embed(input_ids)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden_states, residual = layer(positions, hidden_states, residual, kv_cache, meta)
