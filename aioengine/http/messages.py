@@ -1,18 +1,13 @@
-"""Chat messages from a request: checked, text parts joined, tool calls and results kept for the chat
-template; and the chat-template arguments a request may set."""
+"""Chat messages from a request: their shape (MESSAGES, also /openapi.json's), then text parts joined and
+tool calls and results kept for the chat template; and the chat-template arguments a request may set."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from aioengine.http.fields import DEFAULT_LIMITS, Fields, _at_most, _json_type, bad, not_supported
-from aioengine.http.tools import ToolError, template_tool_calls
-
-_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
-_MESSAGE_FIELDS = frozenset(
-    {"role", "content", "name", "tool_calls", "tool_call_id", "function_call", "refusal", "audio"}
-)
-
+from aioengine.http.fields import DEFAULT_LIMITS, Fields, RequestLimits, SchemaContext, bad
+from aioengine.http.shapes import Array, Either, Obj, Refused, Tagged, Unsupported, Value
+from aioengine.http.tools import TOOL_CALLS, template_tool_calls
 
 # Arguments of the tokenizer's apply_chat_template that the server sets itself, or that would let a client
 # run a template of its own (Jinja, on the event loop).
@@ -42,87 +37,67 @@ def template_kwargs(f: Fields) -> dict:
     return kwargs
 
 
-def parse_messages(raw: Any, max_messages: int = DEFAULT_LIMITS.max_messages) -> list[dict]:
-    if not isinstance(raw, list):
-        raise bad(f"messages must be an array, got {_json_type(raw)}.", "messages")
-    if not raw:
-        raise bad("messages must not be empty.", "messages")
-    _at_most(raw, max_messages, "messages", "messages")
+_TEXT = Value(str)
+TEXT_PART = Tagged(
+    "type", {"text": Obj({"type": _TEXT, "text": _TEXT}, ("text",))}, "Content parts of type {}"
+)
+CONTENT = Either((_TEXT, Array(TEXT_PART)), "a string or an array of content parts")
+_COMMON = {
+    "role": _TEXT,
+    "name": _TEXT,
+    "function_call": Unsupported("The deprecated function_call (use tool_calls)"),
+    "audio": Unsupported("Audio input"),
+}
+_NOT_TOOL = Refused("belongs to tool messages only")
+_NOT_ASSISTANT = Refused("belongs to assistant messages only")
+_PLAIN = Obj(
+    {**_COMMON, "content": CONTENT, "tool_call_id": _NOT_TOOL, "tool_calls": _NOT_ASSISTANT}, ("content",)
+)
+MESSAGE = Tagged(
+    "role",
+    {
+        "system": _PLAIN,
+        "developer": _PLAIN,
+        "user": _PLAIN,
+        "assistant": Obj(
+            {
+                **_COMMON,
+                "content": CONTENT,
+                "refusal": _TEXT,
+                "tool_calls": TOOL_CALLS,
+                "tool_call_id": _NOT_TOOL,
+            }
+        ),
+        "tool": Obj(
+            {**_COMMON, "content": CONTENT, "tool_call_id": _TEXT, "tool_calls": _NOT_ASSISTANT},
+            ("content", "tool_call_id"),
+        ),
+    },
+)
+MESSAGES = Array(MESSAGE, min_items=1, max_items=lambda limits: limits.max_messages, what="messages")
+
+
+def parse_messages(raw: Any, limits: RequestLimits = DEFAULT_LIMITS) -> list[dict]:
+    """The chat template's messages: checked against MESSAGES, text parts joined, developer as system."""
+    MESSAGES.check(raw, "messages", SchemaContext(limits))
     out = []
-    for i, m in enumerate(raw):
-        p = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise bad(f"{p} must be an object, got {_json_type(m)}.", p)
-        mf = Fields(m, _MESSAGE_FIELDS, p + ".")
-        role = mf.str("role")
-        if role is None:
-            raise bad(f"{p}.role is required.", f"{p}.role")
-        if mf.present("function_call"):
-            raise not_supported(f"{p}.function_call", "The deprecated function_call (use tool_calls)")
-        if role not in _ROLES:
-            raise bad(
-                f"{p}.role must be one of system, developer, user, assistant, tool; got {role!r}.",
-                f"{p}.role",
-            )
-        if mf.present("audio"):
-            raise not_supported(f"{p}.audio", "Audio input")
-        content = content_text(m.get("content"), p)
-        if content is None:
-            if role != "assistant":
-                raise bad(f"{p}.content is required.", f"{p}.content")
-            content = mf.str("refusal") or ""
+    for m in raw:
+        role = m["role"]
+        content = content_text(m.get("content"))
+        if content is None:  # an assistant message with tool calls or a refusal only
+            content = m.get("refusal") or ""
         msg: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": content}
-        name = mf.str("name")
-        if name is not None:
-            msg["name"] = name
-        if role == "tool":
-            call_id = mf.str("tool_call_id")
-            if call_id is None:
-                raise bad(f"{p}.tool_call_id is required for a tool message.", f"{p}.tool_call_id")
-            msg["tool_call_id"] = call_id
-        elif mf.present("tool_call_id"):
-            raise bad(f"{p}.tool_call_id belongs to tool messages only.", f"{p}.tool_call_id")
-        if mf.present("tool_calls"):
-            if role != "assistant":
-                raise bad(f"{p}.tool_calls belongs to assistant messages only.", f"{p}.tool_calls")
-            try:
-                msg["tool_calls"] = template_tool_calls(m["tool_calls"], p)
-            except ToolError as e:
-                raise bad(e.message, e.param) from None
+        for key in ("name", "tool_call_id"):
+            if m.get(key) is not None:
+                msg[key] = m[key]
+        if m.get("tool_calls") is not None:
+            msg["tool_calls"] = template_tool_calls(m["tool_calls"])
         out.append(msg)
     return out
 
 
-_TEXT_PART = frozenset({"text"})
-_TEXT_PART_FIELDS = frozenset({"type", "text"})
-
-
-def content_text(
-    content: Any,
-    p: str,
-    kinds: frozenset[str] = _TEXT_PART,
-    part_fields: frozenset[str] | None = _TEXT_PART_FIELDS,
-) -> str | None:
-    """A message's content as one string: a string as it is, text parts (of the types ``kinds``) joined by
-    newlines; None stays None. ``part_fields``: the keys a part may have (None: any)."""
+def content_text(content: str | list[dict] | None) -> str | None:
+    """A checked message content as one string: a string as it is, text parts joined by newlines."""
     if content is None or isinstance(content, str):
         return content
-    if not isinstance(content, list):
-        raise bad(
-            f"{p}.content must be a string or an array of content parts, got {_json_type(content)}.",
-            f"{p}.content",
-        )
-    texts = []
-    for j, part in enumerate(content):
-        q = f"{p}.content[{j}]"
-        if not isinstance(part, dict):
-            raise bad(f"{q} must be an object.", q)
-        kind = part.get("type")
-        if kind not in kinds:
-            raise not_supported(q, f"Content parts of type {kind!r}")
-        pf = Fields(part, frozenset(part) if part_fields is None else part_fields, q + ".")
-        text = pf.str("text")
-        if text is None:
-            raise bad(f"{q}.text is required.", f"{q}.text")
-        texts.append(text)
-    return "\n".join(texts)
+    return "\n".join(part["text"] for part in content)

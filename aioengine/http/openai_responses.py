@@ -19,14 +19,11 @@ from aiohttp import web
 from aioengine.engine_client import EngineClient, RequestHandle
 from aioengine.http import admission
 from aioengine.http.context import ENGINE, json_response
-from aioengine.http.fields import APIError, Fields, bad, not_supported
+from aioengine.http.fields import APIError, Fields, SchemaContext, bad, not_supported
 from aioengine.http.messages import content_text
 from aioengine.http.protocol import parse_chat_request
-from aioengine.http.request_fields import RESPONSE, RESPONSE_REASONING, RESPONSE_TEXT
+from aioengine.http.request_fields import INPUT, RESPONSE, RESPONSE_REASONING, RESPONSE_TEXT, TEXT_FORMAT
 from aioengine.http.streaming import JSON, SSEWriter, Tally, guarded_sse, merged
-
-_ROLES = frozenset({"user", "assistant", "system", "developer"})
-_TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
 
 
 async def responses(request: web.Request) -> web.StreamResponse:
@@ -153,37 +150,18 @@ def to_chat_body(data: JSON) -> JSON:
 def _messages(raw: object) -> list[JSON]:
     if raw is None:
         raise bad("input is required.", "input")
+    INPUT.check(raw, "input", SchemaContext())
     if isinstance(raw, str):
         return [{"role": "user", "content": raw}]
-    if not isinstance(raw, list) or not raw:
-        raise bad("input must be a string or a non-empty array of message items.", "input")
-    out = []
-    for i, item in enumerate(raw):
-        p = f"input[{i}]"
-        if not isinstance(item, dict):
-            raise bad(f"{p} must be an object.", p)
-        kind = item.get("type", "message")
-        if kind != "message":
-            raise not_supported(f"{p}.type", f"Input items of type {kind!r}")
-        f = Fields(item, frozenset({"type", "role", "content", "id", "status"}), p + ".")
-        role = f.str("role")
-        if role not in _ROLES:
-            raise bad(f"{p}.role must be one of user, assistant, system, developer.", f"{p}.role")
-        # Parts echoed back from an earlier output carry annotations and logprobs: any keys are fine.
-        text = content_text(item.get("content"), p, _TEXT_PARTS, part_fields=None)
-        if text is None:
-            raise bad(f"{p}.content is required.", f"{p}.content")
-        out.append({"role": role, "content": text})
-    return out
+    assert isinstance(raw, list)
+    return [{"role": item["role"], "content": content_text(item["content"])} for item in raw]
 
 
 def _response_format(fmt: object) -> JSON:
-    if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
-        raise bad("text.format.type must be text, json_object or json_schema.", "text.format")
+    TEXT_FORMAT.check(fmt, "text.format", SchemaContext())
+    assert isinstance(fmt, dict)
     if fmt["type"] != "json_schema":
         return {"type": fmt["type"]}
-    if not isinstance(fmt.get("schema"), dict):
-        raise bad("text.format.schema must be a JSON schema object.", "text.format.schema")
     return {
         "type": "json_schema",
         "json_schema": {"name": fmt.get("name") or "response", "schema": fmt["schema"]},

@@ -17,6 +17,7 @@ from aioengine.http.fields import (
     APIError,
     Fields,
     RequestLimits,
+    SchemaContext,
     _at_most,
     _ints,
     api_error,
@@ -27,11 +28,14 @@ from aioengine.http.fields import (
 )
 from aioengine.http.messages import RESERVED_TEMPLATE_KWARGS, parse_messages, template_kwargs
 from aioengine.http.request_fields import (
+    BAD_WORDS,
     CHAT,
     COMPLETION,
     COMPLETION_MAX_TOKENS,
     DETOKENIZE,
     MAX_METADATA,
+    RESPONSE_FORMAT,
+    STOP,
     STREAM_OPTIONS,
     STRUCTURED_OUTPUTS,
     TOKENIZE,
@@ -95,23 +99,18 @@ class CompletionRequest(GenerationRequest):
 
 def _structured_outputs(f: Fields) -> StructuredOutputsParams | None:
     """OpenAI's response_format, or vLLM's structured_outputs object (not both)."""
-    rf = f.get("response_format", dict)
+    rf = f.data.get("response_format")
+    if rf is not None:
+        RESPONSE_FORMAT.check(rf, "response_format", SchemaContext(f.limits))
     so = f.get("structured_outputs", dict)
-    kind = None if rf is None else rf.get("type")
+    kind = None if rf is None else rf["type"]
     if kind not in (None, "text"):
         if so is not None:
             raise bad("Use response_format or structured_outputs, not both.", "structured_outputs")
         if kind == "json_object":
             return StructuredOutputsParams(json_object=True)
-        if kind == "json_schema":
-            js = rf.get("json_schema")
-            if not isinstance(js, dict) or not isinstance(js.get("schema"), dict):
-                raise bad(
-                    "response_format.json_schema.schema must be a JSON schema object.",
-                    "response_format.json_schema",
-                )
-            return StructuredOutputsParams(json=js["schema"])
-        raise bad("response_format.type must be text, json_object or json_schema.", "response_format.type")
+        assert rf is not None
+        return StructuredOutputsParams(json=rf["json_schema"]["schema"])
     if so is None:
         return None
     Fields(so, STRUCTURED_OUTPUTS, "structured_outputs.")
@@ -130,15 +129,9 @@ def _sampling_params(
 ) -> SamplingParams:
     """``defaults``: the model's generation-config defaults for fields the request leaves out."""
     stop = f.data.get("stop")
-    if stop is None:
-        stop = []
-    elif isinstance(stop, str):
-        stop = [stop]
-    elif not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-        raise bad("stop must be a string or an array of strings.", "stop")
-    _at_most(stop, limits.max_stop, "stop", "strings")
-    if any(len(s) > limits.max_stop_chars for s in stop):
-        raise bad(f"Each stop string may be at most {limits.max_stop_chars} characters long.", "stop")
+    if stop is not None:
+        STOP.check(stop, "stop", SchemaContext(limits))
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     stop_token_ids = _ints(f.get("stop_token_ids", list, []))
     if stop_token_ids is None:
         raise bad("stop_token_ids must be an array of integers.", "stop_token_ids")
@@ -146,15 +139,9 @@ def _sampling_params(
     bias = f.get("logit_bias", dict)
     _at_most(bias, limits.max_logit_bias, "logit_bias", "entries")
     bad_words = f.data.get("bad_words")
-    if bad_words is not None and not (
-        isinstance(bad_words, str)
-        or (isinstance(bad_words, list) and all(isinstance(w, str) for w in bad_words))
-    ):
-        raise bad("bad_words must be a string or an array of strings.", "bad_words")
-    if isinstance(bad_words, str):
-        bad_words = [bad_words]
-    elif isinstance(bad_words, list):
-        _at_most(bad_words, limits.max_bad_words, "bad_words", "words")
+    if bad_words is not None:
+        BAD_WORDS.check(bad_words, "bad_words", SchemaContext(limits))
+        bad_words = [bad_words] if isinstance(bad_words, str) else bad_words
     allowed = f.get("allowed_token_ids", list)
     _at_most(allowed, limits.max_token_ids, "allowed_token_ids", "token ids")
     if allowed is not None and (allowed := _ints(allowed)) is None:
@@ -236,7 +223,7 @@ def parse_chat_request(
     f = Fields(data, CHAT, limits=limits)
     if "messages" not in data:
         raise bad("messages is required.", "messages")
-    messages = parse_messages(data["messages"], limits.max_messages)
+    messages = parse_messages(data["messages"], limits)
     max_tokens = f.int("max_completion_tokens")
     if max_tokens is None:
         max_tokens = f.int("max_tokens")
@@ -394,7 +381,7 @@ def parse_tokenize_request(data: JSON, limits: RequestLimits = DEFAULT_LIMITS) -
             raise bad("prompt must be a string.", "prompt")
         req.add_special_tokens = f.bool("add_special_tokens", True)
     else:
-        req.messages = parse_messages(data["messages"], limits.max_messages)
+        req.messages = parse_messages(data["messages"], limits)
         req.add_special_tokens = f.bool("add_special_tokens", False)
         kwargs = template_kwargs(f)
         kwargs["add_generation_prompt"] = f.bool("add_generation_prompt", True)

@@ -2,8 +2,9 @@
 openai_responses.py) read them through these specs (unknown fields are refused, types, bounds and choices
 checked), and /openapi.json (openapi.py) states them from the same specs.
 
-A field whose value is more than a typed scalar (stop, messages, tools, prompt, response_format...) is read
-by the parser's own code; its entry here holds the JSON schema of that shape.
+A nested field (messages, tools, tool_choice, response_format, input, stop, bad_words) is a shape
+(shapes.py): the same declaration checks it and gives its schema here. What is left as a plain schema beside
+its parser's code: prompt, the token-id lists, logit_bias, metadata and chat_template_kwargs.
 """
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 from aioengine.http.fields import JSON, SchemaContext, Spec, Table, object_schema
-from aioengine.http.messages import RESERVED_TEMPLATE_KWARGS
-from aioengine.http.tools import MAX_TOOLS
+from aioengine.http.messages import MESSAGES, RESERVED_TEMPLATE_KWARGS
+from aioengine.http.shapes import Array, Either, Obj, Shape, Tagged, Value
+from aioengine.http.tools import TOOL_CHOICE, TOOLS
 from aioengine.sampling_params import BOUNDS
 
 REQUEST_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
@@ -23,26 +25,25 @@ MAX_METADATA = 16
 _STR: JSON = {"type": "string"}
 _NUM: JSON = {"type": "number"}
 _TEXT: JSON = {"type": "string", "minLength": 1}
+_TEXT_VALUE = Value(str)
 
 
-def _opt(schema: JSON) -> JSON:
-    return {"anyOf": [schema, {"type": "null"}]}
-
-
-def _obj(properties: JSON, required: tuple[str, ...] = (), **extra: object) -> JSON:
-    return {
-        "type": "object",
-        "properties": properties,
-        "required": list(required),
-        "additionalProperties": False,
-        **extra,
-    }
-
-
-# ---- shapes the parsers read themselves ------------------------------------------------------------------
-def stop_schema(ctx: SchemaContext) -> JSON:
-    one = {**_TEXT, "maxLength": ctx.limits.max_stop_chars}
-    return {"anyOf": [one, {"type": "array", "maxItems": ctx.limits.max_stop, "items": one}]}
+# ---- shapes the parsers read themselves: shapes.py checks them and states their schema --------------------
+STOP = Either(
+    (
+        Value(str, min_length=1, max_length=lambda limits: limits.max_stop_chars),
+        Array(
+            Value(str, min_length=1, max_length=lambda limits: limits.max_stop_chars),
+            max_items=lambda limits: limits.max_stop,
+            what="strings",
+        ),
+    ),
+    "a string or an array of strings",
+)
+BAD_WORDS = Either(
+    (Value(str), Array(Value(str), max_items=lambda limits: limits.max_bad_words, what="words")),
+    "a string or an array of strings",
+)
 
 
 def template_kwargs_schema(ctx: SchemaContext) -> JSON:
@@ -52,102 +53,22 @@ def template_kwargs_schema(ctx: SchemaContext) -> JSON:
     }
 
 
-def messages_schema(ctx: SchemaContext) -> JSON:
-    """messages.py's parse_messages: by role, text content (a string or text parts)."""
-    content_part = _obj({"type": {"const": "text"}, "text": _STR}, ("type", "text"))
-    content = {"anyOf": [_STR, {"type": "array", "items": content_part}]}
-    tool_call = _obj(
-        {
-            "id": _STR,
-            "type": {"const": "function"},
-            "function": _obj({"name": _STR, "arguments": _STR}, ("name", "arguments")),
-        },
-        ("function",),
-    )
-    message = {
-        "oneOf": [
-            _obj(
-                {"role": {"enum": ["system", "developer", "user"]}, "content": content, "name": _opt(_STR)},
-                ("role", "content"),
-            ),
-            _obj(
-                {
-                    "role": {"const": "assistant"},
-                    "content": _opt(content),
-                    "name": _opt(_STR),
-                    "refusal": _opt(_STR),
-                    "tool_calls": _opt({"type": "array", "items": tool_call}),
-                },
-                ("role",),
-            ),
-            _obj(
-                {"role": {"const": "tool"}, "content": content, "tool_call_id": _STR},
-                ("role", "content", "tool_call_id"),
-            ),
-        ]
-    }
-    return {"type": "array", "items": message, "minItems": 1, "maxItems": ctx.limits.max_messages}
-
-
-_FUNCTION_NAME: JSON = {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$"}
-
-
-def tools_schema(ctx: SchemaContext) -> JSON:
-    """tools.py's parse_tools."""
-    tool = _obj(
-        {
-            "type": {"const": "function"},
-            "function": _obj(
-                {
-                    "name": _FUNCTION_NAME,
-                    "description": _opt(_STR),
-                    "strict": _opt({"type": "boolean"}),
-                    "parameters": _opt(
-                        {
-                            "type": "object",
-                            "description": "a JSON schema (forced calls are constrained to it)",
-                        }
-                    ),
-                },
-                ("name",),
-            ),
-        },
-        ("type", "function"),
-    )
-    return {"items": tool, "maxItems": MAX_TOOLS}
-
-
-TOOL_CHOICE_SCHEMA: JSON = {
-    "anyOf": [
-        {"enum": ["none", "auto", "required"]},
-        _obj(
-            {"type": {"const": "function"}, "function": _obj({"name": _FUNCTION_NAME}, ("name",))},
-            ("type", "function"),
+_JSON_SCHEMA_FIELDS: dict[str, Shape] = {
+    "name": _TEXT_VALUE,
+    "description": _TEXT_VALUE,
+    "strict": Value(bool),
+    "schema": Value(dict, description="a JSON schema"),
+}
+RESPONSE_FORMAT = Tagged(
+    "type",
+    {
+        "text": Obj({"type": _TEXT_VALUE}),
+        "json_object": Obj({"type": _TEXT_VALUE}),
+        "json_schema": Obj(
+            {"type": _TEXT_VALUE, "json_schema": Obj(_JSON_SCHEMA_FIELDS, ("schema",))}, ("json_schema",)
         ),
-    ],
-    "description": "needs tools; a named function must be one of them (docs/api.md, Tool calling)",
-}
-
-RESPONSE_FORMAT_SCHEMA: JSON = {
-    "oneOf": [
-        _obj({"type": {"enum": ["text", "json_object"]}}, ("type",)),
-        {
-            "type": "object",
-            "required": ["type", "json_schema"],
-            "properties": {
-                "type": {"const": "json_schema"},
-                "json_schema": {
-                    "type": "object",
-                    "required": ["schema"],
-                    "properties": {
-                        "name": _STR,
-                        "schema": {"type": "object", "description": "a JSON schema"},
-                    },
-                },
-            },
-        },
-    ]
-}
+    },
+)
 
 
 def prompt_schema(ctx: SchemaContext) -> JSON:
@@ -208,7 +129,7 @@ SAMPLING: Table = {
     "min_p": _sampled(float, "min_p"),
     "seed": _sampled(int, "seed"),
     "min_tokens": _sampled(int, "min_tokens", description="at most max_tokens"),
-    "stop": Spec(None, schema=stop_schema),
+    "stop": Spec(None, schema=STOP.schema),
     "stop_token_ids": Spec(
         list, schema=lambda ctx: {"items": ctx.token(), "maxItems": ctx.limits.max_token_ids}
     ),
@@ -245,13 +166,8 @@ SAMPLING: Table = {
     "allowed_token_ids": Spec(
         list, schema=lambda ctx: {"items": ctx.token(), "minItems": 1, "maxItems": ctx.limits.max_token_ids}
     ),
-    "bad_words": Spec(
-        None,
-        schema=lambda ctx: {
-            "anyOf": [_STR, {"type": "array", "items": _STR, "maxItems": ctx.limits.max_bad_words}]
-        },
-    ),
-    "response_format": Spec(None, schema=RESPONSE_FORMAT_SCHEMA),
+    "bad_words": Spec(None, schema=BAD_WORDS.schema),
+    "response_format": Spec(None, schema=RESPONSE_FORMAT.schema),
     "structured_outputs": Spec(
         dict,
         schema=lambda ctx: {
@@ -264,7 +180,7 @@ SAMPLING: Table = {
 
 CHAT: Table = {
     **SAMPLING,
-    "messages": Spec(None, schema=messages_schema),
+    "messages": Spec(None, schema=MESSAGES.schema),
     "max_tokens": _sampled(int, "max_tokens", description=_MAX_TOKENS),
     "max_completion_tokens": _sampled(int, "max_tokens", description=_MAX_TOKENS),
     "logprobs": Spec(bool),
@@ -272,8 +188,8 @@ CHAT: Table = {
     "chat_template_kwargs": Spec(dict, schema=template_kwargs_schema),
     "add_generation_prompt": Spec(bool),
     "continue_final_message": Spec(bool, description="the last message must be the assistant's"),
-    "tools": Spec(list, schema=tools_schema),
-    "tool_choice": Spec(None, schema=TOOL_CHOICE_SCHEMA),
+    "tools": Spec(None, schema=TOOLS.schema),
+    "tool_choice": Spec(None, schema=TOOL_CHOICE.schema),
     "parallel_tool_calls": Spec(bool),
     "store": Spec(None, schema={"const": False}),  # nothing is stored: true is refused
     "metadata": _metadata(),
@@ -303,7 +219,7 @@ TOKENIZE: Table = {
     "add_special_tokens": Spec(bool),
     "return_token_strs": Spec(bool),
     "prompt": Spec(str),
-    "messages": Spec(None, schema=messages_schema),
+    "messages": Spec(None, schema=MESSAGES.schema),
     "add_generation_prompt": Spec(bool),
     "continue_final_message": Spec(bool),
     "chat_template_kwargs": Spec(dict, schema=template_kwargs_schema),
@@ -322,33 +238,57 @@ TOKENIZE_MESSAGES = (
 DETOKENIZE: Table = {"model": Spec(str), "tokens": Spec(list, schema=_tokens)}
 
 # ---- /v1/responses ---------------------------------------------------------------------------------------
-_TEXT_PART = _obj({"type": {"enum": ["input_text", "output_text"]}, "text": _STR}, ("type", "text"))
-
-
-def _input_schema(ctx: SchemaContext) -> JSON:
-    item = _obj(
-        {
-            "type": _opt({"const": "message"}),
-            "role": {"enum": ["user", "assistant", "system", "developer"]},
-            "content": {"anyOf": [_STR, {"type": "array", "items": _TEXT_PART}]},
-        },
-        ("role", "content"),
-    )
-    return {
-        "anyOf": [_STR, {"type": "array", "items": item, "minItems": 1, "maxItems": ctx.limits.max_messages}]
-    }
-
-
-RESPONSE_TEXT: Table = {
-    "format": Spec(
-        None,
-        schema={
-            **_obj({"type": {"enum": ["text", "json_object"]}}, ("type",)),
-            "description": "json_schema ({type, name, schema}) is accepted too",
-        },
+# Parts echoed back from an earlier output carry annotations and logprobs: any other keys are fine.
+_INPUT_PART = Obj({"type": _TEXT_VALUE, "text": _TEXT_VALUE}, ("text",), open=True)
+INPUT = Either(
+    (
+        _TEXT_VALUE,
+        Array(
+            Tagged(
+                "type",
+                {
+                    "message": Obj(
+                        {
+                            "type": _TEXT_VALUE,
+                            "role": Value(str, enum=("user", "assistant", "system", "developer")),
+                            "content": Either(
+                                (
+                                    _TEXT_VALUE,
+                                    Array(
+                                        Tagged(
+                                            "type",
+                                            {k: _INPUT_PART for k in ("input_text", "output_text", "text")},
+                                            "Content parts of type {}",
+                                        )
+                                    ),
+                                ),
+                                "a string or an array of content parts",
+                            ),
+                            "id": _TEXT_VALUE,
+                            "status": _TEXT_VALUE,
+                        },
+                        ("role", "content"),
+                    )
+                },
+                "Input items of type {}",
+                default="message",
+            ),
+            min_items=1,
+            max_items=lambda limits: limits.max_messages,
+            what="items",
+        ),
     ),
-    "verbosity": Spec(str),
-}
+    "a string or a non-empty array of message items",
+)
+TEXT_FORMAT = Tagged(
+    "type",
+    {
+        "text": Obj({"type": _TEXT_VALUE}),
+        "json_object": Obj({"type": _TEXT_VALUE}),
+        "json_schema": Obj({"type": _TEXT_VALUE, **_JSON_SCHEMA_FIELDS}, ("schema",)),
+    },
+)
+RESPONSE_TEXT: Table = {"format": Spec(None, schema=TEXT_FORMAT.schema), "verbosity": Spec(str)}
 RESPONSE_REASONING: Table = {
     "effort": Spec(str, enum=REASONING_EFFORTS, checked_later=True),  # as the chat request's reasoning_effort
     "summary": Spec(None),
@@ -356,7 +296,7 @@ RESPONSE_REASONING: Table = {
 }
 RESPONSE: Table = {  # openai_responses.to_chat_body turns it into a CHAT body
     "model": Spec(str),
-    "input": Spec(None, schema=_input_schema),
+    "input": Spec(None, schema=INPUT.schema),
     "instructions": Spec(str),
     "max_output_tokens": _sampled(int, "max_tokens", description=_MAX_TOKENS),
     "temperature": SAMPLING["temperature"],

@@ -22,8 +22,11 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from aioengine.http.fields import APIError, SchemaContext
+from aioengine.http.shapes import Array, Either, Obj, Tagged, Value
+
 MAX_TOOLS = 128
-_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+_NAME_PATTERN = r"[A-Za-z0-9_.\-]{1,64}"
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 _WHOLE_PREFIXES = ("[TOOL_CALLS]", "<|python_tag|>")  # Mistral's and Llama 3's call markers
 _BLOCK_RE = re.compile(re.escape(_OPEN) + r"\s*(.*?)\s*(?:" + re.escape(_CLOSE) + r"|$)", re.DOTALL)
@@ -72,52 +75,80 @@ class ToolSpec:
         return None
 
 
+_TEXT = Value(str)
+FUNCTION = Obj(
+    {
+        "name": Value(str, pattern=(_NAME_PATTERN, "1-64 letters, digits, '_', '.' or '-'")),
+        "description": _TEXT,
+        "strict": Value(bool),
+        "parameters": Value(dict, description="a JSON schema (forced calls are constrained to it)"),
+    },
+    ("name",),
+)
+TOOLS = Array(
+    Tagged(
+        "type", {"function": Obj({"type": _TEXT, "function": FUNCTION}, ("function",))}, "Tools of type {}"
+    ),
+    max_items=MAX_TOOLS,
+    what="tools",
+)
+TOOL_CHOICE = Either(
+    (
+        Value(str, enum=("none", "auto", "required")),
+        Obj(
+            {
+                "type": Value(str, enum=("function",)),
+                "function": Obj({"name": FUNCTION.fields["name"]}, ("name",)),
+            },
+            ("type", "function"),
+        ),
+    ),
+    '\'none\', \'auto\', \'required\' or {"type": "function", "function": {"name": ...}}',
+    description="needs tools; a named function must be one of them (docs/api.md, Tool calling)",
+)
+# An assistant message's earlier calls, as clients send them back: other keys (a streamed delta's index) pass.
+TOOL_CALLS = Array(
+    Obj(
+        {
+            "id": _TEXT,
+            "type": Value(str, enum=("function",)),
+            "function": Obj(
+                {"name": _TEXT, "arguments": Either((_TEXT, Value(dict)), "a string or an object")},
+                ("name",),
+                open=True,
+            ),
+        },
+        ("function",),
+        open=True,
+    )
+)
+
+
 def parse_tools(tools: Any, tool_choice: Any, parallel: bool | None) -> ToolSpec | None:
-    """Validate the request's tool fields; None when the request uses no tools."""
+    """Validate the request's tool fields (TOOLS, TOOL_CHOICE); None when the request uses no tools."""
     if tools is None or tools == []:
         if tool_choice not in (None, "none", "auto"):
             raise ToolError("tool_choice requires tools to be specified.", "tool_choice")
         return None
-    if not isinstance(tools, list):
-        raise ToolError("tools must be an array of tool objects.", "tools")
-    if len(tools) > MAX_TOOLS:
-        raise ToolError(f"tools may hold at most {MAX_TOOLS} tools, got {len(tools)}.", "tools")
+    ctx = SchemaContext()
+    try:
+        TOOLS.check(tools, "tools", ctx)
+        if tool_choice is not None:
+            TOOL_CHOICE.check(tool_choice, "tool_choice", ctx)
+    except APIError as e:
+        raise ToolError(e.message, e.param or "tools") from None
     schemas: dict[str, dict] = {}
     for i, tool in enumerate(tools):
-        p = f"tools[{i}]"
-        if not isinstance(tool, dict) or tool.get("type") != "function":
-            raise ToolError(f"{p} must be an object with type 'function'.", p)
-        unknown = set(tool) - {"type", "function"}
-        if unknown:
-            raise ToolError(f"Unrecognized request argument supplied: {p}.{sorted(unknown)[0]}", p)
-        fn = tool.get("function")
-        if not isinstance(fn, dict):
-            raise ToolError(f"{p}.function must be an object.", f"{p}.function")
-        unknown = set(fn) - {"name", "description", "parameters", "strict"}
-        if unknown:
-            raise ToolError(
-                f"Unrecognized request argument supplied: {p}.function.{sorted(unknown)[0]}", f"{p}.function"
-            )
-        name = fn.get("name")
-        if not isinstance(name, str) or not _NAME_RE.match(name):
-            raise ToolError(
-                f"{p}.function.name must be 1-64 letters, digits, '_', '.' or '-'.", f"{p}.function.name"
-            )
-        if name in schemas:
-            raise ToolError(f"Two tools are named {name!r}.", f"{p}.function.name")
-        if fn.get("description") is not None and not isinstance(fn["description"], str):
-            raise ToolError(f"{p}.function.description must be a string.", f"{p}.function.description")
-        if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
-            raise ToolError(f"{p}.function.strict must be a boolean.", f"{p}.function.strict")
+        fn = tool["function"]
+        if fn["name"] in schemas:
+            raise ToolError(f"Two tools are named {fn['name']!r}.", f"tools[{i}].function.name")
         params = fn.get("parameters")
-        if params is None:
-            params = {"type": "object", "properties": {}}
-        elif not isinstance(params, dict):
-            raise ToolError(
-                f"{p}.function.parameters must be a JSON schema object.", f"{p}.function.parameters"
-            )
-        schemas[name] = params
-    choice, forced = _choice(tool_choice, schemas)
+        schemas[fn["name"]] = {"type": "object", "properties": {}} if params is None else params
+    choice, forced = tool_choice or "auto", None
+    if isinstance(tool_choice, dict):
+        choice, forced = "named", tool_choice["function"]["name"]
+        if forced not in schemas:
+            raise ToolError(f"tool_choice names {forced!r}, which is not among the tools.", "tool_choice")
     return ToolSpec(
         tools=tools,
         choice=choice,
@@ -127,46 +158,19 @@ def parse_tools(tools: Any, tool_choice: Any, parallel: bool | None) -> ToolSpec
     )
 
 
-def _choice(tool_choice: Any, schemas: dict[str, dict]) -> tuple[str, str | None]:
-    if tool_choice is None:
-        return "auto", None
-    if tool_choice in ("none", "auto", "required"):
-        return tool_choice, None
-    if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
-        fn = tool_choice.get("function")
-        name = fn.get("name") if isinstance(fn, dict) else None
-        if not isinstance(name, str):
-            raise ToolError("tool_choice.function.name must be a string.", "tool_choice.function.name")
-        if name not in schemas:
-            raise ToolError(f"tool_choice names {name!r}, which is not among the tools.", "tool_choice")
-        return "named", name
-    raise ToolError(
-        "tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", \"function\": "
-        '{"name": ...}}.',
-        "tool_choice",
-    )
-
-
-def template_tool_calls(calls: Any, p: str) -> list[dict]:
-    """An assistant message's `tool_calls` as chat templates read them (arguments as an object, as vLLM
-    passes them: templates write `arguments | tojson`)."""
-    if not isinstance(calls, list):
-        raise ToolError(f"{p}.tool_calls must be an array.", f"{p}.tool_calls")
+def template_tool_calls(calls: list[dict]) -> list[dict]:
+    """An assistant message's checked `tool_calls` (TOOL_CALLS) as chat templates read them (arguments as an
+    object, as vLLM passes them: templates write `arguments | tojson`)."""
     out = []
     for j, call in enumerate(calls):
-        q = f"{p}.tool_calls[{j}]"
-        fn = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise ToolError(
-                f'{q} must be {{"id", "type": "function", "function": {{"name", "arguments"}}}}.', q
-            )
+        fn = call["function"]
         args = fn.get("arguments", "{}")
         if isinstance(args, str):
             with contextlib.suppress(ValueError):  # not JSON: the template gets the string as sent
                 args = json.loads(args) if args.strip() else {}
         out.append(
             {
-                "id": call.get("id") if isinstance(call.get("id"), str) else f"call_{j}",
+                "id": call.get("id") or f"call_{j}",
                 "type": "function",
                 "function": {"name": fn["name"], "arguments": args},
             }

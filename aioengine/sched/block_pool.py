@@ -83,10 +83,9 @@ class FreeKVCacheBlockQueue:
 class BlockPool:
     """Owns every KV block. Block 0 is the null block, never handed out (a placeholder in block tables)."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+    def __init__(self, num_blocks: int) -> None:
         assert num_blocks >= 2, "need at least one usable block besides the null block"
         self.num_blocks = num_blocks
-        self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         # (block hash, group) -> block: each group caches its own copy of a token block's KV

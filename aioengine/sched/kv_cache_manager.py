@@ -27,11 +27,10 @@ def cdiv(a: int, b: int) -> int:
 class PrefixCacheStats:
     queries: int = 0  # prompt tokens looked up
     hits: int = 0  # of which found in the cache
-    requests: int = 0
 
     def reset(self) -> PrefixCacheStats:
-        out = PrefixCacheStats(self.queries, self.hits, self.requests)
-        self.queries = self.hits = self.requests = 0
+        out = PrefixCacheStats(self.queries, self.hits)
+        self.queries = self.hits = 0
         return out
 
 
@@ -48,7 +47,7 @@ class KVCacheManager:
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
         self.groups = groups
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.block_pool = BlockPool(num_blocks)
         self.req_to_blocks: dict[str, GroupBlocks] = {}
         self.num_cached_block: dict[str, list[int]] = {}
         self.prefix_cache_stats = PrefixCacheStats()  # since the last take_prefix_cache_stats()
@@ -118,7 +117,6 @@ class KVCacheManager:
         if not self.enable_caching:
             return
         for stats in (self.prefix_cache_stats, self.total_prefix_cache):
-            stats.requests += 1
             stats.queries += request.num_tokens
             stats.hits += num_hit_tokens
 

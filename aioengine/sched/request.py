@@ -62,7 +62,6 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     num_cached_tokens: int = -1  # prompt tokens served by the prefix cache at first admission
-    num_preemptions: int = 0
     block_hashes: list[int] = field(
         default_factory=list
     )  # chained hashes of the full blocks of all_token_ids

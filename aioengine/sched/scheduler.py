@@ -280,7 +280,6 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.is_prefill_chunk = False
-        request.num_preemptions += 1
         self.num_preemptions_total += 1
         self.waiting.prepend(request)
 

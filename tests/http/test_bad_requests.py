@@ -58,7 +58,7 @@ CASES = [
         CHAT,
         chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
         400,
-        "messages[0].content[0]",
+        "messages[0].content[0].type",
     ),
     (
         "message-unknown-field",
@@ -89,7 +89,7 @@ CASES = [
     ("min-p-above-one", "POST", CHAT, chat(min_p=2), 400, "min_p"),
     ("seed-string", "POST", CHAT, chat(seed="abc"), 400, "seed"),
     ("stop-int", "POST", CHAT, chat(stop=5), 400, "stop"),
-    ("stop-empty-string", "POST", COMP, comp(stop=[""]), 400, "stop"),
+    ("stop-empty-string", "POST", COMP, comp(stop=[""]), 400, "stop[0]"),
     ("stop-token-ids-strings", "POST", CHAT, chat(stop_token_ids=["a"]), 400, "stop_token_ids"),
     ("min-tokens-above-max", "POST", CHAT, chat(min_tokens=10, max_tokens=2), 400, "min_tokens"),
     ("ignore-eos-string", "POST", CHAT, chat(ignore_eos="no"), 400, "ignore_eos"),
@@ -114,7 +114,7 @@ CASES = [
         400,
         "stream_options.foo",
     ),
-    ("tools-not-functions", "POST", CHAT, chat(tools=[{"type": "code_interpreter"}]), 400, "tools[0]"),
+    ("tools-not-functions", "POST", CHAT, chat(tools=[{"type": "code_interpreter"}]), 400, "tools[0].type"),
     (
         "tool-choice-bad",
         "POST",
@@ -144,7 +144,7 @@ CASES = [
         CHAT,
         chat(response_format={"type": "json_schema", "json_schema": {}}),
         400,
-        "response_format.json_schema",
+        "response_format.json_schema.schema",
     ),
     (
         "structured-two-kinds",

@@ -99,7 +99,7 @@ CASES = [
     ),
     ("top-logprobs-huge", CHAT, raw(chat(logprobs=True, top_logprobs=2**40)), "top_logprobs", "20"),
     ("stop-100k", CHAT, orjson.dumps(chat(stop=["x"] * 100_000)), "stop", "32"),
-    ("stop-one-giant-string", CHAT, orjson.dumps(chat(stop=["x" * 100_000])), "stop", "1024"),
+    ("stop-one-giant-string", CHAT, orjson.dumps(chat(stop=["x" * 100_000])), "stop[0]", "1024"),
     (
         "stop-token-ids-200k",
         CHAT,

@@ -103,10 +103,10 @@ def test_json_schema_format(client):
                     {"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}
                 ]
             },
-            "input[0].content[0]",
+            "input[0].content[0].type",
         ),
         ({"input": []}, "input"),
-        ({"text": {"format": {"type": "xml"}}}, "text.format"),
+        ({"text": {"format": {"type": "xml"}}}, "text.format.type"),
     ],
 )
 def test_what_it_cannot_do_is_a_400_naming_the_field(client, kw, param):

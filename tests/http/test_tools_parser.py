@@ -9,7 +9,15 @@ import random
 import jsonschema
 import pytest
 
-from aioengine.http.tools import StreamParser, ToolError, extract, parse_tools, template_tool_calls
+from aioengine.http.fields import APIError, SchemaContext
+from aioengine.http.tools import (
+    TOOL_CALLS,
+    StreamParser,
+    ToolError,
+    extract,
+    parse_tools,
+    template_tool_calls,
+)
 
 WEATHER = {
     "type": "function",
@@ -25,7 +33,7 @@ TIME = {"type": "function", "function": {"name": "get_time", "description": "now
     "tools, choice, param",
     [
         ("x", None, "tools"),
-        ([{"type": "retrieval"}], None, "tools[0]"),
+        ([{"type": "retrieval"}], None, "tools[0].type"),
         ([{"type": "function"}], None, "tools[0].function"),
         ([{"type": "function", "function": {"name": "has space"}}], None, "tools[0].function.name"),
         (
@@ -33,11 +41,13 @@ TIME = {"type": "function", "function": {"name": "get_time", "description": "now
             None,
             "tools[0].function.parameters",
         ),
-        ([{"type": "function", "function": {"name": "f", "colour": 1}}], None, "tools[0].function"),
+        ([{"type": "function", "function": {"name": "f", "colour": 1}}], None, "tools[0].function.colour"),
         ([WEATHER, WEATHER], None, "tools[1].function.name"),
         ([WEATHER], "sometimes", "tool_choice"),
         ([WEATHER], {"type": "function", "function": {"name": "nope"}}, "tool_choice"),
-        ([WEATHER], {"type": "function"}, "tool_choice.function.name"),
+        ([WEATHER], {"type": "function"}, "tool_choice.function"),
+        ([WEATHER], {"type": "function", "function": {"name": 3}}, "tool_choice.function.name"),
+        ([WEATHER], 7, "tool_choice"),
         (None, "required", "tool_choice"),
         ([], {"type": "function", "function": {"name": "f"}}, "tool_choice"),
     ],
@@ -148,13 +158,13 @@ def test_history_tool_calls_reach_the_template_with_object_arguments():
                 "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
             }
         ],
-        "messages[1]",
     )
     assert calls == [
         {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}
     ]
-    with pytest.raises(ToolError):
-        template_tool_calls([{"id": "c1"}], "messages[1]")
+    with pytest.raises(APIError) as e:
+        TOOL_CALLS.check([{"id": "c1"}], "messages[1].tool_calls", SchemaContext())
+    assert e.value.param == "messages[1].tool_calls[0].function"
 
 
 @pytest.mark.parametrize(

@@ -36,7 +36,7 @@ def test_free_queue_is_intrusive_lru() -> None:
 
 
 def test_block_pool_frees_in_reverse_so_the_tail_is_evicted_first() -> None:
-    pool = BlockPool(8, enable_caching=True)
+    pool = BlockPool(8)
     assert pool.null_block.block_id == 0 and pool.get_num_free_blocks() == 7
     got = pool.get_new_blocks(3)
     pool.cache_full_blocks(got, [11, 12, 13], 0, 3)
