@@ -13,19 +13,17 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from aioengine import gc_freeze
-from aioengine.checkpoint import RANDOM_PREFIX, generation_defaults, load_engine_tokenizer, read_config
-from aioengine.config import EngineArgs, EngineConfig, resolve_max_model_len
+from aioengine import gc_freeze, startup
+from aioengine.config import EngineArgs
 from aioengine.engine_client import EngineStats, PrecompiledGrammar, RequestListener, StatListener
 from aioengine.errors import EngineDeadError, EngineNotStartedError, InvalidRequestError
 from aioengine.handle import GenerateHandle, RequestState
 from aioengine.output_processor import OutputProcessor
 from aioengine.outputs import CompletionOutput
 from aioengine.sampling_params import SamplingParams
-from aioengine.sched.kv_cache_spec import capacity_tokens
 from aioengine.sched.output import ModelRunnerOutput, NewRequestData
 from aioengine.sched.request import Request, RequestStatus
-from aioengine.sched.scheduler import Scheduler, SchedulerConfig
+from aioengine.sched.scheduler import Scheduler
 from aioengine.tokenizer import IncrementalDetokenizer, apply_chat_template
 
 if TYPE_CHECKING:  # importing these imports torch: start() does, lazily
@@ -69,30 +67,26 @@ class AsyncEngine:
 
     # ---- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> AsyncEngine:
-        """Resolve the config, load model and tokenizer, size the KV cache, capture; then run the steps."""
+        """Resolve the config, load model and tokenizer, size the KV cache, capture (startup.py); then run
+        the steps."""
         if self._task is not None:
             return self
-        from aioengine.gpu.backends import make_backend
-
         t0 = time.perf_counter()
-        self.backend = backend = make_backend(
-            self.args
-        )  # the one choice of device (the CPU's kernels build now)
-        cfg_probe = await self._resolve_model()
-        config = self._resolve_config(backend, cfg_probe)
-        await self._load(backend, config, cfg_probe)
-        num_blocks = await self._size_kv_cache(config)
-        await self._initialize_kv_cache(config, num_blocks)
-        assert self._structured_build is not None
-        with contextlib.suppress(
-            Exception
-        ):  # a failure (no tokenizer, no xgrammar) is raised per structured request
-            await asyncio.wrap_future(self._structured_build)
+        s = await startup.start(self.args, _new_structured_output_manager)
+        self.backend, self._worker, self.runner, self.scheduler = s.backend, s.worker, s.runner, s.scheduler
+        self.tokenizer = self._outputs.tokenizer = s.tokenizer
+        self.model_path, self.model_name = s.model_path, s.model_name
+        self.max_model_len = s.config.max_model_len
+        self.vocab_size, self.eos_token_id = s.vocab_size, s.eos_token_id
+        self.default_sampling_params = s.default_sampling_params
+        self.kv_capacity_tokens = s.kv_capacity_tokens
+        self._structured_build = s.structured_build
         # What start-up built (torch, transformers, the model's modules) lives as long as the engine:
         # out of the collector's reach, a full collection no longer walks it while requests wait
         # (vLLM does the same).
         _freeze_startup_objects()
         self._task = asyncio.create_task(self._run(), name="aioengine-step-loop")
+        config = s.config
         logger.info(
             "engine started in %.1f s: model=%s device=%s dtype=%s max_model_len=%d kv_blocks=%d "
             "(%d tokens) max_num_batched_tokens=%d max_num_seqs=%d",
@@ -101,136 +95,12 @@ class AsyncEngine:
             config.device,
             config.dtype,
             config.max_model_len,
-            num_blocks,
+            s.num_blocks,
             self.kv_capacity_tokens,
             config.max_num_batched_tokens,
             config.max_num_seqs,
         )
         return self
-
-    async def _resolve_model(self) -> dict[str, Any]:
-        """Find the checkpoint (the default model is converted once) and read what start-up needs of it."""
-        from aioengine.model_files import resolve_model
-
-        args, loop = self.args, asyncio.get_running_loop()
-        if args.model.startswith(RANDOM_PREFIX):  # random weights of a known shape: no files
-            self.model_path = args.model
-        else:
-            self.model_path = str(await loop.run_in_executor(None, resolve_model, args.model))
-        if args.served_model_name is None and args.model != "default":
-            self.model_name = args.model.rstrip("/")
-        # transformers' lazy module is not safe to import from two threads at once: import it once here,
-        # before the tokenizer thread and the model loader race for it.
-        await loop.run_in_executor(None, _import_heavy_modules)
-        return await loop.run_in_executor(None, read_config, self.model_path)
-
-    def _resolve_config(self, backend: Backend, cfg_probe: dict[str, Any]) -> EngineConfig:
-        """EngineArgs, the checkpoint's limits and the backend's defaults -> the engine's sizes."""
-        args = self.args
-        return EngineConfig(
-            device=backend.name,
-            dtype=args.dtype if args.dtype != "auto" else backend.default_dtype(),
-            max_model_len=resolve_max_model_len(args.max_model_len, cfg_probe["max_position_embeddings"]),
-            max_num_seqs=args.max_num_seqs or backend.default_max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens or backend.default_max_num_batched_tokens,
-        )
-
-    async def _load(self, backend: Backend, config: EngineConfig, cfg_probe: dict[str, Any]) -> None:
-        """The worker, the model on it and the tokenizer beside it; xgrammar's tables start building."""
-        import torch
-
-        from aioengine.gpu.model_runner import ModelRunner
-
-        args, loop, model_path = self.args, asyncio.get_running_loop(), self.model_path
-        assert model_path is not None
-        tokenizer_fut = loop.run_in_executor(
-            None, load_engine_tokenizer, args, model_path, cfg_probe["vocab_size"]
-        )
-        self._worker = worker = backend.make_worker()
-        self.runner = await asyncio.wrap_future(
-            worker.submit(
-                ModelRunner,
-                model_path,
-                backend,
-                getattr(torch, config.dtype),
-                config.max_num_seqs,
-                config.max_model_len,
-                args.block_size,
-                args.seed,
-                args.quantization,
-            )
-        )
-        self.tokenizer = self._outputs.tokenizer = await tokenizer_fut
-        self.vocab_size = cfg_probe["vocab_size"]
-        self.eos_token_id = cfg_probe["eos_token_id"]
-        if self.eos_token_id is None:
-            self.eos_token_id = self.tokenizer.eos_token_id
-        self.max_model_len = config.max_model_len
-        self.default_sampling_params = generation_defaults(
-            args.generation_config, cfg_probe["generation_config"]
-        )
-        SamplingParams(
-            **self.default_sampling_params
-        )  # a bad value in the file stops the start, not each request
-        if self.default_sampling_params:
-            logger.info(
-                "default sampling parameters from the generation config: %s", self.default_sampling_params
-            )
-        # xgrammar's tokenizer tables (CPU-heavy, GIL released) build on a thread while the KV cache is set
-        # up; start() waits for them: built after it, they took the cores from the first step.
-        builder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="aioengine-grammar")
-        self._structured_build = builder.submit(self._new_structured_output_manager)
-        builder.shutdown(wait=False)
-
-    async def _size_kv_cache(self, config: EngineConfig) -> int:
-        """KV blocks: ``num_kv_blocks``, else what the backend's budget holds, never more than every sequence
-        at full length needs."""
-        args = self.args
-        if args.num_kv_blocks is not None:
-            num_blocks = args.num_kv_blocks
-        else:
-            backend, worker, runner = self._device()
-            fits = await asyncio.wrap_future(
-                worker.submit(
-                    backend.num_kv_blocks, runner, args, config.max_num_batched_tokens, config.max_num_seqs
-                )
-            )
-            groups = len(runner.kv_cache_groups)
-            per_seq = -(-config.max_model_len // args.block_size) * groups
-            num_blocks = min(fits, config.max_num_seqs * per_seq + 1)
-        if num_blocks < 2:
-            raise ValueError(f"the KV cache budget fits {num_blocks} blocks; at least 2 are needed")
-        return num_blocks
-
-    async def _initialize_kv_cache(self, config: EngineConfig, num_blocks: int) -> None:
-        """Allocate the cache and the backend's fast paths over it (CUDA graphs are captured here), then the
-        scheduler that hands its blocks out."""
-        args = self.args
-        backend, worker, runner = self._device()
-        await asyncio.wrap_future(worker.submit(runner.initialize_kv_cache, num_blocks))
-        await asyncio.wrap_future(
-            worker.submit(backend.build_fast_paths, runner, args, config.max_num_batched_tokens)
-        )
-        self.kv_capacity_tokens = capacity_tokens(
-            runner.kv_cache_groups,
-            num_blocks - 1,
-            args.block_size,
-            config.max_num_batched_tokens,
-            config.max_model_len,
-        )
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                max_num_seqs=config.max_num_seqs,
-                max_model_len=config.max_model_len,
-                num_blocks=num_blocks,
-                block_size=args.block_size,
-                enable_prefix_caching=args.enable_prefix_caching,
-                long_prefill_token_threshold=args.long_prefill_token_threshold,
-                policy=args.scheduling_policy,
-                kv_cache_groups=runner.kv_cache_groups,
-            )
-        )
 
     def _device(self) -> tuple[Backend, Worker, ModelRunner]:
         """The backend, its worker and the runner on it (all there once start() has loaded the model)."""
@@ -429,11 +299,6 @@ class AsyncEngine:
         self._wakeup.set()
         return GenerateHandle(self, state)
 
-    def _new_structured_output_manager(self) -> Any:
-        from aioengine.structured import StructuredOutputManager
-
-        return StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_id)
-
     def _check_prompt_length(self, num_prompt: int) -> None:
         if num_prompt == 0:
             raise InvalidRequestError("The prompt cannot be empty.", param="prompt")
@@ -452,7 +317,9 @@ class AsyncEngine:
                 manager = build.result() if build is not None else None
             except Exception:  # e.g. xgrammar missing: build again here, so the request gets the error
                 manager = None
-            self._structured = manager or self._new_structured_output_manager()
+            self._structured = manager or _new_structured_output_manager(
+                self.tokenizer, self.vocab_size, self.eos_token_id
+            )
             assert self.scheduler is not None
             self.scheduler.structured_output_manager = self._structured
         return self._structured
@@ -609,7 +476,7 @@ def _unfreeze_startup_objects() -> None:
     gc_freeze.unfreeze()
 
 
-def _import_heavy_modules() -> None:
-    from transformers import AutoConfig, AutoTokenizer  # noqa: F401  (resolves the lazy attributes)
+def _new_structured_output_manager(tokenizer: Any, vocab_size: int, eos_token_id: int | None) -> Any:
+    from aioengine.structured import StructuredOutputManager
 
-    import aioengine.gpu.model_runner  # noqa: F401  (torch, the models, the loader)
+    return StructuredOutputManager(tokenizer, vocab_size, eos_token_id)

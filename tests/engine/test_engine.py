@@ -508,3 +508,22 @@ def test_precompile_hands_its_grammar_to_generate(tiny_llama):
             assert manager.cache_hits + manager.cache_misses == lookups + 1
 
     run(main())
+
+
+def test_a_failed_start_leaves_no_worker_thread(tiny_llama):
+    """A start-up step that fails (here: a KV cache of one block) raises, and the worker it made is gone."""
+    import threading
+
+    path, _ = tiny_llama
+
+    def step_threads() -> int:
+        return sum(t.name.startswith("aioengine-step") and t.is_alive() for t in threading.enumerate())
+
+    async def main():
+        before = step_threads()
+        with pytest.raises(ValueError, match="at least 2"):
+            await AsyncEngine(tiny_args(path, num_kv_blocks=1)).start()
+        return before, step_threads()
+
+    before, after = run(main())
+    assert after == before
