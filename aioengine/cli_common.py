@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import json
 import re
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -39,6 +40,8 @@ _ENGINE_HELP = {
     "max_cudagraph_capture_size": "largest decode batch that replays a CUDA graph "
     "(default 512; larger batches run eagerly)",
     "step_timeout_s": "watchdog: a step running longer marks the engine dead",
+    "speculative_config": "speculative decoding, as JSON with vLLM's keys: "
+    '\'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\'',
     "quantization": "CPU weight-only quantization of the linear layers (int4: groups of 32, like GGUF Q4_1)",
     # KernelConfig
     "cpu_kernels": "build and use the CPU's C kernels (off: torch ops, oneDNN linears)",
@@ -70,10 +73,22 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * scale)
 
 
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
 def _field_type(f: dataclasses.Field) -> Callable[[str], Any]:
     ann = str(f.type)
     if f.name.endswith("_bytes"):
         return parse_bytes
+    if f.name == "speculative_config":
+        return _json_object
     if ann.startswith("int"):
         return int
     if ann.startswith("float"):

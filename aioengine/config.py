@@ -5,6 +5,9 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
+from typing import Any
+
+from aioengine.sched.spec_decode import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +69,8 @@ class EngineArgs:
     max_cudagraph_capture_size: int | None = None
     quantization: str | None = None  # CPU only: int8 | int4 weight-only (aioengine/gpu/cpu/quant.py)
     step_timeout_s: float = 300.0  # watchdog: a step running longer marks the engine dead
+    # vLLM's keys: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n, ...}
+    speculative_config: dict[str, Any] | SpeculativeConfig | None = None
     kernels: KernelConfig = field(default_factory=KernelConfig)
 
     def resolved_device(self) -> str:
@@ -101,6 +106,10 @@ class EngineArgs:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         self.kernels.validate()
+        SpeculativeConfig.from_dict(self.speculative_config)  # raises ValueError naming a bad key or value
+
+    def speculative(self) -> SpeculativeConfig | None:
+        return SpeculativeConfig.from_dict(self.speculative_config)
 
 
 @dataclass(slots=True, frozen=True)

@@ -73,7 +73,17 @@ class OutputProcessor:
             state, idx = entry
             detok = state.detokenizers[idx]
             finish_reason, stop_reason = o.finish_reason, o.stop_reason
-            text = detok.add_tokens(o.new_token_ids, finish_reason is not None)
+            token_ids = o.new_token_ids
+            if len(token_ids) > 1 and detok.stop:  # verified drafts: a stop string may end before the last
+                text, used = "", 0
+                while used < len(token_ids) and detok.stop_reason is None:
+                    used += 1
+                    text += detok.add_tokens(
+                        token_ids[used - 1 : used], finish_reason is not None and used == len(token_ids)
+                    )
+                token_ids = token_ids[:used]
+            else:
+                text = detok.add_tokens(token_ids, finish_reason is not None)
             if detok.stop_reason is not None:
                 if finish_reason is None:  # a stop string: end this completion now
                     scheduler.finish_requests(o.request_id, RequestStatus.FINISHED_STOPPED)
@@ -94,7 +104,7 @@ class OutputProcessor:
                 state.prompt_logprobs = [None] + [self._logprob_dict(e) for e in o.new_prompt_logprobs]
                 state.pending_prompt_logprobs = state.prompt_logprobs
             grouped.setdefault(id(state), (state, []))[1].append(
-                CompletionOutput(idx, text, o.new_token_ids, finish_reason, stop_reason, logprobs)
+                CompletionOutput(idx, text, token_ids, finish_reason, stop_reason, logprobs)
             )
         for state, completions in grouped.values():
             if all(state.child_done):

@@ -152,6 +152,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None  # sample only among these tokens
     bad_words: list[str] | None = None  # never generate these words (each as token sequences, see below)
     structured_outputs: StructuredOutputsParams | None = None
+    speculative: bool = True  # False: this request never verifies drafts (when the engine speculates)
     # Filled by the engine from bad_words with its tokenizer (vLLM's _bad_words_token_ids).
     bad_words_token_ids: list[list[int]] | None = None
 
@@ -185,7 +186,7 @@ class SamplingParams:
         def bad(param: str, message: str) -> InvalidRequestError:
             return InvalidRequestError(message, param=param)
 
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "speculative"):
             if type(getattr(self, name)) is not bool:
                 raise bad(name, f"{name} must be a boolean, got {getattr(self, name)!r}.")
         for name in ("n", "top_k", "min_tokens"):

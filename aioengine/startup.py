@@ -207,6 +207,7 @@ async def initialize_kv_cache(
             long_prefill_token_threshold=args.long_prefill_token_threshold,
             policy=args.scheduling_policy,
             kv_cache_groups=runner.kv_cache_groups,
+            speculative=args.speculative(),
         )
     )
     return capacity, scheduler

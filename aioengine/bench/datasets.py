@@ -91,12 +91,47 @@ def prefix_repetition_workload(
     ]
 
 
+_GROUNDED_SENTENCES = (
+    "The committee met on Tuesday to review the budget for the new library.",
+    "Each member of the team is responsible for testing their own changes before a release.",
+    "The river rises every spring when the snow in the mountains begins to melt.",
+    "def area(width, height):\n    return width * height\n",
+    "Customers who order before noon receive their packages on the same day.",
+    "for item in items:\n    if item.price > limit:\n        expensive.append(item)\n",
+    "The museum opens at nine and closes at five, except on public holidays.",
+    "A good report states the question, the method, the result and what is still unknown.",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",
+    "Trains to the airport leave every twenty minutes from the second platform.",
+)
+_GROUNDED_TASKS = (
+    "Repeat the following text exactly as it is written:",
+    "Copy this passage word for word, then stop:",
+    "Rewrite the following text, keeping every sentence unchanged:",
+)
+
+
+def grounded_workload(tokenizer, num_prompts: int, output_len: int, seed: int = 0) -> list[BenchRequest]:
+    """Chat requests whose answer copies spans of their input (repeat, copy, rewrite a passage of prose and
+    code): the input-grounded case where n-gram drafts from the prompt hold."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(num_prompts):
+        passage = " ".join(rng.sample(_GROUNDED_SENTENCES, rng.randint(3, 6)))
+        messages = [{"role": "user", "content": f"{rng.choice(_GROUNDED_TASKS)}\n\n{passage}"}]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
+            ids = list(ids["input_ids"])
+        out.append(BenchRequest(list(ids), output_len))
+    return out
+
+
 def add_dataset_args(ap) -> None:
     ap.add_argument(
         "--dataset",
-        choices=["shared", "random", "sharegpt", "prefix-repetition"],
+        choices=["shared", "random", "sharegpt", "prefix-repetition", "grounded"],
         default="shared",
-        help="shared: the hf_peer.py workload (64-256 token prompts cut from a fixed text)",
+        help="shared: the hf_peer.py workload (64-256 token prompts cut from a fixed text); grounded: chat "
+        "requests that copy passages of their input (where n-gram speculation helps)",
     )
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=128, help="random: mean prompt length")
@@ -115,6 +150,8 @@ def build_dataset(args, tokenizer) -> list[BenchRequest]:
         return random_workload(
             tokenizer, args.num_prompts, args.input_len, args.output_len, args.range_ratio, args.dataset_seed
         )
+    if args.dataset == "grounded":
+        return grounded_workload(tokenizer, args.num_prompts, args.output_len, args.dataset_seed)
     if args.dataset == "sharegpt":
         return sharegpt_workload(
             tokenizer, args.num_prompts, args.dataset_seed, max_len=args.sharegpt_max_len

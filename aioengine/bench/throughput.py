@@ -50,6 +50,7 @@ async def run_throughput(args) -> dict:
         bar.close()
         gpu = (await engine.run_on_worker(timeline.stats)).as_dict() if timeline is not None else {}
         host = host_ms_per_step(engine.host_s, await engine.run_on_worker(runner.host_s.copy))
+        spec = spec_stats(engine)
         num_params = runner.num_parameters()
         dtype_name = str(runner.dtype).removeprefix("torch.")
         device = engine.backend.name
@@ -78,8 +79,25 @@ async def run_throughput(args) -> dict:
         "roofline_tokens_per_s": roofline_tokens_per_s(gflops, num_params),
         "fraction_of_roofline": out_tokens / elapsed / roofline_tokens_per_s(gflops, num_params),
         **latency_stats(outs),
+        **spec,
         **gpu,
         "host_ms_per_step": host,
+    }
+
+
+def spec_stats(engine: AsyncEngine) -> dict:
+    """Speculative decoding's verdicts over the run (empty when it is off): the share of draft tokens
+    accepted, and the mean tokens a verified step gives a request (accepted drafts plus one)."""
+    if engine.scheduler is None or engine.args.speculative_config is None:
+        return {}
+    t = engine.scheduler.spec_totals
+    return {
+        "spec_num_drafts": t.num_drafts,
+        "spec_num_draft_tokens": t.num_draft_tokens,
+        "spec_num_accepted_tokens": t.num_accepted_tokens,
+        "spec_acceptance_rate": t.num_accepted_tokens / t.num_draft_tokens if t.num_draft_tokens else 0.0,
+        "spec_mean_accepted_length": 1 + t.num_accepted_tokens / t.num_drafts if t.num_drafts else 0.0,
+        "spec_accepted_per_position": list(t.accepted_per_pos),
     }
 
 
@@ -190,5 +208,12 @@ def main(argv: list[str]) -> dict:
             else ""
         )
     )
+    if "spec_num_drafts" in result:
+        print(
+            f"Speculative decoding: {result['spec_num_drafts']} drafts, acceptance rate "
+            f"{100 * result['spec_acceptance_rate']:.1f}% of {result['spec_num_draft_tokens']} draft tokens, "
+            f"mean accepted length {result['spec_mean_accepted_length']:.2f}, "
+            f"accepted per position {result['spec_accepted_per_position']}"
+        )
     write_json(args.output_json, result)
     return result

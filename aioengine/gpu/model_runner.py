@@ -32,8 +32,10 @@ class InputBatch:
     input_ids: torch.Tensor
     positions: torch.Tensor
     attn_metadata: AttentionMetadata
-    logits_indices: torch.Tensor  # token index of each sampled request's last query token
+    logits_indices: torch.Tensor  # token index of each sampled request's last query token (and drafts')
     sample_mask: np.ndarray  # bool [num_reqs]: False for a prefill chunk (it samples nothing)
+    num_drafts: np.ndarray | None = None  # int [num_reqs]: drafts each request verifies (None: no drafts)
+    draft_ids: np.ndarray | None = None  # the drafts, concatenated in batch order
 
 
 class ModelRunner:
@@ -152,6 +154,17 @@ class ModelRunner:
         input_ids_np = np.where(
             known, states.token_ids[rows_tok, np.minimum(positions, self.max_model_len - 1)], 0
         )
+        spec = so.scheduled_spec_decode_tokens
+        num_drafts = draft_ids = None
+        if spec:
+            # A verified request's query: its last sampled token (on the device), then its drafts.
+            num_drafts = np.fromiter((len(spec.get(r, ())) for r in req_ids), dtype=np.int64, count=num_reqs)
+            draft_ids = np.fromiter(
+                (t for r in req_ids for t in spec.get(r, ())), dtype=np.int64, count=int(num_drafts.sum())
+            )
+            is_draft = np.arange(num_tokens) >= (cu[1:] - num_drafts)[tok_req]
+            input_ids_np[is_draft] = draft_ids
+            known |= is_draft
         bs = self.block_size
         max_seq_len = int(seq_lens.max())
         tables = states.block_table
@@ -161,6 +174,13 @@ class ModelRunner:
         block_tables = [np.ascontiguousarray(table[rows, : -(-max_seq_len // bs)]) for table in tables]
         sample_mask = seq_lens >= prefill_len
         logits_indices = (cu[1:] - 1)[sample_mask]
+        if num_drafts is not None:  # a verified request samples at its drafts' positions too
+            num_logits = np.where(sample_mask, num_drafts + 1, 0)
+            ends = np.repeat(cu[1:], num_logits)
+            offsets = np.arange(int(num_logits.sum())) - np.repeat(
+                np.cumsum(num_logits) - num_logits, num_logits
+            )
+            logits_indices = ends - num_logits.repeat(num_logits) + offsets
 
         to_device = self.staging.to_device
         input_ids = to_device(input_ids_np)
@@ -197,6 +217,8 @@ class ModelRunner:
             attn_metadata=meta,
             logits_indices=to_device(logits_indices),
             sample_mask=sample_mask,
+            num_drafts=num_drafts,
+            draft_ids=draft_ids,
         )
 
     # ---- stops 5-7: execute_model enqueues the forward ----------------------------------------
@@ -245,6 +267,8 @@ class ModelRunner:
             return out
         sample_idx = np.flatnonzero(batch.sample_mask)
         sample_rows = batch.rows[sample_idx]
+        if batch.num_drafts is not None:
+            return self._verify_drafts(batch, hidden, sample_idx, sample_rows, out, grammar_output)
         md = self._sampling_metadata(sample_rows)
         if grammar_output is not None:
             md.grammar = self._grammar_rows(batch, sample_idx, grammar_output)
@@ -266,14 +290,77 @@ class ModelRunner:
         finish = functools.partial(_fill_output, out, sample_idx.tolist(), num_logprobs)
         return self.backend.finish_step(tensors, finish)
 
+    def _verify_drafts(
+        self,
+        batch: InputBatch,
+        hidden: torch.Tensor,
+        sample_idx: np.ndarray,
+        sample_rows: np.ndarray,
+        out: ModelRunnerOutput,
+        grammar_output: GrammarOutput | None,
+    ) -> Any:
+        """Sample every position of each verified request, then keep its drafts up to the first that differs
+        from what was sampled there, plus that position's sample (the bonus token when all hold).
+
+        With one-hot drafts (n-gram) this is the speculative-sampling rule exactly: a draft d is accepted with
+        probability p(d), and a rejection's token is distributed as p without d, renormalized. Greedy rows
+        sample the argmax. Requests that use logprobs, penalties, bad words or grammars carry no drafts.
+        """
+        assert batch.num_drafts is not None and batch.draft_ids is not None
+        nd = batch.num_drafts[sample_idx]
+        num_logits = nd + 1
+        logit_rows = np.repeat(sample_rows, num_logits)
+        starts = np.cumsum(num_logits) - num_logits  # each request's first logits row
+        md = self._sampling_metadata(logit_rows)
+        if grammar_output is not None:  # structured requests carry no drafts: one row each
+            md.grammar = self._grammar_rows(batch, sample_idx, grammar_output, starts, len(logit_rows))
+        hidden = hidden[batch.logits_indices]
+        greedy = self.model.compute_greedy(hidden) if md.plain_greedy else None
+        result = (
+            SamplerOutput(greedy)
+            if greedy is not None
+            else self.sampler(self.model.compute_logits(hidden), md)
+        )
+        sampled = result.sampled
+        # What each logits row verifies: the next draft, or -1 at a request's last row (nothing to check).
+        target = np.full(len(logit_rows), -1, dtype=np.int64)
+        all_drafts = np.split(batch.draft_ids, np.cumsum(batch.num_drafts)[:-1])
+        for j, i in enumerate(sample_idx.tolist()):
+            target[starts[j] : starts[j] + nd[j]] = all_drafts[i]
+        to_device = self.staging.to_device
+        miss = sampled != to_device(target)
+        seg = to_device(np.repeat(np.arange(len(sample_idx)), num_logits))
+        pos = to_device(np.concatenate([np.arange(k) for k in num_logits]))
+        big = torch.full((len(sample_idx),), 1 << 30, dtype=torch.int64, device=self.device)
+        # accepted drafts = the position of the first miss in each request's rows
+        accepted = big.scatter_reduce(0, seg, torch.where(miss, pos, big[seg]), reduce="amin")
+        last = sampled[to_device(starts) + accepted]
+        self.states.update_after_sample(sample_rows, last)  # device state for step k+1
+        tensors = [sampled, accepted]
+        num_logprobs = None
+        if result.logprobs is not None:  # of requests without drafts: their one row each
+            first = to_device(starts)
+            tensors += [t[first] for t in result.logprobs]
+            num_logprobs = self.states.num_logprobs[sample_rows].tolist()
+        finish = functools.partial(_fill_verified, out, sample_idx.tolist(), starts.tolist(), num_logprobs)
+        return self.backend.finish_step(tensors, finish)
+
     def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
         return self.states.sampling_metadata(rows)
 
     def _grammar_rows(
-        self, batch: InputBatch, sample_idx: np.ndarray, grammar_output: GrammarOutput
+        self,
+        batch: InputBatch,
+        sample_idx: np.ndarray,
+        grammar_output: GrammarOutput,
+        first_rows: np.ndarray | None = None,
+        num_rows: int | None = None,
     ) -> tuple[list[int], torch.Tensor] | None:
-        """Map the bitmask's requests to the rows of this step's logits (decodes-first order)."""
-        pos = {batch.req_ids[i]: j for j, i in enumerate(sample_idx.tolist())}
+        """Map the bitmask's requests to the rows of this step's logits (decodes-first order); with drafts,
+        ``first_rows`` is each sampled request's first logits row, of ``num_rows``."""
+        order = sample_idx.tolist()
+        firsts = list(range(len(order))) if first_rows is None else first_rows.tolist()
+        pos = {batch.req_ids[i]: firsts[j] for j, i in enumerate(order)}
         rows, keep = [], []
         for k, rid in enumerate(grammar_output.req_ids):
             j = pos.get(rid)
@@ -282,7 +369,7 @@ class ModelRunner:
                 keep.append(k)
         if not rows:
             return None
-        bitmask = np.full((len(sample_idx), grammar_output.bitmask.shape[1]), -1, dtype=np.int32)
+        bitmask = np.full((num_rows or len(sample_idx), grammar_output.bitmask.shape[1]), -1, dtype=np.int32)
         bitmask[rows] = grammar_output.bitmask[keep]  # row j of the bitmask masks row j of the logits
         return rows, self.staging.to_device(bitmask)
 
@@ -327,11 +414,35 @@ def _fill_output(
     for j, i in enumerate(sample_idx):
         out.sampled_token_ids[i] = [tokens[j]]
     if num_logprobs is not None:
-        ids, lps, ranks = (t.tolist() for t in logprobs)
-        per_req: list = [None] * len(out.req_ids)
-        for j, i in enumerate(sample_idx):
-            k = num_logprobs[j]
-            if k >= 0:
-                per_req[i] = (ids[j][: k + 1], lps[j][: k + 1], ranks[j])
-        out.logprobs = per_req
+        _fill_logprobs(out, sample_idx, num_logprobs, logprobs)
+    return out
+
+
+def _fill_logprobs(
+    out: ModelRunnerOutput, sample_idx: list[int], num_logprobs: list[int], logprobs: tuple[torch.Tensor, ...]
+) -> None:
+    ids, lps, ranks = (t.tolist() for t in logprobs)
+    per_req: list = [None] * len(out.req_ids)
+    for j, i in enumerate(sample_idx):
+        k = num_logprobs[j]
+        if k >= 0:
+            per_req[i] = (ids[j][: k + 1], lps[j][: k + 1], ranks[j])
+    out.logprobs = per_req
+
+
+def _fill_verified(
+    out: ModelRunnerOutput,
+    sample_idx: list[int],
+    starts: list[int],
+    num_logprobs: list[int] | None,
+    sampled: torch.Tensor,
+    accepted: torch.Tensor,
+    *logprobs: torch.Tensor,
+) -> ModelRunnerOutput:
+    """The tokens of a step with drafts: each request's accepted drafts and the token sampled after them."""
+    tokens = sampled.tolist()
+    for i, start, a in zip(sample_idx, starts, accepted.tolist(), strict=True):
+        out.sampled_token_ids[i] = tokens[start : start + a + 1]
+    if num_logprobs is not None:
+        _fill_logprobs(out, sample_idx, num_logprobs, logprobs)
     return out

@@ -138,6 +138,16 @@ class EngineMetrics:
         )
         self.prefix_hits = counter("prefix_cache_hits", "Prefix cache hits, in number of cached tokens.")
         self.preemptions = counter("num_preemptions", "Cumulative number of preemptions from the engine.")
+        self.spec_drafts = counter("spec_decode_num_drafts", "Number of spec decoding drafts.")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Number of draft tokens.")
+        self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Number of accepted tokens.")
+        per_pos = Counter(
+            "aioengine:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.",
+            ["model_name", "position"],
+            registry=r,
+        )
+        self._spec_per_pos = lambda pos: per_pos.labels(model_name, str(pos))
         self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Number of generation tokens processed.")
         success = Counter(
@@ -202,6 +212,13 @@ class EngineMetrics:
             self.preemptions.inc(stats.num_preemptions)
         if stats.num_scheduled_tokens:
             self.iteration_tokens.observe(stats.num_scheduled_tokens)
+        if stats.spec_num_drafts:
+            self.spec_drafts.inc(stats.spec_num_drafts)
+            self.spec_draft_tokens.inc(stats.spec_num_draft_tokens)
+            self.spec_accepted.inc(stats.spec_num_accepted_tokens)
+            for pos, n in enumerate(stats.spec_accepted_per_pos):
+                if n:
+                    self._spec_per_pos(pos).inc(n)
 
     def on_output(self, out: RequestOutput, state: RequestInfo) -> None:
         now = time.monotonic()

@@ -47,6 +47,7 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_req_ids: set[str]  # finished since the last step: the runner drops their state
     preempted_req_ids: set[str]  # likewise; they come back later as new requests
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)  # drafts to verify
     pending_structured_output_tokens: bool = False  # a structured request samples with a token in flight
     structured_output_request_ids: list[str] = field(default_factory=list)  # structured requests that sample
 
@@ -96,3 +97,8 @@ class SchedulerStats:
     prefix_cache_hits: int = 0
     num_preemptions: int = 0  # in this step
     num_scheduled_tokens: int = 0  # planned since the previous stats
+    # Speculative decoding, since the previous stats (vLLM's spec-decode counters).
+    spec_num_drafts: int = 0  # requests' draft runs verified
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)  # accepted drafts at position 0, 1, ...

@@ -68,6 +68,10 @@ class Request:
     # Structured output: the grammar state (aioengine.structured.Grammar), advanced as tokens arrive.
     structured_output: Grammar | None = None
     max_tokens: int = field(init=False)
+    # Speculative decoding: whether its sampling allows it (spec_decode.can_speculate), and the drafts of
+    # the step in flight (its next step waits for their verdict).
+    can_speculate: bool = False
+    num_drafts_in_flight: int = 0
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

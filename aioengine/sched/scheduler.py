@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from aioengine.sched.kv_cache_manager import FULL, KVCacheManager
@@ -23,6 +23,7 @@ from aioengine.sched.request import (
     RequestStatus,
 )
 from aioengine.sched.request_queue import create_request_queue
+from aioengine.sched.spec_decode import SpeculativeConfig, can_speculate, propose_ngram
 
 if TYPE_CHECKING:  # a type only: the manager needs xgrammar, which sched never imports
     from aioengine.structured.manager import StructuredOutputManager
@@ -39,6 +40,7 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0  # 0: no cap on one prompt's share of a step
     policy: str = "fcfs"  # or "priority"
     kv_cache_groups: tuple[KVCacheGroup, ...] = FULL  # one full-attention group unless the model has windows
+    speculative: SpeculativeConfig | None = None  # n-gram drafts verified inside the token budget
 
     def __post_init__(self) -> None:
         assert self.max_num_batched_tokens >= 1 and self.max_num_seqs >= 1 and self.block_size >= 1
@@ -63,6 +65,8 @@ class Scheduler:
         self.num_preemptions_total = 0
         self._num_preemptions_step = 0
         self._num_scheduled_tokens_since_stats = 0
+        self._spec = _SpecCounters()  # since the last stats
+        self.spec_totals = _SpecCounters()  # since start
         # Fills grammar bitmasks (aioengine.structured.StructuredOutputManager); set by the engine.
         self.structured_output_manager: StructuredOutputManager | None = None
 
@@ -71,6 +75,7 @@ class Scheduler:
         assert request.request_id not in self.requests, f"duplicate request id {request.request_id!r}"
         assert 0 < request.num_tokens < self.max_model_len, "the engine validates prompt lengths"
         self.requests[request.request_id] = request
+        request.can_speculate = self.config.speculative is not None and can_speculate(request.sampling_params)
         self.waiting.add(request)
 
     def finish_requests(self, request_ids: str | list[str], status: RequestStatus) -> list[Request]:
@@ -118,12 +123,19 @@ class Scheduler:
         scheduled_running: list[Request] = []
         scheduled_new: list[Request] = []
         preempted: list[Request] = []
+        spec = cfg.speculative
+        if spec is not None and len(self.running) > spec.disable_by_batch_size:
+            spec = None
+        drafts: dict[str, list[int]] = {}
 
         # Running pass, from the front: decodes that came first get their token before later prefills.
         running = self.running
         i = 0
         while i < len(running) and token_budget > 0:
             request = running[i]
+            if request.num_drafts_in_flight:
+                i += 1  # how many of its drafts hold decides where it goes on: wait for the verdict
+                continue
             placeholders = request.num_output_placeholders
             num_tokens = len(request.all_token_ids)
             if placeholders and (
@@ -139,6 +151,14 @@ class Scheduler:
             if need <= 0:
                 i += 1
                 continue
+            proposal: list[int] = []
+            if (
+                spec is not None
+                and request.can_speculate
+                and need == num_tokens + placeholders - request.num_computed_tokens == 1
+            ):
+                proposal = self._propose(request, spec, token_budget - need)
+                need += len(proposal)
             while True:
                 blocks = kv.allocate_slots(request, need)
                 if blocks is not None:
@@ -151,6 +171,7 @@ class Scheduler:
                 if victim.request_id in num_scheduled:  # priority policy: undo its place in this step
                     token_budget += num_scheduled.pop(victim.request_id)
                     new_block_ids.pop(victim.request_id, None)
+                    drafts.pop(victim.request_id, None)
                     scheduled_running.remove(victim)
                 self._preempt(victim)
                 preempted.append(victim)
@@ -160,6 +181,8 @@ class Scheduler:
                 continue  # the request itself was preempted; running[i] is now the next one
             scheduled_running.append(request)
             num_scheduled[request.request_id] = need
+            if proposal:
+                drafts[request.request_id] = proposal
             if any(blocks):
                 new_block_ids[request.request_id] = tuple([b.block_id for b in g] for g in blocks)
             token_budget -= need
@@ -227,6 +250,7 @@ class Scheduler:
             total_num_scheduled_tokens=total,
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids={r.request_id for r in preempted},
+            scheduled_spec_decode_tokens=drafts,
         )
         self.finished_req_ids = set()
         self._num_preemptions_step += len(preempted)
@@ -243,6 +267,11 @@ class Scheduler:
                 request.num_tokens + request.num_output_placeholders
             )
             if request.is_prefill_chunk:
+                continue
+            num_drafts = len(out.scheduled_spec_decode_tokens.get(req_id, ()))
+            if num_drafts:  # the sampled token and up to num_drafts accepted drafts are in flight
+                request.num_output_placeholders += 1 + num_drafts
+                request.num_drafts_in_flight = num_drafts
                 continue
             if request.structured_output is not None:
                 out.structured_output_request_ids.append(req_id)
@@ -269,6 +298,23 @@ class Scheduler:
             grammars.append(grammar)
         return self.structured_output_manager.grammar_bitmask(live, grammars)
 
+    def _propose(self, request: Request, spec: SpeculativeConfig, budget: int) -> list[int]:
+        """Drafts for a decode of one token: within the token budget, max_tokens and max_model_len."""
+        params = request.sampling_params
+        if request.num_output_tokens < params.min_tokens:
+            return []  # its stop tokens are masked until then: one position at a time
+        left = (
+            min(
+                request.max_tokens - request.num_output_tokens,
+                self.max_model_len - request.num_tokens,
+            )
+            - request.num_output_placeholders
+        )
+        # the step's own token comes on top of the drafts
+        return propose_ngram(
+            request.all_token_ids, spec, min(budget, left - 1), request.num_output_placeholders
+        )
+
     def _pick_victim(self) -> Request:
         if self.config.policy == "priority":
             return max(self.running, key=lambda r: (r.priority, r.arrival_time))
@@ -294,6 +340,7 @@ class Scheduler:
         sampled = runner_output.sampled_token_ids
         logprobs = runner_output.logprobs
         prompt_logprobs = runner_output.prompt_logprobs
+        drafts = scheduler_output.scheduled_spec_decode_tokens
         num_cached_block = kv.num_cached_block
         block_size = kv.block_size
         for i, req_id in enumerate(runner_output.req_ids):
@@ -303,7 +350,17 @@ class Scheduler:
             request = requests.get(req_id)
             if request is None:
                 continue  # finished (aborted, stopped) while this step was in flight
-            request.num_output_placeholders -= len(new_token_ids)
+            num_drafts = len(drafts.get(req_id, ()))  # of this step (an earlier one may still be landing)
+            if num_drafts:
+                self._spec.record(num_drafts, len(new_token_ids) - 1)
+                self.spec_totals.record(num_drafts, len(new_token_ids) - 1)
+                request.num_drafts_in_flight = 0
+                request.num_output_placeholders -= 1 + num_drafts
+                if request.status == RequestStatus.RUNNING:  # (a preempted one recomputes from 0)
+                    # rejected drafts' KV is stale: those slots are written again by the next step
+                    request.num_computed_tokens -= num_drafts + 1 - len(new_token_ids)
+            else:
+                request.num_output_placeholders -= len(new_token_ids)
             assert request.num_output_placeholders >= 0
             status = None
             grammar = request.structured_output
@@ -373,6 +430,35 @@ class Scheduler:
             num_preemptions=self._num_preemptions_step,
             num_scheduled_tokens=self._num_scheduled_tokens_since_stats,
         )
+        self._spec.take(stats)
         self._num_preemptions_step = 0
         self._num_scheduled_tokens_since_stats = 0
         return stats
+
+
+@dataclass(slots=True)
+class _SpecCounters:
+    """Draft verdicts since the last stats."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_pos) < num_drafts:
+            self.accepted_per_pos.extend([0] * (num_drafts - len(self.accepted_per_pos)))
+        for pos in range(num_accepted):
+            self.accepted_per_pos[pos] += 1
+
+    def take(self, stats: SchedulerStats) -> None:
+        stats.spec_num_drafts, stats.spec_num_draft_tokens = self.num_drafts, self.num_draft_tokens
+        stats.spec_num_accepted_tokens, stats.spec_accepted_per_pos = (
+            self.num_accepted_tokens,
+            self.accepted_per_pos,
+        )
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.accepted_per_pos = []

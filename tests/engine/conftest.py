@@ -82,3 +82,19 @@ def tiny_checkpoint(request, tmp_path_factory):
 def tiny_llama(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-llama")
     return path, make_tiny_checkpoint("llama", path)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint_of(tmp_path_factory):
+    """make(kind, **config overrides) -> the path of that tiny checkpoint, made once per session."""
+    made: dict = {}
+
+    def make(kind: str, **overrides):
+        key = (kind, tuple(sorted(overrides.items())))
+        if key not in made:
+            path = tmp_path_factory.mktemp(f"tiny-{kind}")
+            make_tiny_checkpoint(kind, path, **overrides)
+            made[key] = path
+        return made[key]
+
+    return make

@@ -1,0 +1,130 @@
+"""Speculative decoding's configuration (vLLM's `speculative_config` keys) and the n-gram proposer: drafts
+copied from where the request's last tokens occurred before in its own context (prompt lookup)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from aioengine.sampling_params import SamplingParams
+
+METHODS = ("ngram",)
+_KEYS = {
+    "method",
+    "num_speculative_tokens",
+    "prompt_lookup_max",
+    "prompt_lookup_min",
+    "disable_by_batch_size",
+    "model",
+}
+
+
+_DEFAULT_LOOKUP = (2, 4)  # prompt_lookup_min, prompt_lookup_max
+
+
+@dataclass(slots=True, frozen=True)
+class SpeculativeConfig:
+    """``disable_by_batch_size``: no speculation while more requests than this run (a verified draft costs
+    a batch-1 step almost nothing, a large batch a full share of compute)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_max: int = _DEFAULT_LOOKUP[1]
+    prompt_lookup_min: int = _DEFAULT_LOOKUP[0]
+    disable_by_batch_size: int = 4
+
+    @staticmethod
+    def from_dict(raw: dict[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:
+        """vLLM's dict (or a SpeculativeConfig, or None); a bad key or value raises ValueError naming it."""
+        if raw is None or isinstance(raw, SpeculativeConfig):
+            return raw
+        if not isinstance(raw, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {type(raw).__name__}")
+        unknown = sorted(set(raw) - _KEYS)
+        if unknown:
+            raise ValueError(
+                f"speculative_config has unknown key {unknown[0]!r}; known keys: {', '.join(sorted(_KEYS))}"
+            )
+        method = raw.get("method", "ngram")
+        if method == "draft_model" or "model" in raw:
+            raise ValueError("speculative_config method 'draft_model' is not supported yet; use 'ngram'")
+        if method not in METHODS:
+            raise ValueError(f"speculative_config method must be one of {', '.join(METHODS)}, got {method!r}")
+        ints = {}
+        for key in (
+            "num_speculative_tokens",
+            "prompt_lookup_max",
+            "prompt_lookup_min",
+            "disable_by_batch_size",
+        ):
+            if key in raw:
+                value = raw[key]
+                if type(value) is not int or value < 1:
+                    raise ValueError(f"speculative_config {key} must be an integer >= 1, got {value!r}")
+                ints[key] = value
+        if "prompt_lookup_max" in ints and "prompt_lookup_min" not in ints:
+            ints["prompt_lookup_min"] = min(ints["prompt_lookup_max"], _DEFAULT_LOOKUP[0])
+        if "prompt_lookup_min" in ints and "prompt_lookup_max" not in ints:
+            ints["prompt_lookup_max"] = max(ints["prompt_lookup_min"], _DEFAULT_LOOKUP[1])
+        config = SpeculativeConfig(method=method, **ints)
+        if config.num_speculative_tokens > 16:
+            raise ValueError("speculative_config num_speculative_tokens must be at most 16")
+        if config.prompt_lookup_min > config.prompt_lookup_max:
+            raise ValueError(
+                f"speculative_config prompt_lookup_min ({config.prompt_lookup_min}) must not exceed "
+                f"prompt_lookup_max ({config.prompt_lookup_max})"
+            )
+        return config
+
+
+def can_speculate(params: SamplingParams) -> bool:
+    """Whether a request's sampling allows verifying several positions in one step.
+
+    The positions of a verified draft share one row's sampling state, so what depends on the tokens before
+    each position opts out: penalties, multi-token bad words, grammars, and (for now) logprobs. min_tokens
+    opts out until it is reached (the scheduler checks that).
+    """
+    return not (
+        params.speculative is False
+        or params.presence_penalty
+        or params.frequency_penalty
+        or params.repetition_penalty != 1.0
+        or params.bad_words
+        or params.structured_outputs is not None
+        or params.logprobs is not None
+    )
+
+
+def propose_ngram(tokens: list[int], config: SpeculativeConfig, max_drafts: int, skip: int = 0) -> list[int]:
+    """The tokens that followed the latest earlier occurrence of the context's last n tokens, for the
+    longest n in [prompt_lookup_min, prompt_lookup_max] that occurs; at most ``max_drafts`` of them.
+
+    ``skip``: tokens already in flight after ``tokens`` (async scheduling): the drafts start past the
+    continuation's first ``skip`` tokens, taken as the prediction of the ones in flight.
+    """
+    k = min(config.num_speculative_tokens, max_drafts)
+    num = len(tokens)
+    if k <= 0:
+        return []
+    for n in range(min(config.prompt_lookup_max, num - 1), config.prompt_lookup_min - 1, -1):
+        suffix = tokens[num - n :]
+        first = suffix[0]
+        # Search backwards: the most recent match continues the current passage most often.
+        i = num - n - 1
+        while i >= 0:
+            try:
+                i = _rindex(tokens, first, i)
+            except ValueError:
+                break
+            if tokens[i : i + n] == suffix:
+                return tokens[i + n + skip : i + n + skip + k]
+            i -= 1
+    return []
+
+
+def _rindex(tokens: list[int], value: int, end: int) -> int:
+    """The last index <= end holding value (ValueError when none)."""
+    for i in range(end, -1, -1):
+        if tokens[i] == value:
+            return i
+    raise ValueError(value)

@@ -1,0 +1,157 @@
+"""Speculative decoding (n-gram): greedy tokens equal speculation off, token for token, through chunked
+prefill, prefix hits, preemption, stop strings and aborts; sampled tokens keep their distribution."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+
+import numpy as np
+import pytest
+from scipy.stats import chi2_contingency
+
+from aioengine import AsyncEngine, EngineArgs, SamplingParams
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+def looping_prompts(n: int = 8, seed: int = 1) -> list[list[int]]:
+    """Prompts that repeat a phrase: the n-gram proposer finds drafts in them (random weights rarely
+    continue the phrase, so most drafts are rejected: that path is tested as much as acceptance)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        phrase = [rng.randrange(3, 49152) for _ in range(rng.randint(3, 6))]
+        out.append([rng.randrange(3, 49152) for _ in range(rng.randint(1, 20))] + phrase * rng.randint(3, 6))
+    return out
+
+
+async def generate_all(path, prompts, params, spec, **kwargs):
+    args = EngineArgs(
+        model=str(path), dtype="float32", device="cpu", block_size=4, speculative_config=spec, **kwargs
+    )
+    async with AsyncEngine(args) as engine:
+        outs = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
+        assert engine.kv_cache_usage() == 0.0
+        totals = engine.scheduler.spec_totals
+        return [o.outputs[0] for o in outs], totals
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 300))
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("case", ["chunked", "prefix", "preempt"])
+def test_greedy_tokens_equal_speculation_off(tiny_checkpoint_of, kind, case):
+    path = tiny_checkpoint_of(kind)
+    prompts = looping_prompts()
+    if case == "prefix":
+        prompts = [prompts[0][:12] + p for p in prompts]
+    kwargs = {
+        "chunked": dict(max_num_batched_tokens=16, enable_prefix_caching=False),
+        "prefix": dict(max_num_batched_tokens=256),
+        "preempt": dict(max_num_batched_tokens=64, num_kv_blocks=1 + 40),
+    }[case]
+    # Speculate at every batch size here: the point is the mechanics, not the policy.
+    spec = {**NGRAM, "disable_by_batch_size": 64}
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    off, _ = run(generate_all(path, prompts, params, None, **kwargs))
+    on, totals = run(generate_all(path, prompts, params, spec, **kwargs))
+    assert [o.token_ids for o in on] == [o.token_ids for o in off]
+    assert [o.text for o in on] == [o.text for o in off]
+    assert totals.num_drafts > 0 and totals.num_draft_tokens > totals.num_drafts  # drafts were verified
+
+
+def test_default_model_copies_with_drafts_accepted_and_equal_tokens():
+    """A copy task on the real model: most drafts hold, and the output is the same as without them."""
+    passage = (
+        "The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single "
+        "step. All that glitters is not gold."
+    )
+    messages = [{"role": "user", "content": f"Repeat this text exactly:\n\n{passage}"}]
+    params = SamplingParams(temperature=0, max_tokens=64)
+
+    async def chat(spec):
+        async with AsyncEngine(EngineArgs(speculative_config=spec)) as engine:
+            out = await engine.chat(messages, params)
+            return out.outputs[0], engine.scheduler.spec_totals
+
+    off, _ = run(chat(None))
+    on, totals = run(chat(NGRAM))
+    assert on.token_ids == off.token_ids and "All that glitters" in on.text
+    assert totals.num_accepted_tokens > totals.num_draft_tokens / 2, totals
+
+
+def test_stop_strings_and_max_tokens_cut_inside_accepted_drafts():
+    passage = "one two three four five six seven eight nine ten"
+    prompt = f"Copy: {passage}\nCopy: {passage}\nCopy:"
+    for params in (
+        SamplingParams(temperature=0, max_tokens=40, stop=["seven"]),
+        SamplingParams(temperature=0, max_tokens=40, stop=["four five"], include_stop_str_in_output=True),
+        SamplingParams(temperature=0, max_tokens=5),
+    ):
+        off, _ = run(generate_all("default", [prompt], params, NGRAM))
+        base, _ = run(generate_all("default", [prompt], params, None))
+        assert (off[0].text, off[0].token_ids, off[0].finish_reason) == (
+            base[0].text,
+            base[0].token_ids,
+            base[0].finish_reason,
+        )
+
+
+def test_abort_while_drafts_are_in_flight_frees_everything(tiny_checkpoint_of):
+    path = tiny_checkpoint_of("llama")
+
+    async def main():
+        args = EngineArgs(
+            model=str(path), dtype="float32", device="cpu", block_size=4, speculative_config=NGRAM
+        )
+        async with AsyncEngine(args) as engine:
+            params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+            handles = [engine.generate(p, params) for p in looping_prompts(4)]
+            seen = 0
+            async for _ in handles[0]:
+                seen += 1
+                if seen == 3:
+                    for h in handles:
+                        h.abort()
+            outs = await asyncio.gather(*handles[1:])
+            assert all(o.outputs[0].finish_reason == "abort" for o in outs)
+            for _ in range(50):
+                if engine.num_unfinished_requests() == 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert engine.num_unfinished_requests() == 0 and engine.kv_cache_usage() == 0.0
+            # the engine still serves, with drafts
+            out = await engine.generate(
+                looping_prompts(1, seed=5)[0], dataclasses.replace(params, max_tokens=8)
+            )
+            assert len(out.outputs[0].token_ids) == 8
+
+    run(main())
+
+
+def test_sampled_tokens_keep_their_distribution(tiny_checkpoint_of):
+    """Four sampled tokens (temperature 0.5) after a prompt whose end recurs earlier in it, 1500 requests with
+    drafts and 1500 without, on a model with a 24-token vocabulary: a chi-square test of each position's
+    counts, on and off. With p < 1e-3 per position the whole test's false-alarm rate is below 0.4%."""
+    path = tiny_checkpoint_of("llama", vocab_size=24)
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    (first,), _ = run(generate_all(path, [[5, 9, 7]], greedy, None))
+    # The proposer finds [5, 9, 7] at the start and drafts the model's own greedy path after it.
+    prompt = [5, 9, 7, *first.token_ids, 5, 9, 7]
+    params = SamplingParams(temperature=0.5, max_tokens=4, ignore_eos=True)
+    n = 1500
+    spec = {**NGRAM, "disable_by_batch_size": 256}
+    off, _ = run(generate_all(path, [prompt] * n, params, None, max_num_seqs=256))
+    on, totals = run(generate_all(path, [prompt] * n, params, spec, max_num_seqs=256))
+    # Drafts were accepted and rejected often enough for both paths to shape the counts.
+    assert totals.num_accepted_tokens > 300 and totals.num_draft_tokens - totals.num_accepted_tokens > 300
+    for pos in range(4):
+        a = np.bincount([o.token_ids[pos] for o in off], minlength=24)
+        b = np.bincount([o.token_ids[pos] for o in on], minlength=24)
+        keep = (a + b) >= 10  # chi-square needs populated cells
+        p = chi2_contingency(np.stack([a[keep], b[keep]])).pvalue
+        assert p > 1e-3, (pos, a.tolist(), b.tolist(), p)
