@@ -36,6 +36,9 @@ class InputBatch:
     sample_mask: np.ndarray  # bool [num_reqs]: False for a prefill chunk (it samples nothing)
     num_drafts: np.ndarray | None = None  # int [num_reqs]: drafts each request verifies (None: no drafts)
     draft_ids: np.ndarray | None = None  # the drafts, concatenated in batch order
+    # Per request (the attention metadata's rows differ where drafts are verified).
+    query_start_loc_cpu: list[int] | None = None
+    seq_lens_cpu: list[int] | None = None
 
 
 class ModelRunner:
@@ -137,7 +140,10 @@ class ModelRunner:
         # Decodes first: one token past the prompt. A one-token prompt chunk (a prefix-cache hit recomputing
         # the last prompt token) is a prefill: prompt tokens share one attention path, whatever the chunking.
         prefill_len = states.prefill_len[rows]
-        is_decode = (n == 1) & (start >= prefill_len)
+        spec = so.scheduled_spec_decode_tokens
+        spec_n = np.fromiter((len(spec.get(r, ())) for r in ids), dtype=np.int64, count=len(ids))
+        # A verified request's tokens attend as decodes, one row each (below): it goes with the decodes.
+        is_decode = ((n == 1) | (spec_n > 0)) & (start >= prefill_len)
         order = np.argsort(~is_decode, kind="stable")
         req_ids = [ids[i] for i in order]
         n, rows, start, prefill_len = n[order], rows[order], start[order], prefill_len[order]
@@ -154,11 +160,10 @@ class ModelRunner:
         input_ids_np = np.where(
             known, states.token_ids[rows_tok, np.minimum(positions, self.max_model_len - 1)], 0
         )
-        spec = so.scheduled_spec_decode_tokens
         num_drafts = draft_ids = None
         if spec:
             # A verified request's query: its last sampled token (on the device), then its drafts.
-            num_drafts = np.fromiter((len(spec.get(r, ())) for r in req_ids), dtype=np.int64, count=num_reqs)
+            num_drafts = spec_n[order]
             draft_ids = np.fromiter(
                 (t for r in req_ids for t in spec.get(r, ())), dtype=np.int64, count=int(num_drafts.sum())
             )
@@ -191,18 +196,32 @@ class ModelRunner:
             input_ids[to_device(from_last)] = states.last_sampled_tokens[src]
         seq_lens_list = seq_lens.tolist()
         cu_list = cu.tolist()
+        att_cu, att_seq_lens, att_n, att_decodes = cu, seq_lens, n, num_decodes
+        if num_drafts is not None:
+            # Each position of a verified query is a decode row of its own, seeing the KV up to itself (the
+            # whole step's KV is stored before attention): the decode kernels, graphs and stack take it.
+            per_row = np.where(num_drafts > 0, n, 1)
+            verified = np.repeat(num_drafts > 0, per_row)
+            first = np.repeat(np.cumsum(per_row) - per_row, per_row)
+            j = np.arange(int(per_row.sum())) - first
+            att_seq_lens = np.where(verified, np.repeat(start, per_row) + 1 + j, np.repeat(seq_lens, per_row))
+            att_n = np.where(verified, 1, np.repeat(n, per_row))
+            att_cu = np.zeros(len(att_n) + 1, dtype=np.int64)
+            np.cumsum(att_n, out=att_cu[1:])
+            att_decodes = num_decodes + int(n[num_drafts > 0].sum()) - int(np.count_nonzero(num_drafts))
+            block_tables = [np.repeat(t, per_row, axis=0) for t in block_tables]
         meta = AttentionMetadata(
-            num_reqs=num_reqs,
-            num_decodes=num_decodes,
+            num_reqs=len(att_n),
+            num_decodes=att_decodes,
             num_actual_tokens=num_tokens,
-            max_query_len=int(n.max()),
+            max_query_len=int(att_n.max()),
             max_seq_len=max_seq_len,
-            query_start_loc=to_device(cu.astype(np.int32)),
-            seq_lens=to_device(seq_lens.astype(np.int32)),
+            query_start_loc=to_device(att_cu.astype(np.int32)),
+            seq_lens=to_device(att_seq_lens.astype(np.int32)),
             block_table=to_device(block_tables[0]),
             slot_mapping=to_device(slot_mappings[0]),
-            query_start_loc_cpu=cu_list,
-            seq_lens_cpu=seq_lens_list,
+            query_start_loc_cpu=att_cu.tolist() if num_drafts is not None else cu_list,
+            seq_lens_cpu=att_seq_lens.tolist() if num_drafts is not None else seq_lens_list,
         )
         if len(tables) > 1:  # the other groups see the same batch through their own blocks
             meta.group_metadata = [meta] + [
@@ -219,6 +238,8 @@ class ModelRunner:
             sample_mask=sample_mask,
             num_drafts=num_drafts,
             draft_ids=draft_ids,
+            query_start_loc_cpu=cu_list,
+            seq_lens_cpu=seq_lens_list,
         )
 
     # ---- stops 5-7: execute_model enqueues the forward ----------------------------------------
@@ -377,8 +398,8 @@ class ModelRunner:
         """Logprobs of each prompt token given the tokens before it, gathered over the prompt's chunks and
         returned whole in the step that samples the first output token."""
         states = self.states
-        cu = batch.attn_metadata.query_start_loc_cpu
-        seq_lens = batch.attn_metadata.seq_lens_cpu
+        cu, seq_lens = batch.query_start_loc_cpu, batch.seq_lens_cpu
+        assert cu is not None and seq_lens is not None
         done: dict[str, list] = {}
         for i, rid in enumerate(batch.req_ids):
             row = int(batch.rows[i])
