@@ -1,16 +1,25 @@
 #!/usr/bin/env bash
 # Alternate two commits on this machine: offline throughput, batch-1 latency and 16-client serving, N rounds
 # each, then print every figure and the medians. Each commit runs from its own git worktree.
-# usage: scripts/ab_bench.sh BEFORE_REF AFTER_REF [ROUNDS=3] [RESULTS_DIR=ab-results]
+# usage: scripts/ab_bench.sh BEFORE_REF AFTER_REF [ROUNDS=3] [RESULTS_DIR=ab-results] [MORE_REFS...]
+# MORE_REFS: further commits, alternated after these two in each round (named ref3, ref4, ...).
 # AB_PROMPTS / AB_OUTPUT_LEN (default 64 / 128, the issue's workload) shrink the workload on a slow machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 before=$1 after=$2 rounds=${3:-3} out=${4:-ab-results}
+sides=(before after)
+shift $(( $# < 4 ? $# : 4 ))
+i=3
+for ref in "$@"; do
+    declare "ref$i=$ref"
+    sides+=("ref$i")
+    i=$((i + 1))
+done
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 trees=$(mktemp -d)
 trap 'for t in "$trees"/*; do git worktree remove --force "$t" 2>/dev/null || true; done; rm -rf "$trees"' EXIT
-for side in before after; do
+for side in "${sides[@]}"; do
     ref=${!side}
     git worktree add --detach -q "$trees/$side" "$ref"
 done
@@ -40,18 +49,18 @@ run_side() {  # $1 side, $2 round: three benches, JSON under $out
 }
 
 for round in $(seq 1 "$rounds"); do
-    for side in before after; do
+    for side in "${sides[@]}"; do
         echo "round $round: $side (${!side})" >&2
         run_side "$side" "$round"
     done
 done
 
-python - "$out" "$rounds" <<'EOF'
+python - "$out" "$rounds" "${sides[@]}" <<'EOF'
 import json, statistics, sys
-out, rounds = sys.argv[1], int(sys.argv[2])
+out, rounds, sides = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 keys = {"throughput": "output_tokens_per_s", "latency": "decode_step_ms_median", "serve": "output_tokens_per_s"}
 for bench, key in keys.items():
-    for side in ("before", "after"):
+    for side in sides:
         vals = []
         for r in range(1, rounds + 1):
             with open(f"{out}/{side}-{r}-{bench}.json") as f:

@@ -31,7 +31,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 3
     prompt_lookup_max: int = _DEFAULT_LOOKUP[1]
     prompt_lookup_min: int = _DEFAULT_LOOKUP[0]
-    disable_by_batch_size: int = 4
+    disable_by_batch_size: int = 2
 
     @staticmethod
     def from_dict(raw: dict[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:
