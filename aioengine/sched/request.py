@@ -72,6 +72,8 @@ class Request:
     # the step in flight (its next step waits for their verdict).
     can_speculate: bool = False
     num_drafts_in_flight: int = 0
+    spec_accepted_ema: float = 1.0  # accepted drafts per verified step, smoothed (spec_decode.py's policy)
+    spec_pause: int = 0  # decode steps left without proposals
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -23,7 +23,7 @@ from aioengine.sched.request import (
     RequestStatus,
 )
 from aioengine.sched.request_queue import create_request_queue
-from aioengine.sched.spec_decode import SpeculativeConfig, can_speculate, propose_ngram
+from aioengine.sched.spec_decode import SpeculativeConfig, can_speculate, propose_ngram, record_verdict
 
 if TYPE_CHECKING:  # a type only: the manager needs xgrammar, which sched never imports
     from aioengine.structured.manager import StructuredOutputManager
@@ -303,6 +303,9 @@ class Scheduler:
         params = request.sampling_params
         if request.num_output_tokens < params.min_tokens:
             return []  # its stop tokens are masked until then: one position at a time
+        if request.spec_pause:
+            request.spec_pause -= 1  # its drafts kept failing: decode plainly for a while
+            return []
         left = (
             min(
                 request.max_tokens - request.num_output_tokens,
@@ -354,6 +357,7 @@ class Scheduler:
             if num_drafts:
                 self._spec.record(num_drafts, len(new_token_ids) - 1)
                 self.spec_totals.record(num_drafts, len(new_token_ids) - 1)
+                record_verdict(request, len(new_token_ids) - 1)
                 request.num_drafts_in_flight = 0
                 request.num_output_placeholders -= 1 + num_drafts
                 if request.status == RequestStatus.RUNNING:  # (a preempted one recomputes from 0)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aioengine.sampling_params import SamplingParams
+from aioengine.sched.request import Request
 
 METHODS = ("ngram",)
 _KEYS = {
@@ -75,6 +76,21 @@ class SpeculativeConfig:
                 f"prompt_lookup_max ({config.prompt_lookup_max})"
             )
         return config
+
+
+# A verified step costs a decode about 1.2-1.4x on a CPU (docs/benchmarks.md): a request whose drafts keep
+# failing stops proposing for a while, then tries again.
+_EMA = 0.25  # weight of the newest verdict
+POOR_ACCEPTANCE = 0.3  # accepted drafts per verified step, smoothed, below which proposals pause
+PAUSE_STEPS = 16
+
+
+def record_verdict(request: Request, num_accepted: int) -> None:
+    """Fold one verified step's accepted drafts into the request's acceptance, pausing it when poor."""
+    ema = (1 - _EMA) * request.spec_accepted_ema + _EMA * num_accepted
+    if ema < POOR_ACCEPTANCE:
+        request.spec_pause, ema = PAUSE_STEPS, 1.0  # after the pause it gets a fresh chance
+    request.spec_accepted_ema = ema
 
 
 def can_speculate(params: SamplingParams) -> bool:

@@ -120,3 +120,25 @@ def test_no_drafts_above_the_batch_size_limit():
 def test_bad_speculative_config_names_the_problem(raw, words):
     with pytest.raises(ValueError, match=words):
         SpeculativeConfig.from_dict(raw)
+
+
+def test_a_request_whose_drafts_keep_failing_pauses_its_proposals():
+    sched = scheduler(budget=256)
+    req = Request("r", LOOP * 3, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+    sched.add_request(req)
+    prefill = sched.schedule()
+    sched.update_from_output(prefill, ModelRunnerOutput(["r"], [[1]]))
+    verified = plain = 0
+    for _ in range(40):
+        step = sched.schedule()
+        drafts = step.scheduled_spec_decode_tokens.get("r")
+        if drafts:
+            verified += 1
+            token = 999  # never the draft: every one is rejected
+        else:
+            plain += 1
+            token = LOOP[req.num_tokens % len(LOOP)]  # keep the loop going, so matches keep being found
+        sched.update_from_output(step, ModelRunnerOutput(["r"], [[token]]))
+    # five rejections in a row bring the smoothed acceptance under POOR_ACCEPTANCE: 16 plain steps follow
+    assert verified < 40 - 16 and plain >= 16
+    assert sched.spec_totals.num_accepted_tokens == 0
