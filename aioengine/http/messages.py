@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from aioengine.http.fields import DEFAULT_LIMITS, Fields, RequestLimits, SchemaContext, bad
-from aioengine.http.shapes import Array, Either, Obj, Refused, Tagged, Unsupported, Value
+from aioengine.http.fields import DEFAULT_LIMITS, Fields, RequestLimits, SchemaContext
+from aioengine.http.shapes import Array, Either, Map, Obj, Refused, Tagged, Unsupported, Value
 from aioengine.http.tools import TOOL_CALLS, template_tool_calls
 
 # Arguments of the tokenizer's apply_chat_template that the server sets itself, or that would let a client
@@ -29,12 +29,17 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
 )
 
 
+TEMPLATE_KWARGS = Map(
+    Value(None), reserved=RESERVED_TEMPLATE_KWARGS, description="extra variables for the chat template"
+)
+
+
 def template_kwargs(f: Fields) -> dict:
-    kwargs = dict(f.get("chat_template_kwargs", dict, {}))
-    for key in kwargs:
-        if key in RESERVED_TEMPLATE_KWARGS:
-            raise bad(f"chat_template_kwargs may not set {key!r}.", f"chat_template_kwargs.{key}")
-    return kwargs
+    raw = f.data.get("chat_template_kwargs")
+    if raw is None:
+        return {}
+    TEMPLATE_KWARGS.check(raw, "chat_template_kwargs", SchemaContext(f.limits))
+    return dict(raw)
 
 
 _TEXT = Value(str)

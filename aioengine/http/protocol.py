@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from aioengine.errors import InvalidRequestError
 from aioengine.http.fields import (
@@ -18,7 +19,6 @@ from aioengine.http.fields import (
     Fields,
     RequestLimits,
     SchemaContext,
-    _at_most,
     _ints,
     api_error,
     bad,
@@ -28,18 +28,24 @@ from aioengine.http.fields import (
 )
 from aioengine.http.messages import RESERVED_TEMPLATE_KWARGS, parse_messages, template_kwargs
 from aioengine.http.request_fields import (
+    ALLOWED_TOKEN_IDS,
     BAD_WORDS,
     CHAT,
     COMPLETION,
     COMPLETION_MAX_TOKENS,
     DETOKENIZE,
-    MAX_METADATA,
+    LOGIT_BIAS,
+    METADATA,
+    PROMPT,
     RESPONSE_FORMAT,
     STOP,
+    STOP_TOKEN_IDS,
     STREAM_OPTIONS,
     STRUCTURED_OUTPUTS,
     TOKENIZE,
+    TOKENS,
 )
+from aioengine.http.shapes import Shape
 from aioengine.http.tools import ToolError, ToolSpec, parse_tools
 from aioengine.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -132,20 +138,17 @@ def _sampling_params(
     if stop is not None:
         STOP.check(stop, "stop", SchemaContext(limits))
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
-    stop_token_ids = _ints(f.get("stop_token_ids", list, []))
-    if stop_token_ids is None:
-        raise bad("stop_token_ids must be an array of integers.", "stop_token_ids")
-    _at_most(stop_token_ids, limits.max_token_ids, "stop_token_ids", "token ids")
-    bias = f.get("logit_bias", dict)
-    _at_most(bias, limits.max_logit_bias, "logit_bias", "entries")
+    ctx = SchemaContext(limits)
+    raw_stop_ids = _shaped(f, "stop_token_ids", STOP_TOKEN_IDS, ctx)
+    stop_token_ids = (_ints(raw_stop_ids) or []) if raw_stop_ids is not None else []
+    bias = _shaped(f, "logit_bias", LOGIT_BIAS, ctx)
     bad_words = f.data.get("bad_words")
     if bad_words is not None:
         BAD_WORDS.check(bad_words, "bad_words", SchemaContext(limits))
         bad_words = [bad_words] if isinstance(bad_words, str) else bad_words
-    allowed = f.get("allowed_token_ids", list)
-    _at_most(allowed, limits.max_token_ids, "allowed_token_ids", "token ids")
-    if allowed is not None and (allowed := _ints(allowed)) is None:
-        raise bad("allowed_token_ids must be an array of integers.", "allowed_token_ids")
+    allowed = _shaped(f, "allowed_token_ids", ALLOWED_TOKEN_IDS, ctx)
+    if allowed is not None:
+        allowed = _ints(allowed)
     try:
         return SamplingParams(
             n=f.int("n", 1),
@@ -239,11 +242,7 @@ def parse_chat_request(
         raise bad(e.message, e.param) from None
     if f.bool("store", False):
         raise not_supported("store", "Storing completions (store=true)")
-    metadata = f.get(
-        "metadata", dict
-    )  # tags for stored completions: checked, then unused (nothing is stored)
-    if metadata and (len(metadata) > MAX_METADATA or not all(isinstance(v, str) for v in metadata.values())):
-        raise bad(f"metadata may hold at most {MAX_METADATA} string values.", "metadata")
+    _shaped(f, "metadata", METADATA, SchemaContext(limits))  # tags for stored completions: nothing is stored
     effort = f.str("reasoning_effort")
     tier = f.str("service_tier")
     if tier is not None and tier not in (CHAT["service_tier"].enum or ()):
@@ -300,7 +299,7 @@ def parse_completion_request(
     defaults: Mapping[str, float] | None = None,
 ) -> CompletionRequest:
     f = Fields(data, COMPLETION, limits=limits)
-    prompts = parse_prompt(data.get("prompt"))
+    prompts = parse_prompt(data.get("prompt"), limits)
     logprobs = f.int("logprobs")
     echo = f.bool("echo", False)
     if f.str("suffix"):
@@ -329,34 +328,27 @@ def parse_completion_request(
     )
 
 
-_PROMPT_TYPES = (
-    "prompt must be a string, an array of strings, an array of token ids, or an array of arrays of token ids."
-)
-
-
-def parse_prompt(prompt: object) -> list[str | list[int]]:
-    """str | [str] | [int] | [[int]] -> a list of prompts (each a string or a list of token ids)."""
+def parse_prompt(prompt: object, limits: RequestLimits = DEFAULT_LIMITS) -> list[str | list[int]]:
+    """str | [str] | [int] | [[int]] (checked against PROMPT) -> prompts, each a string or token ids."""
     if prompt is None:
         raise bad("prompt is required.", "prompt")
+    PROMPT.check(prompt, "prompt", SchemaContext(limits))
     if isinstance(prompt, str):
-        prompts: list[str | list[int]] = [prompt]
-    elif not isinstance(prompt, list):
-        raise bad(_PROMPT_TYPES, "prompt")
-    elif not prompt:
-        raise bad("prompt must not be empty.", "prompt")
-    elif (ids := _ints(prompt)) is not None:
-        prompts = [ids]
-    elif all(isinstance(p, str) for p in prompt):
-        prompts = list(prompt)
-    else:
-        maybe = [_ints(p) if isinstance(p, list) else None for p in prompt]
-        prompts = [p for p in maybe if p is not None]
-        if len(prompts) != len(maybe):
-            raise bad(_PROMPT_TYPES, "prompt")
-    for p in prompts:
-        if not p:
-            raise bad("The prompt cannot be empty.", "prompt")
-    return prompts
+        return [prompt]
+    assert isinstance(prompt, list)
+    if isinstance(prompt[0], str):
+        return list(prompt)
+    if isinstance(prompt[0], list):
+        return [_ints(p) or [] for p in prompt]
+    return [_ints(prompt) or []]
+
+
+def _shaped(f: Fields, name: str, shape: Shape, ctx: SchemaContext) -> Any:
+    """The field's value checked against its shape (None when absent or null)."""
+    value = f.data.get(name)
+    if value is not None:
+        shape.check(value, name, ctx)
+    return value
 
 
 @dataclass(slots=True)
@@ -393,10 +385,7 @@ def parse_tokenize_request(data: JSON, limits: RequestLimits = DEFAULT_LIMITS) -
 
 def parse_detokenize_request(data: JSON, vocab_size: int) -> tuple[str | None, list[int]]:
     f = Fields(data, DETOKENIZE)
-    raw = f.get("tokens", list)
+    raw = _shaped(f, "tokens", TOKENS, SchemaContext(vocab_size=vocab_size))
     if raw is None:
         raise bad("tokens is required.", "tokens")
-    tokens = _ints(raw)
-    if tokens is None or not all(0 <= t < vocab_size for t in tokens):
-        raise bad(f"tokens must be an array of integers in [0, {vocab_size}).", "tokens")
-    return f.str("model"), tokens
+    return f.str("model"), _ints(raw) or []

@@ -2,18 +2,18 @@
 openai_responses.py) read them through these specs (unknown fields are refused, types, bounds and choices
 checked), and /openapi.json (openapi.py) states them from the same specs.
 
-A nested field (messages, tools, tool_choice, response_format, input, stop, bad_words) is a shape
-(shapes.py): the same declaration checks it and gives its schema here. What is left as a plain schema beside
-its parser's code: prompt, the token-id lists, logit_bias, metadata and chat_template_kwargs.
+A field that is more than a typed scalar (messages, tools, tool_choice, response_format, input, prompt,
+stop, the token-id lists, logit_bias, metadata, chat_template_kwargs...) is a shape (shapes.py): the same
+declaration checks it and gives its schema here.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from aioengine.http.fields import JSON, SchemaContext, Spec, Table, object_schema
-from aioengine.http.messages import MESSAGES, RESERVED_TEMPLATE_KWARGS
-from aioengine.http.shapes import Array, Either, Obj, Shape, Tagged, Value
+from aioengine.http.fields import JSON, Spec, Table, object_schema
+from aioengine.http.messages import MESSAGES, TEMPLATE_KWARGS
+from aioengine.http.shapes import Array, Either, ListOf, Map, Obj, Shape, Tagged, TokenId, Value
 from aioengine.http.tools import TOOL_CHOICE, TOOLS
 from aioengine.sampling_params import BOUNDS
 
@@ -23,8 +23,6 @@ REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
 MAX_METADATA = 16
 
 _STR: JSON = {"type": "string"}
-_NUM: JSON = {"type": "number"}
-_TEXT: JSON = {"type": "string", "minLength": 1}
 _TEXT_VALUE = Value(str)
 
 
@@ -46,13 +44,6 @@ BAD_WORDS = Either(
 )
 
 
-def template_kwargs_schema(ctx: SchemaContext) -> JSON:
-    return {
-        "propertyNames": {"not": {"enum": sorted(RESERVED_TEMPLATE_KWARGS)}},
-        "description": "extra variables for the chat template",
-    }
-
-
 _JSON_SCHEMA_FIELDS: dict[str, Shape] = {
     "name": _TEXT_VALUE,
     "description": _TEXT_VALUE,
@@ -71,23 +62,29 @@ RESPONSE_FORMAT = Tagged(
 )
 
 
-def prompt_schema(ctx: SchemaContext) -> JSON:
-    """protocol.py's parse_prompt: str | [str] | [int] | [[int]]."""
-    tokens = {"type": "array", "items": ctx.token(), "minItems": 1}
-    n = ctx.limits.max_prompts
-    return {
-        "anyOf": [
-            _TEXT,
-            {"type": "array", "items": _TEXT, "minItems": 1, "maxItems": n},
-            tokens,
-            {"type": "array", "items": tokens, "minItems": 1, "maxItems": n},
-        ],
-        "description": f"at most {n} completions (prompts x n) in one request",
-    }
-
-
-def _tokens(ctx: SchemaContext) -> JSON:
-    return {"items": ctx.token()}
+_PROMPTS = Array(Value(str, min_length=1), 1, lambda limits: limits.max_prompts, "prompts")
+_TOKEN_LIST = Array(TokenId(), 1, what="token ids")
+PROMPT = Either(
+    (
+        Value(str, min_length=1),
+        ListOf(
+            (_PROMPTS, _TOKEN_LIST, Array(_TOKEN_LIST, 1, lambda limits: limits.max_prompts, "prompts")),
+            "an array of strings, of token ids, or of arrays of token ids",
+        ),
+    ),
+    "a string, an array of strings, an array of token ids, or an array of arrays of token ids",
+    description="at most max_prompts completions (prompts x n) in one request (--request-limit)",
+)
+STOP_TOKEN_IDS = Array(TokenId(), max_items=lambda limits: limits.max_token_ids, what="token ids")
+ALLOWED_TOKEN_IDS = Array(TokenId(), 1, lambda limits: limits.max_token_ids, "token ids")
+TOKENS = Array(TokenId(), what="token ids")
+LOGIT_BIAS = Map(
+    Value(float),
+    key_pattern=("[0-9]{1,9}", "token ids"),
+    max_entries=lambda limits: limits.max_logit_bias,
+    description="token id -> bias, clamped to [-100, 100]",
+)
+METADATA = Map(Value(str), max_entries=MAX_METADATA)
 
 
 def _sampled(kind: type, name: str, later: bool = True, **extra: Any) -> Spec:
@@ -98,7 +95,7 @@ def _sampled(kind: type, name: str, later: bool = True, **extra: Any) -> Spec:
 
 
 def _metadata() -> Spec:
-    return Spec(dict, schema={"maxProperties": MAX_METADATA, "additionalProperties": _STR})
+    return Spec(None, schema=METADATA.schema)
 
 
 # ---- sub-objects -----------------------------------------------------------------------------------------
@@ -130,9 +127,7 @@ SAMPLING: Table = {
     "seed": _sampled(int, "seed"),
     "min_tokens": _sampled(int, "min_tokens", description="at most max_tokens"),
     "stop": Spec(None, schema=STOP.schema),
-    "stop_token_ids": Spec(
-        list, schema=lambda ctx: {"items": ctx.token(), "maxItems": ctx.limits.max_token_ids}
-    ),
+    "stop_token_ids": Spec(None, schema=STOP_TOKEN_IDS.schema),
     "ignore_eos": Spec(bool),
     "include_stop_str_in_output": Spec(bool),
     "skip_special_tokens": Spec(bool),
@@ -154,18 +149,8 @@ SAMPLING: Table = {
     "presence_penalty": _sampled(float, "presence_penalty"),
     "frequency_penalty": _sampled(float, "frequency_penalty"),
     "repetition_penalty": _sampled(float, "repetition_penalty"),
-    "logit_bias": Spec(
-        dict,
-        schema=lambda ctx: {
-            "maxProperties": ctx.limits.max_logit_bias,
-            "propertyNames": {"pattern": "^[0-9]{1,9}$"},
-            "additionalProperties": _NUM,
-            "description": "token id -> bias, clamped to [-100, 100]",
-        },
-    ),
-    "allowed_token_ids": Spec(
-        list, schema=lambda ctx: {"items": ctx.token(), "minItems": 1, "maxItems": ctx.limits.max_token_ids}
-    ),
+    "logit_bias": Spec(None, schema=LOGIT_BIAS.schema),
+    "allowed_token_ids": Spec(None, schema=ALLOWED_TOKEN_IDS.schema),
     "bad_words": Spec(None, schema=BAD_WORDS.schema),
     "response_format": Spec(None, schema=RESPONSE_FORMAT.schema),
     "structured_outputs": Spec(
@@ -185,7 +170,7 @@ CHAT: Table = {
     "max_completion_tokens": _sampled(int, "max_tokens", description=_MAX_TOKENS),
     "logprobs": Spec(bool),
     "top_logprobs": _sampled(int, "logprobs", later=False, description="needs logprobs: true"),
-    "chat_template_kwargs": Spec(dict, schema=template_kwargs_schema),
+    "chat_template_kwargs": Spec(None, schema=TEMPLATE_KWARGS.schema),
     "add_generation_prompt": Spec(bool),
     "continue_final_message": Spec(bool, description="the last message must be the assistant's"),
     "tools": Spec(None, schema=TOOLS.schema),
@@ -200,7 +185,7 @@ CHAT_REQUIRED = ("messages",)
 
 COMPLETION: Table = {
     **SAMPLING,
-    "prompt": Spec(None, schema=prompt_schema),
+    "prompt": Spec(None, schema=PROMPT.schema),
     "max_tokens": _sampled(
         int, "max_tokens", schema={"default": COMPLETION_MAX_TOKENS}, description=_MAX_TOKENS
     ),
@@ -222,7 +207,7 @@ TOKENIZE: Table = {
     "messages": Spec(None, schema=MESSAGES.schema),
     "add_generation_prompt": Spec(bool),
     "continue_final_message": Spec(bool),
-    "chat_template_kwargs": Spec(dict, schema=template_kwargs_schema),
+    "chat_template_kwargs": Spec(None, schema=TEMPLATE_KWARGS.schema),
 }
 TOKENIZE_PROMPT = ("model", "add_special_tokens", "return_token_strs", "prompt")  # exactly one of these two
 TOKENIZE_MESSAGES = (
@@ -235,7 +220,7 @@ TOKENIZE_MESSAGES = (
     "chat_template_kwargs",
 )
 
-DETOKENIZE: Table = {"model": Spec(str), "tokens": Spec(list, schema=_tokens)}
+DETOKENIZE: Table = {"model": Spec(str), "tokens": Spec(None, schema=TOKENS.schema)}
 
 # ---- /v1/responses ---------------------------------------------------------------------------------------
 # Parts echoed back from an earlier output carry annotations and logprobs: any other keys are fine.

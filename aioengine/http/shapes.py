@@ -192,6 +192,10 @@ class Array(Shape):
         hi = _resolve(self.max_items, ctx)
         if hi is not None:
             _at_most(value, int(hi), path, self.what)
+        if isinstance(self.items, TokenId):  # a long prompt of ids: one pass, names the bad one only if any
+            vocab = ctx.vocab_size
+            if all(type(v) is int and 0 <= v < vocab for v in value):
+                return
         for i, item in enumerate(value):
             self.items.check(item, f"{path}[{i}]", ctx)
 
@@ -281,3 +285,86 @@ class Tagged(Shape):
                 s["required"] = sorted({*s["required"], self.key})
             variants.append(s)
         return {"oneOf": variants}
+
+
+@dataclass(frozen=True, slots=True)
+class TokenId(Shape):
+    """A token id: an integer (4.0 counts) in [0, vocab_size) of the context's vocabulary."""
+
+    json_kind = int
+
+    def check(self, value: Any, path: str, ctx: SchemaContext) -> None:
+        if not _is(int, value) or not 0 <= value < ctx.vocab_size:
+            raise bad(f"{path} must be a token id, an integer in [0, {ctx.vocab_size}); got {value!r}.", path)
+
+    def schema(self, ctx: SchemaContext) -> JSON:
+        return ctx.token()
+
+
+@dataclass(frozen=True, slots=True)
+class ListOf(Shape):
+    """An array whose items all take one option's item shape, picked by the first item's JSON type (a
+    prompt: strings, token ids, or arrays of token ids)."""
+
+    options: tuple[Array, ...]
+    what: str  # for the message: "an array of strings, of token ids, or of arrays of token ids"
+    json_kind = list
+
+    def __post_init__(self) -> None:
+        kinds = [o.items.json_kind for o in self.options]
+        assert None not in kinds and len(set(kinds)) == len(kinds), (
+            "ListOf's options must differ in item type"
+        )
+
+    def check(self, value: Any, path: str, ctx: SchemaContext) -> None:
+        if not isinstance(value, list):
+            raise _type_error(path, list, value)
+        if not value:
+            raise bad(f"{path} must not be empty.", path)
+        for option in self.options:
+            if _is(option.items.json_kind, value[0]):
+                option.check(value, path, ctx)
+                return
+        raise bad(f"{path} must be {self.what}; {path}[0] is {_json_type(value[0])}.", f"{path}[0]")
+
+    def schema(self, ctx: SchemaContext) -> JSON:
+        return {"anyOf": [o.schema(ctx) for o in self.options]}
+
+
+@dataclass(frozen=True, slots=True)
+class Map(Shape):
+    """An object used as a map: keys (matching ``key_pattern``: (regex, words); not one of ``reserved``)
+    to ``values``, at most ``max_entries`` of them."""
+
+    values: Shape
+    key_pattern: tuple[str, str] | None = None
+    reserved: frozenset[str] = frozenset()
+    max_entries: Bound = None
+    description: str | None = None
+    json_kind = dict
+
+    def check(self, value: Any, path: str, ctx: SchemaContext) -> None:
+        if not isinstance(value, dict):
+            raise _type_error(path, dict, value)
+        hi = _resolve(self.max_entries, ctx)
+        if hi is not None:
+            _at_most(value, int(hi), path, "entries")
+        for key, item in value.items():
+            if key in self.reserved:
+                raise bad(f"{path} may not set {key!r}.", f"{path}.{key}")
+            if self.key_pattern is not None and not re.fullmatch(self.key_pattern[0], key):
+                raise bad(f"{path} keys must be {self.key_pattern[1]}, got {key!r}.", f"{path}.{key}")
+            self.values.check(item, f"{path}.{key}", ctx)
+
+    def schema(self, ctx: SchemaContext) -> JSON:
+        out: JSON = {"type": "object", "additionalProperties": self.values.schema(ctx)}
+        hi = _resolve(self.max_entries, ctx)
+        if hi is not None:
+            out["maxProperties"] = int(hi)
+        if self.key_pattern is not None:
+            out["propertyNames"] = {"pattern": f"^(?:{self.key_pattern[0]})$"}
+        elif self.reserved:
+            out["propertyNames"] = {"not": {"enum": sorted(self.reserved)}}
+        if self.description is not None:
+            out["description"] = self.description
+        return out

@@ -9,13 +9,48 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from aioengine.http.fields import APIError, RequestLimits, SchemaContext
-from aioengine.http.messages import MESSAGES
-from aioengine.http.request_fields import BAD_WORDS, INPUT, RESPONSE_FORMAT, STOP, TEXT_FORMAT
-from aioengine.http.shapes import Array, Either, Obj, Refused, Shape, Tagged, Unsupported, Value
+from aioengine.http.messages import MESSAGES, TEMPLATE_KWARGS
+from aioengine.http.request_fields import (
+    ALLOWED_TOKEN_IDS,
+    BAD_WORDS,
+    INPUT,
+    LOGIT_BIAS,
+    METADATA,
+    PROMPT,
+    RESPONSE_FORMAT,
+    STOP,
+    STOP_TOKEN_IDS,
+    TEXT_FORMAT,
+    TOKENS,
+)
+from aioengine.http.shapes import (
+    Array,
+    Either,
+    ListOf,
+    Map,
+    Obj,
+    Refused,
+    Shape,
+    Tagged,
+    TokenId,
+    Unsupported,
+    Value,
+)
 from aioengine.http.tools import TOOL_CALLS, TOOL_CHOICE, TOOLS
 
 # Small limits, so that random arrays and strings reach them.
-CTX = SchemaContext(RequestLimits(max_messages=3, max_stop=2, max_stop_chars=4, max_bad_words=2))
+CTX = SchemaContext(
+    RequestLimits(
+        max_messages=3,
+        max_stop=2,
+        max_stop_chars=4,
+        max_bad_words=2,
+        max_prompts=3,
+        max_token_ids=3,
+        max_logit_bias=2,
+    ),
+    vocab_size=24,
+)
 SHAPES = {
     "messages": MESSAGES,
     "tools": TOOLS,
@@ -26,6 +61,13 @@ SHAPES = {
     "text.format": TEXT_FORMAT,
     "stop": STOP,
     "bad_words": BAD_WORDS,
+    "prompt": PROMPT,
+    "stop_token_ids": STOP_TOKEN_IDS,
+    "allowed_token_ids": ALLOWED_TOKEN_IDS,
+    "tokens": TOKENS,
+    "logit_bias": LOGIT_BIAS,
+    "metadata": METADATA,
+    "chat_template_kwargs": TEMPLATE_KWARGS,
 }
 
 
@@ -39,7 +81,10 @@ def _words(shape: Shape, out: set[str]) -> set[str]:
             _words(s, out)
     elif isinstance(shape, Array):
         _words(shape.items, out)
-    elif isinstance(shape, Either):
+    elif isinstance(shape, Map):
+        out.update(shape.reserved)
+        _words(shape.values, out)
+    elif isinstance(shape, ListOf | Either):
         for s in shape.options:
             _words(s, out)
     elif isinstance(shape, Tagged):
@@ -94,6 +139,13 @@ def _near(shape: Shape) -> st.SearchStrategy:
         valid = valid | st.tuples(valid, extra).map(lambda t: {**t[0], **t[1]})
     elif isinstance(shape, Array):
         valid = st.lists(_near(shape.items), max_size=4)
+    elif isinstance(shape, TokenId):
+        valid = st.integers(-1, 25) | st.sampled_from([3.0, 2.5])
+    elif isinstance(shape, ListOf):
+        valid = st.one_of([_near(o) for o in shape.options])
+    elif isinstance(shape, Map):
+        keys = st.sampled_from(["1", "23", "007", "abc", "x y", *sorted(shape.reserved)[:3]])
+        valid = st.dictionaries(keys, _near(shape.values), max_size=3)
     elif isinstance(shape, Either):
         valid = st.one_of([_near(o) for o in shape.options])
     elif isinstance(shape, Tagged):
@@ -129,7 +181,7 @@ def test_check_and_schema_accept_the_same_values(name):
     schema = shape.schema(CTX)
     jsonschema.Draft202012Validator.check_schema(schema)
 
-    @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
     @given(_values(shape) | _near(shape))
     def agree(value):
         assert _check_says(shape, value) == _schema_says(schema, value), value
