@@ -293,15 +293,7 @@ class ModelRunner:
         md = self._sampling_metadata(sample_rows)
         if grammar_output is not None:
             md.grammar = self._grammar_rows(batch, sample_idx, grammar_output)
-        hidden = hidden[batch.logits_indices]
-        # Plain greedy rows on the CPU: the head's GEMM picks each argmax
-        # without writing [rows, vocab] logits.
-        greedy = self.model.compute_greedy(hidden) if md.plain_greedy else None
-        result = (
-            SamplerOutput(greedy)
-            if greedy is not None
-            else self.sampler(self.model.compute_logits(hidden), md)
-        )
+        result = self._sample(hidden[batch.logits_indices], md)
         states.update_after_sample(sample_rows, result.sampled)  # device state for step k+1
         tensors = [result.sampled]
         num_logprobs = None
@@ -310,6 +302,14 @@ class ModelRunner:
             num_logprobs = states.num_logprobs[sample_rows].tolist()
         finish = functools.partial(_fill_output, out, sample_idx.tolist(), num_logprobs)
         return self.backend.finish_step(tensors, finish)
+
+    def _sample(self, hidden: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+        """The sampled token of each logits row (plain greedy rows on the CPU: the head's GEMM picks each
+        argmax without writing [rows, vocab] logits)."""
+        greedy = self.model.compute_greedy(hidden) if md.plain_greedy else None
+        if greedy is not None:
+            return SamplerOutput(greedy)
+        return self.sampler(self.model.compute_logits(hidden), md)
 
     def _verify_drafts(
         self,
@@ -335,13 +335,7 @@ class ModelRunner:
         md = self._sampling_metadata(logit_rows)
         if grammar_output is not None:  # structured requests carry no drafts: one row each
             md.grammar = self._grammar_rows(batch, sample_idx, grammar_output, starts, len(logit_rows))
-        hidden = hidden[batch.logits_indices]
-        greedy = self.model.compute_greedy(hidden) if md.plain_greedy else None
-        result = (
-            SamplerOutput(greedy)
-            if greedy is not None
-            else self.sampler(self.model.compute_logits(hidden), md)
-        )
+        result = self._sample(hidden[batch.logits_indices], md)
         sampled = result.sampled
         # What each logits row verifies: the next draft, or -1 at a request's last row (nothing to check).
         target = np.full(len(logit_rows), -1, dtype=np.int64)
