@@ -163,6 +163,10 @@ class Scheduler:
                 blocks = kv.allocate_slots(request, need)
                 if blocks is not None:
                     break
+                if proposal:  # drafts are optional: drop them before preempting anyone for their slots
+                    need -= len(proposal)
+                    proposal = []
+                    continue
                 victim = self._pick_victim()
                 j = running.index(victim) if victim is not running[-1] else len(running) - 1
                 del running[j]

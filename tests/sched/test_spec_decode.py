@@ -142,3 +142,23 @@ def test_a_request_whose_drafts_keep_failing_pauses_its_proposals():
     # five rejections in a row bring the smoothed acceptance under POOR_ACCEPTANCE: 16 plain steps follow
     assert verified < 40 - 16 and plain >= 16
     assert sched.spec_totals.num_accepted_tokens == 0
+
+
+def test_drafts_that_do_not_fit_are_dropped_before_anyone_is_preempted():
+    # 7 usable blocks of 4, all held: r's 23 prompt tokens take 6 (its next token still fits in the 6th),
+    # o's 3 take 1. Drafts would need a 7th block for r: o would have to be preempted for them.
+    sched = Scheduler(
+        SchedulerConfig(
+            max_num_batched_tokens=64, max_model_len=256, num_blocks=8, block_size=4, speculative=SPEC
+        )
+    )
+    params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+    req, other = Request("r", (LOOP * 3)[:-1], params), Request("o", [9, 9, 9], params)
+    sched.add_request(req)
+    sched.add_request(other)
+    prefill = sched.schedule()
+    sched.update_from_output(prefill, ModelRunnerOutput(list(prefill.num_scheduled_tokens), [[8], [9]]))
+    assert propose_ngram(req.all_token_ids, SPEC, 3) == [1, 2, 3]  # there are drafts to propose
+    step = sched.schedule()
+    assert not step.preempted_req_ids and "r" not in step.scheduled_spec_decode_tokens
+    assert step.num_scheduled_tokens["r"] == 1
