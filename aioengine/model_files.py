@@ -20,13 +20,16 @@ Cache layout::
 from __future__ import annotations
 
 import contextlib
+import copy
 import fcntl
+import functools
 import importlib.util
 import json
 import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -176,6 +179,49 @@ def _locked(lock_path: Path) -> Iterator[None]:
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
+_read_once_lock = threading.Lock()
+_read_once_users = 0
+_read_once_parsed: dict[tuple[str, int, int], dict] = {}
+
+
+@contextlib.contextmanager
+def _gguf_metadata_read_once() -> Iterator[None]:
+    """transformers parses a GGUF's whole metadata for AutoConfig and again for AutoTokenizer's config
+    (seconds each for a large vocabulary); while conversions run, later parses of a file are copies of the
+    first. Only metadata reads (``return_tensors=False``) are shared; the original is back afterwards."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    global _read_once_users
+    with _read_once_lock:
+        _read_once_users += 1
+        if _read_once_users == 1:
+            original = gguf_utils.load_gguf_checkpoint
+            shared = functools.wraps(original)(functools.partial(_read_once, original))
+            gguf_utils.load_gguf_checkpoint = shared
+    try:
+        yield
+    finally:
+        with _read_once_lock:
+            _read_once_users -= 1
+            if _read_once_users == 0:
+                gguf_utils.load_gguf_checkpoint = gguf_utils.load_gguf_checkpoint.__wrapped__
+                _read_once_parsed.clear()
+
+
+def _read_once(original, path, return_tensors=False, *args, **kwargs):  # type: ignore[no-untyped-def]
+    if return_tensors or args or kwargs:
+        return original(path, return_tensors, *args, **kwargs)
+    st = os.stat(path)
+    key = (str(path), st.st_size, st.st_mtime_ns)
+    with _read_once_lock:
+        cached = _read_once_parsed.get(key)
+    if cached is None:
+        cached = original(path, return_tensors=False)
+        with _read_once_lock:
+            _read_once_parsed[key] = cached
+    return copy.deepcopy(cached)  # callers pop keys from what they get
+
+
 @contextlib.contextmanager
 def _hf_offline() -> Iterator[None]:
     saved = {k: os.environ.get(k) for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
@@ -203,7 +249,7 @@ def _convert_into(header: GGUFHeader, out: Path) -> None:
 
 def _convert_checked(header: GGUFHeader, out: Path) -> None:
     gguf = header.path
-    with _hf_offline():
+    with _hf_offline(), _gguf_metadata_read_once():
         import torch
         from safetensors.torch import save_file
         from tqdm import tqdm

@@ -28,14 +28,26 @@ def _entries(cache: Path) -> list[str]:
     return sorted(p.name for p in cache.iterdir() if not p.name.endswith(".lock")) if cache.exists() else []
 
 
-def test_each_tensor_type_loads_to_the_dequantized_reference(tmp_path):
+def test_each_tensor_type_loads_to_the_dequantized_reference(tmp_path, monkeypatch):
     """One file whose weight matrices cycle through every supported type (Llama's q/k rows permuted as
-    llama.cpp writes them): every tensor loads equal to its reference."""
+    llama.cpp writes them): every tensor loads equal to its reference. transformers parses the whole
+    metadata for the config and again for the tokenizer's config: the conversion parses it once, and
+    leaves transformers' function as it was."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    original, parses = gguf_utils.load_gguf_checkpoint, []
+
+    def counting(path, return_tensors=False, **kwargs):
+        parses.append(return_tensors)
+        return original(path, return_tensors, **kwargs)
+
+    monkeypatch.setattr(gguf_utils, "load_gguf_checkpoint", counting)
     path = tmp_path / "tiny-mixed.gguf"
     expected = write_tiny_llama(path, mixed=TYPES)
     counts = read_header(path).type_counts()
     assert all(counts.get(t.name, 0) >= 1 for t in TYPES), counts
     folder = convert_gguf(path, root=tmp_path / "cache")
+    assert parses == [False] and gguf_utils.load_gguf_checkpoint is counting
     loaded = load_file(str(folder / "model.safetensors"))
     assert set(loaded) == set(expected)
     for name, want in expected.items():

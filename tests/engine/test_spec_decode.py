@@ -64,41 +64,35 @@ def test_greedy_tokens_equal_speculation_off(tiny_checkpoint_of, kind, case):
     assert totals.num_drafts > 0 and totals.num_draft_tokens > totals.num_drafts  # drafts were verified
 
 
-def test_default_model_copies_with_drafts_accepted_and_equal_tokens():
-    """A copy task on the real model: most drafts hold, and the output is the same as without them."""
+def test_default_model_copies_and_cuts_stops_inside_accepted_drafts_with_equal_tokens():
+    """On the real model: a copy task where most drafts hold, and stop strings and max_tokens that cut
+    inside accepted drafts; every output is the same as without drafts. One engine per side."""
     passage = (
         "The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single "
         "step. All that glitters is not gold."
     )
     messages = [{"role": "user", "content": f"Repeat this text exactly:\n\n{passage}"}]
-    params = SamplingParams(temperature=0, max_tokens=64)
-
-    async def chat(spec):
-        async with AsyncEngine(EngineArgs(speculative_config=spec)) as engine:
-            out = await engine.chat(messages, params)
-            return out.outputs[0], engine.scheduler.spec_totals
-
-    off, _ = run(chat(None))
-    on, totals = run(chat(NGRAM))
-    assert on.token_ids == off.token_ids and "All that glitters" in on.text
-    assert totals.num_accepted_tokens > totals.num_draft_tokens / 2, totals
-
-
-def test_stop_strings_and_max_tokens_cut_inside_accepted_drafts():
-    passage = "one two three four five six seven eight nine ten"
-    prompt = f"Copy: {passage}\nCopy: {passage}\nCopy:"
-    for params in (
+    count = "one two three four five six seven eight nine ten"
+    prompt = f"Copy: {count}\nCopy: {count}\nCopy:"
+    cuts = (
         SamplingParams(temperature=0, max_tokens=40, stop=["seven"]),
         SamplingParams(temperature=0, max_tokens=40, stop=["four five"], include_stop_str_in_output=True),
         SamplingParams(temperature=0, max_tokens=5),
-    ):
-        off, _ = run(generate_all("default", [prompt], params, NGRAM))
-        base, _ = run(generate_all("default", [prompt], params, None))
-        assert (off[0].text, off[0].token_ids, off[0].finish_reason) == (
-            base[0].text,
-            base[0].token_ids,
-            base[0].finish_reason,
-        )
+    )
+
+    async def side(spec):
+        async with AsyncEngine(EngineArgs(speculative_config=spec)) as engine:
+            copy = (await engine.chat(messages, SamplingParams(temperature=0, max_tokens=64))).outputs[0]
+            copy_totals = dataclasses.replace(engine.scheduler.spec_totals)
+            outs = [(await engine.generate(prompt, params)).outputs[0] for params in cuts]
+            return copy, copy_totals, [(o.text, o.token_ids, o.finish_reason) for o in outs]
+
+    off, _, off_cuts = run(side(None))
+    on, totals, on_cuts = run(side(NGRAM))
+    assert on.token_ids == off.token_ids and "All that glitters" in on.text
+    assert totals.num_accepted_tokens > totals.num_draft_tokens / 2, totals
+    assert on_cuts == off_cuts
+    assert [finish for _, _, finish in off_cuts] == ["stop", "stop", "length"]
 
 
 def test_abort_while_drafts_are_in_flight_frees_everything(tiny_checkpoint_of):

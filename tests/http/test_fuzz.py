@@ -35,13 +35,16 @@ def schema(server):
 
 def cap(body: Any, path: str) -> None:
     """Keep generation short: integer max_tokens / n above the cap come down to it (also when written as a
-    float, 81.0, which JSON schema's integer allows); chat gets a max_tokens."""
+    float, 81.0, which JSON schema's integer allows)."""
     if not isinstance(body, dict):
         return
     for key, limit in CAPS.items():
         value = body.get(key)
         if (type(value) is int or (type(value) is float and value.is_integer())) and value > limit:
             body[key] = limit
+    # Unset, completions generate 16 tokens and chat up to the context: set a short one.
+    if path == "/v1/completions" and body.get("max_tokens") is None:
+        body["max_tokens"] = CAPS["max_tokens"]
     if (
         path == "/v1/chat/completions"
         and body.get("max_tokens") is None

@@ -16,7 +16,7 @@ from aioengine.bench.loop_lag import LoopLagProbe
 from tests.http.soak import SoakReport, soak
 from tests.timing import StepClock
 
-SHORT_S = 30.0
+SHORT_S = 15.0
 LONG_S = float(os.environ.get("AIOENGINE_SOAK_S", "180"))
 LAG_P99_PER_STEP = 0.5
 EMPTY = {"running": 0, "waiting": 0, "kv_usage": 0.0, "unfinished": 0}
