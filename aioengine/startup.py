@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -139,6 +140,12 @@ async def load(
     tokenizer_fut = loop.run_in_executor(
         None, load_engine_tokenizer, args, model_path, cfg_probe["vocab_size"]
     )
+    spec = args.speculative()
+    draft_path = None
+    if spec is not None and spec.model is not None:  # a name, a GGUF or a folder, as the model's
+        draft_path = (
+            await resolve_model(dataclasses.replace(args, model=spec.model, served_model_name=None))
+        )[0]
     runner = await asyncio.wrap_future(
         worker.submit(
             ModelRunner,
@@ -150,6 +157,7 @@ async def load(
             args.block_size,
             args.seed,
             args.quantization,
+            draft_path,
         )
     )
     return runner, await tokenizer_fut

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from aioengine.gpu.backend import Backend
+from aioengine.gpu.drafter import Drafter
 from aioengine.gpu.loader import kv_cache_bytes_per_block, load_model
 from aioengine.gpu.sampler import Sampler, SamplerOutput, SamplingMetadata, gather_logprobs
 from aioengine.gpu.states import RequestStates
@@ -39,6 +40,7 @@ class InputBatch:
     # Per request (the attention metadata's rows differ where drafts are verified).
     query_start_loc_cpu: list[int] | None = None
     seq_lens_cpu: list[int] | None = None
+    num_drafts_to_propose: dict[str, int] = dataclasses.field(default_factory=dict)  # the draft model's
 
 
 class ModelRunner:
@@ -55,8 +57,10 @@ class ModelRunner:
         block_size: int,
         seed: int,
         quantization: str | None = None,
+        draft_model: str | None = None,
     ) -> None:
-        """``max_model_len`` is the engine's, already within the model's limits (``EngineConfig``)."""
+        """``max_model_len`` is the engine's, already within the model's limits (``EngineConfig``);
+        ``draft_model``: a checkpoint proposing drafts (speculative decoding), loaded beside the model."""
         self.backend = backend
         self.device = device = backend.device
         self.dtype = dtype
@@ -86,6 +90,11 @@ class ModelRunner:
             staging=self.staging,
             num_kv_groups=len(self.kv_cache_groups),
         )
+        self.drafter = (
+            Drafter(draft_model, backend, dtype, max_model_len, self.hf_config, self.kv_cache_groups)
+            if draft_model is not None
+            else None
+        )
         self.kv_caches: list[torch.Tensor] = []
         self._pending: tuple[InputBatch, torch.Tensor] | None = None
         self.fault_hook: Callable[[str, SchedulerOutput | None], None] | None = None  # tests inject faults
@@ -99,8 +108,9 @@ class ModelRunner:
         return self._num_parameters
 
     def kv_cache_bytes_per_block(self) -> int:
-        """A block id costs one slot in each of the groups' shared cache tensors."""
-        return kv_cache_bytes_per_block(
+        """A block id costs one slot in each of the groups' shared cache tensors (and the draft model's)."""
+        draft = self.drafter.kv_cache_bytes_per_block(self.block_size) if self.drafter is not None else 0
+        return draft + kv_cache_bytes_per_block(
             self.hf_config, self.block_size, self.dtype, group_size(self.kv_cache_groups)
         )
 
@@ -111,6 +121,8 @@ class ModelRunner:
         # layer l of a group uses the tensor at its place in the group
         slots = layer_slots(self.kv_cache_groups, self.hf_config.num_hidden_layers)
         self.kv_caches = [tensors[p] for _, p in slots]
+        if self.drafter is not None:
+            self.drafter.initialize_kv_cache(num_blocks, self.block_size)
 
     # ---- stop 5: update states ----------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -240,6 +252,7 @@ class ModelRunner:
             draft_ids=draft_ids,
             query_start_loc_cpu=cu_list,
             seq_lens_cpu=seq_lens_list,
+            num_drafts_to_propose=so.num_drafts_to_propose,
         )
 
     # ---- stops 5-7: execute_model enqueues the forward ----------------------------------------
@@ -255,6 +268,8 @@ class ModelRunner:
         batch = self._prepare_inputs(so)
         t1 = time.perf_counter()
         hidden = self.backend.forward(self, batch.input_ids, batch.positions, batch.attn_metadata)
+        if self.drafter is not None:
+            self.drafter.catch_up(batch.input_ids, batch.positions, batch.attn_metadata)
         self._pending = (batch, hidden)
         self.num_steps += 1
         host = self.host_s
@@ -295,6 +310,7 @@ class ModelRunner:
             md.grammar = self._grammar_rows(batch, sample_idx, grammar_output)
         result = self._sample(hidden[batch.logits_indices], md)
         states.update_after_sample(sample_rows, result.sampled)  # device state for step k+1
+        self._propose(batch, sample_idx, out, None)
         tensors = [result.sampled]
         num_logprobs = None
         if result.logprobs is not None:
@@ -351,6 +367,7 @@ class ModelRunner:
         accepted = big.scatter_reduce(0, seg, torch.where(miss, pos, big[seg]), reduce="amin")
         last = sampled[to_device(starts) + accepted]
         self.states.update_after_sample(sample_rows, last)  # device state for step k+1
+        self._propose(batch, sample_idx, out, accepted)
         tensors = [sampled, accepted]
         num_logprobs = None
         if result.logprobs is not None:  # of requests without drafts: their one row each
@@ -359,6 +376,30 @@ class ModelRunner:
             num_logprobs = self.states.num_logprobs[sample_rows].tolist()
         finish = functools.partial(_fill_verified, out, sample_idx.tolist(), starts.tolist(), num_logprobs)
         return self.backend.finish_step(tensors, finish)
+
+    def _propose(
+        self, batch: InputBatch, sample_idx: np.ndarray, out: ModelRunnerOutput, accepted: torch.Tensor | None
+    ) -> None:
+        """The draft model's proposals after each asked request's last sampled token, into ``out``."""
+        want = batch.num_drafts_to_propose
+        if not want or self.drafter is None:
+            return
+        asked = [j for j, i in enumerate(sample_idx.tolist()) if batch.req_ids[i] in want]
+        pick = np.array(asked, dtype=np.int64)
+        if not pick.size:
+            return
+        idx = sample_idx[pick]
+        assert batch.seq_lens_cpu is not None
+        # the token sampled last sits after the accepted drafts: seq_len - drafts + accepted
+        positions = np.asarray(batch.seq_lens_cpu, dtype=np.int64)[idx]
+        if batch.num_drafts is not None and accepted is not None:
+            positions += accepted.cpu().numpy()[pick] - batch.num_drafts[idx]
+        num = np.array([want[batch.req_ids[i]] for i in idx.tolist()], dtype=np.int64)
+        proposals = self.drafter.propose(self.states, batch.rows[idx], positions, num, self.block_size)
+        drafts: list[list[int]] = [[] for _ in batch.req_ids]
+        for i, p in zip(idx.tolist(), proposals, strict=True):
+            drafts[i] = p
+        out.draft_token_ids = drafts
 
     def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
         return self.states.sampling_metadata(rows)

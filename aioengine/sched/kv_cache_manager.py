@@ -143,9 +143,11 @@ class KVCacheManager:
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
         new_computed_blocks: GroupBlocks | None = None,
+        num_lookahead_tokens: int = 0,
     ) -> GroupBlocks | None:
         """Reserve slots for num_new_tokens after the computed ones, in every group; None when the pool cannot
-        fit them.
+        fit them. ``num_lookahead_tokens`` more slots are reserved past them (a draft model writes its
+        proposals' KV there before the target schedules those positions).
 
         Returns the blocks added to the request in each group (cache hits first, then fresh blocks).
         """
@@ -161,7 +163,7 @@ class KVCacheManager:
             self.remove_skipped_blocks(request)
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         total_tokens = min(num_computed + num_new_tokens, self.max_model_len)
-        num_required = cdiv(total_tokens, self.block_size)
+        num_required = cdiv(min(total_tokens + num_lookahead_tokens, self.max_model_len), self.block_size)
         hits = new_computed_blocks or [[] for _ in range(num_groups)]
         num_new = [max(0, num_required - len(req_blocks[g]) - len(hits[g])) for g in range(num_groups)]
         if not any(num_new) and not any(hits):

@@ -48,6 +48,9 @@ class SchedulerOutput:
     finished_req_ids: set[str]  # finished since the last step: the runner drops their state
     preempted_req_ids: set[str]  # likewise; they come back later as new requests
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)  # drafts to verify
+    # Draft-model proposals to make after this step's sampling: request -> at most this many drafts (their
+    # KV slots are reserved past the scheduled tokens).
+    num_drafts_to_propose: dict[str, int] = field(default_factory=dict)
     pending_structured_output_tokens: bool = False  # a structured request samples with a token in flight
     structured_output_request_ids: list[str] = field(default_factory=list)  # structured requests that sample
 
@@ -71,6 +74,7 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]  # a negative id: no token was allowed (a dead end)
     logprobs: list[TokenLogprobs | None] | None = None  # per request, for the sampled token
     prompt_logprobs: dict[str, list[TokenLogprobs]] | None = None  # whole prompt, with the first token
+    draft_token_ids: list[list[int]] | None = None  # per request: the draft model's proposals, if asked
 
 
 @dataclass(slots=True)

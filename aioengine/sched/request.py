@@ -72,6 +72,10 @@ class Request:
     # the step in flight (its next step waits for their verdict).
     can_speculate: bool = False
     num_drafts_in_flight: int = 0
+    # A draft model's proposals: asked of the step in flight (its next step waits for them), then kept for
+    # the step after it.
+    proposing: bool = False
+    draft_token_ids: list[int] = field(default_factory=list)
     spec_accepted_ema: float = 1.0  # accepted drafts per verified step, smoothed (spec_decode.py's policy)
     spec_pause: int = 0  # decode steps left without proposals
 

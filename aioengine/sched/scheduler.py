@@ -127,13 +127,14 @@ class Scheduler:
         if spec is not None and len(self.running) > spec.disable_by_batch_size:
             spec = None
         drafts: dict[str, list[int]] = {}
+        to_propose: dict[str, int] = {}
 
         # Running pass, from the front: decodes that came first get their token before later prefills.
         running = self.running
         i = 0
         while i < len(running) and token_budget > 0:
             request = running[i]
-            if request.num_drafts_in_flight:
+            if request.num_drafts_in_flight or request.proposing:
                 i += 1  # how many of its drafts hold decides where it goes on: wait for the verdict
                 continue
             placeholders = request.num_output_placeholders
@@ -152,20 +153,21 @@ class Scheduler:
                 i += 1
                 continue
             proposal: list[int] = []
+            lookahead = 0
             if (
                 spec is not None
                 and request.can_speculate
                 and need == num_tokens + placeholders - request.num_computed_tokens == 1
             ):
-                proposal = self._propose(request, spec, token_budget - need)
+                proposal, lookahead = self._propose(request, spec, token_budget - need)
                 need += len(proposal)
             while True:
-                blocks = kv.allocate_slots(request, need)
+                blocks = kv.allocate_slots(request, need, num_lookahead_tokens=lookahead)
                 if blocks is not None:
                     break
-                if proposal:  # drafts are optional: drop them before preempting anyone for their slots
+                if proposal or lookahead:  # drafts are optional: drop them before preempting anyone
                     need -= len(proposal)
-                    proposal = []
+                    proposal, lookahead = [], 0
                     continue
                 victim = self._pick_victim()
                 j = running.index(victim) if victim is not running[-1] else len(running) - 1
@@ -176,6 +178,7 @@ class Scheduler:
                     token_budget += num_scheduled.pop(victim.request_id)
                     new_block_ids.pop(victim.request_id, None)
                     drafts.pop(victim.request_id, None)
+                    to_propose.pop(victim.request_id, None)
                     scheduled_running.remove(victim)
                 self._preempt(victim)
                 preempted.append(victim)
@@ -187,6 +190,8 @@ class Scheduler:
             num_scheduled[request.request_id] = need
             if proposal:
                 drafts[request.request_id] = proposal
+            if lookahead:
+                to_propose[request.request_id] = lookahead
             if any(blocks):
                 new_block_ids[request.request_id] = tuple([b.block_id for b in g] for g in blocks)
             token_budget -= need
@@ -255,6 +260,7 @@ class Scheduler:
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids={r.request_id for r in preempted},
             scheduled_spec_decode_tokens=drafts,
+            num_drafts_to_propose=to_propose,
         )
         self.finished_req_ids = set()
         self._num_preemptions_step += len(preempted)
@@ -272,6 +278,8 @@ class Scheduler:
             )
             if request.is_prefill_chunk:
                 continue
+            request.draft_token_ids = []  # used by this step, or stale after it
+            request.proposing = req_id in out.num_drafts_to_propose
             num_drafts = len(out.scheduled_spec_decode_tokens.get(req_id, ()))
             if num_drafts:  # the sampled token and up to num_drafts accepted drafts are in flight
                 request.num_output_placeholders += 1 + num_drafts
@@ -302,25 +310,30 @@ class Scheduler:
             grammars.append(grammar)
         return self.structured_output_manager.grammar_bitmask(live, grammars)
 
-    def _propose(self, request: Request, spec: SpeculativeConfig, budget: int) -> list[int]:
-        """Drafts for a decode of one token: within the token budget, max_tokens and max_model_len."""
+    def _propose(self, request: Request, spec: SpeculativeConfig, budget: int) -> tuple[list[int], int]:
+        """Drafts for a decode of one token, within the token budget, max_tokens and max_model_len; and for
+        a draft model, how many proposals to ask of this step (for the next one)."""
         params = request.sampling_params
         if request.num_output_tokens < params.min_tokens:
-            return []  # its stop tokens are masked until then: one position at a time
+            return [], 0  # its stop tokens are masked until then: one position at a time
         if request.spec_pause:
             request.spec_pause -= 1  # its drafts kept failing: decode plainly for a while
-            return []
+            return [], 0
+        placeholders = request.num_output_placeholders
         left = (
             min(
                 request.max_tokens - request.num_output_tokens,
                 self.max_model_len - request.num_tokens,
             )
-            - request.num_output_placeholders
+            - placeholders
         )
         # the step's own token comes on top of the drafts
-        return propose_ngram(
-            request.all_token_ids, spec, min(budget, left - 1), request.num_output_placeholders
-        )
+        if not spec.uses_draft_model:
+            return propose_ngram(request.all_token_ids, spec, min(budget, left - 1), placeholders), 0
+        # Proposals made after the request's last known token; with a token in flight they are stale.
+        drafts = request.draft_token_ids[: max(0, min(budget, left - 1))] if not placeholders else []
+        # after this step's 1 + len(drafts) tokens, the next step's own token comes on top of its drafts
+        return drafts, max(0, min(spec.num_speculative_tokens, left - len(drafts) - 2))
 
     def _pick_victim(self) -> Request:
         if self.config.policy == "priority":
@@ -333,6 +346,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.is_prefill_chunk = False
+        request.draft_token_ids = []
         self.num_preemptions_total += 1
         self.waiting.prepend(request)
 
@@ -350,6 +364,7 @@ class Scheduler:
         drafts = scheduler_output.scheduled_spec_decode_tokens
         num_cached_block = kv.num_cached_block
         block_size = kv.block_size
+        proposed = runner_output.draft_token_ids
         for i, req_id in enumerate(runner_output.req_ids):
             new_token_ids = sampled[i]
             if not new_token_ids:
@@ -357,6 +372,9 @@ class Scheduler:
             request = requests.get(req_id)
             if request is None:
                 continue  # finished (aborted, stopped) while this step was in flight
+            if req_id in scheduler_output.num_drafts_to_propose:
+                request.proposing = False
+                request.draft_token_ids = proposed[i] if proposed is not None else []
             num_drafts = len(drafts.get(req_id, ()))  # of this step (an earlier one may still be landing)
             if num_drafts:
                 self._spec.record(num_drafts, len(new_token_ids) - 1)

@@ -1,5 +1,6 @@
-"""Speculative decoding's configuration (vLLM's `speculative_config` keys) and the n-gram proposer: drafts
-copied from where the request's last tokens occurred before in its own context (prompt lookup)."""
+"""Speculative decoding's configuration (vLLM's `speculative_config` keys), its per-request policy, and the
+n-gram proposer: drafts copied from where the request's last tokens occurred before in its own context
+(prompt lookup). A draft model's proposals come from the runner (aioengine/gpu/drafter.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 from aioengine.sampling_params import SamplingParams
 from aioengine.sched.request import Request
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 _KEYS = {
     "method",
     "num_speculative_tokens",
@@ -33,6 +34,11 @@ class SpeculativeConfig:
     prompt_lookup_max: int = _DEFAULT_LOOKUP[1]
     prompt_lookup_min: int = _DEFAULT_LOOKUP[0]
     disable_by_batch_size: int = 2
+    model: str | None = None  # the draft model's checkpoint (method "draft_model")
+
+    @property
+    def uses_draft_model(self) -> bool:
+        return self.method == "draft_model"
 
     @staticmethod
     def from_dict(raw: dict[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:
@@ -46,11 +52,21 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative_config has unknown key {unknown[0]!r}; known keys: {', '.join(sorted(_KEYS))}"
             )
-        method = raw.get("method", "ngram")
-        if method == "draft_model" or "model" in raw:
-            raise ValueError("speculative_config method 'draft_model' is not supported yet; use 'ngram'")
+        # vLLM infers the method from a given model when none is named
+        method = raw.get("method", "draft_model" if raw.get("model") is not None else "ngram")
         if method not in METHODS:
             raise ValueError(f"speculative_config method must be one of {', '.join(METHODS)}, got {method!r}")
+        model = raw.get("model")
+        if method == "draft_model":
+            if not isinstance(model, str) or not model:
+                raise ValueError("speculative_config method 'draft_model' needs 'model': the draft's path")
+            lookup = sorted({"prompt_lookup_max", "prompt_lookup_min"} & set(raw))
+            if lookup:
+                raise ValueError(
+                    f"speculative_config {lookup[0]} applies to method 'ngram', not 'draft_model'"
+                )
+        elif model is not None:
+            raise ValueError(f"speculative_config method {method!r} takes no 'model'")
         ints = {}
         for key in (
             "num_speculative_tokens",
@@ -67,7 +83,7 @@ class SpeculativeConfig:
             ints["prompt_lookup_min"] = min(ints["prompt_lookup_max"], _DEFAULT_LOOKUP[0])
         if "prompt_lookup_min" in ints and "prompt_lookup_max" not in ints:
             ints["prompt_lookup_max"] = max(ints["prompt_lookup_min"], _DEFAULT_LOOKUP[1])
-        config = SpeculativeConfig(method=method, **ints)
+        config = SpeculativeConfig(method=method, model=model, **ints)
         if config.num_speculative_tokens > 16:
             raise ValueError("speculative_config num_speculative_tokens must be at most 16")
         if config.prompt_lookup_min > config.prompt_lookup_max:

@@ -1,5 +1,6 @@
-"""Speculative decoding (n-gram): greedy tokens equal speculation off, token for token, through chunked
-prefill, prefix hits, preemption, stop strings and aborts; sampled tokens keep their distribution."""
+"""Speculative decoding (n-gram prompt lookup and a draft model): greedy tokens equal speculation off, token
+for token, through chunked prefill, prefix hits, preemption, stop strings and aborts; the target as its own
+draft has every draft accepted; sampled tokens keep their distribution."""
 
 from __future__ import annotations
 
@@ -42,9 +43,15 @@ def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 300))
 
 
+# A draft model for each target: another architecture of the same vocabulary; for Gemma 3 another Gemma 3
+# (its windows must line up with the target's).
+DRAFT_OF = {"qwen2": ("llama", {}), "gemma3": ("gemma3", {"intermediate_size": 96})}
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "gemma3"])
 @pytest.mark.parametrize("case", ["chunked", "prefix", "preempt"])
 def test_greedy_tokens_equal_speculation_off(tiny_checkpoint_of, kind, case):
+    """n-gram drafts, and for two of the targets a draft model's, against the same run without drafts."""
     path = tiny_checkpoint_of(kind)
     prompts = looping_prompts()
     if case == "prefix":
@@ -55,13 +62,54 @@ def test_greedy_tokens_equal_speculation_off(tiny_checkpoint_of, kind, case):
         "preempt": dict(max_num_batched_tokens=64, num_kv_blocks=1 + 40),
     }[case]
     # Speculate at every batch size here: the point is the mechanics, not the policy.
-    spec = {**NGRAM, "disable_by_batch_size": 64}
+    specs = [{**NGRAM, "disable_by_batch_size": 64}]
+    if kind in DRAFT_OF:
+        draft = tiny_checkpoint_of(DRAFT_OF[kind][0], **DRAFT_OF[kind][1])
+        specs.append(
+            {
+                "method": "draft_model",
+                "model": str(draft),
+                "num_speculative_tokens": 3,
+                "disable_by_batch_size": 64,
+            }
+        )
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     off, _ = run(generate_all(path, prompts, params, None, **kwargs))
-    on, totals = run(generate_all(path, prompts, params, spec, **kwargs))
+    for spec in specs:
+        on, totals = run(generate_all(path, prompts, params, spec, **kwargs))
+        assert [o.token_ids for o in on] == [o.token_ids for o in off], spec["method"]
+        assert [o.text for o in on] == [o.text for o in off]
+        assert totals.num_drafts > 0 and totals.num_draft_tokens > totals.num_drafts  # drafts were verified
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+def test_the_target_as_its_own_draft_has_every_draft_accepted(tiny_checkpoint_of, kind):
+    """Its own draft proposes exactly what greedy decoding samples: every draft holds (the mechanics:
+    the draft's KV behind the target's block tables, its positions, the reserved slots)."""
+    path = tiny_checkpoint_of(kind)
+    spec = {
+        "method": "draft_model",
+        "model": str(path),
+        "num_speculative_tokens": 4,
+        "disable_by_batch_size": 64,
+    }
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    prompts = looping_prompts(4, seed=3)
+    off, _ = run(generate_all(path, prompts, params, None, max_num_batched_tokens=32))
+    on, totals = run(generate_all(path, prompts, params, spec, max_num_batched_tokens=32))
     assert [o.token_ids for o in on] == [o.token_ids for o in off]
-    assert [o.text for o in on] == [o.text for o in off]
-    assert totals.num_drafts > 0 and totals.num_draft_tokens > totals.num_drafts  # drafts were verified
+    assert totals.num_draft_tokens >= 4 * 20 and totals.num_accepted_tokens == totals.num_draft_tokens, totals
+
+
+def test_a_draft_of_another_vocabulary_or_window_layout_stops_the_start(tiny_checkpoint_of):
+    path = tiny_checkpoint_of("llama")
+    for draft, words in (
+        (tiny_checkpoint_of("llama", vocab_size=1000), "must share the target's vocabulary"),
+        (tiny_checkpoint_of("mistral"), "attention windows"),
+    ):
+        spec = {"method": "draft_model", "model": str(draft)}
+        with pytest.raises(ValueError, match=words):
+            run(generate_all(path, [[1, 2, 3]], SamplingParams(max_tokens=2), spec))
 
 
 def test_default_model_copies_and_cuts_stops_inside_accepted_drafts_with_equal_tokens():

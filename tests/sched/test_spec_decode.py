@@ -15,10 +15,17 @@ SPEC = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=3, prompt_l
 LOOP = [1, 2, 3, 4, 5, 6, 7, 8]
 
 
-def scheduler(budget: int = 64) -> Scheduler:
+BLOCK = 4
+
+
+def scheduler(budget: int = 64, spec: SpeculativeConfig | None = SPEC) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
-            max_num_batched_tokens=budget, max_model_len=256, num_blocks=64, block_size=4, speculative=SPEC
+            max_num_batched_tokens=budget,
+            max_model_len=256,
+            num_blocks=64,
+            block_size=BLOCK,
+            speculative=spec,
         )
     )
 
@@ -108,18 +115,53 @@ def test_no_drafts_above_the_batch_size_limit():
 @pytest.mark.parametrize(
     "raw, words",
     [
-        ({"method": "eagle"}, "method must be one of ngram"),
+        ({"method": "eagle"}, "method must be one of ngram, draft_model"),
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1"),
         ({"method": "ngram", "num_speculative_tokens": "3"}, "num_speculative_tokens must be an integer"),
         ({"method": "ngram", "lookahead": 3}, "unknown key 'lookahead'"),
         ({"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 2}, "must not exceed"),
-        ({"method": "draft_model", "model": "/x"}, "'draft_model' is not supported yet"),
+        ({"method": "draft_model"}, "'draft_model' needs 'model'"),
+        ({"method": "draft_model", "model": 3}, "'draft_model' needs 'model'"),
+        ({"method": "draft_model", "model": "/x", "prompt_lookup_max": 3}, "prompt_lookup_max applies to"),
+        ({"method": "ngram", "model": "/x"}, "method 'ngram' takes no 'model'"),
         ("ngram", "must be a JSON object"),
     ],
 )
 def test_bad_speculative_config_names_the_problem(raw, words):
     with pytest.raises(ValueError, match=words):
         SpeculativeConfig.from_dict(raw)
+
+
+def test_a_model_alone_means_a_draft_model_as_in_vllm():
+    config = SpeculativeConfig.from_dict({"model": "/draft", "num_speculative_tokens": 4})
+    assert config is not None and config.uses_draft_model and config.model == "/draft"
+
+
+def test_draft_model_proposals_are_asked_with_their_slots_and_used_in_the_next_step():
+    """A decode asks the runner for proposals and reserves their KV slots past its own token; it is not
+    planned again until they arrive; the next step verifies them, and asks for more within max_tokens."""
+    spec = SpeculativeConfig.from_dict({"model": "/draft", "num_speculative_tokens": 3})
+    sched = scheduler(budget=256, spec=spec)
+    req = Request("r", list(range(10, 17)), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    sched.add_request(req)
+    prefill = sched.schedule()
+    sched.update_from_output(prefill, ModelRunnerOutput(["r"], [[1]]))
+    step = sched.schedule()  # a plain decode of position 7: proposals for positions 8.. are asked
+    assert step.num_drafts_to_propose == {"r": 3} and not step.scheduled_spec_decode_tokens
+    blocks = sched.kv_cache_manager.req_to_blocks["r"][0]
+    assert len(blocks) * BLOCK >= 8 + 3  # position 7's slot and the three proposals' ones
+    assert sched.schedule().total_num_scheduled_tokens == 0  # waits for the proposals
+    sched.update_from_output(step, ModelRunnerOutput(["r"], [[2]], draft_token_ids=[[5, 6, 7]]))
+    verify = sched.schedule()
+    assert verify.scheduled_spec_decode_tokens == {"r": [5, 6, 7]} and verify.num_scheduled_tokens == {"r": 4}
+    # 2 outputs so far; after this step's 4, at most 2 remain: the next step's token and one draft
+    assert verify.num_drafts_to_propose == {"r": 1}
+    sched.update_from_output(verify, ModelRunnerOutput(["r"], [[5, 6, 9]], draft_token_ids=[[4]]))
+    assert (
+        req.num_computed_tokens == 7 + 1 + 3 and req.num_output_tokens == 5
+    )  # the third draft's KV is stale
+    last = sched.schedule()
+    assert last.scheduled_spec_decode_tokens == {"r": [4]} and not last.num_drafts_to_propose
 
 
 def test_a_request_whose_drafts_keep_failing_pauses_its_proposals():
