@@ -41,7 +41,8 @@ _ENGINE_HELP = {
     "(default 512; larger batches run eagerly)",
     "step_timeout_s": "watchdog: a step running longer marks the engine dead",
     "speculative_config": "speculative decoding, as JSON with vLLM's keys: "
-    '\'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\'',
+    '\'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' '
+    'or \'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 3}\'',
     "quantization": "CPU weight-only quantization of the linear layers (int4: groups of 32, like GGUF Q4_1)",
     # KernelConfig
     "cpu_kernels": "build and use the CPU's C kernels (off: torch ops, oneDNN linears)",

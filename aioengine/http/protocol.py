@@ -164,6 +164,7 @@ def _sampling_params(
             ignore_eos=f.bool("ignore_eos", False),
             include_stop_str_in_output=f.bool("include_stop_str_in_output", False),
             skip_special_tokens=f.bool("skip_special_tokens", True),
+            speculative=f.bool("speculative", True),
             logprobs=logprobs,
             presence_penalty=f.float("presence_penalty", 0.0),
             frequency_penalty=f.float("frequency_penalty", 0.0),

@@ -131,6 +131,7 @@ SAMPLING: Table = {
     "ignore_eos": Spec(bool),
     "include_stop_str_in_output": Spec(bool),
     "skip_special_tokens": Spec(bool),
+    "speculative": Spec(bool, description="false: never verify drafts, when the server speculates"),
     "stream": Spec(bool),
     "stream_options": Spec(
         dict,

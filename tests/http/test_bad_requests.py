@@ -93,6 +93,7 @@ CASES = [
     ("stop-token-ids-strings", "POST", CHAT, chat(stop_token_ids=["a"]), 400, "stop_token_ids[0]"),
     ("min-tokens-above-max", "POST", CHAT, chat(min_tokens=10, max_tokens=2), 400, "min_tokens"),
     ("ignore-eos-string", "POST", CHAT, chat(ignore_eos="no"), 400, "ignore_eos"),
+    ("speculative-string", "POST", COMP, comp(speculative="no"), 400, "speculative"),
     ("unknown-field", "POST", CHAT, chat(foo=1), 400, "foo"),
     ("logprobs-string", "POST", CHAT, chat(logprobs="yes"), 400, "logprobs"),
     ("top-logprobs-without-logprobs", "POST", CHAT, chat(top_logprobs=3), 400, "top_logprobs"),
@@ -239,3 +240,11 @@ def test_good_request_after_bad_ones(http, server):
     assert r.status == 200, r.body
     assert r.json()["choices"][0]["message"]["content"]
     assert server.wait_idle()["unfinished"] == 0
+
+
+def test_speculative_false_opts_the_request_out_of_drafts():
+    from aioengine.http.protocol import parse_chat_request, parse_completion_request
+
+    assert parse_completion_request({"prompt": "a", "speculative": False}).params.speculative is False
+    chat_request = parse_chat_request({"messages": [{"role": "user", "content": "hi"}]})
+    assert chat_request.params.speculative is True
