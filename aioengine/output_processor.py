@@ -97,7 +97,7 @@ class OutputProcessor:
                 del self.children[o.request_id]
             logprobs = None
             if o.new_logprobs is not None:
-                logprobs = [self._logprob_dict(e) for e in o.new_logprobs]
+                logprobs = [self._logprob_dict(e) for e in o.new_logprobs[: len(token_ids)]]
             elif state.params.logprobs is not None:
                 logprobs = []
             if o.new_prompt_logprobs is not None and state.prompt_logprobs is None:

@@ -1,6 +1,8 @@
 """Write small GGUF files of a tiny random Llama with the gguf package's writer and quantizers (tests only).
 
-The tokenizer (and its chat template) is copied from the bundled SmolLM2 GGUF. Block types the gguf
+The tokenizer (and its chat template) is copied from the bundled SmolLM2 GGUF, cut to its first
+TINY_VOCAB tokens and the merges among them (the whole 49k vocabulary costs transformers' GGUF reader
+seconds per file). Block types the gguf
 package cannot quantize (the K-quants) get random blocks whose float16 scales are set to finite values;
 their reference is the package's own dequantizer.
 """
@@ -19,6 +21,7 @@ from aioengine.gguf_file import read_header
 from aioengine.model_files import default_gguf_path
 
 TOKENIZER_ARRAYS = frozenset({"tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type"})
+TINY_VOCAB = 2048  # the special tokens, the 256 bytes and the first merges
 # byte offsets of each K-quant block's float16 scales (ggml's block_q*_K layouts)
 _K_SCALES = {
     GGMLQuantizationType.Q2_K: (80, 82),
@@ -77,7 +80,12 @@ def write_tiny_llama(
     m = TinyLlama()
     rng = np.random.default_rng(seed)
     src = read_header(default_gguf_path(), keep_arrays=TOKENIZER_ARRAYS)
-    vocab = len(src.metadata["tokenizer.ggml.tokens"])
+    tokens = src.metadata["tokenizer.ggml.tokens"][:TINY_VOCAB]
+    known = set(tokens)
+    merges = [
+        m for m in src.metadata["tokenizer.ggml.merges"] if {*m.split(" ", 1), m.replace(" ", "", 1)} <= known
+    ]
+    vocab = len(tokens)
     w = GGUFWriter(str(path), arch)
     w.add_context_length(256)
     w.add_embedding_length(m.hidden)
@@ -91,9 +99,9 @@ def write_tiny_llama(
     if with_tokenizer:
         w.add_tokenizer_model(src.metadata["tokenizer.ggml.model"])
         w.add_tokenizer_pre(src.metadata.get("tokenizer.ggml.pre", "default"))
-        w.add_token_list(src.metadata["tokenizer.ggml.tokens"])
-        w.add_token_types(src.metadata["tokenizer.ggml.token_type"])
-        w.add_token_merges(src.metadata["tokenizer.ggml.merges"])
+        w.add_token_list(tokens)
+        w.add_token_types(src.metadata["tokenizer.ggml.token_type"][:vocab])
+        w.add_token_merges(merges)
         w.add_bos_token_id(src.metadata["tokenizer.ggml.bos_token_id"])
         w.add_eos_token_id(src.metadata["tokenizer.ggml.eos_token_id"])
         w.add_chat_template(src.metadata["tokenizer.chat_template"])

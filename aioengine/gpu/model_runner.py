@@ -337,11 +337,12 @@ class ModelRunner:
         grammar_output: GrammarOutput | None,
     ) -> Any:
         """Sample every position of each verified request, then keep its drafts up to the first that differs
-        from what was sampled there, plus that position's sample (the bonus token when all hold).
+        from what was sampled there, plus that position's sample (the bonus token when all hold); the logprobs
+        of each kept token come from the row that sampled it.
 
         With one-hot drafts (n-gram) this is the speculative-sampling rule exactly: a draft d is accepted with
         probability p(d), and a rejection's token is distributed as p without d, renormalized. Greedy rows
-        sample the argmax. Requests that use logprobs, penalties, bad words or grammars carry no drafts.
+        sample the argmax. Requests that use penalties, bad words or grammars carry no drafts.
         """
         assert batch.num_drafts is not None and batch.draft_ids is not None
         nd = batch.num_drafts[sample_idx]
@@ -370,9 +371,8 @@ class ModelRunner:
         self._propose(batch, sample_idx, out, accepted)
         tensors = [sampled, accepted]
         num_logprobs = None
-        if result.logprobs is not None:  # of requests without drafts: their one row each
-            first = to_device(starts)
-            tensors += [t[first] for t in result.logprobs]
+        if result.logprobs is not None:  # every logits row's: each kept token's row gives its logprobs
+            tensors += list(result.logprobs)
             num_logprobs = self.states.num_logprobs[sample_rows].tolist()
         finish = functools.partial(_fill_verified, out, sample_idx.tolist(), starts.tolist(), num_logprobs)
         return self.backend.finish_step(tensors, finish)
@@ -475,14 +475,19 @@ def _fill_output(
 
 
 def _fill_logprobs(
-    out: ModelRunnerOutput, sample_idx: list[int], num_logprobs: list[int], logprobs: tuple[torch.Tensor, ...]
+    out: ModelRunnerOutput,
+    sample_idx: list[int],
+    num_logprobs: list[int],
+    logprobs: tuple[torch.Tensor, ...],
+    rows: list[range] | None = None,
 ) -> None:
+    """Each request's logprobs, one entry per token it sampled: logits rows ``rows[j]`` (default: row j)."""
     ids, lps, ranks = (t.tolist() for t in logprobs)
     per_req: list = [None] * len(out.req_ids)
     for j, i in enumerate(sample_idx):
         k = num_logprobs[j]
         if k >= 0:
-            per_req[i] = (ids[j][: k + 1], lps[j][: k + 1], ranks[j])
+            per_req[i] = [(ids[r][: k + 1], lps[r][: k + 1], ranks[r]) for r in (rows[j] if rows else (j,))]
     out.logprobs = per_req
 
 
@@ -497,8 +502,9 @@ def _fill_verified(
 ) -> ModelRunnerOutput:
     """The tokens of a step with drafts: each request's accepted drafts and the token sampled after them."""
     tokens = sampled.tolist()
-    for i, start, a in zip(sample_idx, starts, accepted.tolist(), strict=True):
-        out.sampled_token_ids[i] = tokens[start : start + a + 1]
-    if num_logprobs is not None:
-        _fill_logprobs(out, sample_idx, num_logprobs, logprobs)
+    kept = [range(start, start + a + 1) for start, a in zip(starts, accepted.tolist(), strict=True)]
+    for i, r in zip(sample_idx, kept, strict=True):
+        out.sampled_token_ids[i] = tokens[r.start : r.stop]
+    if num_logprobs is not None:  # the accepted drafts' rows sampled them: their logprobs are theirs
+        _fill_logprobs(out, sample_idx, num_logprobs, logprobs, kept)
     return out

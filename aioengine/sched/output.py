@@ -72,7 +72,7 @@ class ModelRunnerOutput:
 
     req_ids: list[str]
     sampled_token_ids: list[list[int]]  # a negative id: no token was allowed (a dead end)
-    logprobs: list[TokenLogprobs | None] | None = None  # per request, for the sampled token
+    logprobs: list[list[TokenLogprobs] | None] | None = None  # per request, one per sampled token
     prompt_logprobs: dict[str, list[TokenLogprobs]] | None = None  # whole prompt, with the first token
     draft_token_ids: list[list[int]] | None = None  # per request: the draft model's proposals, if asked
 

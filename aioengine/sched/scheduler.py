@@ -424,7 +424,7 @@ class Scheduler:
             )
             sampled_logprobs = logprobs[i] if logprobs is not None else None
             if sampled_logprobs is not None:
-                out.new_logprobs = [sampled_logprobs][: len(new_token_ids)]
+                out.new_logprobs = sampled_logprobs[: len(new_token_ids)]
             if prompt_logprobs:
                 out.new_prompt_logprobs = prompt_logprobs.get(req_id)
             outputs.append(out)

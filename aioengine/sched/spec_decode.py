@@ -113,8 +113,8 @@ def can_speculate(params: SamplingParams) -> bool:
     """Whether a request's sampling allows verifying several positions in one step.
 
     The positions of a verified draft share one row's sampling state, so what depends on the tokens before
-    each position opts out: penalties, multi-token bad words, grammars, and (for now) logprobs. min_tokens
-    opts out until it is reached (the scheduler checks that).
+    each position opts out: penalties, multi-token bad words and grammars. min_tokens opts out until it is
+    reached (the scheduler checks that). Logprobs do not: each position's row gives its token's.
     """
     return not (
         params.speculative is False
@@ -123,7 +123,6 @@ def can_speculate(params: SamplingParams) -> bool:
         or params.repetition_penalty != 1.0
         or params.bad_words
         or params.structured_outputs is not None
-        or params.logprobs is not None
     )
 
 

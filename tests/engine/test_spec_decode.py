@@ -143,6 +143,28 @@ def test_default_model_copies_and_cuts_stops_inside_accepted_drafts_with_equal_t
     assert [finish for _, _, finish in off_cuts] == ["stop", "stop", "length"]
 
 
+def test_logprobs_of_accepted_drafts_equal_speculation_off(tiny_checkpoint_of):
+    """A request with logprobs speculates: each kept token's logprobs come from the row that sampled it."""
+    path = tiny_checkpoint_of("llama")
+    own = {
+        "method": "draft_model",
+        "model": str(path),
+        "num_speculative_tokens": 3,
+        "disable_by_batch_size": 64,
+    }
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+    prompts = looping_prompts(3, seed=7)
+    off, _ = run(generate_all(path, prompts, params, None))
+    on, totals = run(generate_all(path, prompts, params, own))
+    assert totals.num_accepted_tokens > 0
+    for a, b in zip(on, off, strict=True):
+        assert a.token_ids == b.token_ids and len(a.logprobs) == len(b.logprobs) == 16
+        for got, want, token in zip(a.logprobs, b.logprobs, a.token_ids, strict=True):
+            assert token in got and set(got) == set(want)
+            for t in want:
+                assert abs(got[t].logprob - want[t].logprob) < 1e-4
+
+
 def test_abort_while_drafts_are_in_flight_frees_everything(tiny_checkpoint_of):
     path = tiny_checkpoint_of("llama")
 

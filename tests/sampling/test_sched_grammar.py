@@ -114,7 +114,7 @@ def test_logprobs_pass_through_to_the_outputs():
     outs = {
         o.request_id: o
         for o in s.update_from_output(
-            so, sample(so, {"a": 5, "b": 9}, logprobs=[lp, None], prompt_logprobs={"a": prompt})
+            so, sample(so, {"a": 5, "b": 9}, logprobs=[[lp], None], prompt_logprobs={"a": prompt})
         )
     }
     assert outs["a"].new_logprobs == [lp] and outs["a"].new_prompt_logprobs == prompt

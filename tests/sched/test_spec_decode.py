@@ -79,19 +79,25 @@ def test_drafts_stop_at_max_tokens_and_the_budget():
 
 
 def test_no_drafts_for_requests_whose_sampling_depends_on_the_tokens_before():
-    sched = scheduler()
-    for i, params in enumerate(
-        [
-            SamplingParams(temperature=0, max_tokens=9, presence_penalty=0.5),
-            SamplingParams(temperature=0, max_tokens=9, logprobs=1),
-            SamplingParams(temperature=0, max_tokens=9, speculative=False),
-            SamplingParams(temperature=0, max_tokens=9, min_tokens=5, ignore_eos=True),
-        ]
-    ):
+    """Penalties, bad words, an opt-out and min_tokens (until reached) get no drafts; logprobs do."""
+    import dataclasses
+
+    sched = scheduler(budget=256, spec=dataclasses.replace(SPEC, disable_by_batch_size=64))
+    cases = [
+        SamplingParams(temperature=0, max_tokens=9, presence_penalty=0.5),
+        SamplingParams(temperature=0, max_tokens=9, bad_words=["a b"]),
+        SamplingParams(temperature=0, max_tokens=9, speculative=False),
+        SamplingParams(temperature=0, max_tokens=9, min_tokens=5, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=9, logprobs=1),
+        SamplingParams(temperature=0, max_tokens=9),
+    ]
+    for i, params in enumerate(cases):
         sched.add_request(Request(f"r{i}", LOOP * 2, params))
     prefill = sched.schedule()
-    sched.update_from_output(prefill, ModelRunnerOutput(list(prefill.num_scheduled_tokens), [[1]] * 4))
-    assert not sched.schedule().scheduled_spec_decode_tokens
+    sched.update_from_output(
+        prefill, ModelRunnerOutput(list(prefill.num_scheduled_tokens), [[1]] * len(cases))
+    )
+    assert sorted(sched.schedule().scheduled_spec_decode_tokens) == ["r4", "r5"]
 
 
 def test_no_drafts_above_the_batch_size_limit():
