@@ -109,7 +109,7 @@ def test_greedy_parity_short_and_long_chunked_and_prefix_hit(gemma):
         _text_prompt(tokenizer, 60, seed=1),  # inside the window
         base[:700],  # past it
         base,  # three windows long
-        base[:1200] + _text_prompt(tokenizer, 40, seed=2),  # shares 1200 tokens with the one before
+        base[:700] + _text_prompt(tokenizer, 40, seed=2),  # shares 700 tokens with the others
     ]
     expected = [_hf_greedy(hf, p) for p in prompts]
 
