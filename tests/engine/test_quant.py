@@ -46,10 +46,11 @@ def test_int4_and_int8_error_is_within_half_a_step():
 @pytest.mark.parametrize("method", ["int4", "int8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 40])
-def test_quantized_linear_matches_its_dequantized_weight(method, dtype, rows):
+@pytest.mark.parametrize("c_kernels", [True, False], ids=["c", "torch"])
+def test_quantized_linear_matches_its_dequantized_weight(method, dtype, rows, c_kernels):
     torch.manual_seed(1)
     lin = nn.Linear(64, 48, bias=True)
-    q = QuantizedLinear(lin.weight.data.to(dtype), lin.bias.data.to(dtype), method)
+    q = QuantizedLinear(lin.weight.data.to(dtype), lin.bias.data.to(dtype), method, c_kernels=c_kernels)
     x = torch.randn(rows, 64, dtype=dtype)
     ref = x.double() @ q.weight.double().t() + q.bias.double()
     tol = 1e-4 if dtype == torch.float32 else 0.1

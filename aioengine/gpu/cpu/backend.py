@@ -222,7 +222,7 @@ class CpuBackend(Backend):
     def prepare_model(self, model: nn.Module, quantization: str | None) -> None:
         linear = self.kernels.cpu_linear if self.kernels.cpu_kernels else _without_c(self.kernels.cpu_linear)
         if quantization is not None:
-            quantize_model(model, quantization, linear=linear)
+            quantize_model(model, quantization, linear=linear, c_kernels=self.kernels.cpu_kernels)
         pack_linears(model, linear)
         if self.kernels.cpu_kernels:
             clib.load()  # built now (seconds), not inside the first step

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from aioengine.gpu.cpu.linear import PackedLinear, c_gemm_enabled, packing_enabled
+from aioengine.kernels.cpu import clib
 
 logger = logging.getLogger(__name__)
 
@@ -67,8 +68,10 @@ class QuantizedLinear(nn.Module):
         method: str,
         max_rows_quantized: int = MAX_ROWS_QUANTIZED,
         linear: str = "auto",
+        c_kernels: bool = True,
     ) -> None:
-        """``linear``: how the large-batch GEMM runs (``KernelConfig.cpu_linear``)."""
+        """``linear``: how the large-batch GEMM runs (``KernelConfig.cpu_linear``); ``c_kernels``: int8 with
+        float32 activations takes cpu_qgemv.c for a few rows, where it is built."""
         super().__init__()
         assert method in QUANTIZATION_METHODS, method
         assert weight.device.type == "cpu", "the packed kernels are CPU kernels"
@@ -90,6 +93,7 @@ class QuantizedLinear(nn.Module):
             self.register_buffer("scales_zeros", scale.to(dtype), persistent=False)
         self.weight = nn.Parameter(dequantized.to(dtype), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self.c_gemv = method == "int8" and dtype == torch.float32 and c_kernels and clib.load() is not None
         # Large batches: the same dequantized values, prepacked for oneDNN when bf16 (same bits, faster).
         self.gemm = None
         if linear != "torch" and packing_enabled(self.weight):
@@ -99,6 +103,9 @@ class QuantizedLinear(nn.Module):
         flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # the runner's batches are 2-D
         if flat.shape[0] > self.max_rows_quantized:
             return self.gemm(x) if self.gemm is not None else F.linear(x, self.weight, self.bias)
+        if self.c_gemv and flat.stride(-1) == 1:
+            y = clib.qgemv_int8(flat, self.packed, self.scales_zeros, self.bias)
+            return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
         if self.method == "int4":
             y = torch._weight_int4pack_mm_for_cpu(flat, self.packed, INT4_GROUP_SIZE, self.scales_zeros)
         else:
@@ -119,7 +126,7 @@ def can_quantize(weight_shape: torch.Size, method: str) -> bool:
     return True
 
 
-def quantize_model(model: nn.Module, method: str, linear: str = "auto") -> int:
+def quantize_model(model: nn.Module, method: str, linear: str = "auto", c_kernels: bool = True) -> int:
     """Replace the decoder's linear layers and the LM head in place; returns how many were quantized.
 
     A tied head gets its own quantized copy: the embedding lookup keeps the original table.
@@ -136,12 +143,18 @@ def quantize_model(model: nn.Module, method: str, linear: str = "auto") -> int:
             if not can_quantize(child.weight.shape, method):
                 skipped += 1
                 continue
-            setattr(module, name, QuantizedLinear(child.weight.data, child.bias, method, linear=linear))
+            setattr(
+                module,
+                name,
+                QuantizedLinear(child.weight.data, child.bias, method, linear=linear, c_kernels=c_kernels),
+            )
             done += 1
     head = getattr(model, "lm_head", None)
     if isinstance(head, nn.Embedding):  # tied: quantize a copy for the logits
         if can_quantize(head.weight.shape, method):
-            model.lm_head = QuantizedLinear(head.weight.data, None, method, linear=linear)
+            model.lm_head = QuantizedLinear(
+                head.weight.data, None, method, linear=linear, c_kernels=c_kernels
+            )
             done += 1
         else:
             skipped += 1

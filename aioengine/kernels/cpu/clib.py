@@ -1,6 +1,6 @@
 """The CPU's C kernels (cpu_decode_attention.c, cpu_prefill_attention.c, cpu_elementwise.c, cpu_gemm.c,
-cpu_decode_stack.c): built once per machine with the C compiler into one library, loaded with ctypes,
-and called on the worker thread (ctypes releases the GIL).
+cpu_decode_stack.c, cpu_qgemv.c): built once per machine with the C compiler into one library, loaded with
+ctypes, and called on the worker thread (ctypes releases the GIL).
 
 Built with -march=native into the cache directory's ``kernels/`` (``aioengine.env.cache_dir``) under a
 name that hashes the sources, the compiler and the CPU flags; the CPU backend starts the build on a thread
@@ -37,6 +37,7 @@ _SOURCES = [
         "cpu_elementwise.c",
         "cpu_gemm.c",
         "cpu_decode_stack.c",
+        "cpu_qgemv.c",
     )
 ]
 # Included by the sources: part of the build's hash.
@@ -175,6 +176,8 @@ def load() -> ctypes.CDLL | None:
         lib.pack_gemm_weight_bf16.argtypes = [_P, _I64, _I64, _I, _P, _I]
         lib.decode_stack_bf16.restype = ctypes.c_int
         lib.decode_stack_bf16.argtypes = [_P, _I, _P, _P, _P]
+        lib.qgemv_int8_f32.restype = None
+        lib.qgemv_int8_f32.argtypes = [_P, _I64, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I]
         lib.gemm_bf16.restype = ctypes.c_int
         lib.gemm_bf16.argtypes = [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I, _P, _I]
         _lib = lib
@@ -353,6 +356,32 @@ def supports(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
         and query.stride(1) == head_dim
         and kv_cache.stride(4) == 1
     )
+
+
+def qgemv_int8(
+    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``x @ (q * scale[:, None]).T + bias`` for float32 ``x [M, K]`` (unit inner stride, a few rows) and int8
+    ``q [N, K]`` (contiguous) with float32 ``scale [N]``; float32 ``[M, N]``."""
+    m, k = x.shape
+    n = q.shape[0]
+    assert x.dtype == torch.float32 and x.stride(1) == 1 and q.dtype == torch.int8 and q.is_contiguous()
+    assert scale.dtype == torch.float32 and scale.is_contiguous() and q.shape[1] == k
+    y = torch.empty((m, n), dtype=torch.float32)
+    _lib.qgemv_int8_f32(
+        x.data_ptr(),
+        x.stride(0),
+        q.data_ptr(),
+        scale.data_ptr(),
+        0 if bias is None else bias.data_ptr(),
+        y.data_ptr(),
+        n,
+        m,
+        n,
+        k,
+        torch.get_num_threads(),
+    )
+    return y
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
