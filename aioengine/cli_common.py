@@ -46,7 +46,7 @@ _ENGINE_HELP = {
     "quantization": "CPU weight-only quantization of the linear layers (int4: groups of 32, like GGUF Q4_1)",
     # KernelConfig
     "cpu_kernels": "build and use the CPU's C kernels (off: torch ops, oneDNN linears)",
-    "cpu_elementwise": "CPU: residual add + RMSNorm and rotary as one C pass each (bf16)",
+    "cpu_elementwise": "CPU: residual add + RMSNorm and rotary as one C pass each (bf16, float32)",
     "cpu_attention": "CPU: C decode attention and KV store",
     "cpu_prefill_attention": "CPU: bf16 prompt chunks through the packed prefill kernel",
     "cpu_linear": "CPU bf16 linears: auto (cpu_gemm.c where built, else oneDNN), onednn, "

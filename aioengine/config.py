@@ -19,7 +19,7 @@ class KernelConfig:
     """Which kernels a backend uses, per engine: two engines in one process can differ (tests, A/B runs)."""
 
     cpu_kernels: bool = True  # build and use the C kernels at all (False: torch ops, oneDNN linears)
-    cpu_elementwise: bool = True  # residual add + RMSNorm and rotary as one C pass each (bf16)
+    cpu_elementwise: bool = True  # residual add + RMSNorm and rotary as one C pass each (bf16, float32)
     cpu_attention: bool = True  # C decode attention and KV store
     cpu_prefill_attention: bool = True  # bf16 prompt chunks through cpu_prefill_attention.c
     # bf16 linears: "auto" packs for cpu_gemm.c where it is built (else oneDNN's layout), "onednn" always

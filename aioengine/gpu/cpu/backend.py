@@ -29,6 +29,9 @@ from aioengine.sched.output import ModelRunnerOutput
 DEFAULT_KV_CACHE_BYTES = 2 << 30
 
 
+_NORM_DTYPES = (torch.bfloat16, torch.float32)  # the fused norm and rotary kernels' types
+
+
 class CpuOps(Ops):
     """The layers' ops on the CPU: bf16 C kernels where ``KernelConfig`` allows them and the shapes fit."""
 
@@ -45,7 +48,7 @@ class CpuOps(Ops):
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if self.elementwise and x.dim() == 2 and clib.elementwise_ok(x):  # bf16: one fused pass
+        if self.elementwise and x.dim() == 2 and clib.elementwise_ok(x, _NORM_DTYPES):  # one fused pass
             if residual is None:
                 return clib.add_rms_norm(None, x, weight, eps)[0]
             return clib.add_rms_norm(x, residual, weight, eps)
@@ -83,9 +86,9 @@ class CpuOps(Ops):
             and x.stride(1) == x.shape[2]
             and positions.dtype == torch.int64
             and positions.is_contiguous()
-            and clib.elementwise_ok(x)
+            and clib.elementwise_ok(x, _NORM_DTYPES)
         ):
-            return clib.rotary(x, positions, cos2, sin2)  # bf16: one pass, the same roundings
+            return clib.rotary(x, positions, cos2, sin2)  # one pass (bf16: the same roundings)
         memo = self._memo
         if (
             memo is not None and memo[0] is positions and memo[1] is cos2

@@ -188,6 +188,8 @@ _P, _I64, _F, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _ELEMENTWISE = {
     "add_rms_norm_bf16": [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _F, _I],
     "rotary_bf16": [_P, _I64, _P, _P, _P, _P, _I64, _I64, _I64, _I],
+    "add_rms_norm_f32": [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _F, _I],
+    "rotary_f32": [_P, _I64, _P, _P, _P, _P, _I64, _I64, _I64, _I],
     "argmax_bf16": [_P, _I64, _I64, _I64, _P, _I],
     "store_kv_cpu": [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I, _I, _I, _I64, _I64, _I64, _I, _I64],
 }
@@ -199,10 +201,14 @@ def cache_pointers(kv_cache: torch.Tensor) -> tuple[int, int]:
     return kv_cache.data_ptr(), kv_cache.data_ptr() + kv_cache.stride(0) * kv_cache.element_size()
 
 
-def elementwise_ok(x: torch.Tensor) -> bool:
-    """Whether the fused elementwise kernels take ``x`` (bf16 on the CPU, rows with unit inner stride)."""
+_ELEMENTWISE_DTYPES = {torch.bfloat16: "bf16", torch.float32: "f32"}
+
+
+def elementwise_ok(x: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,)) -> bool:
+    """Whether the fused elementwise kernels take ``x`` (``dtypes`` on the CPU, rows with unit inner stride;
+    the norm and rotary also have float32 versions, the argmax has not)."""
     return (
-        x.dtype == torch.bfloat16
+        x.dtype in dtypes
         and x.device.type == "cpu"
         and x.dim() >= 2
         and x.stride(-1) == 1
@@ -214,12 +220,13 @@ def add_rms_norm(
     x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(x + residual) * weight, x + residual)``; with ``x`` None, ``(rms_norm(residual) * weight,
-    residual)``. 2-D bf16 ``[rows, hidden]``, rows may be strided."""
+    residual)``. 2-D bf16 or float32 ``[rows, hidden]``, rows may be strided."""
     rows, hidden = residual.shape
     out = torch.empty((rows, hidden), dtype=residual.dtype)
     new_residual = residual if x is None else torch.empty((rows, hidden), dtype=residual.dtype)
     weight = weight.contiguous()
-    _lib.add_rms_norm_bf16(
+    assert weight.dtype == residual.dtype and (x is None or x.dtype == residual.dtype)
+    getattr(_lib, f"add_rms_norm_{_ELEMENTWISE_DTYPES[residual.dtype]}")(
         0 if x is None else x.data_ptr(),
         0 if x is None else x.stride(0),
         residual.data_ptr(),
@@ -242,7 +249,8 @@ def rotary(x: torch.Tensor, positions: torch.Tensor, cos2: torch.Tensor, sin2: t
     assert x.stride(2) == 1 and x.stride(1) == head_dim and cos2.is_contiguous() and sin2.is_contiguous()
     assert positions.dtype == torch.int64 and positions.is_contiguous()
     out = torch.empty((tokens, heads, head_dim), dtype=x.dtype)
-    _lib.rotary_bf16(
+    assert cos2.dtype == sin2.dtype == x.dtype
+    getattr(_lib, f"rotary_{_ELEMENTWISE_DTYPES[x.dtype]}")(
         x.data_ptr(),
         x.stride(0),
         positions.data_ptr(),

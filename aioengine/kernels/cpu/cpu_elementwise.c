@@ -205,3 +205,47 @@ void argmax_bf16(const uint16_t *x, int64_t row_stride, int64_t rows, int64_t co
 #pragma omp parallel for num_threads(num_threads) if (rows * cols >= PARALLEL_MIN_ELEMS)
     for (int64_t i = 0; i < rows; i++) out[i] = argmax_row(x + i * row_stride, cols);
 }
+
+/* float32 versions of the two above, for a CPU whose models run in float32 (no bf16 instructions): one pass
+ * instead of torch's chain of ops. No roundings to mimic; the mean of squares is summed in another order
+ * than torch's, so a result can move by an ulp. gcc vectorizes the loops (-O3 -ffast-math -march=native). */
+void add_rms_norm_f32(const float *x, int64_t x_stride, const float *residual, int64_t residual_stride,
+                      float *residual_out, const float *weight, float *out, int64_t rows, int64_t hidden,
+                      float eps, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows * hidden >= PARALLEL_MIN_ELEMS)
+    for (int64_t i = 0; i < rows; i++) {
+        const float *res = residual + i * residual_stride;
+        const float *r_row = res;
+        float sum = 0.0f;
+        if (x != NULL) {
+            const float *xi = x + i * x_stride;
+            float *res_out = residual_out + i * hidden;
+            for (int64_t j = 0; j < hidden; j++) {
+                const float r = xi[j] + res[j];
+                res_out[j] = r;
+                sum += r * r;
+            }
+            r_row = res_out;
+        } else {
+            for (int64_t j = 0; j < hidden; j++) sum += res[j] * res[j];
+        }
+        const float inv = 1.0f / sqrtf(sum / (float)hidden + eps);
+        float *o = out + i * hidden;
+        for (int64_t j = 0; j < hidden; j++) o[j] = weight[j] * (r_row[j] * inv);
+    }
+}
+
+void rotary_f32(const float *x, int64_t token_stride, const int64_t *positions, const float *cos2,
+                const float *sin2, float *out, int64_t tokens, int64_t heads, int64_t head_dim, int num_threads) {
+    const int64_t half = head_dim / 2;
+#pragma omp parallel for num_threads(num_threads) if (tokens * heads * head_dim >= PARALLEL_MIN_ELEMS)
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *c = cos2 + positions[t] * head_dim, *s = sin2 + positions[t] * head_dim;
+        for (int64_t h = 0; h < heads; h++) {
+            const float *xi = x + t * token_stride + h * head_dim;
+            float *o = out + (t * heads + h) * head_dim;
+            for (int64_t j = 0; j < half; j++) o[j] = xi[j] * c[j] + xi[j + half] * s[j];
+            for (int64_t j = half; j < head_dim; j++) o[j] = xi[j] * c[j] + xi[j - half] * s[j];
+        }
+    }
+}

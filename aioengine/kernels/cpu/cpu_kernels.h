@@ -28,6 +28,11 @@ void store_kv_cpu(const char *key, int64_t key_stride, const char *value, int64_
                   char *value_cache, const int64_t *slots, int64_t num_tokens, int num_kv_heads, int head_dim,
                   int block_size, int64_t block_stride, int64_t token_stride, int64_t head_stride, int elem,
                   int64_t num_slots);
+void add_rms_norm_f32(const float *x, int64_t x_stride, const float *residual, int64_t residual_stride,
+                      float *residual_out, const float *weight, float *out, int64_t rows, int64_t hidden, float eps,
+                      int num_threads);
+void rotary_f32(const float *x, int64_t token_stride, const int64_t *positions, const float *cos2, const float *sin2,
+                float *out, int64_t tokens, int64_t heads, int64_t head_dim, int num_threads);
 void qgemv_int8_f32(const float *x, int64_t ldx, const int8_t *q, const float *scale, const float *bias, float *y,
                     int64_t ldy, int64_t m, int64_t n, int64_t k, int num_threads);
 

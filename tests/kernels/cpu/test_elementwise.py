@@ -1,5 +1,5 @@
-"""The fused bf16 C kernels (cpu_elementwise.c) against the torch ops they replace (the CPU backend's ops with
-its elementwise kernels off)."""
+"""The fused C kernels (cpu_elementwise.c; the norm and rotary in bf16 and float32) against the torch ops they
+replace (the CPU backend's ops with its elementwise kernels off)."""
 
 import pytest
 import torch
@@ -61,10 +61,39 @@ def test_rotary_matches_the_torch_ops_bit_for_bit(tokens, head_dim):
     assert fused.is_contiguous() and torch.equal(fused, reference)
 
 
-def test_float32_keeps_the_torch_ops():
-    assert not cpu_kernels.elementwise_ok(torch.zeros(2, 4))
+def test_only_the_norm_and_rotary_take_float32():
+    assert not cpu_kernels.elementwise_ok(torch.zeros(2, 4))  # the argmax's check: bf16 only
+    assert cpu_kernels.elementwise_ok(torch.zeros(2, 4), (torch.bfloat16, torch.float32))
     assert cpu_kernels.elementwise_ok(torch.zeros(2, 4, dtype=torch.bfloat16))
     assert not cpu_kernels.elementwise_ok(torch.zeros(4, 2, dtype=torch.bfloat16).t())
+
+
+@pytest.mark.parametrize("rows", [1, 7, 300])
+@pytest.mark.parametrize("hidden", [64, 100, 576])
+def test_float32_add_rms_norm_matches_the_torch_ops(rows, hidden):
+    gen = torch.Generator().manual_seed(rows * hidden + 1)
+    norm = layers.RMSNorm(hidden, 1e-5, torch.float32)
+    norm.weight.data = torch.randn(hidden, generator=gen)
+    x = 3 * torch.randn(rows, hidden, generator=gen)
+    residual = torch.randn(rows, 2 * hidden, generator=gen)[:, :hidden]  # strided rows
+    (out_c, res_c), (out_t, res_t) = _both(lambda ops: norm(x, residual), norm)
+    assert torch.equal(res_c, res_t)
+    torch.testing.assert_close(out_c, out_t, rtol=2e-6, atol=2e-6)  # the sum of squares in another order
+    alone_c, alone_t = _both(lambda ops: norm(x), norm)
+    torch.testing.assert_close(alone_c, alone_t, rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("tokens", [1, 64])
+@pytest.mark.parametrize("head_dim", [8, 24, 64, 80])
+def test_float32_rotary_matches_the_torch_ops(tokens, head_dim):
+    gen = torch.Generator().manual_seed(tokens + head_dim + 1)
+    rope = layers.RotaryEmbedding(head_dim, 4096, 10000.0, dtype=torch.float32)
+    qkv = 4 * torch.randn(tokens, 7 * head_dim, generator=gen)
+    qk = qkv[:, : 5 * head_dim].view(tokens, 5, head_dim)
+    positions = torch.randint(0, 4096, (tokens,), generator=gen)
+    fused, reference = _both(lambda ops: ops.rotate(positions, qk, rope.cos_sin_cache))
+    assert fused.is_contiguous()
+    torch.testing.assert_close(fused, reference, rtol=1e-6, atol=1e-5)  # one fused multiply-add each
 
 
 @pytest.mark.parametrize("cols", [1, 31, 32, 1000, 49157])
