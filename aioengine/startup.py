@@ -135,17 +135,20 @@ async def load(
     import torch
 
     from aioengine.gpu.model_runner import ModelRunner
+    from aioengine.model_files import ModelNotFoundError
 
+    spec = args.speculative()
+    draft_path = None
+    if spec is not None and spec.model is not None:  # a name, a GGUF or a folder, as the model's
+        try:
+            draft = await resolve_model(dataclasses.replace(args, model=spec.model, served_model_name=None))
+        except ModelNotFoundError as e:
+            raise ModelNotFoundError(f"speculative_config model: {e}") from None
+        draft_path = draft[0]
     loop = asyncio.get_running_loop()
     tokenizer_fut = loop.run_in_executor(
         None, load_engine_tokenizer, args, model_path, cfg_probe["vocab_size"]
     )
-    spec = args.speculative()
-    draft_path = None
-    if spec is not None and spec.model is not None:  # a name, a GGUF or a folder, as the model's
-        draft_path = (
-            await resolve_model(dataclasses.replace(args, model=spec.model, served_model_name=None))
-        )[0]
     runner = await asyncio.wrap_future(
         worker.submit(
             ModelRunner,

@@ -106,6 +106,7 @@ def test_a_draft_of_another_vocabulary_or_window_layout_stops_the_start(tiny_che
     for draft, words in (
         (tiny_checkpoint_of("llama", vocab_size=1000), "must share the target's vocabulary"),
         (tiny_checkpoint_of("mistral"), "attention windows"),
+        ("/nonexistent/draft", "speculative_config model: unknown model '/nonexistent/draft'"),
     ):
         spec = {"method": "draft_model", "model": str(draft)}
         with pytest.raises(ValueError, match=words):
