@@ -78,6 +78,28 @@ def test_a_gguf_path_or_a_folder_with_one_gguf_resolves_and_the_engine_runs_it(t
     assert len(asyncio.run(run())) == 4
 
 
+def test_the_converted_model_gives_the_logits_transformers_reads_from_the_gguf_itself(tmp_path, monkeypatch):
+    """An independent reference for the names, llama.cpp's q/k row order and every tensor type: transformers'
+    own GGUF loader on the same file, logits against logits."""
+    import torch
+    import transformers.modeling_utils as modeling_utils
+    from transformers import AutoModelForCausalLM
+
+    if importlib.util.find_spec("accelerate") is None:
+        # transformers only refuses GGUF without accelerate; the dequantizing load itself does not use it.
+        monkeypatch.setattr(modeling_utils, "is_accelerate_available", lambda *a, **k: True, raising=False)
+    path = tmp_path / "tiny-mixed.gguf"
+    write_tiny_llama(path, mixed=TYPES, seed=3)
+    folder = convert_gguf(path, root=tmp_path / "cache")
+    ours = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    theirs = AutoModelForCausalLM.from_pretrained(
+        tmp_path, gguf_file=path.name, dtype=torch.float32, local_files_only=True
+    ).eval()
+    ids = torch.tensor([[1, 50, 300, 7, 1999, 42, 2, 1024]])
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids).logits, theirs(ids).logits, atol=1e-4, rtol=0)
+
+
 def _truncate(path: Path, keep: int) -> None:
     data = path.read_bytes()
     path.write_bytes(data[:keep])

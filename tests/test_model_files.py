@@ -138,6 +138,7 @@ def test_generates_paris(hf_model, tokenizer):
     assert "Paris" in answer, answer
 
 
+@pytest.mark.slow  # ~20 s: tests/test_gguf_files.py checks the same against a small file in the suite
 @needs_default
 def test_logits_match_gguf_loaded_directly(hf_model, tokenizer, monkeypatch):
     import torch
