@@ -3,7 +3,6 @@ same tokens as the target's every step, and greedy proposals of up to k tokens a
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import numpy as np
@@ -49,7 +48,6 @@ class Drafter:
         self.model.cover_positions(max_model_len)
         backend.prepare_model(self.model, None)
         self.backend = backend
-        self.device = backend.device
         self.dtype = dtype
         self.kv_caches: list[torch.Tensor] = []
 
@@ -108,12 +106,8 @@ def _decode_metadata(
     """One decode row per request: the token at ``positions`` attends to the KV up to itself."""
     n = len(rows)
     seq_lens = positions + 1
-    width = -(-int(seq_lens.max()) // block_size)
-    full = states.block_table  # [groups, rows, blocks]
-    tables = [np.ascontiguousarray(t[rows, :width]) for t in full]
-    slots = [
-        t[rows, positions // block_size].astype(np.int64) * block_size + positions % block_size for t in full
-    ]
+    tables = states.block_tables(rows, -(-int(seq_lens.max()) // block_size))
+    slots = states.slot_mappings(rows, positions, block_size)
     cu = np.arange(n + 1, dtype=np.int32)
     meta = AttentionMetadata(
         num_reqs=n,
@@ -128,9 +122,5 @@ def _decode_metadata(
         query_start_loc_cpu=cu.tolist(),
         seq_lens_cpu=seq_lens.tolist(),
     )
-    if len(tables) > 1:
-        meta.group_metadata = [meta] + [
-            dataclasses.replace(meta, block_table=to_device(t), slot_mapping=to_device(m))
-            for t, m in zip(tables[1:], slots[1:], strict=True)
-        ]
+    meta.add_group_views((to_device(t), to_device(m)) for t, m in zip(tables[1:], slots[1:], strict=True))
     return meta

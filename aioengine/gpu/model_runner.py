@@ -184,11 +184,8 @@ class ModelRunner:
             known |= is_draft
         bs = self.block_size
         max_seq_len = int(seq_lens.max())
-        tables = states.block_table
-        slot_mappings = [
-            table[rows_tok, positions // bs].astype(np.int64) * bs + positions % bs for table in tables
-        ]
-        block_tables = [np.ascontiguousarray(table[rows, : -(-max_seq_len // bs)]) for table in tables]
+        slot_mappings = states.slot_mappings(rows_tok, positions, bs)
+        block_tables = states.block_tables(rows, -(-max_seq_len // bs))
         sample_mask = seq_lens >= prefill_len
         logits_indices = (cu[1:] - 1)[sample_mask]
         if num_drafts is not None:  # a verified request samples at its drafts' positions too
@@ -235,11 +232,10 @@ class ModelRunner:
             query_start_loc_cpu=att_cu.tolist() if num_drafts is not None else cu_list,
             seq_lens_cpu=att_seq_lens.tolist() if num_drafts is not None else seq_lens_list,
         )
-        if len(tables) > 1:  # the other groups see the same batch through their own blocks
-            meta.group_metadata = [meta] + [
-                dataclasses.replace(meta, block_table=to_device(t), slot_mapping=to_device(m))
-                for t, m in zip(block_tables[1:], slot_mappings[1:], strict=True)
-            ]
+        # the other groups see the same batch through their own blocks
+        meta.add_group_views(
+            (to_device(t), to_device(m)) for t, m in zip(block_tables[1:], slot_mappings[1:], strict=True)
+        )
         return InputBatch(
             req_ids=req_ids,
             rows=rows,

@@ -149,6 +149,17 @@ class RequestStates:
             self.block_table[g, row, start : start + len(ids)] = ids
             self.num_blocks[g, row] = start + len(ids)
 
+    def slot_mappings(self, rows: np.ndarray, positions: np.ndarray, block_size: int) -> list[np.ndarray]:
+        """Per KV group: the cache slot (int64) of each ``positions[i]`` of the request in row ``rows[i]``."""
+        return [
+            table[rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
+            for table in self.block_table
+        ]
+
+    def block_tables(self, rows: np.ndarray, num_blocks: int) -> list[np.ndarray]:
+        """Per KV group: the first ``num_blocks`` block ids of each row in ``rows`` (contiguous)."""
+        return [np.ascontiguousarray(table[rows, :num_blocks]) for table in self.block_table]
+
     def remove(self, req_id: str) -> None:
         row = self.row_of.pop(req_id, None)
         if row is None:

@@ -7,6 +7,8 @@ positions ``0..position`` (its own K/V are stored before attention runs).
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +38,12 @@ class AttentionMetadata:
 
     def for_group(self, group: int) -> AttentionMetadata:
         return self if self.group_metadata is None else self.group_metadata[group]
+
+    def add_group_views(self, views: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Groups 1.. see this batch through their own (block table, slot mapping); group 0 is this one."""
+        others = [dataclasses.replace(self, block_table=t, slot_mapping=m) for t, m in views]
+        if others:
+            self.group_metadata = [self, *others]
 
     @classmethod
     def build(

@@ -14,7 +14,6 @@ read (by the logits gather, queued on the same stream) before the next replay ca
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import logging
 import time
 from typing import Any
@@ -96,11 +95,10 @@ class DecodeGraphs:
             query_start_loc_cpu=[],
             seq_lens_cpu=[],
         )
-        if self.block_table.shape[0] > 1:
-            meta.group_metadata = [meta] + [
-                dataclasses.replace(meta, block_table=table[:size], slot_mapping=slots[:size])
-                for table, slots in zip(self.block_table[1:], self.slot_mapping[1:], strict=True)
-            ]
+        meta.add_group_views(
+            (table[:size], slots[:size])
+            for table, slots in zip(self.block_table[1:], self.slot_mapping[1:], strict=True)
+        )
         return meta
 
     def load(
