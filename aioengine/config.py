@@ -71,6 +71,12 @@ class EngineArgs:
     step_timeout_s: float = 300.0  # watchdog: a step running longer marks the engine dead
     # vLLM's keys: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n, ...}
     speculative_config: dict[str, Any] | SpeculativeConfig | None = None
+    # Tensor parallelism: ranks 1..N-1 are processes this engine spawns ("mp") or Ray actors ("ray", for
+    # several nodes); the group meets at a TCP store (tcp://host:port; default: torchrun's MASTER_ADDR and
+    # MASTER_PORT, else a free local port).
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"
+    distributed_init_method: str | None = None
     kernels: KernelConfig = field(default_factory=KernelConfig)
 
     def resolved_device(self) -> str:
@@ -105,6 +111,12 @@ class EngineArgs:
             raise ValueError(f"quantization must be int8 or int4, got {self.quantization!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
+        if self.distributed_executor_backend not in ("mp", "ray"):
+            raise ValueError(
+                f"distributed_executor_backend must be mp or ray, got {self.distributed_executor_backend!r}"
+            )
         self.kernels.validate()
         SpeculativeConfig.from_dict(self.speculative_config)  # raises ValueError naming a bad key or value
 

@@ -27,7 +27,8 @@ from aioengine.sched.scheduler import Scheduler
 from aioengine.tokenizer import IncrementalDetokenizer, apply_chat_template
 
 if TYPE_CHECKING:  # importing these imports torch: start() does, lazily
-    from aioengine.gpu.backend import Backend, Worker
+    from aioengine.executor import Executor
+    from aioengine.gpu.backend import Backend
     from aioengine.gpu.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ class AsyncEngine:
         self.vocab_size = 0
         self.eos_token_id: int | None = None
         self.kv_capacity_tokens = 0
-        self._worker: Worker | None = None
+        self._executor: Executor | None = None
         self._outputs = OutputProcessor()  # stop 12, and the live requests
         self._states = self._outputs.states
         self._children = self._outputs.children
@@ -73,7 +74,13 @@ class AsyncEngine:
             return self
         t0 = time.perf_counter()
         s = await startup.start(self.args, _new_structured_output_manager)
-        self.backend, self._worker, self.runner, self.scheduler = s.backend, s.worker, s.runner, s.scheduler
+        self.backend, self._executor, self.runner, self.scheduler = (
+            s.backend,
+            s.executor,
+            s.runner,
+            s.scheduler,
+        )
+        s.executor.on_death(self._rank_died)
         self.tokenizer = self._outputs.tokenizer = s.tokenizer
         self.model_path, self.model_name = s.model_path, s.model_name
         self.max_model_len = s.config.max_model_len
@@ -102,11 +109,13 @@ class AsyncEngine:
         )
         return self
 
-    def _device(self) -> tuple[Backend, Worker, ModelRunner]:
-        """The backend, its worker and the runner on it (all there once start() has loaded the model)."""
-        backend, worker, runner = self.backend, self._worker, self.runner
-        assert backend is not None and worker is not None and runner is not None, "the engine is not started"
-        return backend, worker, runner
+    def _device(self) -> tuple[Backend, Executor, ModelRunner]:
+        """The backend, the executor and rank 0's runner (all there once start() has loaded the model)."""
+        backend, executor, runner = self.backend, self._executor, self.runner
+        assert backend is not None and executor is not None and runner is not None, (
+            "the engine is not started"
+        )
+        return backend, executor, runner
 
     async def __aenter__(self) -> AsyncEngine:
         return await self.start()
@@ -127,9 +136,9 @@ class AsyncEngine:
             self._task = None
             _unfreeze_startup_objects()
         self._stopped.set()
-        if self._worker is not None:
-            worker, self._worker = self._worker, None
-            await asyncio.get_running_loop().run_in_executor(None, worker.shutdown)
+        if self._executor is not None:
+            executor, self._executor = self._executor, None
+            await asyncio.get_running_loop().run_in_executor(None, executor.shutdown)
 
     @property
     def is_running(self) -> bool:
@@ -371,7 +380,7 @@ class AsyncEngine:
         """
         scheduler = self.scheduler
         assert scheduler is not None
-        _, worker, runner = self._device()
+        _, executor, _ = self._device()
         scheduled = False
         deferred = None
         host = self.host_s
@@ -382,7 +391,7 @@ class AsyncEngine:
             if so.scheduled_new_reqs:
                 self._mark_scheduled(so.scheduled_new_reqs)
             if so.total_num_scheduled_tokens or so.finished_req_ids or so.preempted_req_ids:
-                exec_fut = worker.submit(runner.execute_model, so)  # stops 4-7
+                exec_fut = executor.collective_rpc("execute_model", so)  # stops 4-7 (on every rank)
                 scheduled = so.total_num_scheduled_tokens > 0
                 if so.pending_structured_output_tokens and self._batch_queue:
                     # Stop 8: a structured request still has a token in flight and its bitmask needs it:
@@ -391,7 +400,7 @@ class AsyncEngine:
                 else:
                     # Stop 8: the grammar bitmask (None without grammars), filled here while the forward runs.
                     bitmask = scheduler.get_grammar_bitmask(so)
-                    sample_fut = worker.submit(runner.sample_tokens, bitmask)  # stop 9
+                    sample_fut = executor.collective_rpc("sample_tokens", bitmask)  # stop 9
                     self._batch_queue.appendleft((exec_fut, sample_fut, so))
         if not self._batch_queue:
             return False
@@ -410,7 +419,7 @@ class AsyncEngine:
         host["steps"] += 1
         if deferred is not None:  # its grammars now know every token: bitmask, then sample (stops 8-9)
             exec_fut, so = deferred
-            sample_fut = worker.submit(runner.sample_tokens, scheduler.get_grammar_bitmask(so))
+            sample_fut = executor.collective_rpc("sample_tokens", scheduler.get_grammar_bitmask(so))
             self._batch_queue.appendleft((exec_fut, sample_fut, so))
         if self.stat_listeners:
             stats = scheduler.make_stats()
@@ -427,11 +436,11 @@ class AsyncEngine:
                 entry[0].first_scheduled_time = now
 
     async def _await_step(self, fut: concurrent.futures.Future) -> ModelRunnerOutput:
-        """The step's output, as the backend's worker awaits it (CUDA: an event behind the device-to-host
-        copy, without blocking the loop), under the watchdog."""
-        worker = self._worker
-        assert worker is not None
-        output = asyncio.ensure_future(worker.output(fut))
+        """The step's output, as rank 0's worker awaits it (CUDA: an event behind the device-to-host
+        copy, without blocking the loop), under the watchdog; a rank's death ends it at once."""
+        executor = self._executor
+        assert executor is not None
+        output = asyncio.ensure_future(executor.output(fut))
         # asyncio.wait, not wait_for: wait_for can swallow a cancellation that races the result (3.11).
         done, _ = await asyncio.wait((output,), timeout=self.args.step_timeout_s)
         if not done:
@@ -442,10 +451,21 @@ class AsyncEngine:
         return output.result()
 
     def run_on_worker(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
-        """Run ``fn(*args)`` on the device worker, after the steps already submitted (e.g. runner stats)."""
-        worker = self._worker
-        assert worker is not None, "the engine is not started"
-        return asyncio.wrap_future(worker.submit(fn, *args))
+        """Run ``fn(*args)`` on rank 0's worker, after the steps already submitted (e.g. runner stats)."""
+        executor = self._executor
+        assert executor is not None, "the engine is not started"
+        return asyncio.wrap_future(executor.submit(fn, *args))
+
+    def rank_stats(self) -> list[Any]:
+        """Each tensor-parallel rank's steps and busy seconds (one entry on one device)."""
+        return self._executor.rank_stats() if self._executor is not None else []
+
+    def _rank_died(self, err: EngineDeadError) -> None:
+        """A tensor-parallel rank died: every request ends with ``err`` now, busy or idle."""
+        if self._dead is None:
+            self._die(err)
+        if self._task is not None:
+            self._task.cancel()
 
     def _die(self, exc: BaseException) -> None:
         logger.error("engine step failed; the engine is dead", exc_info=exc)
@@ -453,6 +473,8 @@ class AsyncEngine:
         if err is not exc:
             err.__cause__ = exc
         self._dead = err
+        if self._executor is not None:
+            self._executor.kill()  # the other ranks go with the engine (a hung one would never return)
         for state in list(self._states.values()):
             state.finished = True
             state.queue.put_nowait(err)

@@ -19,7 +19,8 @@ from aioengine.sched.kv_cache_spec import capacity_tokens
 from aioengine.sched.scheduler import Scheduler, SchedulerConfig
 
 if TYPE_CHECKING:  # importing these imports torch: start() does, lazily
-    from aioengine.gpu.backend import Backend, Worker
+    from aioengine.executor import Executor
+    from aioengine.gpu.backend import Backend
     from aioengine.gpu.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -30,7 +31,7 @@ class Started:
     """What start-up built; the engine holds it for its lifetime."""
 
     backend: Backend
-    worker: Worker
+    executor: Executor  # rank 0's worker, and the other ranks under tensor parallelism
     runner: ModelRunner
     tokenizer: Any
     model_path: str
@@ -46,19 +47,20 @@ class Started:
 
 
 async def start(args: EngineArgs, new_structured_manager: Callable[[Any, int, int | None], Any]) -> Started:
-    """Every start-up step in order; the worker is shut down again when one fails.
+    """Every start-up step in order; the executor (its worker, its ranks) is shut down again when one fails.
 
     ``new_structured_manager(tokenizer, vocab_size, eos_token_id)`` builds xgrammar's tables (on a thread).
     """
+    from aioengine.executor import make_executor
     from aioengine.gpu.backends import make_backend
 
     backend = make_backend(args)  # the one choice of device (the CPU's kernels build now)
     model_path, model_name = await resolve_model(args)
     cfg_probe = await asyncio.get_running_loop().run_in_executor(None, read_config, model_path)
     config = resolve_config(args, backend, cfg_probe)
-    worker = backend.make_worker()
+    executor = await make_executor(args, backend)  # TP > 1: the other ranks start and join here
     try:
-        runner, tokenizer = await load(args, backend, worker, config, model_path, cfg_probe)
+        runner, tokenizer = await load(args, executor, config, model_path, cfg_probe)
         eos = cfg_probe["eos_token_id"]
         if eos is None:
             eos = tokenizer.eos_token_id
@@ -71,16 +73,16 @@ async def start(args: EngineArgs, new_structured_manager: Callable[[Any, int, in
         builder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="aioengine-grammar")
         structured_build = builder.submit(new_structured_manager, tokenizer, cfg_probe["vocab_size"], eos)
         builder.shutdown(wait=False)
-        num_blocks = await size_kv_cache(args, backend, worker, runner, config)
-        capacity, scheduler = await initialize_kv_cache(args, backend, worker, runner, config, num_blocks)
+        num_blocks = await size_kv_cache(args, backend, executor, runner, config)
+        capacity, scheduler = await initialize_kv_cache(args, executor, runner, config, num_blocks)
         with contextlib.suppress(Exception):  # a failure (no xgrammar) is raised per structured request
             await asyncio.wrap_future(structured_build)
     except BaseException:
-        await asyncio.get_running_loop().run_in_executor(None, worker.shutdown)
+        await asyncio.get_running_loop().run_in_executor(None, executor.shutdown)
         raise
     return Started(
         backend,
-        worker,
+        executor,
         runner,
         tokenizer,
         model_path,
@@ -125,16 +127,14 @@ def resolve_config(args: EngineArgs, backend: Backend, cfg_probe: dict[str, Any]
 
 async def load(
     args: EngineArgs,
-    backend: Backend,
-    worker: Worker,
+    executor: Executor,
     config: EngineConfig,
     model_path: str,
     cfg_probe: dict[str, Any],
 ) -> tuple[ModelRunner, Any]:
-    """The model on the worker, and the tokenizer loaded beside it on a thread."""
+    """The model on every rank, and the tokenizer loaded beside it on a thread."""
     import torch
 
-    from aioengine.gpu.model_runner import ModelRunner
     from aioengine.model_files import ModelNotFoundError
 
     spec = args.speculative()
@@ -150,10 +150,9 @@ async def load(
         None, load_engine_tokenizer, args, model_path, cfg_probe["vocab_size"]
     )
     runner = await asyncio.wrap_future(
-        worker.submit(
-            ModelRunner,
+        executor.collective_rpc(
+            "load",
             model_path,
-            backend,
             getattr(torch, config.dtype),
             config.max_num_seqs,
             config.max_model_len,
@@ -167,7 +166,7 @@ async def load(
 
 
 async def size_kv_cache(
-    args: EngineArgs, backend: Backend, worker: Worker, runner: ModelRunner, config: EngineConfig
+    args: EngineArgs, backend: Backend, executor: Executor, runner: ModelRunner, config: EngineConfig
 ) -> int:
     """KV blocks: ``num_kv_blocks``, else what the backend's budget holds, never more than every sequence
     at full length needs."""
@@ -175,7 +174,7 @@ async def size_kv_cache(
         num_blocks = args.num_kv_blocks
     else:
         fits = await asyncio.wrap_future(
-            worker.submit(
+            executor.submit(  # rank 0's budget: every rank holds the same share of the heads, or more
                 backend.num_kv_blocks, runner, args, config.max_num_batched_tokens, config.max_num_seqs
             )
         )
@@ -188,17 +187,16 @@ async def size_kv_cache(
 
 async def initialize_kv_cache(
     args: EngineArgs,
-    backend: Backend,
-    worker: Worker,
+    executor: Executor,
     runner: ModelRunner,
     config: EngineConfig,
     num_blocks: int,
 ) -> tuple[int, Scheduler]:
     """Allocate the cache and the backend's fast paths over it (CUDA graphs are captured here); then the
     scheduler that hands its blocks out. Returns the tokens the cache holds, and the scheduler."""
-    await asyncio.wrap_future(worker.submit(runner.initialize_kv_cache, num_blocks))
+    await asyncio.wrap_future(executor.collective_rpc("initialize_kv_cache", num_blocks))
     await asyncio.wrap_future(
-        worker.submit(backend.build_fast_paths, runner, args, config.max_num_batched_tokens)
+        executor.collective_rpc("build_fast_paths", args, config.max_num_batched_tokens)
     )
     capacity = capacity_tokens(
         runner.kv_cache_groups,

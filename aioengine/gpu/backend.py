@@ -25,6 +25,12 @@ from aioengine.sched.output import ModelRunnerOutput
 class Ops:
     """The ops the model's layers call. This base runs the torch references; a backend overrides them."""
 
+    tp: Any = None  # the rank's TPGroup under tensor parallelism (set once, at start), else None
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum a row-parallel layer's partial output over the tensor-parallel ranks (one device: ``x``)."""
+        return x if self.tp is None else self.tp.all_reduce(x)
+
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:

@@ -6,11 +6,13 @@ from aioengine.config import EngineArgs, default_num_threads
 from aioengine.gpu.backend import Backend
 
 
-def make_backend(args: EngineArgs) -> Backend:
+def make_backend(args: EngineArgs, rank: int = 0) -> Backend:
+    """The backend of tensor-parallel rank ``rank`` (its own GPU; on CPU, its share of the cores)."""
     if args.resolved_device() == "cuda":
         from aioengine.gpu.cuda.backend import CudaBackend
 
-        return CudaBackend(args.kernels)
+        return CudaBackend(args.kernels, device_index=rank)
     from aioengine.gpu.cpu.backend import CpuBackend
 
-    return CpuBackend(args.kernels, args.num_threads or default_num_threads())
+    threads = args.num_threads or max(1, default_num_threads() // args.tensor_parallel_size)
+    return CpuBackend(args.kernels, threads)

@@ -14,6 +14,7 @@ from transformers import AutoConfig, PretrainedConfig
 from aioengine.gpu.backend import REFERENCE_OPS, Ops
 from aioengine.gpu.models import get_model_class
 from aioengine.gpu.models.llama import LlamaForCausalLM, head_dim_of, num_kv_heads_of
+from aioengine.gpu.parallel import TPShard, shard_config, shard_of, shard_reader
 from aioengine.gpu.random_model import build_random_model, is_random_model
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -34,12 +35,20 @@ def safetensors_files(path: str | os.PathLike[str]) -> list[str]:
     raise FileNotFoundError(f"no {SAFETENSORS_SINGLE} or {SAFETENSORS_INDEX} in {path}")
 
 
-def iterate_weights(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) one tensor at a time, so peak memory stays near one tensor."""
+def iterate_weights(
+    files: list[str], shard: TPShard | None = None, head_dim: int = 0
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) one tensor at a time, so peak memory stays near one tensor; under tensor
+    parallelism only this rank's rows or columns of each tensor are read from the file."""
     for file in files:
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                yield name, f.get_tensor(name)
+                if shard is None:
+                    yield name, f.get_tensor(name)
+                    continue
+                part = f.get_slice(name)
+                shape = tuple(part.get_shape())
+                yield name, shard_reader(name, shape, lambda i, p=part: p[i] if i else p[:], shard, head_dim)
 
 
 def load_model(
@@ -53,13 +62,19 @@ def load_model(
 
     ``random:NAME`` builds a random-weight model of a known shape on the device instead (no files).
     """
+    tp = ops.tp  # tensor parallelism: the model is this rank's part, its config the rank's view
     if is_random_model(os.fspath(path)):
         return build_random_model(os.fspath(path), dtype, device, ops=ops)
     hf_config = AutoConfig.from_pretrained(os.fspath(path), local_files_only=True)
     model_cls = get_model_class(hf_config)
+    shard = None
+    if tp is not None:
+        shard = shard_of(hf_config, tp.rank, tp.size)
+        hf_config = shard_config(hf_config, shard)
     with torch.no_grad():
         model = model_cls(hf_config, dtype=dtype, device=device, ops=ops)
-        model.load_weights(iterate_weights(safetensors_files(path)))  # copy_ casts dtype and device
+        # copy_ casts dtype and device
+        model.load_weights(iterate_weights(safetensors_files(path), shard, head_dim_of(hf_config)))
     model.requires_grad_(False)
     return model.eval(), hf_config
 

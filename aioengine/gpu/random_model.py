@@ -88,6 +88,12 @@ def build_random_model(
     from aioengine.gpu.models.llama import LlamaForCausalLM
 
     config = random_config(name)
+    tp = getattr(ops, "tp", None)
+    if tp is not None:  # each rank draws its own part (throughput does not depend on the values)
+        from aioengine.gpu.parallel import shard_config, shard_of
+
+        config = shard_config(config, shard_of(config, tp.rank, tp.size))
+        seed += tp.rank
     with torch.no_grad():
         model = LlamaForCausalLM(config, dtype=dtype, device=device, ops=ops or REFERENCE_OPS)
     randomize_(model, seed)

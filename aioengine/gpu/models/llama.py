@@ -92,7 +92,7 @@ class LlamaAttention(nn.Module):
         meta = meta.for_group(self.kv_group)
         self.ops.store_kv(k, v, kv_cache, meta.slot_mapping)
         out = self.ops.attention(q, kv_cache, meta, self.scaling, window=self.sliding_window)
-        return self.o_proj(out.view(num_tokens, self.q_size))
+        return self.ops.all_reduce(self.o_proj(out.view(num_tokens, self.q_size)))
 
 
 class LlamaMLP(nn.Module):
@@ -112,9 +112,10 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj.shard_offsets = {"gate_proj": (0, inter), "up_proj": (inter, inter)}
         self.down_proj = _linear(inter, config.hidden_size, bias, dtype, device)
         self.act_fn = act_fn
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        return self.ops.all_reduce(self.down_proj(self.act_fn(self.gate_up_proj(x))))
 
 
 def sliding_window(cfg: Any) -> int | None:

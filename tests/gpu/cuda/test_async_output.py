@@ -169,10 +169,12 @@ async def _await(x):
 
 def _engine(step_timeout_s: float) -> AsyncEngine:
     """An engine whose step results are awaited by the CUDA worker's ``output`` (no thread, no device)."""
+    from aioengine.executor import UniProcExecutor
     from aioengine.gpu.cuda.worker import CudaWorker
 
     engine = AsyncEngine(EngineArgs(step_timeout_s=step_timeout_s))
-    engine._worker = object.__new__(CudaWorker)  # output() needs none of the thread's state
+    # output() needs none of the worker thread's state
+    engine._executor = UniProcExecutor(object.__new__(CudaWorker), None)
     return engine
 
 

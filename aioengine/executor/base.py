@@ -1,0 +1,153 @@
+"""The engine's one way to reach the model: an Executor runs each call on every rank and hands back rank 0's.
+
+One device: the backend's worker thread, and nothing else (``UniProcExecutor``). Tensor parallelism: rank 0
+is that same worker in the engine's process, the other ranks are processes or Ray actors that receive each
+call once (``multiproc.py``, ``ray_executor.py``) and meet rank 0 in the model's all-reduces.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from aioengine.errors import EngineDeadError
+from aioengine.sched.output import ModelRunnerOutput
+
+if TYPE_CHECKING:  # importing these imports torch
+    from aioengine.gpu.backend import Backend, Worker
+    from aioengine.gpu.model_runner import ModelRunner
+
+
+@dataclass(slots=True)
+class RankStats:
+    """One rank's calls and the seconds its worker spent in them (the metrics' per-rank step time)."""
+
+    rank: int
+    calls: float
+    busy_s: float
+
+
+class RankWorker:
+    """What every rank runs: its backend and, once loaded, its model runner. The executor calls these
+    methods by name, in the same order on every rank (the all-reduces inside them line up)."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self.runner: ModelRunner | None = None
+        self.calls = 0
+        self.busy_s = 0.0
+
+    def load(self, *runner_args: Any) -> ModelRunner:
+        from aioengine.gpu.model_runner import ModelRunner
+
+        model_path, *rest = runner_args
+        self.runner = ModelRunner(model_path, self.backend, *rest)
+        return self.runner
+
+    def _runner(self) -> ModelRunner:
+        assert self.runner is not None, "the rank has no model loaded"
+        return self.runner
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self._runner().initialize_kv_cache(num_blocks)
+
+    def build_fast_paths(self, args: Any, max_num_batched_tokens: int) -> None:
+        self.backend.build_fast_paths(self._runner(), args, max_num_batched_tokens)
+
+    def execute_model(self, so: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return self._runner().execute_model(so)
+        finally:
+            self.busy_s += time.perf_counter() - t0
+
+    def sample_tokens(self, grammar_output: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return self._runner().sample_tokens(grammar_output)
+        finally:
+            self.busy_s += time.perf_counter() - t0
+            self.calls += 1  # one step: its forward and its sampling
+
+
+class Executor(ABC):
+    """How the engine reaches its ranks. Every call goes to rank 0's worker in submission order; a
+    ``collective_rpc`` also reaches every other rank, once. Only rank 0's results come back."""
+
+    tensor_parallel_size: int = 1
+
+    def __init__(self, worker: Worker, rank0: RankWorker) -> None:
+        self.worker = worker
+        self.rank0 = rank0
+        self._on_death: Callable[[EngineDeadError], None] | None = None
+
+    @abstractmethod
+    def collective_rpc(self, method: str, *args: Any) -> concurrent.futures.Future:
+        """``RankWorker.method(*args)`` on every rank; the future of rank 0's result."""
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
+        """``fn(*args)`` on rank 0's worker alone, after the calls already submitted."""
+        return self.worker.submit(fn, *args)
+
+    async def output(self, fut: concurrent.futures.Future) -> ModelRunnerOutput:
+        """A step's output, as rank 0's worker awaits it."""
+        return await self.worker.output(fut)
+
+    def on_death(self, callback: Callable[[EngineDeadError], None]) -> None:
+        """``callback(error)`` on the event loop when a rank dies (never called on one device)."""
+        self._on_death = callback
+
+    def rank_stats(self) -> list[RankStats]:
+        """Each rank's step count and busy seconds (rank 0 first)."""
+        return [RankStats(0, self.rank0.calls, self.rank0.busy_s)]
+
+    def kill(self) -> None:  # noqa: B027 (one device: nothing to kill)
+        """The engine died: stop the other ranks now, without waiting (never blocks)."""
+
+    def shutdown(self) -> None:
+        """Stop every rank and the worker (blocks; run it off the loop)."""
+        self.worker.shutdown()
+
+
+class UniProcExecutor(Executor):
+    """One device: each call is the worker's, straight."""
+
+    def collective_rpc(self, method: str, *args: Any) -> concurrent.futures.Future:
+        return self.worker.submit(getattr(self.rank0, method), *args)
+
+
+class DeathWatch:
+    """Turns a rank's death, seen on any thread, into an error on the loop: it fails the step being
+    awaited at once (no wait for the watchdog) and tells the engine."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.future: asyncio.Future[EngineDeadError] = loop.create_future()
+        self.callback: Callable[[EngineDeadError], None] | None = None
+
+    def report(self, message: str) -> None:
+        """From any thread: the first report wins."""
+        self.loop.call_soon_threadsafe(self._set, EngineDeadError(message))
+
+    def _set(self, err: EngineDeadError) -> None:
+        if self.future.done():
+            return
+        self.future.set_result(err)
+        if self.callback is not None:
+            self.callback(err)
+
+    async def race(self, awaitable: Any) -> Any:
+        """``await awaitable``, unless a rank dies first (then EngineDeadError)."""
+        if self.future.done():
+            raise self.future.result()
+        task = asyncio.ensure_future(awaitable)
+        done, _ = await asyncio.wait((task, self.future), return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        raise self.future.result()

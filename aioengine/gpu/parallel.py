@@ -1,0 +1,212 @@
+"""Tensor parallelism on one rank: which heads and MLP columns it holds, its view of the model config, the
+slice of each checkpoint tensor it loads, and the process group its all-reduces run in.
+
+The plan follows vLLM's: qkv and gate_up are column-parallel, o and down row-parallel (an all-reduce after
+each); KV heads are split between ranks, or replicated when there are fewer of them than ranks. Heads are
+split along KV groups, so a rank's query heads always share its KV heads in equal groups; a split that
+does not divide evenly gives some ranks one KV head more (the default model's 3 KV heads over 2 ranks).
+The embedding and the LM head are replicated: every rank samples, so every rank needs whole logit rows,
+and a replicated head needs no gather (the cost is one head's memory and bandwidth per rank).
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlparse
+
+import torch
+import torch.distributed as dist
+
+
+class TensorParallelError(ValueError):
+    """A model that cannot be split over the requested ranks, or a bad init method."""
+
+
+@dataclass(frozen=True, slots=True)
+class TPShard:
+    """What rank ``rank`` of ``size`` holds: ``[start, end)`` of query heads, KV heads and MLP columns."""
+
+    rank: int
+    size: int
+    q_heads: tuple[int, int]
+    kv_heads: tuple[int, int]
+    intermediate: tuple[int, int]
+
+
+def _balanced(n: int, parts: int, i: int) -> tuple[int, int]:
+    """Part ``i`` of ``n`` items split into ``parts`` contiguous runs whose sizes differ by at most one."""
+    base, extra = divmod(n, parts)
+    start = i * base + min(i, extra)
+    return start, start + base + (i < extra)
+
+
+def plan_shard(num_heads: int, num_kv_heads: int, intermediate_size: int, rank: int, size: int) -> TPShard:
+    if not 0 <= rank < size:
+        raise TensorParallelError(f"rank {rank} is not within a tensor-parallel size of {size}")
+    if num_heads % num_kv_heads:
+        raise TensorParallelError(
+            f"{num_heads} attention heads are not a multiple of {num_kv_heads} KV heads"
+        )
+    group = num_heads // num_kv_heads
+    if intermediate_size < size:
+        raise TensorParallelError(f"an MLP of {intermediate_size} columns cannot be split over {size} ranks")
+    if num_kv_heads >= size:
+        kv = _balanced(num_kv_heads, size, rank)
+        q = (kv[0] * group, kv[1] * group)
+    else:  # fewer KV heads than ranks: each is replicated on size // num_kv_heads ranks, as in vLLM
+        if size % num_kv_heads:
+            raise TensorParallelError(
+                f"tensor_parallel_size {size} must divide or be a multiple of the model's {num_kv_heads} "
+                "KV heads"
+            )
+        replicas = size // num_kv_heads
+        if group < replicas:
+            raise TensorParallelError(
+                f"{num_heads} attention heads cannot be split over {size} ranks "
+                f"({num_kv_heads} KV heads, {group} query heads each)"
+            )
+        head = rank // replicas
+        kv = (head, head + 1)
+        sub = _balanced(group, replicas, rank % replicas)
+        q = (head * group + sub[0], head * group + sub[1])
+    return TPShard(rank, size, q, kv, _balanced(intermediate_size, size, rank))
+
+
+def shard_of(config: Any, rank: int, size: int) -> TPShard:
+    from aioengine.gpu.models.llama import num_kv_heads_of
+
+    return plan_shard(
+        config.num_attention_heads, num_kv_heads_of(config), config.intermediate_size, rank, size
+    )
+
+
+def shard_config(config: Any, shard: TPShard) -> Any:
+    """A copy of the HF config that describes this rank's part: the model code builds it unchanged (its
+    heads, its KV cache and its MLP are the rank's), with ``head_dim`` made explicit."""
+    from aioengine.gpu.models.llama import head_dim_of
+
+    local = copy.deepcopy(config)
+    local.head_dim = head_dim_of(config)
+    local.num_attention_heads = shard.q_heads[1] - shard.q_heads[0]
+    local.num_key_value_heads = shard.kv_heads[1] - shard.kv_heads[0]
+    local.intermediate_size = shard.intermediate[1] - shard.intermediate[0]
+    local.tp_shard = shard
+    return local
+
+
+# HF parameter name part -> (dim to slice, which range); row-parallel biases are added by rank 0 alone.
+_COLUMN = {"q_proj": "q", "k_proj": "kv", "v_proj": "kv", "gate_proj": "mlp", "up_proj": "mlp"}
+_ROW = {"o_proj": "q", "down_proj": "mlp"}
+
+# Reads ``tensor[index]`` of one checkpoint tensor: a safetensors slice reads only those bytes.
+Reader = Callable[[tuple[slice, ...] | None], torch.Tensor]
+
+
+def weight_index(
+    name: str, shape: tuple[int, ...], shard: TPShard, head_dim: int
+) -> tuple[slice, ...] | None:
+    """The part of checkpoint tensor ``name`` this rank loads (None: all of it), or ``()`` for a
+    row-parallel bias on a rank other than 0 (it loads zeros)."""
+    parts = name.split(".")
+    if len(parts) < 2:
+        return None
+    module, kind = parts[-2], parts[-1]
+    ranges = {
+        "q": tuple(h * head_dim for h in shard.q_heads),
+        "kv": tuple(h * head_dim for h in shard.kv_heads),
+        "mlp": shard.intermediate,
+    }
+    if module in _COLUMN:
+        start, end = ranges[_COLUMN[module]]
+        return (slice(start, end),)
+    if module in _ROW:
+        if kind == "bias":
+            return None if shard.rank == 0 else ()
+        start, end = ranges[_ROW[module]]
+        return (slice(None), slice(start, end))
+    return None
+
+
+def shard_reader(
+    name: str, shape: tuple[int, ...], read: Reader, shard: TPShard | None, head_dim: int
+) -> torch.Tensor:
+    """This rank's part of one checkpoint tensor, read through ``read``."""
+    if shard is None or shard.size == 1:
+        return read(None)
+    index = weight_index(name, shape, shard, head_dim)
+    if index == ():
+        return read(None).zero_()  # a bias: small
+    return read(index)
+
+
+# ---- the process group --------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def resolve_init_method(init_method: str | None) -> str:
+    """``tcp://host:port`` as given, or from torchrun's MASTER_ADDR/MASTER_PORT, or a free local port."""
+    if init_method in (None, "env://"):
+        addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        if addr and port:
+            return f"tcp://{addr}:{port}"
+        if init_method == "env://":
+            raise TensorParallelError("distributed_init_method env:// needs MASTER_ADDR and MASTER_PORT")
+        return f"tcp://127.0.0.1:{free_port()}"
+    parsed = urlparse(init_method)
+    if parsed.scheme != "tcp" or not parsed.hostname or not parsed.port:
+        raise TensorParallelError(
+            f"distributed_init_method must be tcp://host:port or env://, got {init_method!r}"
+        )
+    return init_method
+
+
+class TPGroup:
+    """One rank's membership of a tensor-parallel group: its own process group (never torch's default
+    group, so two engines in one process keep theirs apart), gloo on CPU and NCCL on CUDA."""
+
+    def __init__(
+        self,
+        init_method: str,
+        rank: int,
+        size: int,
+        device: torch.device,
+        timeout_s: float,
+        name: str = "tp",
+    ) -> None:
+        parsed = urlparse(init_method)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self.rank, self.size, self.device = rank, size, device
+        # Rank 0 hosts the store; the others connect to it (and wait for it, up to the timeout).
+        self.store = dist.TCPStore(
+            parsed.hostname, parsed.port, size, is_master=rank == 0, timeout=timeout, wait_for_workers=True
+        )
+        prefixed = dist.PrefixStore(name, self.store)
+        if device.type == "cuda":
+            self.pg: Any = dist.ProcessGroupNCCL(prefixed, rank, size)
+        else:
+            self.pg = dist.ProcessGroupGloo(prefixed, rank, size, timeout)
+        # Control messages (the Ray executor's step broadcast) go over gloo on every device.
+        self.cpu_pg: Any = (
+            self.pg
+            if device.type != "cuda"
+            else dist.ProcessGroupGloo(dist.PrefixStore(name + "-cpu", self.store), rank, size, timeout)
+        )
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the ranks, in place (every rank ends with the same bits)."""
+        self.pg.allreduce([x]).wait()
+        return x
+
+    def barrier(self) -> None:
+        self.all_reduce(torch.zeros(1, device=self.device))
