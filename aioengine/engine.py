@@ -441,6 +441,8 @@ class AsyncEngine:
         executor = self._executor
         assert executor is not None
         output = asyncio.ensure_future(executor.output(fut))
+        # Retrieved even when this wait is cancelled (a rank's death cancels the step loop).
+        output.add_done_callback(lambda f: f.cancelled() or f.exception())
         # asyncio.wait, not wait_for: wait_for can swallow a cancellation that races the result (3.11).
         done, _ = await asyncio.wait((output,), timeout=self.args.step_timeout_s)
         if not done:

@@ -5,10 +5,15 @@ structured output agree; a rank's death ends every request; no process outlives 
 from __future__ import annotations
 
 import asyncio
+import os
+import re
+import signal
+import time
 
 import pytest
 
 from aioengine import AsyncEngine, EngineArgs, SamplingParams
+from aioengine.errors import EngineDeadError
 from aioengine.gpu.parallel import TensorParallelError, plan_shard
 
 pytestmark = pytest.mark.timeout(300)
@@ -88,3 +93,93 @@ def test_tp2_greedy_equals_tp1(tiny_checkpoint_of, kind, overrides):
     # every step ran on both ranks (rank 1 records a step once it is done: it may trail by one)
     rank0, rank1 = stats["rank_calls"]
     assert rank0 > 0 and rank0 - 1 <= rank1 <= rank0
+
+
+async def _mixed(path, tp: int) -> list:
+    """Seeded sampling, logprobs and a regex constraint, all in one batch."""
+    from aioengine.sampling_params import StructuredOutputsParams
+
+    engine = AsyncEngine(EngineArgs(model=str(path), tensor_parallel_size=tp, dtype="float32"))
+    async with engine:
+        jobs = [
+            engine.generate(p, SamplingParams(temperature=1.0, seed=i, max_tokens=16, ignore_eos=True))
+            for i, p in enumerate(PROMPTS[:6])
+        ]
+        jobs.append(engine.generate(PROMPTS[7], SamplingParams(temperature=0, max_tokens=8, logprobs=3)))
+        regex = StructuredOutputsParams(regex="(yes|no) [0-9]{2}")
+        jobs.append(
+            engine.generate(PROMPTS[8], SamplingParams(temperature=0.8, seed=3, structured_outputs=regex))
+        )
+        outs = await asyncio.gather(*jobs)
+    return [o.outputs[0] for o in outs]
+
+
+def test_tp2_seeded_sampling_logprobs_and_structured_output_equal_tp1(tiny_checkpoint_of):
+    path = tiny_checkpoint_of("qwen3", num_attention_heads=6, num_key_value_heads=3)
+    ref = asyncio.run(_mixed(path, 1))
+    got = asyncio.run(_mixed(path, 2))
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]  # float32: no rounding flipped a draw
+    for a, b in zip(got[6].logprobs, ref[6].logprobs, strict=True):
+        assert a.keys() == b.keys()
+        assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
+    assert re.fullmatch("(yes|no) [0-9]{2}", got[7].text)
+
+
+async def _start_tp2(path, **kwargs) -> AsyncEngine:
+    args = dict(model=str(path), tensor_parallel_size=2, dtype="float32", **kwargs)
+    return await AsyncEngine(EngineArgs(**args)).start()
+
+
+async def _until_dead(engine: AsyncEngine, harm, limit_s: float) -> tuple[list, float]:
+    """Four streams; once each has a token, ``harm()``; returns what ended each stream, and how soon."""
+    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)  # longer than the test
+    started = [asyncio.Event() for _ in range(4)]
+
+    async def stream(i: int):
+        try:
+            async for _ in engine.generate(PROMPTS[i], params):
+                started[i].set()
+        except EngineDeadError as e:
+            return e
+        return None
+
+    tasks = [asyncio.create_task(stream(i)) for i in range(4)]
+    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+    t0 = time.monotonic()
+    harm()
+    ends = await asyncio.wait_for(asyncio.gather(*tasks), limit_s)
+    return ends, time.monotonic() - t0
+
+
+def test_a_killed_rank_ends_every_stream_with_engine_dead_and_no_process_remains(tiny_checkpoint_of):
+    path = tiny_checkpoint_of("llama", num_key_value_heads=1)
+
+    async def main():
+        engine = await _start_tp2(path, step_timeout_s=60)
+        (proc,) = engine._executor.procs
+        ends, took = await _until_dead(engine, lambda: os.kill(proc.pid, signal.SIGKILL), 30)
+        assert all(isinstance(e, EngineDeadError) for e in ends), ends
+        assert "rank 1 exited" in str(ends[0])
+        assert took < 10  # at once, not at the watchdog
+        assert engine.dead_error is not None
+        with pytest.raises(EngineDeadError):
+            engine.generate(PROMPTS[0], SamplingParams(max_tokens=2))
+        await engine.shutdown()
+        assert proc.poll() is not None
+
+    asyncio.run(main())
+
+
+def test_a_hung_rank_ends_every_stream_within_the_watchdog_and_is_reaped(tiny_checkpoint_of):
+    path = tiny_checkpoint_of("llama", num_key_value_heads=1)
+
+    async def main():
+        engine = await _start_tp2(path, step_timeout_s=3)
+        (proc,) = engine._executor.procs
+        ends, took = await _until_dead(engine, lambda: os.kill(proc.pid, signal.SIGSTOP), 30)
+        assert all(isinstance(e, EngineDeadError) for e in ends), ends
+        assert took < 3 + 5
+        await engine.shutdown()
+        assert proc.poll() is not None  # killed, stopped as it was
+
+    asyncio.run(main())
