@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from aioengine import gc_freeze, startup
 from aioengine.config import EngineArgs
-from aioengine.engine_client import EngineStats, PrecompiledGrammar, RequestListener, StatListener
+from aioengine.engine_client import EngineStats, PrecompiledGrammar, RankStats, RequestListener, StatListener
 from aioengine.errors import EngineDeadError, EngineNotStartedError, InvalidRequestError
 from aioengine.handle import GenerateHandle, RequestState
 from aioengine.output_processor import OutputProcessor
@@ -458,7 +458,7 @@ class AsyncEngine:
         assert executor is not None, "the engine is not started"
         return asyncio.wrap_future(executor.submit(fn, *args))
 
-    def rank_stats(self) -> list[Any]:
+    def rank_stats(self) -> list[RankStats]:
         """Each tensor-parallel rank's steps and busy seconds (one entry on one device)."""
         return self._executor.rank_stats() if self._executor is not None else []
 

@@ -27,6 +27,15 @@ class EngineStats:
     num_unfinished: int  # requests started and not finished (running, waiting or being aborted)
 
 
+@dataclass(slots=True)
+class RankStats:
+    """One tensor-parallel rank's steps and the seconds its worker spent in them (rank 0 on one device)."""
+
+    rank: int
+    calls: float
+    busy_s: float
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class PrecompiledGrammar:
     """What precompile() returns: the grammar of ``spec``, compiled once, for generate()/chat() to reuse."""
@@ -140,6 +149,8 @@ class EngineClient(Protocol):
 
     # ---- state ---------------------------------------------------------------------------------------
     def stats(self) -> EngineStats: ...
+
+    def rank_stats(self) -> list[RankStats]: ...  # each rank's steps and busy seconds (metrics)
 
     @property
     def stat_listeners(self) -> list[StatListener]: ...

@@ -12,24 +12,15 @@ import concurrent.futures
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from aioengine.engine_client import RankStats
 from aioengine.errors import EngineDeadError
 from aioengine.sched.output import ModelRunnerOutput
 
 if TYPE_CHECKING:  # importing these imports torch
     from aioengine.gpu.backend import Backend, Worker
     from aioengine.gpu.model_runner import ModelRunner
-
-
-@dataclass(slots=True)
-class RankStats:
-    """One rank's calls and the seconds its worker spent in them (the metrics' per-rank step time)."""
-
-    rank: int
-    calls: float
-    busy_s: float
 
 
 class RankWorker:

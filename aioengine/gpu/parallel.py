@@ -185,6 +185,7 @@ class TPGroup:
         name: str = "tp",
     ) -> None:
         parsed = urlparse(init_method)
+        assert parsed.hostname is not None and parsed.port is not None, init_method
         timeout = datetime.timedelta(seconds=timeout_s)
         self.rank, self.size, self.device = rank, size, device
         # Rank 0 hosts the store; the others connect to it (and wait for it, up to the timeout).
@@ -193,7 +194,9 @@ class TPGroup:
         )
         prefixed = dist.PrefixStore(name, self.store)
         if device.type == "cuda":
-            self.pg: Any = dist.ProcessGroupNCCL(prefixed, rank, size)
+            options: Any = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            self.pg: Any = dist.ProcessGroupNCCL(prefixed, rank, size, options)
         else:
             self.pg = dist.ProcessGroupGloo(prefixed, rank, size, timeout)
         # Control messages (the Ray executor's step broadcast) go over gloo on every device.

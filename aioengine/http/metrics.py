@@ -10,8 +10,10 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
 
 from aioengine.engine_client import EngineClient, RequestInfo
 from aioengine.outputs import RequestOutput
@@ -97,6 +99,35 @@ class Totals:
     generation_tokens: int = 0
     prefix_queries: int = 0
     prefix_hits: int = 0
+
+
+class _RankCollector:
+    """Per tensor-parallel rank, read at scrape time: steps run and seconds its worker spent in them (their
+    rates' ratio is the rank's step time; one device: rank 0 alone)."""
+
+    def __init__(self, engine: EngineClient, model_name: str) -> None:
+        self.engine, self.model_name = engine, model_name
+
+    def _families(self) -> tuple[CounterMetricFamily, CounterMetricFamily]:
+        labels = ["model_name", "rank"]
+        return (
+            CounterMetricFamily(
+                "aioengine:rank_steps", "Steps each tensor-parallel rank ran.", labels=labels
+            ),
+            CounterMetricFamily(
+                "aioengine:rank_step_seconds", "Seconds each rank's worker spent in steps.", labels=labels
+            ),
+        )
+
+    def describe(self) -> Any:
+        return self._families()
+
+    def collect(self) -> Any:
+        steps, seconds = self._families()
+        for s in self.engine.rank_stats():
+            steps.add_metric([self.model_name, str(s.rank)], s.calls)
+            seconds.add_metric([self.model_name, str(s.rank)], s.busy_s)
+        return steps, seconds
 
 
 class EngineMetrics:
@@ -188,6 +219,7 @@ class EngineMetrics:
             "coroutine on the loop sees.",
             _LAG_BUCKETS,
         )
+        r.register(_RankCollector(engine, model_name))
         self._live: dict[str, list] = {}  # request_id -> [last token time, generated tokens]
         self._queued: set[str] = set()  # request ids whose queue time is observed
         engine.stat_listeners.append(self.on_step)

@@ -66,6 +66,13 @@ def test_serve_tp2_answers_then_a_killed_rank_gives_errors_503_and_a_nonzero_exi
                 r = await s.post(url + "/v1/chat/completions", json=chat)
                 assert r.status == 200
                 assert "Paris" in (await r.json())["choices"][0]["message"]["content"]
+                metrics = await (await s.get(url + "/metrics")).text()
+                for rank in (0, 1):  # both ranks ran the steps, and each timed its own
+                    steps = re.search(rf'aioengine:rank_steps_total{{[^}}]*rank="{rank}"}} (\S+)', metrics)
+                    busy = re.search(
+                        rf'aioengine:rank_step_seconds_total{{[^}}]*rank="{rank}"}} (\S+)', metrics
+                    )
+                    assert steps and float(steps.group(1)) >= 3 and busy and float(busy.group(1)) > 0, metrics
                 long = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "stream": True}
                 resp = await s.post(url + "/v1/completions", json=long)
                 await resp.content.readline()

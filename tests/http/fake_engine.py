@@ -11,6 +11,7 @@ from aioengine.engine_client import (
     EngineClient,
     EngineStats,
     PrecompiledGrammar,
+    RankStats,
     RequestHandle,
     RequestListener,
     StatListener,
@@ -94,6 +95,9 @@ class FakeEngine:
     @property
     def is_running(self) -> bool:
         return self.dead_error is None and not self.shut_down
+
+    def rank_stats(self) -> list[RankStats]:
+        return [RankStats(0, 0, 0.0)]
 
     def stats(self) -> EngineStats:
         return EngineStats(

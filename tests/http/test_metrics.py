@@ -24,6 +24,8 @@ EXPECTED = {
     "aioengine:request_queue_time_seconds",
     "aioengine:iteration_tokens_total",
     "aioengine:event_loop_lag_seconds",
+    "aioengine:rank_steps",
+    "aioengine:rank_step_seconds",
 }
 
 
@@ -66,6 +68,9 @@ def test_counters_move_after_traffic(http, server):
         time.sleep(0.02)
 
     assert delta("aioengine:generation_tokens_total") >= 12
+    # one device: rank 0 alone, its steps timed
+    assert delta("aioengine:rank_steps_total", rank="0") >= 12
+    assert delta("aioengine:rank_step_seconds_total", rank="0") > 0
     assert delta("aioengine:prompt_tokens_total") >= 2 * 40
     assert delta("aioengine:request_success_total", finished_reason="length") == 2
     assert delta("aioengine:request_success_total", finished_reason="stop") == 1
