@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 from aioengine.config import EngineArgs
@@ -19,11 +20,13 @@ async def make_executor(args: EngineArgs, backend: Backend) -> Executor:
         return UniProcExecutor(backend.make_worker(), RankWorker(backend))
     from aioengine.gpu.parallel import resolve_init_method
 
-    init_method = resolve_init_method(args.distributed_init_method)
+    given = args.distributed_init_method is not None or "MASTER_ADDR" in os.environ
+    init_method = resolve_init_method(args.distributed_init_method) if given else None
     if args.distributed_executor_backend == "ray":
         from aioengine.executor.ray_executor import RayExecutor
 
         return await RayExecutor.start(args, backend, init_method)
+    init_method = init_method or resolve_init_method(None)
     from aioengine.executor.multiproc import MultiprocExecutor
 
     return await MultiprocExecutor.start(args, backend, init_method)

@@ -12,8 +12,10 @@ import concurrent.futures
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from aioengine.config import EngineArgs
 from aioengine.engine_client import RankStats
 from aioengine.errors import EngineDeadError
 from aioengine.sched.output import ModelRunnerOutput
@@ -21,6 +23,19 @@ from aioengine.sched.output import ModelRunnerOutput
 if TYPE_CHECKING:  # importing these imports torch
     from aioengine.gpu.backend import Backend, Worker
     from aioengine.gpu.model_runner import ModelRunner
+
+
+@dataclass(slots=True)
+class RankConfig:
+    """What a child rank needs to join: pickled onto its stdin."""
+
+    rank: int
+    size: int
+    init_method: str
+    args: EngineArgs
+    ring_path: str | None  # None: calls come over torch.distributed (the Ray executor)
+    timeout_s: float
+    device_index: int  # its GPU (Ray: 0, the one it was given)
 
 
 class RankWorker:

@@ -18,11 +18,10 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from aioengine.config import EngineArgs
-from aioengine.executor.base import DeathWatch, Executor, RankStats, RankWorker
+from aioengine.executor.base import DeathWatch, Executor, RankConfig, RankStats, RankWorker
 from aioengine.executor.shm_ring import RingWriter
 
 if TYPE_CHECKING:
@@ -31,18 +30,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 300.0  # the children import torch and join the group: seconds on a loaded machine
-
-
-@dataclass(slots=True)
-class RankConfig:
-    """What a child rank needs to join: pickled onto its stdin."""
-
-    rank: int
-    size: int
-    init_method: str
-    args: EngineArgs
-    ring_path: str | None  # None: calls come over torch.distributed (the Ray executor)
-    timeout_s: float
 
 
 class MultiprocExecutor(Executor):
@@ -75,7 +62,7 @@ class MultiprocExecutor(Executor):
         worker = None
         try:
             for rank in range(1, size):
-                cfg = RankConfig(rank, size, init_method, args, ring.path, args.step_timeout_s)
+                cfg = RankConfig(rank, size, init_method, args, ring.path, args.step_timeout_s, rank)
                 proc = subprocess.Popen(
                     [sys.executable, "-m", "aioengine.executor.rank_main"], stdin=subprocess.PIPE
                 )

@@ -12,6 +12,7 @@ import os
 import pickle
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 logger = logging.getLogger("aioengine.rank")
@@ -32,37 +33,46 @@ def main() -> int:
 
     reader = RingReader(cfg.ring_path, cfg.rank - 1)  # mapped before the group forms: rank 0 then unlinks it
     try:
-        serve(cfg, reader.recv, reader.record)
+        serve(cfg, lambda group: reader.recv, reader.record)
     except RingClosed:
         return 0
     return 0
 
 
-def serve(cfg: Any, recv: Any, record: Any) -> None:
-    """Join the group, then run every call ``recv()`` brings on this rank's worker, in order."""
+def serve(
+    cfg: Any, transport: Callable[[Any], Callable[[], Any]], record: Callable[[int, float], None]
+) -> None:
+    """Join the group, then run every call ``transport(group)()`` brings on this rank's worker, in order;
+    ``record(steps, busy_s)`` after each call."""
     from aioengine.executor.base import RankWorker
     from aioengine.gpu.backends import make_backend
     from aioengine.gpu.parallel import TPGroup
 
-    backend = make_backend(cfg.args, rank=cfg.rank)
+    backend = make_backend(cfg.args, device_index=cfg.device_index)
     worker = backend.make_worker()
     group = worker.submit(
-        TPGroup, cfg.init_method, cfg.rank, cfg.size, backend.device, cfg.timeout_s
+        TPGroup,
+        cfg.init_method,
+        cfg.rank,
+        cfg.size,
+        backend.device,
+        cfg.timeout_s,
+        "tp",
+        cfg.ring_path is None,
     ).result()
     backend.ops.tp = group
+    recv = transport(group)
     rank = RankWorker(backend)
-    failed: list[BaseException] = []
 
     def run(method: str, call_args: tuple) -> None:
         try:
             getattr(rank, method)(*call_args)
-        except BaseException as e:  # the rank is lost: rank 0 sees it exit
-            failed.append(e)
+        except BaseException:  # the rank is lost: rank 0 sees it exit
             logger.exception("rank %d: %s failed", cfg.rank, method)
             os._exit(1)
         record(rank.calls, rank.busy_s)
 
-    while not failed:
+    while True:
         method, call_args = recv()
         worker.submit(run, method, call_args)  # the worker runs them in order; the next recv overlaps
 

@@ -6,12 +6,12 @@ from aioengine.config import EngineArgs, default_num_threads
 from aioengine.gpu.backend import Backend
 
 
-def make_backend(args: EngineArgs, rank: int = 0) -> Backend:
-    """The backend of tensor-parallel rank ``rank`` (its own GPU; on CPU, its share of the cores)."""
+def make_backend(args: EngineArgs, device_index: int = 0) -> Backend:
+    """The backend of one tensor-parallel rank: its own GPU, or on CPU its share of the cores."""
     if args.resolved_device() == "cuda":
         from aioengine.gpu.cuda.backend import CudaBackend
 
-        return CudaBackend(args.kernels, device_index=rank)
+        return CudaBackend(args.kernels, device_index=device_index)
     from aioengine.gpu.cpu.backend import CpuBackend
 
     threads = args.num_threads or max(1, default_num_threads() // args.tensor_parallel_size)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import datetime
 import os
+import pickle
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -183,6 +184,7 @@ class TPGroup:
         device: torch.device,
         timeout_s: float,
         name: str = "tp",
+        control: bool = False,
     ) -> None:
         parsed = urlparse(init_method)
         assert parsed.hostname is not None and parsed.port is not None, init_method
@@ -199,12 +201,16 @@ class TPGroup:
             self.pg: Any = dist.ProcessGroupNCCL(prefixed, rank, size, options)
         else:
             self.pg = dist.ProcessGroupGloo(prefixed, rank, size, timeout)
-        # Control messages (the Ray executor's step broadcast) go over gloo on every device.
-        self.cpu_pg: Any = (
-            self.pg
-            if device.type != "cuda"
-            else dist.ProcessGroupGloo(dist.PrefixStore(name + "-cpu", self.store), rank, size, timeout)
+        # Calls from rank 0 (the Ray executor's transport) travel in a gloo group of their own: a rank's
+        # receiving thread must never interleave its ops with the model's all-reduces. It waits through
+        # idle hours, so it has no practical timeout.
+        self.control: Any = (
+            dist.ProcessGroupGloo(dist.PrefixStore(name + "-control", self.store), rank, size, _IDLE)
+            if control
+            else None
         )
+        # A first all-reduce now: NCCL creates its communicator here, not inside a CUDA graph capture.
+        self.barrier()
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the ranks, in place (every rank ends with the same bits)."""
@@ -213,3 +219,21 @@ class TPGroup:
 
     def barrier(self) -> None:
         self.all_reduce(torch.zeros(1, device=self.device))
+
+    def send_object(self, obj: Any) -> int:
+        """Rank 0: broadcast ``obj`` (pickled) over the control group; returns its size in bytes."""
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        self.control.broadcast(torch.tensor([len(data)], dtype=torch.int64), 0).wait()
+        self.control.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), 0).wait()
+        return len(data)
+
+    def recv_object(self) -> Any:
+        """Ranks 1..N-1: the next object rank 0 sent."""
+        size = torch.zeros(1, dtype=torch.int64)
+        self.control.broadcast(size, 0).wait()
+        data = torch.empty(int(size.item()), dtype=torch.uint8)
+        self.control.broadcast(data, 0).wait()
+        return pickle.loads(data.numpy().tobytes())
+
+
+_IDLE = datetime.timedelta(days=3650)
