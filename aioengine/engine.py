@@ -462,6 +462,10 @@ class AsyncEngine:
         """Each tensor-parallel rank's steps and busy seconds (one entry on one device)."""
         return self._executor.rank_stats() if self._executor is not None else []
 
+    def comm_stats(self) -> dict[str, float]:
+        """Rank 0's tensor-parallel communication so far (``Executor.comm_stats``; empty on one device)."""
+        return self._executor.comm_stats() if self._executor is not None else {}
+
     def _rank_died(self, err: EngineDeadError) -> None:
         """A tensor-parallel rank died: every request ends with ``err`` now, busy or idle."""
         if self._dead is None:

@@ -40,6 +40,7 @@ async def run_throughput(args) -> dict:
             await engine.run_on_worker(timeline.reset)
         await engine.run_on_worker(runner.host_s.clear)
         engine.host_s.clear()
+        comm0 = engine.comm_stats()
         profile_path = getattr(args, "profile_host", None)
         profiler = await HostProfiler.start(engine) if profile_path else None
         t0 = time.perf_counter()
@@ -51,6 +52,7 @@ async def run_throughput(args) -> dict:
         gpu = (await engine.run_on_worker(timeline.stats)).as_dict() if timeline is not None else {}
         host = host_ms_per_step(engine.host_s, await engine.run_on_worker(runner.host_s.copy))
         spec = spec_stats(engine)
+        tp = tp_stats(comm0, engine.comm_stats(), engine.host_s["steps"], engine.args.tensor_parallel_size)
         num_params = runner.num_parameters()
         dtype_name = str(runner.dtype).removeprefix("torch.")
         device = engine.backend.name
@@ -80,8 +82,24 @@ async def run_throughput(args) -> dict:
         "fraction_of_roofline": out_tokens / elapsed / roofline_tokens_per_s(gflops, num_params),
         **latency_stats(outs),
         **spec,
+        **tp,
         **gpu,
         "host_ms_per_step": host,
+    }
+
+
+def tp_stats(before: dict, after: dict, steps: float, size: int) -> dict:
+    """Tensor parallelism's cost per step on rank 0: writing each call for the other ranks, and the
+    all-reduces (their wait for the slowest rank included)."""
+    if not after or not steps:
+        return {}
+    d = {k: after[k] - before.get(k, 0.0) for k in after}
+    return {
+        "tensor_parallel_size": size,
+        "tp_broadcast_ms_per_step": 1e3 * d["broadcast_s"] / steps,
+        "tp_broadcast_bytes_per_step": d["broadcast_bytes"] / steps,
+        "tp_all_reduce_ms_per_step": 1e3 * d["all_reduce_s"] / steps,
+        "tp_all_reduces_per_step": d["all_reduce_calls"] / steps,
     }
 
 

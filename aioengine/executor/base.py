@@ -112,6 +112,11 @@ class Executor(ABC):
         """Each rank's step count and busy seconds (rank 0 first)."""
         return [RankStats(0, self.rank0.calls, self.rank0.busy_s)]
 
+    def comm_stats(self) -> dict[str, float]:
+        """Rank 0's tensor-parallel costs so far: seconds and bytes sending calls to the other ranks,
+        seconds in all-reduces (empty on one device)."""
+        return {}
+
     def kill(self) -> None:  # noqa: B027 (one device: nothing to kill)
         """The engine died: stop the other ranks now, without waiting (never blocks)."""
 

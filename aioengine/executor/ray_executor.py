@@ -156,6 +156,15 @@ class RayExecutor(Executor):
                 return
             time.sleep(1.0)
 
+    def comm_stats(self) -> dict[str, float]:
+        group = self.rank0.backend.ops.tp
+        return {
+            "broadcast_s": self.broadcast_s,
+            "broadcast_bytes": float(self.broadcast_bytes),
+            "all_reduce_s": group.all_reduce_s if group is not None else 0.0,
+            "all_reduce_calls": float(group.all_reduce_calls) if group is not None else 0.0,
+        }
+
     def on_death(self, callback: Any) -> None:
         assert self.watch is not None
         self.watch.callback = callback

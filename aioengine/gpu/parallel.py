@@ -16,6 +16,7 @@ import datetime
 import os
 import pickle
 import socket
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -190,6 +191,7 @@ class TPGroup:
         assert parsed.hostname is not None and parsed.port is not None, init_method
         timeout = datetime.timedelta(seconds=timeout_s)
         self.rank, self.size, self.device = rank, size, device
+        self.all_reduce_s, self.all_reduce_calls = 0.0, 0  # this rank's, waits for the others included
         # Rank 0 hosts the store; the others connect to it (and wait for it, up to the timeout).
         self.store = dist.TCPStore(
             parsed.hostname, parsed.port, size, is_master=rank == 0, timeout=timeout, wait_for_workers=True
@@ -214,7 +216,10 @@ class TPGroup:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the ranks, in place (every rank ends with the same bits)."""
-        self.pg.allreduce([x]).wait()
+        t0 = time.perf_counter()
+        self.pg.allreduce([x]).wait()  # CUDA: the stream waits, not the host (the time is the launch's)
+        self.all_reduce_s += time.perf_counter() - t0
+        self.all_reduce_calls += 1
         return x
 
     def barrier(self) -> None:
