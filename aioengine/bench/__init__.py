@@ -1,10 +1,10 @@
-"""aioengine.bench: `aioengine bench throughput | latency | serve | hf-peer`, vLLM-style benchmarks."""
+"""aioengine.bench: `aioengine bench throughput | latency | serve | hf-peer | allreduce`, as vLLM's."""
 
 from __future__ import annotations
 
 import sys
 
-_MODES = ("throughput", "latency", "serve", "hf-peer")
+_MODES = ("throughput", "latency", "serve", "hf-peer", "allreduce")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,6 +20,8 @@ def main(argv: list[str] | None = None) -> int:
         from aioengine.bench.throughput import main as run
     elif mode == "latency":
         from aioengine.bench.latency import main as run
+    elif mode == "allreduce":
+        from aioengine.bench.allreduce import main as run
     elif mode == "hf-peer":
         from aioengine.bench.hf_peer import main as run
     else:

@@ -29,7 +29,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-START_TIMEOUT_S = 300.0  # the children import torch and join the group: seconds on a loaded machine
+START_TIMEOUT_S = 300.0
+# The largest all-reduce shared memory carries on CPU (a step's hidden states; bigger ones use gloo).
+SHM_ALLREDUCE_SLOT_BYTES = (
+    64 << 20
+)  # the children import torch and join the group: seconds on a loaded machine
 
 
 class MultiprocExecutor(Executor):
@@ -81,7 +85,15 @@ class MultiprocExecutor(Executor):
                 ).start()
             worker = self.worker = backend.make_worker()
             joined = worker.submit(
-                TPGroup, init_method, 0, size, backend.device, max(args.step_timeout_s, START_TIMEOUT_S)
+                TPGroup,
+                init_method,
+                0,
+                size,
+                backend.device,
+                max(args.step_timeout_s, START_TIMEOUT_S),
+                "tp",
+                False,
+                SHM_ALLREDUCE_SLOT_BYTES,
             )
             group = await self.watch.race(asyncio.wrap_future(joined))
             backend.ops.tp = group
@@ -141,13 +153,20 @@ class MultiprocExecutor(Executor):
     def kill(self) -> None:
         self._stopping = True
         self.ring.close()
+        self._abort_group()
         for proc in self.procs:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGKILL)
 
+    def _abort_group(self) -> None:
+        group = self.rank0.backend.ops.tp
+        if group is not None:
+            group.abort()
+
     def shutdown(self) -> None:
         self._stopping = True
         self.ring.close()  # a publish waiting on a dead reader gives up
+        self._abort_group()  # and so does an all-reduce waiting on one
         _reap(self.procs)  # rank 0's all-reduce with them then fails at once, and its worker is free
         self.worker.shutdown()
         self.ring.release()

@@ -186,7 +186,10 @@ class TPGroup:
         timeout_s: float,
         name: str = "tp",
         control: bool = False,
+        shm_slot_bytes: int = 0,
     ) -> None:
+        """``control``: a second gloo group for rank 0's calls (the Ray executor); ``shm_slot_bytes``: on
+        CPU ranks of one node, all-reduce through shared memory tensors up to this size."""
         parsed = urlparse(init_method)
         assert parsed.hostname is not None and parsed.port is not None, init_method
         timeout = datetime.timedelta(seconds=timeout_s)
@@ -211,16 +214,32 @@ class TPGroup:
             if control
             else None
         )
-        # A first all-reduce now: NCCL creates its communicator here, not inside a CUDA graph capture.
+        self.shm: Any = None
+        if shm_slot_bytes and device.type == "cpu":
+            from aioengine.gpu.cpu.shm_allreduce import ShmAllReduce
+
+            self.shm = ShmAllReduce(prefixed, rank, size, shm_slot_bytes, timeout_s)
+        # A first all-reduce now: NCCL creates its communicator here, not inside a CUDA graph capture;
+        # every rank has mapped the shared memory once it returns.
         self.barrier()
+        if self.shm is not None and rank == 0:
+            self.shm.unlink()
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the ranks, in place (every rank ends with the same bits)."""
         t0 = time.perf_counter()
-        self.pg.allreduce([x]).wait()  # CUDA: the stream waits, not the host (the time is the launch's)
+        if self.shm is not None and self.shm.fits(x):
+            self.shm.all_reduce(x)
+        else:
+            self.pg.allreduce([x]).wait()  # CUDA: the stream waits, not the host (the time is the launch's)
         self.all_reduce_s += time.perf_counter() - t0
         self.all_reduce_calls += 1
         return x
+
+    def abort(self) -> None:
+        """From any thread: a shared-memory all-reduce waiting on a rank that is gone gives up."""
+        if self.shm is not None:
+            self.shm.abort()
 
     def barrier(self) -> None:
         self.all_reduce(torch.zeros(1, device=self.device))

@@ -233,3 +233,15 @@ def test_bench_throughput_profile_host_writes_both_threads(tiny, tmp_path):
     text = prof.read_text()
     assert "==== loop thread, by tottime" in text and "scheduler.py" in text  # the loop plans steps
     assert "execute_model" in text  # the worker's steps: its own profiler, or (3.12+) the loop's covers it
+
+
+def test_bench_allreduce_reports_both_transports(tmp_path):
+    from aioengine.bench.allreduce import main as allreduce
+
+    out = tmp_path / "ar.json"
+    allreduce(["--num-tokens", "1", "3", "--hidden-size", "8", "--iters", "3", "--output-json", str(out)])
+    result = json.loads(out.read_text())
+    for transport in ("gloo", "shm"):
+        assert set(result[transport]) == {"1x8_us", "3x8_us"} and all(
+            v > 0 for v in result[transport].values()
+        )
