@@ -85,12 +85,16 @@ class RayExecutor(Executor):
             await loop.run_in_executor(
                 None, lambda: ray.get(self.placement_group.ready(), timeout=START_TIMEOUT_S)
             )
-            actor_cls = ray.remote(max_concurrency=2)(_RankActor)
+            actor_cls = ray.remote(_RankActor)
             for rank in range(1, size):
                 strategy = PlacementGroupSchedulingStrategy(
                     self.placement_group, placement_group_bundle_index=rank
                 )
-                options: dict[str, Any] = {"scheduling_strategy": strategy, "num_cpus": 1}
+                options: dict[str, Any] = {
+                    "scheduling_strategy": strategy,
+                    "num_cpus": 1,
+                    "max_concurrency": 2,
+                }
                 if gpu:
                     options["num_gpus"] = 1
                 self.actors.append(actor_cls.options(**options).remote())
