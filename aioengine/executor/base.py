@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -132,6 +133,63 @@ class UniProcExecutor(Executor):
         return self.worker.submit(getattr(self.rank0, method), *args)
 
 
+class TensorParallelExecutor(Executor):
+    """What the executors of several ranks share: each collective call is sent (``_send``, on rank 0's
+    worker thread, just before rank 0 runs it), steps are raced against a rank's death, and rank 0 counts
+    what the sending and the all-reduces cost."""
+
+    def __init__(self, args: EngineArgs, worker: Any, rank0: RankWorker, watch: DeathWatch) -> None:
+        super().__init__(worker, rank0)
+        self.tensor_parallel_size = args.tensor_parallel_size
+        self.timeout_s = args.step_timeout_s
+        self.watch = watch
+        self._stopping = False
+        self.broadcast_s = 0.0  # rank 0's seconds spent sending calls (pickling included)
+        self.broadcast_bytes = 0
+
+    def _send(self, call: tuple[str, tuple]) -> int:
+        """Send one call to ranks 1..N-1; returns its size in bytes."""
+        raise NotImplementedError
+
+    def collective_rpc(self, method: str, *args: Any) -> concurrent.futures.Future:
+        return self.worker.submit(self._send_and_call, method, args)
+
+    def _send_and_call(self, method: str, args: tuple) -> Any:
+        t0 = time.perf_counter()
+        self.broadcast_bytes += self._send((method, args))
+        self.broadcast_s += time.perf_counter() - t0
+        return getattr(self.rank0, method)(*args)
+
+    async def output(self, fut: concurrent.futures.Future) -> ModelRunnerOutput:
+        result: ModelRunnerOutput = await self.watch.race(self.worker.output(fut))
+        return result
+
+    def on_death(self, callback: Callable[[EngineDeadError], None]) -> None:
+        self.watch.callback = callback
+
+    def _rank_died(self, message: str) -> None:
+        """From a watcher thread: rank 0's all-reduces can never complete now (one in progress gives up),
+        and the engine learns why."""
+        if self._stopping:
+            return
+        self._abort_group()
+        self.watch.report(message)
+
+    def _abort_group(self) -> None:
+        group = self.rank0.backend.ops.tp
+        if group is not None:
+            group.abort()
+
+    def comm_stats(self) -> dict[str, float]:
+        group = self.rank0.backend.ops.tp
+        return {
+            "broadcast_s": self.broadcast_s,
+            "broadcast_bytes": float(self.broadcast_bytes),
+            "all_reduce_s": group.all_reduce_s if group is not None else 0.0,
+            "all_reduce_calls": float(group.all_reduce_calls) if group is not None else 0.0,
+        }
+
+
 class DeathWatch:
     """Turns a rank's death, seen on any thread, into an error on the loop: it fails the step being
     awaited at once (no wait for the watchdog) and tells the engine."""
@@ -142,8 +200,9 @@ class DeathWatch:
         self.callback: Callable[[EngineDeadError], None] | None = None
 
     def report(self, message: str) -> None:
-        """From any thread: the first report wins."""
-        self.loop.call_soon_threadsafe(self._set, EngineDeadError(message))
+        """From any thread: the first report wins (none once the loop is gone)."""
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(self._set, EngineDeadError(message))
 
     def _set(self, err: EngineDeadError) -> None:
         if self.future.done():

@@ -9,7 +9,6 @@ child turns an exit into EngineDeadError on the loop; shutdown closes the ring, 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import logging
 import pickle
@@ -21,7 +20,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from aioengine.config import EngineArgs
-from aioengine.executor.base import DeathWatch, Executor, RankConfig, RankStats, RankWorker
+from aioengine.executor.base import DeathWatch, RankConfig, RankStats, RankWorker, TensorParallelExecutor
 from aioengine.executor.shm_ring import RingWriter
 
 if TYPE_CHECKING:
@@ -36,24 +35,19 @@ SHM_ALLREDUCE_SLOT_BYTES = (
 )  # the children import torch and join the group: seconds on a loaded machine
 
 
-class MultiprocExecutor(Executor):
+class MultiprocExecutor(TensorParallelExecutor):
     def __init__(
         self,
         args: EngineArgs,
         worker: Any,
         rank0: RankWorker,
+        watch: DeathWatch,
         ring: RingWriter,
         procs: list[subprocess.Popen],
     ) -> None:
-        super().__init__(worker, rank0)
-        self.tensor_parallel_size = args.tensor_parallel_size
+        super().__init__(args, worker, rank0, watch)
         self.ring = ring
         self.procs = procs
-        self.timeout_s = args.step_timeout_s
-        self.watch: DeathWatch | None = None
-        self._stopping = False
-        self.broadcast_s = 0.0  # rank 0's seconds spent writing calls into the ring (pickling included)
-        self.broadcast_bytes = 0
 
     @classmethod
     async def start(cls, args: EngineArgs, backend: Backend, init_method: str) -> MultiprocExecutor:
@@ -61,6 +55,14 @@ class MultiprocExecutor(Executor):
         from aioengine.gpu.parallel import TPGroup
 
         size = args.tensor_parallel_size
+        if backend.device.type == "cuda":
+            import torch
+
+            if torch.cuda.device_count() < size:
+                raise ValueError(
+                    f"tensor_parallel_size {size} needs {size} GPUs on this node; "
+                    f"{torch.cuda.device_count()} are visible"
+                )
         ring = RingWriter(num_readers=size - 1)
         procs: list[subprocess.Popen] = []
         worker = None
@@ -74,8 +76,7 @@ class MultiprocExecutor(Executor):
                 assert proc.stdin is not None
                 proc.stdin.write(pickle.dumps(cfg))
                 proc.stdin.flush()  # the pipe stays open: its end tells the child we are gone
-            self = cls(args, None, RankWorker(backend), ring, procs)
-            self.watch = DeathWatch(asyncio.get_running_loop())
+            self = cls(args, None, RankWorker(backend), DeathWatch(asyncio.get_running_loop()), ring, procs)
             for rank, proc in enumerate(procs, start=1):
                 threading.Thread(
                     target=self._watch_child,
@@ -110,38 +111,12 @@ class MultiprocExecutor(Executor):
 
     def _watch_child(self, rank: int, proc: subprocess.Popen) -> None:
         code = proc.wait()
-        if self._stopping:
-            return
-        logger.error("tensor-parallel rank %d exited with code %s", rank, code)
-        assert self.watch is not None
-        self.watch.report(f"tensor-parallel rank {rank} exited (code {code})")
+        if not self._stopping:
+            logger.error("tensor-parallel rank %d exited with code %s", rank, code)
+        self._rank_died(f"tensor-parallel rank {rank} exited (code {code})")
 
-    def comm_stats(self) -> dict[str, float]:
-        group = self.rank0.backend.ops.tp
-        return {
-            "broadcast_s": self.broadcast_s,
-            "broadcast_bytes": float(self.broadcast_bytes),
-            "all_reduce_s": group.all_reduce_s if group is not None else 0.0,
-            "all_reduce_calls": float(group.all_reduce_calls) if group is not None else 0.0,
-        }
-
-    def on_death(self, callback: Any) -> None:
-        assert self.watch is not None
-        self.watch.callback = callback
-
-    # ---- calls ----------------------------------------------------------------------------------
-    def collective_rpc(self, method: str, *args: Any) -> concurrent.futures.Future:
-        return self.worker.submit(self._broadcast_and_call, method, args)
-
-    def _broadcast_and_call(self, method: str, args: tuple) -> Any:
-        t0 = time.perf_counter()
-        self.broadcast_bytes += self.ring.publish((method, args), timeout_s=self.timeout_s)
-        self.broadcast_s += time.perf_counter() - t0
-        return getattr(self.rank0, method)(*args)
-
-    async def output(self, fut: concurrent.futures.Future) -> Any:
-        assert self.watch is not None
-        return await self.watch.race(self.worker.output(fut))
+    def _send(self, call: tuple[str, tuple]) -> int:
+        return self.ring.publish(call, timeout_s=self.timeout_s)
 
     def rank_stats(self) -> list[RankStats]:
         stats = super().rank_stats()
@@ -157,11 +132,6 @@ class MultiprocExecutor(Executor):
         for proc in self.procs:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGKILL)
-
-    def _abort_group(self) -> None:
-        group = self.rank0.backend.ops.tp
-        if group is not None:
-            group.abort()
 
     def shutdown(self) -> None:
         self._stopping = True

@@ -10,14 +10,13 @@ task, which a watcher thread turns into EngineDeadError. Ray is an optional extr
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import threading
 import time
 from typing import TYPE_CHECKING, Any
 
 from aioengine.config import EngineArgs
-from aioengine.executor.base import DeathWatch, Executor, RankConfig, RankStats, RankWorker
+from aioengine.executor.base import DeathWatch, RankConfig, RankStats, RankWorker, TensorParallelExecutor
 from aioengine.executor.multiproc import START_TIMEOUT_S
 
 if TYPE_CHECKING:
@@ -45,18 +44,13 @@ class _RankActor:
         return self.steps, self.busy_s
 
 
-class RayExecutor(Executor):
-    def __init__(self, args: EngineArgs, worker: Any, rank0: RankWorker) -> None:
-        super().__init__(worker, rank0)
-        self.tensor_parallel_size = args.tensor_parallel_size
-        self.watch: DeathWatch | None = None
+class RayExecutor(TensorParallelExecutor):
+    def __init__(self, args: EngineArgs, worker: Any, rank0: RankWorker, watch: DeathWatch) -> None:
+        super().__init__(args, worker, rank0, watch)
         self.actors: list[Any] = []
         self.placement_group: Any = None
         self.group: Any = None
-        self._stopping = False
         self._stats: list[RankStats] = []
-        self.broadcast_s = 0.0
-        self.broadcast_bytes = 0
 
     @classmethod
     async def start(cls, args: EngineArgs, backend: Backend, init_method: str | None) -> RayExecutor:
@@ -71,8 +65,7 @@ class RayExecutor(Executor):
         from aioengine.gpu.parallel import TPGroup
 
         size = args.tensor_parallel_size
-        self = cls(args, None, RankWorker(backend))
-        self.watch = DeathWatch(asyncio.get_running_loop())
+        self = cls(args, None, RankWorker(backend), DeathWatch(asyncio.get_running_loop()))
         loop = asyncio.get_running_loop()
         try:
             if not ray.is_initialized():
@@ -145,8 +138,7 @@ class RayExecutor(Executor):
         except Exception as e:  # RayActorError when the actor died
             why = f"died: {type(e).__name__}"
         logger.error("tensor-parallel rank %d (Ray actor) %s", rank, why)
-        assert self.watch is not None
-        self.watch.report(f"tensor-parallel rank {rank} exited (Ray actor {why})")
+        self._rank_died(f"tensor-parallel rank {rank} exited (Ray actor {why})")
 
     def _poll_stats(self) -> None:
         """The metrics read rank stats on the loop: they are fetched here, never awaited there."""
@@ -160,31 +152,8 @@ class RayExecutor(Executor):
                 return
             time.sleep(1.0)
 
-    def comm_stats(self) -> dict[str, float]:
-        group = self.rank0.backend.ops.tp
-        return {
-            "broadcast_s": self.broadcast_s,
-            "broadcast_bytes": float(self.broadcast_bytes),
-            "all_reduce_s": group.all_reduce_s if group is not None else 0.0,
-            "all_reduce_calls": float(group.all_reduce_calls) if group is not None else 0.0,
-        }
-
-    def on_death(self, callback: Any) -> None:
-        assert self.watch is not None
-        self.watch.callback = callback
-
-    def collective_rpc(self, method: str, *args: Any) -> concurrent.futures.Future:
-        return self.worker.submit(self._broadcast_and_call, method, args)
-
-    def _broadcast_and_call(self, method: str, args: tuple) -> Any:
-        t0 = time.perf_counter()
-        self.broadcast_bytes += self.group.send_object((method, args))
-        self.broadcast_s += time.perf_counter() - t0
-        return getattr(self.rank0, method)(*args)
-
-    async def output(self, fut: concurrent.futures.Future) -> Any:
-        assert self.watch is not None
-        return await self.watch.race(self.worker.output(fut))
+    def _send(self, call: tuple[str, tuple]) -> int:
+        return int(self.group.send_object(call))
 
     def rank_stats(self) -> list[RankStats]:
         return super().rank_stats() + list(self._stats)

@@ -184,3 +184,59 @@ def test_a_hung_rank_ends_every_stream_within_the_watchdog_and_is_reaped(tiny_ch
         assert proc.poll() is not None  # killed, stopped as it was
 
     asyncio.run(main())
+
+
+def test_a_model_that_cannot_be_split_stops_the_start_with_the_reason_and_leaves_no_process(
+    tiny_checkpoint_of,
+):
+    path = tiny_checkpoint_of("llama")  # 2 KV heads: 3 ranks can neither split nor replicate them evenly
+
+    async def main():
+        engine = AsyncEngine(EngineArgs(model=str(path), tensor_parallel_size=3, dtype="float32"))
+        with pytest.raises(
+            TensorParallelError,
+            match="tensor_parallel_size 3 must divide or be a multiple of the model's 2 KV heads",
+        ):
+            await engine.start()
+
+    before = set(_children())
+    asyncio.run(main())
+    deadline = time.monotonic() + 10
+    while set(_children()) - before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not set(_children()) - before
+
+
+def _children() -> list[int]:
+    pid = os.getpid()
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(x) for x in f.read().split()]
+
+
+def test_the_init_method_comes_from_the_flag_or_torchruns_environment(monkeypatch):
+    from aioengine.gpu.parallel import resolve_init_method
+
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    assert resolve_init_method("tcp://10.1.2.3:29500") == "tcp://10.1.2.3:29500"
+    assert re.fullmatch(r"tcp://127\.0\.0\.1:\d+", resolve_init_method(None))  # a free local port
+    with pytest.raises(TensorParallelError, match="needs MASTER_ADDR"):
+        resolve_init_method("env://")
+    monkeypatch.setenv("MASTER_ADDR", "node0")
+    monkeypatch.setenv("MASTER_PORT", "29400")
+    assert resolve_init_method(None) == resolve_init_method("env://") == "tcp://node0:29400"
+    for bad in ("file:///tmp/x", "tcp://host", "node0:29400"):
+        with pytest.raises(TensorParallelError, match="tcp://host:port or env://"):
+            resolve_init_method(bad)
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("tensor_parallel_size", 0, "tensor_parallel_size must be at least 1"),
+        ("distributed_executor_backend", "mpi", "distributed_executor_backend must be mp or ray"),
+    ],
+)
+def test_bad_parallel_args_are_refused_before_anything_starts(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(**{field: value}).validate()

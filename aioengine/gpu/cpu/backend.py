@@ -255,7 +255,14 @@ class CpuBackend(Backend):
 
     def build_fast_paths(self, runner: RunnerParts, args: EngineArgs, max_num_batched_tokens: int) -> None:
         k = self.kernels
-        if k.cpu_kernels and k.cpu_decode_stack and k.cpu_elementwise and k.cpu_attention:
+        # The one-call stack runs every layer in C: a tensor-parallel rank's all-reduces sit between them.
+        if (
+            self.ops.tp is None
+            and k.cpu_kernels
+            and k.cpu_decode_stack
+            and k.cpu_elementwise
+            and k.cpu_attention
+        ):
             self.decode_stack = CpuDecodeStack.build(runner.model, runner.kv_caches, self.ops.rope_tables)
 
     def forward(
