@@ -2,9 +2,13 @@
 
 import asyncio
 
+import pytest
+
 from aioengine import AsyncEngine, EngineArgs, SamplingParams
 from aioengine.bench.loop_lag import LoopLagProbe
 from tests.timing import StepClock
+
+pytestmark = pytest.mark.serial  # it measures timing or load: it runs alone
 
 # Were the forward on the loop thread, the loop would stall for a whole step at every step.
 LAG_P99_PER_STEP = 0.5

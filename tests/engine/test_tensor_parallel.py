@@ -141,17 +141,24 @@ async def _until_dead(engine: AsyncEngine, harm, limit_s: float) -> tuple[list, 
             async for _ in engine.generate(PROMPTS[i], params):
                 started[i].set()
         except EngineDeadError as e:
+            assert started[i].is_set(), f"the engine died before stream {i} began: {e}"
             return e
         return None
 
     tasks = [asyncio.create_task(stream(i)) for i in range(4)]
-    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+    began = asyncio.gather(*(e.wait() for e in started))
+    await asyncio.wait((began, *tasks), timeout=60, return_when=asyncio.FIRST_COMPLETED)
+    for t in tasks:
+        if t.done():
+            t.result()  # a stream that ended before the harm says why
+    assert began.done(), "the streams did not begin within 60 s"
     t0 = time.monotonic()
     harm()
     ends = await asyncio.wait_for(asyncio.gather(*tasks), limit_s)
     return ends, time.monotonic() - t0
 
 
+@pytest.mark.serial  # it times how soon the streams end
 def test_a_killed_rank_ends_every_stream_with_engine_dead_and_no_process_remains(tiny_checkpoint_of):
     path = tiny_checkpoint_of("llama", num_key_value_heads=1)
 
@@ -171,6 +178,7 @@ def test_a_killed_rank_ends_every_stream_with_engine_dead_and_no_process_remains
     asyncio.run(main())
 
 
+@pytest.mark.serial  # it times the watchdog
 def test_a_hung_rank_ends_every_stream_within_the_watchdog_and_is_reaped(tiny_checkpoint_of):
     path = tiny_checkpoint_of("llama", num_key_value_heads=1)
 

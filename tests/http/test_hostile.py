@@ -161,6 +161,7 @@ def _parse_once(body: bytes) -> None:
         orjson.loads(body)
 
 
+@pytest.mark.serial  # its time is compared with a unit measured beside it
 @pytest.mark.parametrize(("name", "path", "body", "param", "word"), CASES, ids=[c[0] for c in CASES])
 def test_hostile_field_is_a_quick_400(http, name, path, body, param, word):
     responses = []
@@ -175,6 +176,7 @@ def test_hostile_field_is_a_quick_400(http, name, path, body, param, word):
     assert elapsed < QUICK_400_UNITS * unit, f"{name}: {elapsed * 1000:.1f} ms, unit {unit * 1000:.2f} ms"
 
 
+@pytest.mark.serial  # measures the loop's stalls
 @pytest.mark.parametrize("kind", ["completion", "chat"])
 def test_a_huge_prompt_is_tokenized_off_the_loop(server, http, kind):
     """~1.8 MB of prompt: tokenizing it on the loop stalled every stream for ~0.5 s (4 MiB: 1.4-2.2 s)."""
@@ -198,6 +200,7 @@ def test_a_huge_prompt_is_tokenized_off_the_loop(server, http, kind):
     )
 
 
+@pytest.mark.serial  # measures the loop's stalls
 def test_a_huge_json_schema_compiles_off_the_loop(server, http):
     """A 0.2 MB schema (3,000 patterned properties): compiling it on the loop stalled every stream ~1.5 s."""
 

@@ -22,8 +22,11 @@ import time
 from pathlib import Path
 
 import orjson
+import pytest
 
 from tests.http.conftest import OVERLOAD_QUEUE_LIMIT, Http
+
+pytestmark = pytest.mark.serial  # it measures timing or load: it runs alone
 
 N_REQUESTS = 1000
 MAX_TOKENS = 4

@@ -17,6 +17,9 @@ from dataclasses import dataclass, field
 
 import aiohttp
 import orjson
+import pytest
+
+pytestmark = pytest.mark.serial  # it measures timing or load: it runs alone
 
 N_CLIENTS = 200
 SEED = 20240607

@@ -16,6 +16,8 @@ from aioengine.bench.loop_lag import LoopLagProbe
 from tests.http.soak import SoakReport, soak
 from tests.timing import StepClock
 
+pytestmark = pytest.mark.serial  # it measures timing or load: it runs alone
+
 SHORT_S = 15.0
 LONG_S = float(os.environ.get("AIOENGINE_SOAK_S", "180"))
 LAG_P99_PER_STEP = 0.5

@@ -3,8 +3,8 @@
 Each rank copies its partial sum into its own slot, then raises its flag to the call's number; once every
 flag has reached it, each rank adds the slots up in rank order, so every rank gets the same bits. Two sets
 of slots alternate: a rank writing call g's slot has seen every rank arrive at call g - 1, so every rank is
-done reading call g - 2's, the last user of that set. Waits spin (a rank waits only for another rank's same
-layer) and give up on ``abort()`` or past the timeout. Tensors larger than a slot go to gloo instead.
+done reading call g - 2's, the last user of that set. Waits spin briefly, then yield (a rank waits only for
+another rank's same layer), and give up on ``abort()`` or past the timeout. Bigger tensors go to gloo.
 """
 
 from __future__ import annotations
@@ -90,18 +90,23 @@ class ShmAllReduce:
         return x
 
     def _wait(self, gen: int) -> None:
+        """Spin a little (the other rank is usually a few µs away), then yield the core, then sleep in
+        short naps: on a machine with more busy threads than cores, a spinner would take the core the
+        rank it waits for needs."""
         flags, spins = self.flags, 0
         deadline = None
         while int(flags.min()) < gen:
             spins += 1
-            if spins & 1023 == 0:
+            if spins < 256:
+                continue
+            if spins & 63 == 0:
                 if self.aborted:
                     raise AllReduceAborted("the all-reduce was aborted")
                 now = time.monotonic()
                 deadline = deadline or now + self.timeout_s
                 if now > deadline:
                     raise AllReduceAborted(f"a rank did not reach the all-reduce within {self.timeout_s} s")
-                time.sleep(0)  # let a thread that shares this core run
+            time.sleep(0 if spins < 2048 else 20e-6)
 
     def abort(self) -> None:
         self.aborted = True
