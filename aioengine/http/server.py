@@ -23,7 +23,7 @@ from aiohttp.abc import AbstractAccessLogger
 from aioengine import gc_freeze
 from aioengine.engine_client import EngineClient, RequestInfo
 from aioengine.errors import AioEngineError
-from aioengine.http import routes_misc
+from aioengine.http import anthropic_messages, routes_misc
 from aioengine.http.context import (
     CONFIG,
     DEFAULT_MAX_BODY,
@@ -77,6 +77,8 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None, **kwargs
     r.add_post("/v1/chat/completions", chat_completions)
     r.add_post("/v1/completions", completions)
     r.add_post("/v1/responses", responses)
+    r.add_post("/v1/messages", anthropic_messages.messages)
+    r.add_post("/v1/messages/count_tokens", anthropic_messages.count_tokens)
     r.add_get("/v1/models", routes_misc.list_models)
     r.add_get("/v1/models/{model:.+}", routes_misc.get_model)
     r.add_get("/v1/ws", websocket_handler)
@@ -184,6 +186,8 @@ def _needs_auth(path: str) -> bool:
 def check_api_key(request: web.Request, key: str) -> None:
     header = request.headers.get("Authorization", "")
     token = header[7:] if header[:7].lower() == "bearer " else None
+    if token is None:
+        token = request.headers.get("x-api-key")  # Anthropic's clients send the key here
     if token is None and request.path == "/v1/ws":
         token = request.query.get("api_key")  # browsers cannot set headers on a websocket
     if token is None or not hmac.compare_digest(token.encode(), key.encode()):
@@ -197,13 +201,15 @@ def check_api_key(request: web.Request, key: str) -> None:
 
 @web.middleware
 async def _middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Auth, then the handler; every error becomes the route family's error JSON (Anthropic's shape on
+    /v1/messages, OpenAI's elsewhere)."""
     try:
         key = request.app[CONFIG].api_key
         if key and _needs_auth(request.path):
             check_api_key(request, key)
         return await handler(request)
     except APIError as e:
-        return error_response(e)
+        return _error(request, e)
     except web.HTTPException as e:
         if e.status < 400:
             raise
@@ -214,13 +220,19 @@ async def _middleware(request: web.Request, handler: Handler) -> web.StreamRespo
         else:
             message = e.text or e.reason
         headers = {k: v for k, v in e.headers.items() if k in ("Allow", "Retry-After")}
-        return error_response(APIError(e.status, message, headers=headers))
+        return _error(request, APIError(e.status, message, headers=headers))
     except AioEngineError as e:
-        return error_response(api_error(e))
+        return _error(request, api_error(e))
     except asyncio.CancelledError:
         raise
     except ConnectionResetError:  # the client left (e.g. while SSE headers were written): answer no one
         return web.Response(status=499)  # aiohttp drops it quietly; an exception would log an error and a 500
     except Exception:
         logger.exception("unhandled error serving %s %s", request.method, request.path)
-        return error_response(APIError(500, "Internal server error."))
+        return _error(request, APIError(500, "Internal server error."))
+
+
+def _error(request: web.Request, err: APIError) -> web.Response:
+    if anthropic_messages.is_messages_path(request.path):
+        return anthropic_messages.anthropic_error(err)
+    return error_response(err)
