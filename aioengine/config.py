@@ -26,6 +26,8 @@ class KernelConfig:
     # takes oneDNN's layout, "torch" keeps plain weights for F.linear.
     cpu_linear: str = "auto"
     cpu_decode_stack: bool = True  # a step of decodes only runs every layer in one C call
+    # Tensor-parallel CPU ranks of one node all-reduce through shared memory (False: through gloo).
+    cpu_shm_allreduce: bool = True
     cuda_graph_capture_timeout_s: float = 180.0  # graph capture stops (smaller sizes run eagerly) past this
 
     def validate(self) -> None:

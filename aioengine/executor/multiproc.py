@@ -94,7 +94,7 @@ class MultiprocExecutor(TensorParallelExecutor):
                 max(args.step_timeout_s, START_TIMEOUT_S),
                 "tp",
                 False,
-                SHM_ALLREDUCE_SLOT_BYTES,
+                shm_allreduce_bytes(args),
             )
             group = await self.watch.race(asyncio.wrap_future(joined))
             backend.ops.tp = group
@@ -140,6 +140,11 @@ class MultiprocExecutor(TensorParallelExecutor):
         _reap(self.procs)  # rank 0's all-reduce with them then fails at once, and its worker is free
         self.worker.shutdown()
         self.ring.release()
+
+
+def shm_allreduce_bytes(args: EngineArgs) -> int:
+    """The shared-memory all-reduce's slot size for this engine's ranks (0: gloo only)."""
+    return SHM_ALLREDUCE_SLOT_BYTES if args.kernels.cpu_shm_allreduce else 0
 
 
 def _reap(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:

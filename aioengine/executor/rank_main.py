@@ -45,14 +45,14 @@ def serve(
     """Join the group, then run every call ``transport(group)()`` brings on this rank's worker, in order;
     ``record(steps, busy_s)`` after each call."""
     from aioengine.executor.base import RankWorker
-    from aioengine.executor.multiproc import SHM_ALLREDUCE_SLOT_BYTES
+    from aioengine.executor.multiproc import shm_allreduce_bytes
     from aioengine.gpu.backends import make_backend
     from aioengine.gpu.parallel import TPGroup
 
     backend = make_backend(cfg.args, device_index=cfg.device_index)
     worker = backend.make_worker()
     one_node = cfg.ring_path is not None  # the mp executor's ranks: the ring and the shared all-reduce
-    shm_bytes = SHM_ALLREDUCE_SLOT_BYTES if one_node else 0
+    shm_bytes = shm_allreduce_bytes(cfg.args) if one_node else 0
     group = worker.submit(
         TPGroup,
         cfg.init_method,

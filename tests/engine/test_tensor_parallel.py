@@ -13,6 +13,7 @@ import time
 import pytest
 
 from aioengine import AsyncEngine, EngineArgs, SamplingParams
+from aioengine.config import KernelConfig
 from aioengine.errors import EngineDeadError
 from aioengine.gpu.parallel import TensorParallelError, plan_shard
 
@@ -73,24 +74,28 @@ async def _greedy(path, tp: int, max_tokens: int = 12, **kwargs) -> tuple[list[l
         assert local.num_attention_heads == full[1] - full[0]
         seen["rank_calls"] = [s.calls for s in engine.rank_stats()]
         seen["executor"] = type(engine._executor).__name__
+        group = engine.backend.ops.tp
+        seen["shm"] = group is not None and group.shm is not None
     assert all(p.poll() is not None for p in procs), "a rank outlived the engine"
     return [o.outputs[0].token_ids for o in outs], seen
 
 
 @pytest.mark.parametrize(
-    "kind, overrides",
+    "kind, overrides, shm",
     [
-        ("llama", {"num_key_value_heads": 1}),  # fewer KV heads than ranks: replicated
-        ("qwen2", {"vocab_size": 49157}),  # an odd vocabulary (the head is replicated)
-        ("qwen3", {"num_attention_heads": 6, "num_key_value_heads": 3}),  # 3 KV heads: 2 + 1
+        ("llama", {"num_key_value_heads": 1}, True),  # fewer KV heads than ranks: replicated
+        ("qwen2", {"vocab_size": 49157}, False),  # an odd vocabulary (the head is replicated); over gloo
+        ("qwen3", {"num_attention_heads": 6, "num_key_value_heads": 3}, True),  # 3 KV heads: 2 + 1
     ],
 )
-def test_tp2_greedy_equals_tp1(tiny_checkpoint_of, kind, overrides):
+def test_tp2_greedy_equals_tp1(tiny_checkpoint_of, kind, overrides, shm):
+    """The all-reduces go through shared memory, or (qwen2) through gloo itself."""
     path = tiny_checkpoint_of(kind, **overrides)
     ref, ref_stats = asyncio.run(_greedy(path, 1))
-    got, stats = asyncio.run(_greedy(path, 2))
+    got, stats = asyncio.run(_greedy(path, 2, kernels=KernelConfig(cpu_shm_allreduce=shm)))
     assert ref_stats["preempted"] > 0 and ref_stats["hits"] > 0  # the workload exercised both
     assert got == ref
+    assert stats["shm"] == shm
     # every step ran on both ranks (rank 1 records a step once it is done: it may trail by one)
     rank0, rank1 = stats["rank_calls"]
     assert rank0 > 0 and rank0 - 1 <= rank1 <= rank0
