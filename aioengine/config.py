@@ -71,6 +71,9 @@ class EngineArgs:
     max_cudagraph_capture_size: int | None = None
     quantization: str | None = None  # CPU only: int8 | int4 weight-only (aioengine/gpu/cpu/quant.py)
     step_timeout_s: float = 300.0  # watchdog: a step running longer marks the engine dead
+    # A request's grammar (JSON schema, regex, EBNF) that takes longer to compile is refused (400); the
+    # compile runs on a thread, so the streams never wait for it.
+    grammar_compile_timeout_s: float = 10.0
     # vLLM's keys: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n, ...}
     speculative_config: dict[str, Any] | SpeculativeConfig | None = None
     # Tensor parallelism: ranks 1..N-1 are processes this engine spawns ("mp") or Ray actors ("ray", for
@@ -113,6 +116,8 @@ class EngineArgs:
             raise ValueError(f"quantization must be int8 or int4, got {self.quantization!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if not self.grammar_compile_timeout_s > 0:
+            raise ValueError(f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
         if self.distributed_executor_backend not in ("mp", "ray"):

@@ -218,8 +218,17 @@ class AsyncEngine:
         if spec is None:
             return None
         manager = self._structured_output_manager()
-        compiled = await asyncio.get_running_loop().run_in_executor(None, manager.compile, spec)
-        return PrecompiledGrammar(spec, compiled)
+        compiling = asyncio.get_running_loop().run_in_executor(None, manager.compile, spec)
+        limit = self.args.grammar_compile_timeout_s
+        done, _ = await asyncio.wait((compiling,), timeout=limit)
+        if not done:  # the thread cannot be stopped: it finishes on its own, and its result is dropped
+            compiling.add_done_callback(lambda f: f.cancelled() or f.exception())
+            raise InvalidRequestError(
+                f"The structured output's grammar did not compile within {limit:g} s "
+                "(grammar_compile_timeout_s); simplify the schema.",
+                param="structured_outputs",
+            )
+        return PrecompiledGrammar(spec, compiling.result())
 
     def _check_alive(self) -> None:
         if self._dead is not None:
@@ -305,6 +314,8 @@ class AsyncEngine:
             if compiled_grammar is not None:
                 request.structured_output = self._structured.new_grammar(compiled_grammar)
             self.scheduler.add_request(request)
+        if params.timeout_s is not None:  # a no-op once the request has finished
+            asyncio.get_running_loop().call_later(params.timeout_s, self._abort_state, state, "timeout")
         self._wakeup.set()
         return GenerateHandle(self, state)
 
@@ -341,13 +352,15 @@ class AsyncEngine:
         self._abort_state(state)
         return True
 
-    def _abort_state(self, state: RequestState) -> None:
+    def _abort_state(self, state: RequestState, reason: str = "abort") -> None:
+        """End ``state`` now with finish_reason ``reason`` (abort, or timeout past its deadline); the
+        scheduler frees its KV blocks."""
         if state.finished:
             return
         live = [cid for cid, done in zip(state.child_ids, state.child_done, strict=True) if not done]
         if self.scheduler is not None and self._dead is None:
             self.scheduler.finish_requests(live, RequestStatus.FINISHED_ABORTED)
-        completions = [CompletionOutput(state.child_ids.index(cid), "", [], "abort") for cid in live]
+        completions = [CompletionOutput(state.child_ids.index(cid), "", [], reason) for cid in live]
         for cid in live:
             self._children.pop(cid, None)
         state.child_done = [True] * len(state.child_ids)

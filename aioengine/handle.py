@@ -39,7 +39,7 @@ class RequestState:
 class RequestOwner(Protocol):
     """What a handle needs of its engine (AsyncEngine): typed here so that handle.py never imports it."""
 
-    def _abort_state(self, state: RequestState) -> None: ...
+    def _abort_state(self, state: RequestState, reason: str = "abort") -> None: ...
 
 
 class GenerateHandle:

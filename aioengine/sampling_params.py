@@ -55,6 +55,7 @@ BOUNDS: dict[str, Range] = {
     "seed": Range(lo=-(2**63), hi=2**63 - 1, words="a 64-bit integer"),
     "logprobs": Range(lo=0, hi=MAX_LOGPROBS, words="non-negative"),
     "prompt_logprobs": Range(lo=0, hi=MAX_LOGPROBS, words="non-negative"),
+    "timeout_s": Range(lo=0, exclusive_lo=True, words="greater than zero"),
 }
 
 
@@ -153,6 +154,9 @@ class SamplingParams:
     bad_words: list[str] | None = None  # never generate these words (each as token sequences, see below)
     structured_outputs: StructuredOutputsParams | None = None
     speculative: bool = True  # False: this request never verifies drafts (when the engine speculates)
+    # A deadline, in seconds from generate(): then the request ends with finish_reason "timeout" (what it
+    # generated so far is kept) and its KV blocks are freed.
+    timeout_s: float | None = None
     # Filled by the engine from bad_words with its tokenizer (vLLM's _bad_words_token_ids).
     bad_words_token_ids: list[list[int]] | None = None
 
@@ -205,6 +209,10 @@ class SamplingParams:
                 raise bad(name, f"{name} must be a number, got {value!r}.")
             if abs(value) > _FLOAT32_MAX:  # the device keeps them as float32: beyond, they would become inf
                 raise bad(name, f"{name} must be a finite float32, got {value!r}.")
+        if self.timeout_s is not None:
+            t = self.timeout_s
+            if isinstance(t, bool) or not isinstance(t, int | float) or not t > 0 or t == float("inf"):
+                raise bad("timeout_s", f"timeout_s must be a finite number of seconds > 0, got {t!r}.")
         if self.max_tokens is not None and type(self.max_tokens) is not int:
             raise bad("max_tokens", f"max_tokens must be an integer, got {self.max_tokens!r}.")
         if self.seed is not None and type(self.seed) is not int:

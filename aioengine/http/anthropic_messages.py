@@ -41,7 +41,12 @@ _ERROR_TYPES = {
     503: "overloaded_error",
     529: "overloaded_error",
 }
-_STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "abort": "end_turn"}
+_STOP_REASONS = {
+    "stop": "end_turn",
+    "length": "max_tokens",
+    "tool_calls": "tool_use",
+    "timeout": "pause_turn",
+}
 # Fields of a Messages body that have no chat equivalent here.
 _REFUSED = {
     "container": "Containers",

@@ -55,6 +55,26 @@ def chat_logprobs(
     return {"content": content}
 
 
+def prompt_logprobs_json(engine: EngineClient, plp: list[TokenLogprobs | None] | None) -> list[Any] | None:
+    """vLLM's ``prompt_logprobs``: per prompt token, None (the first) or {token id: {"logprob", "rank",
+    "decoded_token"}}, the prompt's own token first."""
+    if plp is None:
+        return None
+    return [
+        None
+        if d is None
+        else {
+            str(tid): {
+                "logprob": max(lp.logprob, _FLOOR),
+                "rank": lp.rank,
+                "decoded_token": _text(engine, tid, lp),
+            }
+            for tid, lp in d.items()
+        }
+        for d in plp
+    ]
+
+
 class CompletionLogprobs:
     """The legacy format for one choice; keeps the running text offset across stream chunks."""
 

@@ -12,7 +12,7 @@ from aioengine.engine_client import EngineClient, RequestHandle
 from aioengine.http import admission
 from aioengine.http.admission import Admitted
 from aioengine.http.context import ENGINE, json_response
-from aioengine.http.logprobs import chat_logprobs
+from aioengine.http.logprobs import chat_logprobs, prompt_logprobs_json
 from aioengine.http.protocol import ChatRequest, parse_chat_request
 from aioengine.http.streaming import JSON, Tally, stream_choices
 from aioengine.http.tools import StreamParser, extract
@@ -49,7 +49,7 @@ def chat_completion(engine: EngineClient, adm: Admitted[ChatRequest], out: Reque
                 "stop_reason": c.stop_reason,
             }
         )
-    return {
+    response = {
         "id": adm.request_id,
         "object": "chat.completion",
         "created": int(time.time()),
@@ -57,6 +57,9 @@ def chat_completion(engine: EngineClient, adm: Admitted[ChatRequest], out: Reque
         "choices": choices,
         "usage": Tally.of([out]).usage(),
     }
+    if req.want_prompt_logprobs:  # vLLM's extra field, beside the choices
+        response["prompt_logprobs"] = prompt_logprobs_json(engine, out.prompt_logprobs)
+    return response
 
 
 async def stream_chat(

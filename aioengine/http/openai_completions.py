@@ -12,7 +12,7 @@ from aioengine.engine_client import EngineClient, RequestHandle
 from aioengine.http import admission
 from aioengine.http.admission import Admitted
 from aioengine.http.context import ENGINE, json_response
-from aioengine.http.logprobs import CompletionLogprobs, LegacyLogprobs
+from aioengine.http.logprobs import CompletionLogprobs, LegacyLogprobs, prompt_logprobs_json
 from aioengine.http.protocol import CompletionRequest, parse_completion_request
 from aioengine.http.streaming import JSON, Tally, stream_choices
 from aioengine.outputs import CompletionOutput, PromptLogprobs, RequestOutput
@@ -51,15 +51,16 @@ def text_completion(
                     renderer.render(out.prompt_token_ids, out.prompt_logprobs) if req.echo else None,
                     renderer.render(c.token_ids, c.logprobs),
                 )
-            choices.append(
-                {
-                    "index": i * n + c.index,
-                    "text": echo + c.text,
-                    "logprobs": lp,
-                    "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason,
-                }
-            )
+            choice = {
+                "index": i * n + c.index,
+                "text": echo + c.text,
+                "logprobs": lp,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            if req.want_prompt_logprobs:
+                choice["prompt_logprobs"] = prompt_logprobs_json(engine, out.prompt_logprobs)
+            choices.append(choice)
     return {
         "id": adm.request_id,
         "object": "text_completion",

@@ -86,6 +86,7 @@ class GenerationRequest:
     request_id: str | None = None
     priority: int = 0
     user: str | None = None
+    want_prompt_logprobs: bool = False  # the request set vLLM's prompt_logprobs (echo's are its own)
 
 
 @dataclass(slots=True)
@@ -173,6 +174,8 @@ def _sampling_params(
             allowed_token_ids=allowed,
             bad_words=bad_words,
             structured_outputs=_structured_outputs(f),
+            prompt_logprobs=f.int("prompt_logprobs"),
+            timeout_s=f.float("timeout_s"),
         )
     except InvalidRequestError as e:
         raise api_error(e) from None
@@ -206,15 +209,19 @@ def _common(
     request_id = f.str("request_id")
     if request_id is not None and not request_id:
         raise bad("request_id cannot be empty.", "request_id")
+    params = _sampling_params(f, max_tokens, logprobs, limits, defaults)
+    if stream and params.prompt_logprobs is not None:
+        raise bad("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
     return GenerationRequest(
         model=f.str("model"),
-        params=_sampling_params(f, max_tokens, logprobs, limits, defaults),
+        params=params,
         stream=stream,
         include_usage=include_usage,
         continuous_usage_stats=continuous,
         request_id=request_id,
         priority=priority,
         user=f.str("user"),
+        want_prompt_logprobs=params.prompt_logprobs is not None,
     )
 
 
@@ -275,6 +282,7 @@ def parse_chat_request(
         g.request_id,
         g.priority,
         g.user,
+        g.want_prompt_logprobs,
         messages=messages,
         chat_template_kwargs=kwargs,
         tools=tools,
@@ -308,7 +316,7 @@ def parse_completion_request(
     g = _common(
         f, f.int("max_tokens", COMPLETION_MAX_TOKENS), logprobs, allow_priority, limits, defaults or {}
     )
-    if echo and logprobs is not None:  # the echoed prompt carries its own logprobs
+    if echo and logprobs is not None and g.params.prompt_logprobs is None:  # the echoed prompt's own
         g.params.prompt_logprobs = logprobs
     best_of = f.int("best_of")
     if best_of is not None and best_of != g.params.n:
@@ -324,6 +332,7 @@ def parse_completion_request(
         g.request_id,
         g.priority,
         g.user,
+        g.want_prompt_logprobs,
         prompts=prompts,
         echo=echo,
     )

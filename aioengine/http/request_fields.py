@@ -132,6 +132,8 @@ SAMPLING: Table = {
     "include_stop_str_in_output": Spec(bool),
     "skip_special_tokens": Spec(bool),
     "speculative": Spec(bool, description="false: never verify drafts, when the server speculates"),
+    "timeout_s": _sampled(float, "timeout_s", description='seconds; then finish_reason "timeout"'),
+    "prompt_logprobs": _sampled(int, "prompt_logprobs", later=False, description="vLLM's: per prompt token"),
     "stream": Spec(bool),
     "stream_options": Spec(
         dict,
