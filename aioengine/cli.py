@@ -20,6 +20,22 @@ from aioengine.cli_common import (
 logger = logging.getLogger("aioengine.serve")
 
 
+def parse_origin_list(text: str) -> list[str]:
+    """vLLM's form, a JSON list of strings, or a comma-separated list."""
+    import json
+
+    text = text.strip()
+    if text.startswith("["):
+        try:
+            items = json.loads(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"not a JSON list: {e}") from None
+        if not isinstance(items, list) or not all(isinstance(x, str) for x in items):
+            raise argparse.ArgumentTypeError("expected a JSON list of strings")
+        return items
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
 def parse_request_limit(text: str) -> tuple[str, int]:
     """'max_n=16' -> ("max_n", 16): one field of aioengine.http.protocol.RequestLimits."""
     from aioengine.http.protocol import RequestLimits
@@ -70,6 +86,19 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME=N",
         help="override one per-request cap (docs/api.md), e.g. max_n=16; repeatable",
     )
+    for flag, default, what in (
+        (
+            "--allowed-origins",
+            "[]",
+            "origins whose pages may call the API (CORS), e.g. '[\"http://localhost:3000\"]'",
+        ),
+        ("--allowed-methods", '["*"]', "CORS: the methods those pages may use"),
+        ("--allowed-headers", '["*"]', "CORS: the request headers those pages may send"),
+    ):
+        srv.add_argument(
+            flag, type=parse_origin_list, default=parse_origin_list(default), help=f"{what} (JSON list)"
+        )
+    srv.add_argument("--allow-credentials", action="store_true", help="CORS: allow cookies and credentials")
     srv.add_argument("--log-requests", action="store_true", help="log every request and the access log")
     srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
     srv.add_argument("--disable-log-stats", action="store_true", help="no periodic stats line")
@@ -132,6 +161,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"aioengine serve: {e}", file=sys.stderr)
         return 2
+    from aioengine.http.cors import CorsConfig
     from aioengine.http.protocol import RequestLimits
     from aioengine.http.server import ServerConfig
 
@@ -142,6 +172,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         served_model_names=args.served_model_name or [],
         log_requests=args.log_requests,
         limits=dataclasses.replace(RequestLimits(), **dict(args.request_limit)),
+        cors=CorsConfig(
+            tuple(args.allowed_origins),
+            tuple(args.allowed_methods),
+            tuple(args.allowed_headers),
+            args.allow_credentials,
+        ),
     )
     return run_in_loop(_serve_main(args, engine_args, config))
 

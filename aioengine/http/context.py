@@ -12,6 +12,7 @@ import orjson
 from aiohttp import web
 
 from aioengine.engine_client import EngineClient
+from aioengine.http.cors import CorsConfig
 from aioengine.http.fields import APIError, RequestLimits
 
 if TYPE_CHECKING:  # metrics.py imports prometheus_client; only its type is named here
@@ -30,6 +31,7 @@ class ServerConfig:
     loop_lag_interval: float = 0.05
     retry_after_s: int = 1
     limits: RequestLimits = field(default_factory=RequestLimits)  # caps on one request's fields (400 beyond)
+    cors: CorsConfig = field(default_factory=CorsConfig)  # other origins' pages (none by default)
 
 
 @dataclass(slots=True, eq=False)

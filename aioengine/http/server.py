@@ -23,7 +23,7 @@ from aiohttp.abc import AbstractAccessLogger
 from aioengine import gc_freeze
 from aioengine.engine_client import EngineClient, RequestInfo
 from aioengine.errors import AioEngineError
-from aioengine.http import anthropic_messages, routes_misc
+from aioengine.http import anthropic_messages, cors, routes_misc
 from aioengine.http.context import (
     CONFIG,
     DEFAULT_MAX_BODY,
@@ -72,6 +72,8 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None, **kwargs
     app[CONFIG] = cfg
     app[STATE] = AppState()
     app.cleanup_ctx.append(_lifecycle)
+    if cfg.cors.enabled:
+        app.on_response_prepare.append(_cors_headers)
     app.on_shutdown.append(_close_websockets)
     r = app.router
     r.add_post("/v1/chat/completions", chat_completions)
@@ -160,6 +162,10 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         gc_freeze.unfreeze()
 
 
+async def _cors_headers(request: web.Request, response: web.StreamResponse) -> None:
+    cors.add_headers(request, response, request.app[CONFIG].cors)
+
+
 async def _close_websockets(app: web.Application) -> None:
     app[STATE].draining = True
     for ws in list(app[STATE].websockets):
@@ -204,6 +210,9 @@ async def _middleware(request: web.Request, handler: Handler) -> web.StreamRespo
     """Auth, then the handler; every error becomes the route family's error JSON (Anthropic's shape on
     /v1/messages, OpenAI's elsewhere)."""
     try:
+        answer = cors.preflight(request, request.app[CONFIG].cors)  # before auth: it carries no key
+        if answer is not None:
+            return answer
         key = request.app[CONFIG].api_key
         if key and _needs_auth(request.path):
             check_api_key(request, key)

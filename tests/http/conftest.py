@@ -19,9 +19,11 @@ import orjson
 import pytest
 
 from aioengine import AsyncEngine, EngineArgs
+from aioengine.http.cors import CorsConfig
 from aioengine.http.server import bound_port, build_app, start_server
 from tests.timing import HANG_S
 
+CORS_ORIGIN = "http://localhost:8765"  # a page's origin: tests/http/test_cors.py serves one there
 API_KEY = "test-key-123"
 QUEUE_LIMIT = 2
 OVERLOAD_QUEUE_LIMIT = 128
@@ -66,6 +68,8 @@ class LiveServer:
         apps = {
             "main": build_app(self.engine),
             "keyed": build_app(self.engine, api_key=API_KEY),
+            # pages of CORS_ORIGIN may call it, with the key (tests/http/test_cors.py)
+            "cors": build_app(self.engine, api_key=API_KEY, cors=CorsConfig((CORS_ORIGIN,))),
             "limited": build_app(self.engine, max_num_queued_reqs=QUEUE_LIMIT),
             "logged": build_app(self.engine, log_requests=True, served_model_names=["alias", "default"]),
             "overload": build_app(self.engine, max_num_queued_reqs=OVERLOAD_QUEUE_LIMIT),
