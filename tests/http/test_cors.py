@@ -86,6 +86,6 @@ def test_the_flags_take_vllms_json_lists_or_commas():
     assert parse_origin_list('["http://a:1", "https://b"]') == ["http://a:1", "https://b"]
     assert parse_origin_list("http://a:1, https://b") == ["http://a:1", "https://b"]
     assert parse_origin_list("[]") == []
-    for bad in ("[1]", '["x"', '{"a": 1}'):
+    for bad in ("[1]", '["x"', '[{"a": 1}]'):
         with pytest.raises(argparse.ArgumentTypeError):
             parse_origin_list(bad)
