@@ -98,6 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
         srv.add_argument(
             flag, type=parse_origin_list, default=parse_origin_list(default), help=f"{what} (JSON list)"
         )
+    srv.add_argument(
+        "--reasoning-parser",
+        choices=["qwen3", "deepseek_r1"],
+        default=None,
+        help="split <think> text out of the answer: reasoning_content in chat, thinking blocks in messages",
+    )
     srv.add_argument("--allow-credentials", action="store_true", help="CORS: allow cookies and credentials")
     srv.add_argument("--log-requests", action="store_true", help="log every request and the access log")
     srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
@@ -172,6 +178,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         served_model_names=args.served_model_name or [],
         log_requests=args.log_requests,
         limits=dataclasses.replace(RequestLimits(), **dict(args.request_limit)),
+        reasoning_parser=args.reasoning_parser,
         cors=CorsConfig(
             tuple(args.allowed_origins),
             tuple(args.allowed_methods),

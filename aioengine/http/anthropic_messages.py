@@ -23,6 +23,8 @@ from aioengine.http.admission import Admitted
 from aioengine.http.context import CONFIG, ENGINE, check_model, json_response
 from aioengine.http.fields import APIError, bad, not_supported
 from aioengine.http.protocol import ChatRequest, parse_chat_request
+from aioengine.http.reasoning import ReasoningParser
+from aioengine.http.reasoning import split as split_reasoning
 from aioengine.http.streaming import JSON, SSEWriter, Tally, guarded_sse, merged
 from aioengine.http.tools import StreamParser, extract
 from aioengine.outputs import CompletionOutput
@@ -47,6 +49,19 @@ _STOP_REASONS = {
     "tool_calls": "tool_use",
     "timeout": "pause_turn",
 }
+# vLLM's sampling extras, taken here as on the chat route (a client sends them with extra_body).
+_VLLM_EXTRAS = (
+    "seed",
+    "min_p",
+    "min_tokens",
+    "ignore_eos",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "structured_outputs",
+    "chat_template_kwargs",
+    "timeout_s",
+)
 # Fields of a Messages body that have no chat equivalent here.
 _REFUSED = {
     "container": "Containers",
@@ -215,7 +230,7 @@ def to_chat_body(data: JSON) -> JSON:
     if "max_tokens" not in data:
         raise bad("max_tokens: Field required", "max_tokens")
     body: JSON = {"messages": _messages(data), "max_tokens": data["max_tokens"]}
-    for key in ("model", "temperature", "top_p", "top_k", "stream"):
+    for key in ("model", "temperature", "top_p", "top_k", "stream", *_VLLM_EXTRAS):
         if key in data:
             body[key] = data[key]
     stops = data.get("stop_sequences")
@@ -248,11 +263,12 @@ async def messages(request: web.Request) -> web.StreamResponse:
     )
     handle = admission.start_chat(request.app, adm, f"messages, {len(adm.req.messages)} messages")
     engine = request.app[ENGINE]
+    reasoning = request.app[CONFIG].reasoning_parser
     if adm.req.stream:
-        return await stream_message(request, engine, adm, handle)
+        return await stream_message(request, engine, adm, handle, reasoning)
     out = await handle
     return json_response(
-        message(adm, out.outputs[0], Tally.of([out])), headers={"X-Request-Id": adm.request_id}
+        message(adm, out.outputs[0], Tally.of([out]), reasoning), headers={"X-Request-Id": adm.request_id}
     )
 
 
@@ -274,14 +290,24 @@ def _message_id(request_id: str) -> str:
     return request_id if request_id.startswith("msg") else f"msg_{uuid.uuid4().hex}"
 
 
-def _blocks_of(adm: Admitted[ChatRequest], c: CompletionOutput) -> tuple[list[JSON], str | None]:
-    """A finished completion's content blocks, and its chat finish_reason (tool_calls when it called)."""
+def _blocks_of(
+    adm: Admitted[ChatRequest], c: CompletionOutput, reasoning_parser: str | None
+) -> tuple[list[JSON], str | None]:
+    """A finished completion's content blocks (thinking first, when a parser found any), and its chat
+    finish_reason (tool_calls when it called)."""
     req, text, finish = adm.req, c.text, c.finish_reason
+    thought = None
+    if reasoning_parser is not None:
+        thought, text = split_reasoning(reasoning_parser, text)
     calls: list[dict] = []
     if req.tools is not None and req.tools.choice != "none":
-        content, calls, finish = extract(req.tools, c.text, c.finish_reason)
+        content, calls, finish = extract(req.tools, text, c.finish_reason)
         text = content or ""
-    blocks: list[JSON] = [{"type": "text", "text": text}] if text or not calls else []
+    blocks: list[JSON] = (
+        [] if thought is None else [{"type": "thinking", "thinking": thought, "signature": ""}]
+    )
+    if text or not calls:
+        blocks.append({"type": "text", "text": text})
     for call in calls:
         blocks.append(_tool_use(call))
     return blocks, finish
@@ -316,8 +342,10 @@ def _usage(tally: Tally) -> JSON:
     }
 
 
-def message(adm: Admitted[ChatRequest], c: CompletionOutput, tally: Tally) -> JSON:
-    blocks, finish = _blocks_of(adm, c)
+def message(
+    adm: Admitted[ChatRequest], c: CompletionOutput, tally: Tally, reasoning_parser: str | None = None
+) -> JSON:
+    blocks, finish = _blocks_of(adm, c, reasoning_parser)
     stop_reason, stop_sequence = _stop(c, finish)
     return {
         "id": _message_id(adm.request_id),
@@ -332,9 +360,14 @@ def message(adm: Admitted[ChatRequest], c: CompletionOutput, tally: Tally) -> JS
 
 
 async def stream_message(
-    request: web.Request, engine: EngineClient, adm: Admitted[ChatRequest], handle: RequestHandle
+    request: web.Request,
+    engine: EngineClient,
+    adm: Admitted[ChatRequest],
+    handle: RequestHandle,
+    reasoning_parser: str | None = None,
 ) -> web.StreamResponse:
     tally = Tally([0], [0])
+    thinker = ReasoningParser(reasoning_parser) if reasoning_parser is not None else None
     tools = adm.req.tools if adm.req.tools is not None and adm.req.tools.choice != "none" else None
     parser = StreamParser(tools) if tools is not None else None
     start: JSON = {
@@ -362,10 +395,14 @@ async def stream_message(
                     first = False
                 c = last = out.outputs[0]
                 finish = c.finish_reason or finish
+                text = c.text
+                if thinker is not None:  # <think> text streams as a thinking block, first
+                    thought, text = thinker.feed(c.text, final=c.finish_reason is not None)
+                    await blocks.thinking(thought)
                 if parser is None:
-                    await blocks.text(c.text)
+                    await blocks.text(text)
                     continue
-                delta = parser.delta(c.text) or {}
+                delta = parser.delta(text) or {}
                 if c.finish_reason:
                     rest, finish = parser.finish(c.finish_reason)
                     for key, value in (rest or {}).items():
@@ -414,6 +451,14 @@ class _BlockStream:
         if self.open is not None:
             await self.sse.send_event({"type": "content_block_stop", "index": self.index})
             self.open = None
+
+    async def thinking(self, text: str) -> None:
+        if not text:
+            return
+        if self.open != "thinking":
+            await self._start({"type": "thinking", "thinking": "", "signature": ""}, "thinking")
+        delta = {"type": "thinking_delta", "thinking": text}
+        await self.sse.send_event({"type": "content_block_delta", "index": self.index, "delta": delta})
 
     async def text(self, text: str) -> None:
         if not text:

@@ -32,6 +32,7 @@ class ServerConfig:
     retry_after_s: int = 1
     limits: RequestLimits = field(default_factory=RequestLimits)  # caps on one request's fields (400 beyond)
     cors: CorsConfig = field(default_factory=CorsConfig)  # other origins' pages (none by default)
+    reasoning_parser: str | None = None  # qwen3 | deepseek_r1: <think> text apart from the answer
 
 
 @dataclass(slots=True, eq=False)

@@ -70,6 +70,7 @@ class LiveServer:
             "keyed": build_app(self.engine, api_key=API_KEY),
             # pages of CORS_ORIGIN may call it, with the key (tests/http/test_cors.py)
             "cors": build_app(self.engine, api_key=API_KEY, cors=CorsConfig((CORS_ORIGIN,))),
+            "reasoning": build_app(self.engine, reasoning_parser="qwen3"),  # tests/http/test_reasoning.py
             "limited": build_app(self.engine, max_num_queued_reqs=QUEUE_LIMIT),
             "logged": build_app(self.engine, log_requests=True, served_model_names=["alias", "default"]),
             "overload": build_app(self.engine, max_num_queued_reqs=OVERLOAD_QUEUE_LIMIT),

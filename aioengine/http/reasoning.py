@@ -1,0 +1,75 @@
+"""Reasoning parsers (--reasoning-parser qwen3 | deepseek_r1): a completion's <think>...</think> text split
+from its answer, whole or as it streams.
+
+deepseek_r1: the chat template opens the think block in the prompt, so the output is reasoning until
+</think> (a leading <think> is dropped); cut short, it is reasoning only. qwen3: the output reasons only
+when it opens with <think> (so `enable_thinking: false`, whose template leaves the block out, gives plain
+content); an unclosed block is reasoning. Streaming holds back a tail that could still become a tag, so the
+split never depends on how the text was cut into deltas.
+"""
+
+from __future__ import annotations
+
+START, END = "<think>", "</think>"
+PARSERS = ("qwen3", "deepseek_r1")
+
+
+def _held(text: str, tag: str) -> int:
+    """How many trailing characters of ``text`` could be the start of ``tag``."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-k:]):
+            return k
+    return 0
+
+
+class ReasoningParser:
+    """One completion's split. ``feed`` each piece of text as it comes, ``flush`` at the end; each returns
+    the (reasoning, content) text that may go out now."""
+
+    def __init__(self, kind: str) -> None:
+        assert kind in PARSERS, kind
+        self.kind = kind
+        self.text = ""
+        self.mode = "open?"  # open? (a <think> may still begin), reasoning, content
+        self.start = 0  # where the text not yet handed out begins
+        self.reasoned = False  # the output had a think block (or, deepseek_r1, always)
+
+    def feed(self, piece: str, final: bool = False) -> tuple[str, str]:
+        self.text += piece
+        reasoning = ""
+        while True:
+            rest = self.text[self.start :]
+            if self.mode == "open?":
+                stripped = rest.lstrip()
+                if stripped.startswith(START):  # the block opens here: the tag itself is dropped
+                    self.start += len(rest) - len(stripped) + len(START)
+                elif not final and START.startswith(stripped):
+                    return reasoning, ""  # could still become <think>
+                elif self.kind == "qwen3":
+                    self.mode = "content"  # no think block: all answer
+                    continue
+                self.mode, self.reasoned = "reasoning", True
+                continue
+            if self.mode == "content":
+                self.start = len(self.text)
+                return reasoning, rest
+            at = rest.find(END)
+            if at >= 0:
+                reasoning += rest[:at]
+                self.start += at + len(END)
+                self.mode = "content"
+                continue
+            keep = 0 if final else _held(rest, END)
+            reasoning += rest[: len(rest) - keep]
+            self.start += len(rest) - keep
+            return reasoning, ""
+
+    def flush(self) -> tuple[str, str]:
+        return self.feed("", final=True)
+
+
+def split(kind: str, text: str) -> tuple[str | None, str]:
+    """A finished completion's (reasoning, or None when it had no think block; content)."""
+    parser = ReasoningParser(kind)
+    reasoning, content = parser.feed(text, final=True)
+    return (reasoning if parser.reasoned else None), content

@@ -1,0 +1,109 @@
+"""--reasoning-parser: <think> text apart from the answer, whole or streamed in any cut, in chat
+(reasoning_content) and in Messages (thinking blocks); an answer without a think block is left as it is."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import anthropic
+import openai
+import pytest
+
+from aioengine.http.reasoning import ReasoningParser, split
+
+TEXTS = [
+    "<think>\nhmm, France\n</think>\n\nParis",
+    "Paris",
+    "<think>cut short",
+    "  <think>a</think>b",
+    "<thi",
+    "x <think> not a block</think>",
+    "hmm</think>Paris",
+    "<think></think>",
+    "a</thin",
+]
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "deepseek_r1"])
+def test_a_stream_cut_anywhere_splits_as_the_whole_text(kind):
+    rng = random.Random(0)
+    for text in TEXTS:
+        want = split(kind, text)
+        for _ in range(20):
+            parser, got_r, got_c, i = ReasoningParser(kind), "", "", 0
+            while i < len(text):
+                j = min(len(text), i + rng.randint(1, 4))
+                r, c = parser.feed(text[i:j])
+                got_r, got_c, i = got_r + r, got_c + c, j
+            r, c = parser.flush()
+            assert ((got_r + r) if parser.reasoned else None, got_c + c) == want, (kind, text)
+
+
+def test_the_two_parsers_rules():
+    assert split("qwen3", "<think>\nhmm\n</think>\n\nParis") == ("\nhmm\n", "\n\nParis")
+    assert split("qwen3", "Paris") == (None, "Paris")  # no think block (enable_thinking false): an answer
+    assert split("qwen3", "<think>cut") == ("cut", "")  # unclosed: all reasoning
+    assert split("qwen3", "x <think> y</think>") == (None, "x <think> y</think>")  # a block only opens first
+    assert split("deepseek_r1", "hmm</think>Paris") == ("hmm", "Paris")  # the prompt opened the block
+    assert split("deepseek_r1", "hmm") == ("hmm", "")
+    assert split("deepseek_r1", "<think>a</think>b") == ("a", "b")
+
+
+THINK = {"structured_outputs": {"regex": "<think>[a-z ]{8,24}</think>The capital is Paris\\."}}
+ASK = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    return openai.OpenAI(base_url=server.url("reasoning") + "/v1", api_key="x", max_retries=0, timeout=60)
+
+
+def test_chat_puts_the_think_block_in_reasoning_content_streamed_or_not(oai):
+    r = oai.chat.completions.create(
+        model="default", messages=ASK, temperature=0, max_tokens=60, extra_body=THINK
+    )
+    m = r.choices[0].message
+    assert m.content == "The capital is Paris." and 8 <= len(m.reasoning_content) <= 24
+    chunks = list(
+        oai.chat.completions.create(
+            model="default", messages=ASK, temperature=0, max_tokens=60, extra_body=THINK, stream=True
+        )
+    )
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    reasoning = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
+    content = "".join(d.content or "" for d in deltas)
+    assert reasoning == m.reasoning_content and content == m.content and "<think>" not in content
+    assert sum(1 for d in deltas if getattr(d, "reasoning_content", None)) >= 2  # streamed as it came
+
+
+def test_an_answer_without_a_think_block_is_unchanged(oai, client):
+    plain = client.chat.completions.create(model="default", messages=ASK, temperature=0, max_tokens=12)
+    parsed = oai.chat.completions.create(
+        model="default",
+        messages=ASK,
+        temperature=0,
+        max_tokens=12,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )
+    assert parsed.choices[0].message.content == plain.choices[0].message.content
+    assert getattr(parsed.choices[0].message, "reasoning_content", None) is None
+
+
+def test_messages_give_a_thinking_block_first_streamed_or_not(server, http):
+    claude = anthropic.Anthropic(base_url=server.url("reasoning"), api_key="x", max_retries=0)
+    extra = {"temperature": 0, **THINK}
+    m = claude.messages.create(model="default", max_tokens=60, messages=ASK, extra_body=extra)
+    assert [b.type for b in m.content] == ["thinking", "text"]
+    assert m.content[1].text == "The capital is Paris." and 8 <= len(m.content[0].thinking) <= 24
+    with claude.messages.stream(model="default", max_tokens=60, messages=ASK, extra_body=extra) as s:
+        final = s.get_final_message()
+    assert [b.type for b in final.content] == ["thinking", "text"]
+    assert final.content[0].thinking == m.content[0].thinking and final.content[1].text == m.content[1].text
+    raw = http.request(
+        "POST",
+        "/v1/messages",
+        body=json.dumps({"max_tokens": 60, "messages": ASK, "stream": True, **extra}).encode(),
+    )
+    body = raw.body.decode()  # the main app has no parser: the think text stays in the answer
+    assert raw.status == 200 and "thinking_delta" not in body and "<think>" in body
