@@ -18,10 +18,12 @@ from aiohttp import web
 
 from aioengine.engine_client import EngineClient, RequestHandle
 from aioengine.http import admission
-from aioengine.http.context import ENGINE, json_response
+from aioengine.http.context import CONFIG, ENGINE, json_response
 from aioengine.http.fields import APIError, Fields, SchemaContext, bad, not_supported
 from aioengine.http.messages import content_text
 from aioengine.http.protocol import parse_chat_request
+from aioengine.http.reasoning import ReasoningParser
+from aioengine.http.reasoning import split as split_reasoning
 from aioengine.http.request_fields import INPUT, RESPONSE, RESPONSE_REASONING, RESPONSE_TEXT, TEXT_FORMAT
 from aioengine.http.streaming import JSON, SSEWriter, Tally, guarded_sse, merged
 
@@ -35,12 +37,17 @@ async def responses(request: web.Request) -> web.StreamResponse:
     handle = admission.start_chat(request.app, adm, f"response, {len(adm.req.messages)} messages")
     builder = ResponseBuilder(data, adm.request_id, adm.model)
     engine = request.app[ENGINE]
+    parser = request.app[CONFIG].reasoning_parser
     if adm.req.stream:
-        return await stream_response(request, engine, handle, adm.request_id, builder)
+        thinker = ReasoningParser(parser) if parser is not None else None
+        return await stream_response(request, engine, handle, adm.request_id, builder, thinker)
     out = await handle
     c = out.outputs[0]
+    text = c.text
+    if parser is not None:  # the think block becomes a reasoning item before the message
+        builder.reasoning, text = split_reasoning(parser, c.text)
     return json_response(
-        builder.response("completed", c.text, c.finish_reason, Tally.of([out]).usage()),
+        builder.response("completed", text, c.finish_reason, Tally.of([out]).usage()),
         headers={"X-Request-Id": adm.request_id},
     )
 
@@ -51,36 +58,71 @@ async def stream_response(
     handle: RequestHandle,
     request_id: str,
     builder: ResponseBuilder,
+    thinker: ReasoningParser | None = None,
 ) -> web.StreamResponse:
-    """The Responses API's events: created, the message item and its text part opening, one text delta per
-    engine delta, then the closing events and `response.completed` (or `response.incomplete`) with usage."""
+    """The Responses API's events: created; with a reasoning parser, the reasoning item and its text deltas
+    first; the message item and its text part opening, one text delta per engine delta, then the closing
+    events and `response.completed` (or `response.incomplete`) with usage."""
     tally = Tally([0], [0])
 
     async def write(sse: SSEWriter) -> None:
-        text, finish = "", None
+        text, thought, finish, opened = "", "", None, False
+
+        async def open_message() -> None:
+            nonlocal opened
+            if opened:
+                return
+            opened = True
+            if builder.reasoning is not None:  # the reasoning item closes before the message opens
+                builder.reasoning = thought
+                done = builder.reasoning_item("completed")
+                await sse.send_event(builder.reasoning_event("response.reasoning_text.done", text=thought))
+                await sse.send_event(builder.event("response.output_item.done", output_index=0, item=done))
+            await sse.send_event(
+                builder.event(
+                    "response.output_item.added",
+                    output_index=builder.message_index,
+                    item=builder.message(None, "in_progress"),
+                )
+            )
+            await sse.send_event(builder.text_event("response.content_part.added", part=builder.part("")))
+
         await sse.send_event(builder.event("response.created", response=builder.response("in_progress")))
         await sse.send_event(builder.event("response.in_progress", response=builder.response("in_progress")))
-        await sse.send_event(
-            builder.event(
-                "response.output_item.added", output_index=0, item=builder.message(None, "in_progress")
-            )
-        )
-        await sse.send_event(builder.text_event("response.content_part.added", part=builder.part("")))
+        if thinker is None:
+            await open_message()
         async with aclosing(merged([handle])) as deltas:
             async for i, out in deltas:
                 tally.add(i, out)
                 c = out.outputs[0]
                 finish = c.finish_reason or finish
-                if c.text:
-                    text += c.text
+                piece, reasoning = c.text, ""
+                if thinker is not None:
+                    reasoning, piece = thinker.feed(c.text, final=c.finish_reason is not None)
+                    if thinker.reasoned and builder.reasoning is None:  # a think block opened
+                        builder.reasoning = ""
+                        item = builder.reasoning_item("in_progress")
+                        await sse.send_event(
+                            builder.event("response.output_item.added", output_index=0, item=item)
+                        )
+                if reasoning:
+                    thought += reasoning
                     await sse.send_event(
-                        builder.text_event("response.output_text.delta", delta=c.text, logprobs=[])
+                        builder.reasoning_event("response.reasoning_text.delta", delta=reasoning)
                     )
+                if piece:
+                    await open_message()
+                    text += piece
+                    await sse.send_event(
+                        builder.text_event("response.output_text.delta", delta=piece, logprobs=[])
+                    )
+        await open_message()
         await sse.send_event(builder.text_event("response.output_text.done", text=text, logprobs=[]))
         await sse.send_event(builder.text_event("response.content_part.done", part=builder.part(text)))
         final = builder.response("completed", text, finish, tally.usage())
+        index = builder.message_index
         await sse.send_event(
-            builder.event("response.output_item.done", output_index=0, item=final["output"][0])
+            builder.event("response.output_item.done", output_index=index, item=final["output"][index])
         )
         kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
         await sse.send_event(builder.event(kind, response=final))
@@ -130,6 +172,7 @@ def to_chat_body(data: JSON) -> JSON:
         ("user", "user"),
         ("metadata", "metadata"),
         ("service_tier", "service_tier"),
+        ("structured_outputs", "structured_outputs"),
     ):
         if data.get(src) is not None:
             body[dst] = data[src]
@@ -179,6 +222,8 @@ class ResponseBuilder:
         self.model = model
         self.data = data
         self.sequence = 0
+        self.reasoning: str | None = None  # the think block's text, with a reasoning parser
+        self.reasoning_id = "rs_" + uuid.uuid4().hex
 
     def response(
         self,
@@ -217,6 +262,8 @@ class ResponseBuilder:
         }
         if text is not None:
             obj["output"] = [self.message(text, "completed" if finish_reason != "length" else "incomplete")]
+            if self.reasoning is not None:
+                obj["output"].insert(0, self.reasoning_item("completed"))
         if finish_reason == "length":
             obj["status"], obj["incomplete_details"] = "incomplete", {"reason": "max_output_tokens"}
         if usage is not None:
@@ -241,6 +288,24 @@ class ResponseBuilder:
             "content": content,
         }
 
+    @property
+    def message_index(self) -> int:
+        """The message's place in ``output``: after the reasoning item, when there is one."""
+        return 0 if self.reasoning is None else 1
+
+    def reasoning_item(self, status: str) -> JSON:
+        content = [] if status != "completed" else [{"type": "reasoning_text", "text": self.reasoning or ""}]
+        return {
+            "type": "reasoning",
+            "id": self.reasoning_id,
+            "status": status,
+            "summary": [],
+            "content": content,
+        }
+
+    def reasoning_event(self, kind: str, **fields: Any) -> JSON:
+        return self.event(kind, item_id=self.reasoning_id, output_index=0, content_index=0, **fields)
+
     @staticmethod
     def part(text: str) -> JSON:
         return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
@@ -250,4 +315,6 @@ class ResponseBuilder:
         return {"type": kind, "sequence_number": self.sequence - 1, **fields}
 
     def text_event(self, kind: str, **fields: Any) -> JSON:
-        return self.event(kind, item_id=self.item_id, output_index=0, content_index=0, **fields)
+        return self.event(
+            kind, item_id=self.item_id, output_index=self.message_index, content_index=0, **fields
+        )

@@ -308,6 +308,7 @@ RESPONSE: Table = {  # openai_responses.to_chat_body turns it into a CHAT body
     "background": Spec(bool, schema={"const": False, "description": "not supported"}),
     "service_tier": CHAT["service_tier"],
     "top_logprobs": Spec(int, schema={"const": 0, "description": "not supported here"}),
+    "structured_outputs": SAMPLING["structured_outputs"],  # vLLM's, as on the chat route
     "safety_identifier": Spec(str),
     "prompt_cache_key": Spec(str),
 }

@@ -110,3 +110,23 @@ def test_messages_give_a_thinking_block_first_streamed_or_not(server, http):
         json.loads(line[6:])["delta"].get("text", "") for line in body.splitlines() if "text_delta" in line
     ]
     assert raw.status == 200 and "thinking_delta" not in body and "".join(texts).startswith("<think>")
+
+
+def test_responses_give_a_reasoning_item_before_the_message_streamed_or_not(oai):
+    kwargs = dict(
+        model="default", input="What is the capital of France?", temperature=0, max_output_tokens=60
+    )
+    r = oai.responses.create(**kwargs, extra_body=THINK)
+    assert [o.type for o in r.output] == ["reasoning", "message"]
+    thought = r.output[0].content[0].text
+    assert 8 <= len(thought) <= 24 and r.output_text == "The capital is Paris."
+    events = list(oai.responses.create(**kwargs, extra_body=THINK, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == thought
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
+    # the reasoning item closes before the message opens, and each event names its item's place
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.content_part.added")
+    assert all(e.output_index == 1 for e in events if e.type == "response.output_text.delta")
+    final = events[-1].response
+    assert [o.type for o in final.output] == ["reasoning", "message"] and final.output_text == r.output_text
