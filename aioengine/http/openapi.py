@@ -170,6 +170,11 @@ def openapi_spec(
     models_op = _op("One served model")
     models_op["parameters"] = [{"name": "model", "in": "path", "required": True, "schema": _STR}]
     models_op["responses"]["404"] = {"description": "Unknown model"}
+    static_op = _op(
+        "The chat page's libraries (marked.umd.js, purify.min.js)", ok="text/javascript", auth=False
+    )
+    static_op["parameters"] = [{"name": "name", "in": "path", "required": True, "schema": _STR}]
+    static_op["responses"]["404"] = {"description": "No such file"}
     ws_op = _op("Websocket: streamed generations, cancellable (docs/websocket.md); a plain GET gets 400")
     ws_op["responses"]["400"] = {"description": "Not a websocket upgrade"}
     return {
@@ -205,6 +210,7 @@ def openapi_spec(
             "/metrics": {"get": _op("Prometheus metrics", ok="text/plain", auth=False)},
             "/openapi.json": {"get": _op("This document", auth=False)},
             "/": {"get": _op("The chat page", ok="text/html", auth=False)},
+            "/static/{name}": {"get": static_op},
         },
         "components": {
             "schemas": _schemas(limits, vocab_size, priority),

@@ -91,6 +91,7 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None, **kwargs
     r.add_get("/metrics", routes_misc.metrics)
     r.add_get("/openapi.json", routes_misc.openapi)
     r.add_get("/", routes_misc.index)
+    r.add_get("/static/{name}", routes_misc.static_file)
     return app
 
 

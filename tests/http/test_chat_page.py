@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 
 import pytest
@@ -60,6 +61,7 @@ def test_question_streams_an_answer(page, server):
     assert len(set(seen)) >= 2 and seen[-1] == text  # partial texts before the whole
     assert page.locator(".msg.user").first.inner_text() == "What is the capital of France?"
     assert "tokens" in reply.locator(".meta").inner_text()
+    assert re.search(r"TTFT \d+ ms · \d+\.\d tok/s", reply.locator(".meta").inner_text())
     assert page.locator("#model").inner_text() == "model: default"
 
 
@@ -77,3 +79,46 @@ def test_stop_button_cancels(page, server):
     page.wait_for_selector('.msg.assistant:last-of-type[data-state="done"]', timeout=10_000)
     assert "abort" in reply.locator(".meta").inner_text()
     assert server.wait_idle()["unfinished"] == 0
+
+
+def test_the_conversation_survives_a_reload_and_new_chat_clears_it(page, server):
+    before = page.locator(".msg").all_inner_texts()
+    assert len(before) >= 4  # the two turns above
+    page.reload()
+    page.wait_for_selector("#status.online", timeout=20_000)
+    assert page.locator(".msg").all_inner_texts() == before
+    history = page.evaluate("() => JSON.parse(localStorage.getItem('aioengine-chat')).history")
+    assert [m["role"] for m in history][:2] == ["user", "assistant"]
+    assert "Paris" in history[1]["content"]  # sent again with the next turn
+    page.click("#clear")
+    assert page.locator(".msg").count() == 0
+    page.reload()
+    page.wait_for_selector("#status.online", timeout=20_000)
+    assert page.locator(".msg").count() == 0
+
+
+REPLY = (
+    "<think>the user wants code</think>Here is **bold**, `inline`, and:\n\n"
+    "```python\nprint('hi')\n```\n\n<img src=x onerror=\"window.__pwned = 1\">"
+)
+
+
+def test_replies_render_markdown_and_code_safely_with_reasoning_folded(page, server):
+    html = page.evaluate(
+        """(text) => {
+            const el = addMessage('assistant', '');
+            el.dataset.state = 'streaming';
+            render(el, text);
+            const open = el.querySelector('details.reasoning').open;
+            el.dataset.state = 'done';
+            const text = (sel) => el.querySelector(sel).textContent;
+            return {open, html: el.innerHTML, reasoning: el.querySelector('details.reasoning').innerText,
+                    code: text('pre code'), strong: text('strong')};
+        }""",
+        REPLY,
+    )
+    assert html["open"] is True  # unfolded while it streams
+    assert "the user wants code" in html["reasoning"] and "Reasoning" in html["reasoning"]
+    assert html["code"].strip() == "print('hi')" and html["strong"] == "bold"
+    assert "<think>" not in html["html"] and "onerror" not in html["html"]
+    assert page.evaluate("() => window.__pwned") is None  # the model's HTML never runs
