@@ -111,9 +111,9 @@ def test_replies_render_markdown_and_code_safely_with_reasoning_folded(page, ser
             render(el, text);
             const open = el.querySelector('details.reasoning').open;
             el.dataset.state = 'done';
-            const text = (sel) => el.querySelector(sel).textContent;
+            const of = (sel) => el.querySelector(sel).textContent;
             return {open, html: el.innerHTML, reasoning: el.querySelector('details.reasoning').innerText,
-                    code: text('pre code'), strong: text('strong')};
+                    code: of('pre code'), strong: of('strong')};
         }""",
         REPLY,
     )
