@@ -1,10 +1,11 @@
-"""POST /v1/responses: OpenAI's Responses API for text. The request becomes a chat request (admitted and
-run as /v1/chat/completions runs one), its output a `response` object, or a stream of `response.*` events.
+"""POST /v1/responses: OpenAI's Responses API. The request becomes a chat request (admitted and run as
+/v1/chat/completions runs one), its output a `response` object, or a stream of `response.*` events.
 
-Supported: `input` (a string, or message items whose content is text), `instructions`, `max_output_tokens`,
-`temperature`, `top_p`, `stream`, `text.format` (text, json_object, json_schema), `reasoning.effort`,
-`user`, `metadata`. Nothing is stored, so `previous_response_id` and `background` are refused; so are
-tools (use /v1/chat/completions for tool calling) and non-text input items. `store` is accepted and unused.
+Supported: `input` (a string, or message, function_call and function_call_output items; text content),
+`instructions`, `max_output_tokens`, `temperature`, `top_p`, `stream`, `text.format` (text, json_object,
+json_schema), `reasoning.effort`, function `tools` with `tool_choice` and `parallel_tool_calls` (calls come
+back as function_call items), `user`, `metadata`. Nothing is stored, so `previous_response_id` and
+`background` are refused. `store` is accepted and unused.
 """
 
 from __future__ import annotations
@@ -24,8 +25,16 @@ from aioengine.http.messages import content_text
 from aioengine.http.protocol import parse_chat_request
 from aioengine.http.reasoning import ReasoningParser
 from aioengine.http.reasoning import split as split_reasoning
-from aioengine.http.request_fields import INPUT, RESPONSE, RESPONSE_REASONING, RESPONSE_TEXT, TEXT_FORMAT
+from aioengine.http.request_fields import (
+    INPUT,
+    RESPONSE,
+    RESPONSE_REASONING,
+    RESPONSE_TEXT,
+    RESPONSE_TOOL,
+    TEXT_FORMAT,
+)
 from aioengine.http.streaming import JSON, SSEWriter, Tally, guarded_sse, merged
+from aioengine.http.tools import StreamParser, ToolSpec, extract
 
 
 async def responses(request: web.Request) -> web.StreamResponse:
@@ -40,14 +49,19 @@ async def responses(request: web.Request) -> web.StreamResponse:
     parser = request.app[CONFIG].reasoning_parser
     if adm.req.stream:
         thinker = ReasoningParser(parser) if parser is not None else None
-        return await stream_response(request, engine, handle, adm.request_id, builder, thinker)
+        tools = adm.req.tools if adm.req.tools is not None and adm.req.tools.choice != "none" else None
+        return await stream_response(request, engine, handle, adm.request_id, builder, thinker, tools)
     out = await handle
     c = out.outputs[0]
-    text = c.text
+    text, finish = c.text, c.finish_reason
     if parser is not None:  # the think block becomes a reasoning item before the message
         builder.reasoning, text = split_reasoning(parser, c.text)
+    tools = adm.req.tools
+    if tools is not None and tools.choice != "none":  # calls become function_call items after it
+        content, builder.calls, finish = extract(tools, text, finish)
+        text = content or ""
     return json_response(
-        builder.response("completed", text, c.finish_reason, Tally.of([out]).usage()),
+        builder.response("completed", text, finish, Tally.of([out]).usage()),
         headers={"X-Request-Id": adm.request_id},
     )
 
@@ -59,6 +73,7 @@ async def stream_response(
     request_id: str,
     builder: ResponseBuilder,
     thinker: ReasoningParser | None = None,
+    tools: ToolSpec | None = None,
 ) -> web.StreamResponse:
     """The Responses API's events: created; with a reasoning parser, the reasoning item and its text deltas
     first; the message item and its text part opening, one text delta per engine delta, then the closing
@@ -89,7 +104,8 @@ async def stream_response(
 
         await sse.send_event(builder.event("response.created", response=builder.response("in_progress")))
         await sse.send_event(builder.event("response.in_progress", response=builder.response("in_progress")))
-        if thinker is None:
+        calls_parser = StreamParser(tools) if tools is not None else None
+        if thinker is None and calls_parser is None:
             await open_message()
         async with aclosing(merged([handle])) as deltas:
             async for i, out in deltas:
@@ -110,20 +126,52 @@ async def stream_response(
                     await sse.send_event(
                         builder.reasoning_event("response.reasoning_text.delta", delta=reasoning)
                     )
+                if calls_parser is not None:  # the text may be (part of) a call: the parser decides
+                    delta = calls_parser.delta(piece) or {}
+                    if c.finish_reason is not None:
+                        rest, finish = calls_parser.finish(finish)
+                        for key, value in (rest or {}).items():
+                            delta[key] = (delta.get(key) or ("" if key == "content" else [])) + value
+                    builder.add_call_deltas(delta.get("tool_calls") or [])
+                    piece = delta.get("content") or ""
                 if piece:
                     await open_message()
                     text += piece
                     await sse.send_event(
                         builder.text_event("response.output_text.delta", delta=piece, logprobs=[])
                     )
-        await open_message()
-        await sse.send_event(builder.text_event("response.output_text.done", text=text, logprobs=[]))
-        await sse.send_event(builder.text_event("response.content_part.done", part=builder.part(text)))
+        if text or not builder.calls:
+            await open_message()
+        if opened:
+            await sse.send_event(builder.text_event("response.output_text.done", text=text, logprobs=[]))
+            await sse.send_event(builder.text_event("response.content_part.done", part=builder.part(text)))
+        elif builder.reasoning is not None:  # calls only: the reasoning item still closes
+            builder.reasoning = thought
+            await sse.send_event(builder.reasoning_event("response.reasoning_text.done", text=thought))
+            done = builder.reasoning_item("completed")
+            await sse.send_event(builder.event("response.output_item.done", output_index=0, item=done))
         final = builder.response("completed", text, finish, tally.usage())
-        index = builder.message_index
-        await sse.send_event(
-            builder.event("response.output_item.done", output_index=index, item=final["output"][index])
-        )
+        if opened:
+            index = builder.message_index
+            await sse.send_event(
+                builder.event("response.output_item.done", output_index=index, item=final["output"][index])
+            )
+        for index, item in builder.call_items(final):  # each call: added, its arguments, done
+            await sse.send_event(
+                builder.event(
+                    "response.output_item.added",
+                    output_index=index,
+                    item={**item, "status": "in_progress", "arguments": ""},
+                )
+            )
+            args = {"item_id": item["id"], "output_index": index}
+            await sse.send_event(
+                builder.event("response.function_call_arguments.delta", **args, delta=item["arguments"])
+            )
+            await sse.send_event(
+                builder.event("response.function_call_arguments.done", **args, arguments=item["arguments"])
+            )
+            await sse.send_event(builder.event("response.output_item.done", output_index=index, item=item))
         kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
         await sse.send_event(builder.event(kind, response=final))
         await sse.resp.write_eof()
@@ -147,10 +195,8 @@ def to_chat_body(data: JSON) -> JSON:
     ):
         if f.data.get(name) not in (None, False):
             raise not_supported(name, what)
-    if f.get("tools", list):
-        raise not_supported("tools", "Tools on /v1/responses (use /v1/chat/completions)")
-    if f.data.get("tool_choice") not in (None, "none", "auto"):
-        raise not_supported("tool_choice", "tool_choice on /v1/responses")
+    tools = f.get("tools", list)
+    choice = f.data.get("tool_choice")
     if f.get("include", list):
         raise not_supported("include")
     f.str("truncation")  # disabled or auto (the spec's choices): nothing to truncate either way
@@ -163,6 +209,39 @@ def to_chat_body(data: JSON) -> JSON:
     if instructions:
         messages.insert(0, {"role": "system", "content": instructions})
     body: dict[str, Any] = {"messages": messages}
+    if tools:  # the flat function tools as chat's
+        for i, t in enumerate(tools):
+            if isinstance(t, dict) and t.get("type") != "function":
+                raise not_supported(
+                    f"tools.{i}.type", f"Tools of type {t.get('type')!r} (only function tools)"
+                )
+            RESPONSE_TOOL.check(t, f"tools.{i}", SchemaContext())
+        body["tools"] = [
+            {
+                "type": "function",
+                "function": {
+                    k: v
+                    for k, v in (
+                        ("name", t["name"]),
+                        ("description", t.get("description")),
+                        ("parameters", t.get("parameters")),
+                    )
+                    if v is not None
+                },
+            }
+            for t in tools
+        ]
+    if choice is not None:
+        if isinstance(choice, dict):
+            if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+                raise bad(
+                    "tool_choice must be none, auto, required or {type: function, name}.", "tool_choice"
+                )
+            body["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
+        else:
+            body["tool_choice"] = choice
+    if data.get("parallel_tool_calls") is not None:
+        body["parallel_tool_calls"] = data["parallel_tool_calls"]
     for src, dst in (
         ("model", "model"),
         ("max_output_tokens", "max_completion_tokens"),
@@ -197,7 +276,24 @@ def _messages(raw: object) -> list[JSON]:
     if isinstance(raw, str):
         return [{"role": "user", "content": raw}]
     assert isinstance(raw, list)
-    return [{"role": item["role"], "content": content_text(item["content"])} for item in raw]
+    out: list[JSON] = []
+    for item in raw:
+        kind = item.get("type", "message")
+        if kind == "function_call":  # the model's earlier call: an assistant turn's tool call
+            call = {
+                "id": item["call_id"],
+                "type": "function",
+                "function": {"name": item["name"], "arguments": item["arguments"]},
+            }
+            if out and out[-1]["role"] == "assistant" and not out[-1]["content"]:
+                out[-1].setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            out.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
+        else:
+            out.append({"role": item["role"], "content": content_text(item["content"])})
+    return out
 
 
 def _response_format(fmt: object) -> JSON:
@@ -223,6 +319,7 @@ class ResponseBuilder:
         self.data = data
         self.sequence = 0
         self.reasoning: str | None = None  # the think block's text, with a reasoning parser
+        self.calls: list[dict] = []  # the completion's tool calls (chat's shape), as function_call items
         self.reasoning_id = "rs_" + uuid.uuid4().hex
 
     def response(
@@ -255,15 +352,17 @@ class ResponseBuilder:
             "top_p": d.get("top_p", 1.0),
             "text": {"format": fmt},
             "tool_choice": d.get("tool_choice", "auto"),
-            "tools": [],
+            "tools": d.get("tools") or [],
             "truncation": d.get("truncation", "disabled"),
             "user": d.get("user"),
             "usage": None,
         }
         if text is not None:
-            obj["output"] = [self.message(text, "completed" if finish_reason != "length" else "incomplete")]
-            if self.reasoning is not None:
-                obj["output"].insert(0, self.reasoning_item("completed"))
+            output = [] if self.reasoning is None else [self.reasoning_item("completed")]
+            if text or not self.calls:
+                output.append(self.message(text, "completed" if finish_reason != "length" else "incomplete"))
+            output += [self.call_item(call) for call in self.calls]
+            obj["output"] = output
         if finish_reason == "length":
             obj["status"], obj["incomplete_details"] = "incomplete", {"reason": "max_output_tokens"}
         if usage is not None:
@@ -287,6 +386,33 @@ class ResponseBuilder:
             "role": "assistant",
             "content": content,
         }
+
+    def add_call_deltas(self, deltas: list[dict]) -> None:
+        """Chat's streamed tool-call deltas: one with an id starts a call, the others extend its arguments."""
+        for d in deltas:
+            fn = d.get("function") or {}
+            if d.get("id") is not None:
+                self.calls.append(
+                    {"id": d["id"], "type": "function", "function": {"name": fn.get("name"), "arguments": ""}}
+                )
+            if self.calls:
+                self.calls[-1]["function"]["arguments"] += fn.get("arguments") or ""
+
+    def call_item(self, call: dict) -> JSON:
+        fn = call["function"]
+        item_id = "fc_" + call["id"].removeprefix("chatcmpl-tool-")
+        return {
+            "type": "function_call",
+            "id": item_id,
+            "call_id": call["id"],
+            "name": fn["name"],
+            "arguments": fn["arguments"],
+            "status": "completed",
+        }
+
+    def call_items(self, final: JSON) -> list[tuple[int, JSON]]:
+        """The function_call items of ``final``'s output, with their places."""
+        return [(i, item) for i, item in enumerate(final["output"]) if item["type"] == "function_call"]
 
     @property
     def message_index(self) -> int:

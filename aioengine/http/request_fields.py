@@ -228,6 +228,38 @@ DETOKENIZE: Table = {"model": Spec(str), "tokens": Spec(None, schema=TOKENS.sche
 # ---- /v1/responses ---------------------------------------------------------------------------------------
 # Parts echoed back from an earlier output carry annotations and logprobs: any other keys are fine.
 _INPUT_PART = Obj({"type": _TEXT_VALUE, "text": _TEXT_VALUE}, ("text",), open=True)
+# The Responses API's function tool (flat: name and parameters beside the type).
+RESPONSE_TOOL = Obj(
+    {
+        "type": Value(str, enum=("function",)),
+        "name": _TEXT_VALUE,
+        "description": _TEXT_VALUE,
+        "parameters": Value(dict),
+        "strict": Value(bool),
+    },
+    ("type", "name"),
+)
+_CALL_ITEM = Obj(
+    {
+        "type": _TEXT_VALUE,
+        "call_id": _TEXT_VALUE,
+        "name": _TEXT_VALUE,
+        "arguments": _TEXT_VALUE,
+        "id": _TEXT_VALUE,
+        "status": _TEXT_VALUE,
+    },
+    ("call_id", "name", "arguments"),
+)
+_CALL_OUTPUT_ITEM = Obj(
+    {
+        "type": _TEXT_VALUE,
+        "call_id": _TEXT_VALUE,
+        "output": _TEXT_VALUE,
+        "id": _TEXT_VALUE,
+        "status": _TEXT_VALUE,
+    },
+    ("call_id", "output"),
+)
 INPUT = Either(
     (
         _TEXT_VALUE,
@@ -256,7 +288,9 @@ INPUT = Either(
                             "status": _TEXT_VALUE,
                         },
                         ("role", "content"),
-                    )
+                    ),
+                    "function_call": _CALL_ITEM,
+                    "function_call_output": _CALL_OUTPUT_ITEM,
                 },
                 "Input items of type {}",
                 default="message",
@@ -295,10 +329,16 @@ RESPONSE: Table = {  # openai_responses.to_chat_body turns it into a CHAT body
     "user": Spec(str),
     "metadata": _metadata(),
     "store": Spec(bool, description="accepted; nothing is stored"),
-    "tools": Spec(
-        list, schema={"maxItems": 0, "description": "not supported here: use /v1/chat/completions"}
+    "tools": Spec(list, schema={"items": RESPONSE_TOOL.schema, "description": "function tools"}),
+    "tool_choice": Spec(
+        None,
+        schema={
+            "anyOf": [
+                {"enum": ["none", "auto", "required"]},
+                {"type": "object", "properties": {"type": {"const": "function"}, "name": _STR}},
+            ]
+        },
     ),
-    "tool_choice": Spec(None, schema={"enum": ["none", "auto"]}),
     "parallel_tool_calls": Spec(bool),
     "truncation": Spec(str, enum=("disabled", "auto")),
     "include": Spec(list, schema={"maxItems": 0, "description": "not supported"}),
