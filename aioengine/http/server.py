@@ -4,8 +4,9 @@ The app runs in the engine's event loop: a request coroutine awaits its own engi
 no second process and no IPC hop. Serve it with `start_server`, which turns on handler cancellation so
 that a client that disconnects aborts its request at once.
 
-Each route family has one module: openai_chat, openai_completions, openai_responses (generation, through
-admission.py), ws (the websocket), routes_misc (models, tokenize, health, metrics...).
+Each route family has one module: openai_chat, openai_completions, openai_responses, anthropic_messages
+(generation, through admission.py), ws (the websocket), routes_misc (models, tokenize, health, metrics...);
+cors.py answers preflights, reasoning.py splits <think> text for the generation routes.
 """
 
 from __future__ import annotations
