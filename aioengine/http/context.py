@@ -46,6 +46,9 @@ class AppState:
     created: int = field(default_factory=lambda: int(time.time()))
 
 
+# The chat page's vendored libraries (npm's marked and DOMPurify, licenses beside them), served by name.
+STATIC_FILES = frozenset({"marked.umd.js", "purify.min.js"})
+
 ENGINE = web.AppKey[EngineClient]("aioengine_engine")
 CONFIG = web.AppKey("aioengine_config", ServerConfig)
 STATE = web.AppKey("aioengine_state", AppState)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from functools import cache
 
+from aioengine.http.context import STATIC_FILES
 from aioengine.http.fields import DEFAULT_LIMITS, JSON, RequestLimits, SchemaContext, object_schema
 from aioengine.http.request_fields import (
     CHAT,
@@ -173,7 +174,8 @@ def openapi_spec(
     static_op = _op(
         "The chat page's libraries (marked.umd.js, purify.min.js)", ok="text/javascript", auth=False
     )
-    static_op["parameters"] = [{"name": "name", "in": "path", "required": True, "schema": _STR}]
+    files = {"type": "string", "enum": sorted(STATIC_FILES)}
+    static_op["parameters"] = [{"name": "name", "in": "path", "required": True, "schema": files}]
     static_op["responses"]["404"] = {"description": "No such file"}
     ws_op = _op("Websocket: streamed generations, cancellable (docs/websocket.md); a plain GET gets 400")
     ws_op["responses"]["400"] = {"description": "Not a websocket upgrade"}

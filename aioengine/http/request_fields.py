@@ -329,7 +329,9 @@ RESPONSE: Table = {  # openai_responses.to_chat_body turns it into a CHAT body
     "user": Spec(str),
     "metadata": _metadata(),
     "store": Spec(bool, description="accepted; nothing is stored"),
-    "tools": Spec(list, schema={"items": RESPONSE_TOOL.schema, "description": "function tools"}),
+    "tools": Spec(
+        list, schema=lambda ctx: {"items": RESPONSE_TOOL.schema(ctx), "description": "function tools"}
+    ),
     "tool_choice": Spec(
         None,
         schema={

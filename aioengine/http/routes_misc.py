@@ -13,6 +13,7 @@ from aioengine.http.context import (
     CONFIG,
     ENGINE,
     STATE,
+    STATIC_FILES,
     check_model,
     error_response,
     json_response,
@@ -111,13 +112,9 @@ async def openapi(request: web.Request) -> web.Response:
     )
 
 
-# The chat page's vendored libraries (npm's marked and DOMPurify, licenses beside them): served by name.
-_STATIC_FILES = {"marked.umd.js", "purify.min.js"}
-
-
 async def static_file(request: web.Request) -> web.FileResponse:
     name = request.match_info["name"]
-    if name not in _STATIC_FILES:
+    if name not in STATIC_FILES:
         raise web.HTTPNotFound()
     return web.FileResponse(STATIC_DIR / name, headers={"Cache-Control": "public, max-age=86400"})
 

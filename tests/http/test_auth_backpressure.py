@@ -75,6 +75,7 @@ def test_websocket_needs_the_key(server):
     asyncio.run(main())
 
 
+@pytest.mark.serial  # it compares a refusal's time with /health's, under load
 def test_queue_full_is_503_with_retry_after_without_touching_the_engine(server):
     limited = Http(server.url("limited"))
     n_streams = MAX_NUM_SEQS + QUEUE_LIMIT

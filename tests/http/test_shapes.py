@@ -231,7 +231,8 @@ def test_valid_examples_pass_both_ways():
         ("messages", [{"role": "user"}], "messages[0].content"),
         ("messages", [{"role": "user", "content": [{"type": "image_url"}]}], "messages[0].content[0].type"),
         ("tools", [{"type": "function", "function": {"name": "a b"}}], "tools[0].function.name"),
-        ("input", [{"type": "function_call_output"}], "input[0].type"),
+        ("input", [{"type": "file_search_call"}], "input[0].type"),
+        ("input", [{"type": "function_call_output", "output": "o"}], "input[0].call_id"),
         ("stop", ["a", "b", "c"], "stop"),
     ],
 )
