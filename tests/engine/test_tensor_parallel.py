@@ -163,7 +163,6 @@ async def _until_dead(engine: AsyncEngine, harm, limit_s: float) -> tuple[list, 
     return ends, time.monotonic() - t0
 
 
-@pytest.mark.serial  # it times how soon the streams end
 def test_a_killed_rank_ends_every_stream_with_engine_dead_and_no_process_remains(tiny_checkpoint_of):
     path = tiny_checkpoint_of("llama", num_key_value_heads=1)
 

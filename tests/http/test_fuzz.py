@@ -24,7 +24,7 @@ OPERATIONS = [
     for method in ops
 ]
 GENERATION = {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"}
-EXAMPLES = {True: 30, False: 6}  # per mode, for generation routes / the others
+EXAMPLES = {True: 20, False: 6}  # per mode, for generation routes / the others
 CAPS = {"max_tokens": 4, "max_completion_tokens": 4, "max_output_tokens": 4, "n": 3}
 
 
