@@ -147,6 +147,22 @@ class TensorParallelExecutor(Executor):
         self.broadcast_s = 0.0  # rank 0's seconds spent sending calls (pickling included)
         self.broadcast_bytes = 0
 
+    async def _join_as_rank0(
+        self, backend: Backend, init_method: str, timeout_s: float, control: bool, shm_bytes: int = 0
+    ) -> Any:
+        """Make rank 0's worker and join the group on it (it blocks until every rank has joined), unless a
+        rank dies first; the backend's layers then all-reduce in that group."""
+        from aioengine.gpu.parallel import TPGroup
+
+        self.worker = worker = backend.make_worker()
+        size = self.tensor_parallel_size
+        joined = worker.submit(
+            TPGroup, init_method, 0, size, backend.device, timeout_s, "tp", control, shm_bytes
+        )
+        group = await self.watch.race(asyncio.wrap_future(joined))
+        backend.ops.tp = group
+        return group
+
     def _send(self, call: tuple[str, tuple]) -> int:
         """Send one call to ranks 1..N-1; returns its size in bytes."""
         raise NotImplementedError

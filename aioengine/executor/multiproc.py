@@ -52,8 +52,6 @@ class MultiprocExecutor(TensorParallelExecutor):
     @classmethod
     async def start(cls, args: EngineArgs, backend: Backend, init_method: str) -> MultiprocExecutor:
         """Spawn ranks 1..N-1, then join the group as rank 0 on rank 0's worker thread."""
-        from aioengine.gpu.parallel import TPGroup
-
         size = args.tensor_parallel_size
         if backend.device.type == "cuda":
             import torch
@@ -65,7 +63,7 @@ class MultiprocExecutor(TensorParallelExecutor):
                 )
         ring = RingWriter(num_readers=size - 1)
         procs: list[subprocess.Popen] = []
-        worker = None
+        self: MultiprocExecutor | None = None
         try:
             for rank in range(1, size):
                 cfg = RankConfig(rank, size, init_method, args, ring.path, args.step_timeout_s, rank)
@@ -84,28 +82,16 @@ class MultiprocExecutor(TensorParallelExecutor):
                     name=f"aioengine-rank{rank}-watch",
                     daemon=True,
                 ).start()
-            worker = self.worker = backend.make_worker()
-            joined = worker.submit(
-                TPGroup,
-                init_method,
-                0,
-                size,
-                backend.device,
-                max(args.step_timeout_s, START_TIMEOUT_S),
-                "tp",
-                False,
-                shm_allreduce_bytes(args),
-            )
-            group = await self.watch.race(asyncio.wrap_future(joined))
-            backend.ops.tp = group
+            timeout_s = max(args.step_timeout_s, START_TIMEOUT_S)
+            await self._join_as_rank0(backend, init_method, timeout_s, False, shm_allreduce_bytes(args))
             ring.unlink()  # every child mapped the ring before it joined
             logger.info("tensor parallelism: %d ranks joined at %s", size, init_method)
             return self
         except BaseException:
             ring.close()
             _reap(procs)
-            if worker is not None:
-                worker.shutdown()
+            if self is not None and self.worker is not None:
+                self.worker.shutdown()
             ring.release()
             raise
 

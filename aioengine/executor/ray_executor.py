@@ -62,8 +62,6 @@ class RayExecutor(TensorParallelExecutor):
             raise RuntimeError(
                 "distributed_executor_backend 'ray' needs Ray: pip install 'aioengine[ray]'"
             ) from None
-        from aioengine.gpu.parallel import TPGroup
-
         size = args.tensor_parallel_size
         self = cls(args, None, RankWorker(backend), DeathWatch(asyncio.get_running_loop()))
         loop = asyncio.get_running_loop()
@@ -103,19 +101,8 @@ class RayExecutor(TensorParallelExecutor):
             threading.Thread(
                 target=self._watch, args=(runs,), name="aioengine-ray-watch", daemon=True
             ).start()
-            self.worker = backend.make_worker()
-            joined = self.worker.submit(
-                TPGroup,
-                init_method,
-                0,
-                size,
-                backend.device,
-                max(args.step_timeout_s, START_TIMEOUT_S),
-                "tp",
-                True,
-            )
-            self.group = group = await self.watch.race(asyncio.wrap_future(joined))
-            backend.ops.tp = group
+            timeout_s = max(args.step_timeout_s, START_TIMEOUT_S)
+            self.group = await self._join_as_rank0(backend, init_method, timeout_s, True)
             threading.Thread(target=self._poll_stats, name="aioengine-ray-stats", daemon=True).start()
             logger.info("tensor parallelism: %d ranks (Ray actors) joined at %s", size, init_method)
             return self
