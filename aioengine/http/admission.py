@@ -22,7 +22,7 @@ from aioengine.engine_client import EngineClient, PrecompiledGrammar, RequestHan
 from aioengine.errors import AioEngineError, InvalidRequestError
 from aioengine.http.context import CONFIG, ENGINE, STATE, check_model
 from aioengine.http.fields import APIError, RequestLimits, api_error, bad, parse_json_body
-from aioengine.http.protocol import ChatRequest, CompletionRequest
+from aioengine.http.protocol import ChatRequest, CompletionRequest, parse_chat_request
 from aioengine.http.request_fields import REQUEST_ID_PATTERN
 from aioengine.tokenizer import apply_chat_template
 
@@ -77,6 +77,19 @@ async def admit_request(request: web.Request, parse: Parser[R], id_prefix: str) 
     check_capacity(request.app)
     body = await read_json(request)
     return await admit_body(request.app, body, parse, request.headers.get("X-Request-Id"), id_prefix)
+
+
+async def admit_translated(
+    request: web.Request, translate: Callable[[dict[str, Any]], dict[str, Any]], id_prefix: str
+) -> tuple[dict[str, Any], Admitted[ChatRequest]]:
+    """Another API's body (Responses, Messages), admitted as the chat request ``translate`` makes of it;
+    returns the body too, for the route's own reply."""
+    check_capacity(request.app)
+    data = await read_json(request)
+    adm = await admit_body(
+        request.app, translate(data), parse_chat_request, request.headers.get("X-Request-Id"), id_prefix
+    )
+    return data, adm
 
 
 async def admit_body(

@@ -256,11 +256,7 @@ def to_chat_body(data: JSON) -> JSON:
 
 # ---- the routes -----------------------------------------------------------------------------------------
 async def messages(request: web.Request) -> web.StreamResponse:
-    admission.check_capacity(request.app)
-    data = await admission.read_json(request)
-    adm = await admission.admit_body(
-        request.app, to_chat_body(data), parse_chat_request, request.headers.get("X-Request-Id"), "msg"
-    )
+    _, adm = await admission.admit_translated(request, to_chat_body, "msg")
     handle = admission.start_chat(request.app, adm, f"messages, {len(adm.req.messages)} messages")
     engine = request.app[ENGINE]
     reasoning = request.app[CONFIG].reasoning_parser

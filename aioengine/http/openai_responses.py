@@ -22,7 +22,6 @@ from aioengine.http import admission
 from aioengine.http.context import CONFIG, ENGINE, json_response
 from aioengine.http.fields import APIError, Fields, SchemaContext, bad, not_supported
 from aioengine.http.messages import content_text
-from aioengine.http.protocol import parse_chat_request
 from aioengine.http.reasoning import ReasoningParser
 from aioengine.http.reasoning import split as split_reasoning
 from aioengine.http.request_fields import (
@@ -38,11 +37,7 @@ from aioengine.http.tools import StreamParser, ToolSpec, extract
 
 
 async def responses(request: web.Request) -> web.StreamResponse:
-    admission.check_capacity(request.app)
-    data = await admission.read_json(request)
-    adm = await admission.admit_body(
-        request.app, to_chat_body(data), parse_chat_request, request.headers.get("X-Request-Id"), "resp"
-    )
+    data, adm = await admission.admit_translated(request, to_chat_body, "resp")
     handle = admission.start_chat(request.app, adm, f"response, {len(adm.req.messages)} messages")
     builder = ResponseBuilder(data, adm.request_id, adm.model)
     engine = request.app[ENGINE]
