@@ -1,4 +1,4 @@
-"""Model building blocks shared by the model files: RMSNorm, rotary embedding, SiluAndMul.
+"""Model building blocks shared by the model files: RMSNorm, rotary embedding, SiluAndMul, GeluTanhAndMul.
 
 Each module calls the op set (``aioengine.gpu.backend.Ops``) it was built with: the backend's kernels,
 or the torch references when none is given. None of them looks at the device.
@@ -37,12 +37,27 @@ class RMSNorm(nn.Module):
 
 
 class SiluAndMul(nn.Module):
+    activation = "silu"  # the gate's activation: a backend may fuse it into the gate_up projection
+
     def __init__(self, ops: Ops = REFERENCE_OPS) -> None:
         super().__init__()
         self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.silu_and_mul(x)
+
+
+class GeluTanhAndMul(nn.Module):
+    """GeGLU (Gemma's MLP): gelu with the tanh approximation on the gate."""
+
+    activation = "gelu_tanh"
+
+    def __init__(self, ops: Ops = REFERENCE_OPS) -> None:
+        super().__init__()
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.gelu_tanh_and_mul(x)
 
 
 def rope_parameters(config: Any) -> tuple[float, dict[str, Any]]:

@@ -54,9 +54,11 @@ def gemma_rms_norm(
 
 
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """``gelu_tanh(x[..., :d]) * x[..., d:]``: GeGLU (Gemma's MLP)."""
+    """``gelu_tanh(x[..., :d]) * x[..., d:]``: GeGLU (Gemma's MLP). The gate is made contiguous: torch's
+    tanh-gelu on a strided view takes a scalar loop whose bits differ from the vectorized one HF's separate
+    gate_proj output gets."""
     d = x.shape[-1] // 2
-    return F.gelu(x[..., :d], approximate="tanh") * x[..., d:]
+    return F.gelu(x[..., :d].contiguous(), approximate="tanh") * x[..., d:]
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -39,7 +39,10 @@ def test_two_engines_with_different_kernels_in_one_process(monkeypatch):
     monkeypatch.setattr(clib, "decode_attention", counting)
 
     async def main():
-        fast = AsyncEngine(EngineArgs(model="default", num_threads=1))
+        # No one-call decode stack (AVX512-BF16 builds): its decodes would not pass through decode_attention.
+        fast = AsyncEngine(
+            EngineArgs(model="default", num_threads=1, kernels=KernelConfig(cpu_decode_stack=False))
+        )
         plain = AsyncEngine(
             EngineArgs(model="default", num_threads=1, kernels=KernelConfig(cpu_attention=False))
         )

@@ -336,6 +336,42 @@ def test_packed_prefill_kernel_is_within_one_ulp_of_the_exact_answer(
     _assert_within_one_ulp(out, exact)
 
 
+@pytest.mark.parametrize(
+    ("q_len", "seq_len", "window", "block_size"),
+    [
+        (100, 250, 64, 16),  # a chunk after a prefix longer than the window
+        (70, 70, 19, 16),  # a prompt from 0: the window starts mid-tile for most rows
+        (130, 700, 512, 16),  # Gemma 3's window; the first row's window starts mid-chunk
+        (5, 300, 1, 8),  # a token sees only itself
+        (64, 200, 64, 32),  # windows that end on chunk boundaries
+    ],
+)
+def test_windowed_packed_prefill_is_within_one_ulp_and_reads_no_block_before_the_window(
+    q_len, seq_len, window, block_size
+):
+    """cpu_prefill_attention.c with a sliding window: each row sees itself and ``window - 1`` earlier
+    positions; blocks wholly before every row's window (freed ones, here NaN) are never read."""
+    from aioengine.kernels.cpu import clib as cpu_kernels
+
+    if cpu_kernels.load() is None or not cpu_kernels.load().decode_attention_bf16_vectorized():
+        pytest.skip("the AVX512-BF16 loop is not built here")
+    gen = torch.Generator().manual_seed(seq_len + window)
+    num_blocks = -(-seq_len // block_size) + 3
+    kv_cache = _in_layout(torch.randn(2, num_blocks, block_size, 2, 64, generator=gen).bfloat16())
+    table = torch.randperm(num_blocks, generator=gen)[None].int()
+    meta = AttentionMetadata.build([q_len], [seq_len], table, block_size)
+    query = torch.randn(q_len, 6, 64, generator=gen).bfloat16()
+    exact = paged_attention_reference(query, kv_cache, meta, 0.125, window=window)
+    for b in range(max(0, seq_len - q_len - window + 1) // block_size):
+        kv_cache[:, int(table[0, b])] = float("nan")
+    out = cpu_kernels.prefill_attention(query, kv_cache, table[0], seq_len, 0.125, window)
+    _assert_within_one_ulp(out, exact)
+    # the backend takes the same kernel for windowed layers' chunks
+    via_ops = OPS.attention(query, kv_cache, meta, 0.125, window=window)
+    if OPS.c_prefill and cpu_kernels.fast_prefill(query, kv_cache):
+        assert torch.equal(via_ops.view(torch.int16), out.view(torch.int16))
+
+
 def _assert_within_one_ulp(out: torch.Tensor, exact: torch.Tensor) -> None:
     ulps = (out.view(torch.int16).int() - exact.view(torch.int16).int()).abs()
     large = exact.float().abs() >= 1e-3
@@ -362,8 +398,9 @@ def test_decodes_and_prompt_chunks_share_one_batch(decode_path):
         torch.testing.assert_close(out.float(), exact.float(), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("window", [None, 40, 100])
 @pytest.mark.parametrize("block_size", [16, 8])
-def test_a_prompts_bits_do_not_depend_on_its_chunking(block_size):
+def test_a_prompts_bits_do_not_depend_on_its_chunking(block_size, window):
     """The packed prefill kernel gives every prompt token the same bits whether the prompt comes whole, in
     budget-sized chunks, or as the one-token tail a prefix-cache hit recomputes: a cached prefix must not
     change a greedy answer."""
@@ -377,11 +414,11 @@ def test_a_prompts_bits_do_not_depend_on_its_chunking(block_size):
     kv_cache = _in_layout(torch.randn(2, num_blocks, block_size, 3, 64, generator=gen).bfloat16())
     table = torch.randperm(num_blocks, generator=gen).int()
     query = torch.randn(seq_len, 9, 64, generator=gen).bfloat16()
-    whole = cpu_kernels.prefill_attention(query, kv_cache, table, seq_len, 0.125)
+    whole = cpu_kernels.prefill_attention(query, kv_cache, table, seq_len, 0.125, window)
     for cuts in ([1, 15, 16, 17, 64, 100], [299], [63, 64, 65], list(range(250, 300))):
         parts, start = [], 0
         for end in [*cuts, seq_len]:
-            parts.append(cpu_kernels.prefill_attention(query[start:end], kv_cache, table, end, 0.125))
+            parts.append(cpu_kernels.prefill_attention(query[start:end], kv_cache, table, end, 0.125, window))
             start = end
         assert torch.equal(torch.cat(parts).view(torch.int16), whole.view(torch.int16)), cuts
 

@@ -124,9 +124,8 @@ class CpuOps(Ops):
         if not self.c_attention:
             return reference.paged_attention(query, kv_cache, meta, scale, window=window)
         pure_decode = meta.num_reqs == meta.num_decodes and query.shape[0] == meta.num_decodes
-        # The packed prefill kernel takes no window: past one, chunks run the torch path.
-        if window is None and not pure_decode and self.c_prefill and clib.fast_prefill(query, kv_cache):
-            return _c_mixed(query, kv_cache, meta, scale)
+        if not pure_decode and self.c_prefill and clib.fast_prefill(query, kv_cache):
+            return _c_mixed(query, kv_cache, meta, scale, window)
         if clib.supports(query, kv_cache) and clib.load() is not None:
             decodes = functools.partial(_c_decodes, window=window)
             return reference.paged_attention(query, kv_cache, meta, scale, decodes=decodes, window=window)
@@ -167,7 +166,7 @@ def _c_decodes(
 
 
 def _c_mixed(
-    query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None
 ) -> torch.Tensor:
     """bf16 on AVX512-BF16: decodes through the decode kernel, every prompt chunk (one token or thousands)
     through the packed prefill kernel, whose per-row arithmetic ignores how the prompt was chunked: a
@@ -176,11 +175,16 @@ def _c_mixed(
     output = torch.zeros_like(query) if query.shape[0] > n else torch.empty_like(query)
     if nd:
         output[:nd] = clib.decode_attention(
-            query[:nd], kv_cache, meta.block_table[:nd], meta.seq_lens[:nd], scale
+            query[:nd], kv_cache, meta.block_table[:nd], meta.seq_lens[:nd], scale, window
         )
     for i in range(nd, meta.num_reqs):
         output[starts[i] : starts[i + 1]] = clib.prefill_attention(
-            query[starts[i] : starts[i + 1]], kv_cache, meta.block_table[i], meta.seq_lens_cpu[i], scale
+            query[starts[i] : starts[i + 1]],
+            kv_cache,
+            meta.block_table[i],
+            meta.seq_lens_cpu[i],
+            scale,
+            window,
         )
     return output
 

@@ -56,7 +56,7 @@ class _StackArgs(ctypes.Structure):  # cpu_decode_stack.c's stack_args
         ("token_stride", _I64),
         ("head_stride", _I64),
         ("num_slots", _I64),
-        ("silu_table", _P),
+        ("act_table", _P),
         ("rows", _I64),
         ("positions", _P),
         ("slots", _P),
@@ -120,7 +120,7 @@ class CpuDecodeStack:
             token_stride=cache.stride(2),
             head_stride=cache.stride(3),
             num_slots=cache.shape[1] * cache.shape[2],
-            silu_table=cpu_kernels.silu_table().data_ptr(),
+            act_table=cpu_kernels.activation_table("silu").data_ptr(),
         )
         self.widths = {
             "normed": self.args.hidden,
@@ -155,7 +155,7 @@ class CpuDecodeStack:
                 or not _packed(a.qkv_proj, cpu_kernels.GEMM_BF16)
                 or not _packed(a.o_proj, cpu_kernels.GEMM_BF16)
                 or not isinstance(m.act_fn, nn.Identity)
-                or not _packed(m.gate_up_proj, cpu_kernels.GEMM_SILU_MUL)
+                or not _packed(m.gate_up_proj, cpu_kernels.GEMM_ACT_MUL)
                 or not _packed(m.down_proj, cpu_kernels.GEMM_BF16)
                 or layer.input_layernorm.variance_epsilon != eps
                 or layer.post_attention_layernorm.variance_epsilon != eps

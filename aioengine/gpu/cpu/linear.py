@@ -25,7 +25,6 @@ import torch
 from torch import nn
 
 from aioengine.gpu.cpu import huge_pages
-from aioengine.gpu.layers import SiluAndMul
 from aioengine.kernels.cpu import clib as cpu_kernels
 
 
@@ -55,20 +54,21 @@ class PackedLinear(nn.Module):
         bias: torch.Tensor | None,
         batch_size_hint: int = 64,
         float32_out: bool = False,
-        silu_and_mul: bool = False,
+        activation: str | None = None,
         c_gemm: bool | None = None,
     ) -> None:
-        """``silu_and_mul``: a fused gate_up weight whose output is ``silu(gate) * up`` (half the width), from
-        the GEMM's epilogue; only where ``fuses_silu_and_mul`` says so. ``c_gemm``: cpu_gemm.c's layout
-        (default: where it is built), else oneDNN's."""
+        """``activation`` ("silu", "gelu_tanh"): a fused gate_up weight whose output is ``act(gate) * up``
+        (half the width), from the GEMM's epilogue; only where ``fuses_activation`` says so. ``c_gemm``:
+        cpu_gemm.c's layout (default: where it is built), else oneDNN's."""
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.dtype = weight.dtype
         self.c_gemm = c_gemm_enabled() if c_gemm is None else c_gemm
-        assert not silu_and_mul or (self.c_gemm and self.fuses_silu_and_mul(weight, bias))
+        assert activation is None or (self.c_gemm and self.fuses_activation(weight, bias, activation))
+        self.activation = activation
         self.epilogue = (
-            cpu_kernels.GEMM_SILU_MUL
-            if silu_and_mul
+            cpu_kernels.GEMM_ACT_MUL
+            if activation is not None
             else cpu_kernels.GEMM_F32
             if float32_out and self.c_gemm
             else cpu_kernels.GEMM_BF16
@@ -76,7 +76,7 @@ class PackedLinear(nn.Module):
         if self.c_gemm:  # on huge pages: every decode step streams the whole weight
             numel = cpu_kernels.packed_gemm_weight_elems(*weight.shape)
             self.packed = cpu_kernels.pack_gemm_weight(
-                weight, gated=silu_and_mul, out=huge_pages.zeros(numel, torch.bfloat16)
+                weight, gated=activation is not None, out=huge_pages.zeros(numel, torch.bfloat16)
             )
         else:  # the hint picks a blocking; any number of rows runs on the result
             self.packed = torch.ops.mkldnn._reorder_linear_weight(
@@ -87,13 +87,15 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.c_gemm:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        y = cpu_kernels.gemm(self._rows(x), self.packed, self.bias, self.out_features, self.epilogue)
+        y = cpu_kernels.gemm(
+            self._rows(x), self.packed, self.bias, self.out_features, self.epilogue, self.activation or "silu"
+        )
         return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
         """Each row's argmax of ``x W^T + b`` (float32 sums) without writing the logits: cpu_gemm.c's
         epilogue; None where this layer is not packed for it."""
-        if not self.c_gemm or self.epilogue == cpu_kernels.GEMM_SILU_MUL:
+        if not self.c_gemm or self.epilogue == cpu_kernels.GEMM_ACT_MUL:
             return None
         return cpu_kernels.gemm(
             self._rows(x), self.packed, self.bias, self.out_features, cpu_kernels.GEMM_ARGMAX
@@ -105,13 +107,23 @@ class PackedLinear(nn.Module):
         return flat if flat.stride(-1) == 1 else flat.contiguous()
 
     @staticmethod
-    def fuses_silu_and_mul(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-        """Whether a gate_up weight can take the fused epilogue of cpu_gemm.c (no bias, 64 | rows)."""
-        return bias is None and weight.shape[0] % 64 == 0 and packing_enabled(weight) and c_gemm_enabled()
+    def fuses_activation(weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None) -> bool:
+        """Whether a gate_up weight can take the fused epilogue of cpu_gemm.c (an activation it has a table
+        for, no bias, 64 | rows)."""
+        return (
+            activation in cpu_kernels.GATED_ACTIVATIONS
+            and bias is None
+            and weight.shape[0] % 64 == 0
+            and packing_enabled(weight)
+            and c_gemm_enabled()
+        )
 
     def extra_repr(self) -> str:
         kind = "cpu_gemm" if self.c_gemm else "onednn"
-        out = {cpu_kernels.GEMM_F32: ", float32 out", cpu_kernels.GEMM_SILU_MUL: ", silu_and_mul out"}
+        out = {
+            cpu_kernels.GEMM_F32: ", float32 out",
+            cpu_kernels.GEMM_ACT_MUL: f", {self.activation}_and_mul out",
+        }
         return (
             f"{self.in_features}, {self.out_features}, bias={self.bias is not None}, packed for {kind}"
             f"{out.get(self.epilogue, '')}"
@@ -148,8 +160,9 @@ def pack_linears(model: nn.Module, mode: str = "auto") -> int:
     "onednn" always for oneDNN; "torch" packs nothing.
 
     A tied head gets a packed copy: the embedding lookup keeps the original table. The head gives float32
-    logits where cpu_gemm.c runs it, and an MLP's fused gate_up projection takes over its SiluAndMul (which
-    becomes an identity): the activation is the GEMM's epilogue, in torch's roundings.
+    logits where cpu_gemm.c runs it, and an MLP's fused gate_up projection takes over its gated activation
+    (SiluAndMul, GeluTanhAndMul: it becomes an identity): the activation is the GEMM's epilogue, in torch's
+    roundings.
     """
     if mode == "torch":
         return 0
@@ -157,13 +170,13 @@ def pack_linears(model: nn.Module, mode: str = "auto") -> int:
     done = _transpose_float32_linears(model)
     for module in list(model.modules()):
         gate_up = getattr(module, "gate_up_proj", None)
+        activation = getattr(getattr(module, "act_fn", None), "activation", None)
         if (
             c_gemm
             and type(gate_up) is nn.Linear
-            and isinstance(getattr(module, "act_fn", None), SiluAndMul)
-            and PackedLinear.fuses_silu_and_mul(gate_up.weight, gate_up.bias)
+            and PackedLinear.fuses_activation(gate_up.weight, gate_up.bias, activation)
         ):
-            module.gate_up_proj = PackedLinear(gate_up.weight, None, silu_and_mul=True, c_gemm=True)
+            module.gate_up_proj = PackedLinear(gate_up.weight, None, activation=activation, c_gemm=True)
             module.act_fn = nn.Identity()
             done += 1
     head = getattr(model, "lm_head", None)

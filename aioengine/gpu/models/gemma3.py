@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn.utils import skip_init
 
 from aioengine.gpu.backend import REFERENCE_OPS, Ops
-from aioengine.gpu.layers import RotaryEmbedding
+from aioengine.gpu.layers import GeluTanhAndMul, RotaryEmbedding
 from aioengine.gpu.models.llama import (
     LlamaAttention,
     LlamaForCausalLM,
@@ -42,15 +42,6 @@ class GemmaRMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         return self.ops.gemma_rms_norm(x, self.weight, self.variance_epsilon, residual)
-
-
-class GeluTanhAndMul(nn.Module):
-    def __init__(self, ops: Ops) -> None:
-        super().__init__()
-        self.ops = ops
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.gelu_tanh_and_mul(x)
 
 
 def _rope_for(config: Any, layer_type: str) -> tuple[float, dict[str, Any]]:

@@ -193,7 +193,7 @@ _ELEMENTWISE = {
     "argmax_bf16": [_P, _I64, _I64, _I64, _P, _I],
     "store_kv_cpu": [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I, _I, _I, _I64, _I64, _I64, _I, _I64],
 }
-_PREFILL_ARGS = [_P, _I64, _P, _P, _P, _I, _I, _P, _I, _I, _I, _I, _F, _I64, _I64, _I64, _I]
+_PREFILL_ARGS = [_P, _I64, _P, _P, _P, _I, _I, _P, _I, _I, _I, _I, _F, _I, _I64, _I64, _I64, _I]
 
 
 def cache_pointers(kv_cache: torch.Tensor) -> tuple[int, int]:
@@ -272,7 +272,7 @@ def gemm_available() -> bool:
 
 
 # gemm's epilogues (cpu_kernels.h's OUT_*)
-GEMM_BF16, GEMM_F32, GEMM_SILU_MUL, GEMM_ARGMAX = 0, 1, 2, 3
+GEMM_BF16, GEMM_F32, GEMM_ACT_MUL, GEMM_ARGMAX = 0, 1, 2, 3
 
 
 def packed_gemm_weight_elems(n: int, k: int) -> int:
@@ -286,7 +286,7 @@ def pack_gemm_weight(
 ) -> torch.Tensor:
     """A bf16 ``[N, K]`` weight in gemm's panel layout (a flat bf16 tensor, written into ``out`` if given).
     ``gated``: a fused gate_up weight (gate rows, then up rows; N a multiple of 64) laid out for the
-    GEMM_SILU_MUL epilogue."""
+    GEMM_ACT_MUL epilogue."""
     n, k = weight.shape
     assert not gated or n % 64 == 0
     numel = packed_gemm_weight_elems(n, k)
@@ -297,12 +297,17 @@ def pack_gemm_weight(
     return packed
 
 
+_ACTIVATIONS = {"silu": F.silu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh")}
+GATED_ACTIVATIONS = tuple(_ACTIVATIONS)  # what GEMM_ACT_MUL's epilogue can apply to the gate
+
+
 @functools.cache
-def silu_table() -> torch.Tensor:
-    """torch's silu of every bf16 value (by bit pattern), as float32: the epilogue looks its bits up, so they
-    are torch's whatever exp it uses (a float32 silu on a bf16 tie rounds by the last bit of exp)."""
+def activation_table(name: str) -> torch.Tensor:
+    """torch's activation ``name`` of every bf16 value (by bit pattern), as float32: the epilogue looks its
+    bits up, so they are torch's whatever exp or tanh it uses (a float32 silu on a bf16 tie rounds by the
+    last bit of exp)."""
     every_bf16 = torch.from_numpy(np.arange(1 << 16, dtype=np.uint16).view(np.int16)).view(torch.bfloat16)
-    return F.silu(every_bf16).float()
+    return _ACTIVATIONS[name](every_bf16).float()
 
 
 def gemm(
@@ -311,11 +316,12 @@ def gemm(
     bias: torch.Tensor | None,
     out_features: int,
     epilogue: int = GEMM_BF16,
+    activation: str = "silu",
 ) -> torch.Tensor:
     """``x [M, K] @ W^T (+ bias)`` with ``W [N, K]`` packed by ``pack_gemm_weight``; ``x``'s rows may be
     strided (unit inner stride). Returns bf16 ``[M, N]``; with GEMM_F32 float32 ``[M, N]`` (the sums
-    unrounded); with GEMM_SILU_MUL (a gated weight, no bias) bf16 ``[M, N / 2]``: silu(gate) * up, rounded
-    as torch rounds; with GEMM_ARGMAX int64 ``[M]``: ``argmax`` of the float32 row, as torch picks it
+    unrounded); with GEMM_ACT_MUL (a gated weight, no bias) bf16 ``[M, N / 2]``: activation(gate) * up,
+    rounded as torch rounds; with GEMM_ARGMAX int64 ``[M]``: ``argmax`` of the float32 row, as torch picks it
     (first maximum; NaN wins)."""
     m, k = x.shape
     assert (
@@ -323,7 +329,7 @@ def gemm(
         and x.stride(1) == 1
         and packed.numel() == _lib.packed_gemm_weight_elems(out_features, k)
     )
-    width = out_features // 2 if epilogue == GEMM_SILU_MUL else out_features
+    width = out_features // 2 if epilogue == GEMM_ACT_MUL else out_features
     if epilogue == GEMM_ARGMAX:
         out = torch.empty(m, dtype=torch.int64)
     else:
@@ -340,7 +346,7 @@ def gemm(
             out_features,
             k,
             epilogue,
-            silu_table().data_ptr() if epilogue == GEMM_SILU_MUL else 0,
+            activation_table(activation).data_ptr() if epilogue == GEMM_ACT_MUL else 0,
             torch.get_num_threads(),
         )
         if status == -3:
@@ -501,10 +507,16 @@ def decode_attention(
 
 
 def prefill_attention(
-    query: torch.Tensor, kv_cache: torch.Tensor, blocks: torch.Tensor, seq_len: int, scale: float
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    blocks: torch.Tensor,
+    seq_len: int,
+    scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """One request's chunk: query ``[q_len, Hq, D]`` (its last token at position ``seq_len - 1``) over the
-    blocks ``blocks`` (int32, the request's block-table row) -> ``[q_len, Hq, D]``."""
+    blocks ``blocks`` (int32, the request's block-table row) -> ``[q_len, Hq, D]``; with ``window``, each
+    token sees only itself and the ``window - 1`` positions before it."""
     q_len, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     assert query.stride(2) == 1 and query.stride(1) == head_dim and kv_cache.stride(4) == 1
@@ -527,6 +539,7 @@ def prefill_attention(
         head_dim,
         block_size,
         scale,
+        window or 0,
         kv_cache.stride(1),
         kv_cache.stride(2),
         kv_cache.stride(3),

@@ -23,7 +23,7 @@ typedef struct {
     float eps, scale;
     const uint16_t *cos2, *sin2; /* rotary tables [max_position, head_dim] */
     int64_t block_size, block_stride, token_stride, head_stride, num_slots;
-    const float *silu_table;
+    const float *act_table;
     int64_t rows;
     const int64_t *positions, *slots;
     const int32_t *block_table, *seq_lens;
@@ -61,7 +61,7 @@ int decode_stack_bf16(const layer_weights *layers, int num_layers, const stack_a
         if (status) return status;
         add_rms_norm_bf16(hidden, h, residual, h, residual, w->post_norm, a->normed, rows, h, a->eps, nt);
         status = gemm_bf16(a->normed, h, w->gate_up, NULL, a->act, a->intermediate, rows, 2 * a->intermediate, h,
-                           OUT_SILU_MUL, a->silu_table, nt);
+                           OUT_ACT_MUL, a->act_table, nt);
         if (status) return status;
         status = gemm_bf16(a->act, a->intermediate, w->down, w->down_bias, hidden, h, rows, h, a->intermediate,
                            OUT_BF16, NULL, nt);

@@ -49,7 +49,7 @@ int64_t packed_gemm_weight_elems(int64_t n, int64_t k) {
 }
 
 /* gated (a fused gate_up weight, gate rows then up rows, n a multiple of 64): panel p holds gate columns
- * 32p..32p+31 then the up columns that pair with them, for OUT_SILU_MUL's epilogue. */
+ * 32p..32p+31 then the up columns that pair with them, for OUT_ACT_MUL's epilogue. */
 void pack_gemm_weight_bf16(const uint16_t *w, int64_t n, int64_t k, int gated, uint16_t *out, int num_threads) {
     const int64_t pairs = (k + 1) / 2, panels = (n + PANEL - 1) / PANEL;
 #pragma omp parallel for num_threads(num_threads)
@@ -85,7 +85,7 @@ static inline uint32_t pair_at(const uint16_t *p) { /* x[2k], x[2k+1] as one dwo
 static inline __attribute__((always_inline)) void micro(const uint16_t *x, int64_t ldx, const uint16_t *panel,
                                                          int64_t k, const uint16_t *bias, void *y,
                                                          int64_t ldy, int cols, const int rows, const char *pf,
-                                                         int64_t pf_lines, const int out, const float *silu_table,
+                                                         int64_t pf_lines, const int out, const float *act_table,
                                                          int32_t col0) {
     const int64_t full_pairs = k / 2, pairs = (k + 1) / 2;
     __m512 acc[ROWS][4];
@@ -105,14 +105,14 @@ static inline __attribute__((always_inline)) void micro(const uint16_t *x, int64
             for (int q = 0; q < 4; q++) acc[i][q] = _mm512_dpbf16_ps(acc[i][q], xv, wv[q]);
         }
     }
-    if (out == OUT_SILU_MUL) { /* a gated panel: gate columns in acc[.][0..1], their up columns in [2..3] */
+    if (out == OUT_ACT_MUL) { /* a gated panel: gate columns in acc[.][0..1], their up columns in [2..3] */
         for (int i = 0; i < rows; i++)
             for (int q = 0; q < 2; q++) {
                 const __m512i gate_bits = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(acc[i][q]));
-                const __m512 silu = _mm512_i32gather_ps(gate_bits, silu_table, 4);
+                const __m512 act = _mm512_i32gather_ps(gate_bits, act_table, 4);
                 const __m512 up = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(acc[i][q + 2]));
                 _mm256_storeu_si256((__m256i *)((uint16_t *)y + i * ldy + 16 * q),
-                                    (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(silu, up)));
+                                    (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(act, up)));
             }
         return;
     }
@@ -158,12 +158,12 @@ static inline __attribute__((always_inline)) void micro(const uint16_t *x, int64
     }
 }
 
-/* y: bf16 [M, N], float32 [M, N] (OUT_F32), bf16 [M, N / 2] (OUT_SILU_MUL, a weight packed gated, no
- * bias, and silu_table: silu of each of the 65536 bf16 values, rounded to bf16, as floats), or int64 [M]
+/* y: bf16 [M, N], float32 [M, N] (OUT_F32), bf16 [M, N / 2] (OUT_ACT_MUL, a weight packed gated, no
+ * bias, and act_table: the activation of each of the 65536 bf16 values, rounded to bf16, as floats), or int64 [M]
  * (OUT_ARGMAX); ldy in elements. Returns 0; -2 for a call the epilogue cannot take; -3 out of memory. */
 int gemm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *packed, const uint16_t *bias, void *y,
-              int64_t ldy, int64_t m, int64_t n, int64_t k, int out, const float *silu_table, int num_threads) {
-    if (out == OUT_SILU_MUL && (n % PANEL != 0 || bias != NULL || silu_table == NULL)) return -2;
+              int64_t ldy, int64_t m, int64_t n, int64_t k, int out, const float *act_table, int num_threads) {
+    if (out == OUT_ACT_MUL && (n % PANEL != 0 || bias != NULL || act_table == NULL)) return -2;
     const int64_t pairs = (k + 1) / 2, panels = (n + PANEL - 1) / PANEL, panel_elems = pairs * PANEL * 2;
     lane_best *bests = NULL; /* OUT_ARGMAX: [threads][m] */
     if (out == OUT_ARGMAX) {
@@ -190,11 +190,11 @@ int gemm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *packed, const uint
                 const int64_t pf_lines = (p + 1) * blocks < u1 ? l1 - l0 : 0;
                 const int cols = n - p * PANEL < PANEL ? (int)(n - p * PANEL) : PANEL;
                 const uint16_t *xi = x + i * ldx, *bp = bias == NULL ? NULL : bias + p * PANEL;
-                const int64_t y_col = out == OUT_SILU_MUL ? p * PANEL / 2 : p * PANEL;
+                const int64_t y_col = out == OUT_ACT_MUL ? p * PANEL / 2 : p * PANEL;
                 void *yi = out == OUT_ARGMAX ? (void *)(bests + t * m + i)
                                              : (char *)y + (i * ldy + y_col) * (out == OUT_F32 ? 4 : 2);
                 const int rows = m0 + mc - i >= ROWS ? ROWS : (int)(m0 + mc - i);
-#define MICRO(R, OUT) micro(xi, ldx, panel, k, bp, yi, ldy, cols, R, pf, pf_lines, OUT, silu_table, \
+#define MICRO(R, OUT) micro(xi, ldx, panel, k, bp, yi, ldy, cols, R, pf, pf_lines, OUT, act_table, \
                                   (int32_t)(p * PANEL))
 #define MICRO_ROWS(OUT)                                                                                  \
     switch (rows) {                                                                                      \
@@ -207,8 +207,8 @@ int gemm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *packed, const uint
     }
                 if (out == OUT_F32)
                     MICRO_ROWS(OUT_F32)
-                else if (out == OUT_SILU_MUL)
-                    MICRO_ROWS(OUT_SILU_MUL)
+                else if (out == OUT_ACT_MUL)
+                    MICRO_ROWS(OUT_ACT_MUL)
                 else if (out == OUT_ARGMAX)
                     MICRO_ROWS(OUT_ARGMAX)
                 else
@@ -245,9 +245,9 @@ int gemm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *packed, const uint
 int gemm_bf16_vectorized(void) { return 0; }
 
 int gemm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *packed, const uint16_t *bias, void *y,
-              int64_t ldy, int64_t m, int64_t n, int64_t k, int out, const float *silu_table, int num_threads) {
+              int64_t ldy, int64_t m, int64_t n, int64_t k, int out, const float *act_table, int num_threads) {
     (void)x, (void)ldx, (void)packed, (void)bias, (void)y, (void)ldy, (void)m, (void)n, (void)k, (void)out;
-    (void)silu_table;
+    (void)act_table;
     (void)num_threads;
     return -1;
 }

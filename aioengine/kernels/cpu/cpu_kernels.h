@@ -8,7 +8,7 @@
 /* gemm_bf16's epilogues (clib.py's GEMM_*) */
 #define OUT_BF16 0
 #define OUT_F32 1
-#define OUT_SILU_MUL 2 /* silu(gate) * up in torch's roundings: bf16 after each op, silu by table */
+#define OUT_ACT_MUL 2 /* act(gate) * up in torch's roundings: bf16 after each op, act (silu, gelu) by table */
 #define OUT_ARGMAX 3   /* each row's argmax over N (the LM head for greedy rows: no logits written) */
 
 void add_rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *residual, int64_t residual_stride,
@@ -18,7 +18,7 @@ void rotary_bf16(const uint16_t *x, int64_t token_stride, const int64_t *positio
                  const uint16_t *sin2, uint16_t *out, int64_t tokens, int64_t heads, int64_t head_dim,
                  int num_threads);
 int gemm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *packed, const uint16_t *bias, void *y, int64_t ldy,
-              int64_t m, int64_t n, int64_t k, int out, const float *silu_table, int num_threads);
+              int64_t m, int64_t n, int64_t k, int out, const float *act_table, int num_threads);
 int decode_attention_bf16(const uint16_t *query, int64_t query_stride, const uint16_t *key_cache,
                           const uint16_t *value_cache, const int32_t *block_table, int64_t table_stride,
                           const int32_t *seq_lens, uint16_t *out, int num_reqs, int num_heads, int num_kv_heads,

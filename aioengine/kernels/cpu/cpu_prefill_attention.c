@@ -16,7 +16,10 @@
  *
  * Layouts (aioengine/kernels/reference.py): caches [num_blocks, block_size, Hkv, D] with any block, token and
  * head strides (elements, D contiguous); query [q_len, Hq, D] with a token stride; out [q_len, Hq, D]
- * contiguous. Query token i sits at position seq_len - q_len + i and sees positions 0..that one.
+ * contiguous. Query token i sits at position seq_len - q_len + i and sees positions 0..that one, or with a
+ * window (sliding-window layers; 0: none) only the last `window` of them. Chunks start at multiples of 64
+ * whatever the window, so a windowed row's bits do not depend on its chunking either, and no tile wholly
+ * before every row's window is packed or read.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -49,11 +52,15 @@ static inline __attribute__((always_inline)) void chunk_scores(__m512 *s, const 
     for (int j = 0; j < NT; j++) s[j] = _mm512_add_ps(even[j], odd[j]);
 }
 
-/* One row (a query head at one position) against one chunk of `nt` 16-token tiles, `valid` keys of which it
- * may see. NV: output vectors per row (head_dim / 16), a constant where inlined. */
+/* Lanes [0, n) of a 16-lane tile (n clamped to 0..16). */
+static inline __mmask16 first_lanes(int n) { return n >= 16 ? 0xffff : (n <= 0 ? 0 : (__mmask16)((1u << n) - 1)); }
+
+/* One row (a query head at one position) against one chunk of `nt` 16-token tiles: it sees keys
+ * [skip, valid) of the chunk (skip > 0: the start of its window falls inside the chunk). NV: output
+ * vectors per row (head_dim / 16), a constant where inlined. */
 static inline __attribute__((always_inline)) void row_chunk(
     float *acc, float *run_max, float *run_sum, const int32_t *qd, const int32_t *kt, const int32_t *vt,
-    int nt, int valid, int pairs, int head_dim, float scale, const int NV) {
+    int nt, int skip, int valid, int pairs, int head_dim, float scale, const int NV) {
     if (nt > (valid + 15) / 16) nt = (valid + 15) / 16; /* only the tiles this row sees: the same work whoever calls */
     __m512 s[PF_CHUNK / 16] = {0};
     switch (nt) { /* constant tile counts: the interleaved chains stay in registers */
@@ -63,8 +70,8 @@ static inline __attribute__((always_inline)) void row_chunk(
     default: chunk_scores(s, qd, kt, pairs, 1); break;
     }
     for (int j = 0; j < nt; j++) {
-        const int live = valid - 16 * j; /* keys of this tile the row sees */
-        const __mmask16 m = live >= 16 ? 0xffff : (live <= 0 ? 0 : (__mmask16)((1u << live) - 1));
+        /* keys of this tile the row sees: below valid, and not before its window */
+        const __mmask16 m = first_lanes(valid - 16 * j) & (__mmask16)~first_lanes(skip - 16 * j);
         s[j] = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), m, s[j], _mm512_set1_ps(scale));
     }
     __m512 mx = s[0];
@@ -112,15 +119,16 @@ static inline __attribute__((always_inline)) void row_chunk(
         _mm512_store_ps(acc + 16 * h, _mm512_add_ps(_mm512_add_ps(a[0][h], a[2][h]), _mm512_add_ps(a[1][h], a[3][h])));
 }
 
-/* Pack one KV head's keys and values of tile `tile` (16 positions from 16 * tile; zeros past seq_len). */
-static inline void pack_tile(const uint16_t *k_head, const uint16_t *v_head, const int32_t *blocks, int tile, int seq_len,
-                      int head_dim, int block_size, int64_t block_stride, int64_t token_stride, int32_t *kt,
-                      int32_t *vt) {
+/* Pack one KV head's keys and values of tile `tile` (16 positions from 16 * tile; zeros before first_key and
+ * from seq_len on: a block wholly before every row's window may be freed, and its slots are never read). */
+static inline void pack_tile(const uint16_t *k_head, const uint16_t *v_head, const int32_t *blocks, int tile,
+                             int first_key, int seq_len, int head_dim, int block_size, int64_t block_stride,
+                             int64_t token_stride, int32_t *kt, int32_t *vt) {
     const int pairs = head_dim / 2;
     const uint16_t *krow[16], *vrow[16];
     int b = 16 * tile / block_size, off = 16 * tile % block_size; /* one division a tile, not two a token */
     for (int t = 0; t < 16; t++) {
-        if (16 * tile + t < seq_len) {
+        if (16 * tile + t < seq_len && 16 * tile + t >= first_key) {
             const int64_t at = (int64_t)blocks[b] * block_stride + (int64_t)off * token_stride;
             krow[t] = k_head + at;
             vrow[t] = v_head + at;
@@ -150,12 +158,17 @@ static inline void pack_tile(const uint16_t *k_head, const uint16_t *v_head, con
 
 int prefill_attention_bf16(const uint16_t *query, int64_t query_stride, const uint16_t *key_cache,
                            const uint16_t *value_cache, const int32_t *blocks, int q_len, int seq_len, uint16_t *out,
-                           int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
+                           int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, int window,
                            int64_t block_stride, int64_t token_stride, int64_t head_stride, int num_threads) {
     const int group = num_heads / num_kv_heads;
-    if (head_dim % 32 || head_dim > PF_MAX_HEAD_DIM || group > PF_MAX_ROWS || q_len > seq_len || q_len < 1)
+    if (head_dim % 32 || head_dim > PF_MAX_HEAD_DIM || group > PF_MAX_ROWS || q_len > seq_len || q_len < 1 ||
+        window < 0)
         return -1;
-    const int pairs = head_dim / 2, ntiles = (seq_len + 15) / 16;
+    const int context = seq_len - q_len;
+    /* the first chunk any row sees; tiles are packed from there (tile0) on */
+    const int first_key = window && context - window + 1 > 0 ? context - window + 1 : 0;
+    const int tile0 = first_key / PF_CHUNK * (PF_CHUNK / 16);
+    const int pairs = head_dim / 2, ntiles = (seq_len + 15) / 16 - tile0;
     const int64_t ktile = (int64_t)pairs * 16, vtile = 8 * (int64_t)head_dim; /* dwords per packed tile */
     int32_t *kp = aligned_alloc(64, (size_t)num_kv_heads * ntiles * ktile * 4);
     int32_t *vp = aligned_alloc(64, (size_t)num_kv_heads * ntiles * vtile * 4);
@@ -167,11 +180,11 @@ int prefill_attention_bf16(const uint16_t *query, int64_t query_stride, const ui
 #pragma omp parallel for collapse(2) schedule(static) num_threads(num_threads)
     for (int kvh = 0; kvh < num_kv_heads; kvh++)
         for (int tile = 0; tile < ntiles; tile++)
-            pack_tile(key_cache + (int64_t)kvh * head_stride, value_cache + (int64_t)kvh * head_stride, blocks, tile,
-                      seq_len, head_dim, block_size, block_stride, token_stride,
+            pack_tile(key_cache + (int64_t)kvh * head_stride, value_cache + (int64_t)kvh * head_stride, blocks,
+                      tile0 + tile, first_key, seq_len, head_dim, block_size, block_stride, token_stride,
                       kp + ((int64_t)kvh * ntiles + tile) * ktile, vp + ((int64_t)kvh * ntiles + tile) * vtile);
     const int per_task = PF_MAX_ROWS / group; /* query tokens per task */
-    const int ntasks = (q_len + per_task - 1) / per_task, context = seq_len - q_len, nv = head_dim / 16;
+    const int ntasks = (q_len + per_task - 1) / per_task, nv = head_dim / 16;
 #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)
     for (int kvh = 0; kvh < num_kv_heads; kvh++)
         for (int task = 0; task < ntasks; task++) {
@@ -188,15 +201,19 @@ int prefill_attention_bf16(const uint16_t *query, int64_t query_stride, const ui
                 run_sum[r] = 0.0f;
             }
             const int last_pos = context + first + count - 1;
+            const int task_key = window && context + first - window + 1 > 0 ? context + first - window + 1 : 0;
             const int32_t *kh = kp + (int64_t)kvh * ntiles * ktile, *vh = vp + (int64_t)kvh * ntiles * vtile;
-            for (int start = 0; start <= last_pos; start += PF_CHUNK) {
+            for (int start = task_key / PF_CHUNK * PF_CHUNK; start <= last_pos; start += PF_CHUNK) {
                 const int end = start + PF_CHUNK <= last_pos + 1 ? start + PF_CHUNK : last_pos + 1;
-                const int nt = (end - start + 15) / 16;
-                const int32_t *kt = kh + (int64_t)(start / 16) * ktile, *vt = vh + (int64_t)(start / 16) * vtile;
+                const int nt = (end - start + 15) / 16, tile = start / 16 - tile0;
+                const int32_t *kt = kh + (int64_t)tile * ktile, *vt = vh + (int64_t)tile * vtile;
                 for (int r = 0; r < rows; r++) {
-                    const int valid = context + first + r / group + 1 - start; /* keys this row sees */
-                    if (valid <= 0) continue;
-#define CHUNK(NV) row_chunk(acc[r], &run_max[r], &run_sum[r], qd[r], kt, vt, nt, valid, pairs, head_dim, scale, NV)
+                    const int pos = context + first + r / group;
+                    const int valid = pos + 1 - start; /* keys before this one the row may see */
+                    const int skip = window ? pos - window + 1 - start : 0; /* keys before its window */
+                    if (valid <= 0 || skip >= PF_CHUNK) continue;
+#define CHUNK(NV)                                                                                        \
+    row_chunk(acc[r], &run_max[r], &run_sum[r], qd[r], kt, vt, nt, skip, valid, pairs, head_dim, scale, NV)
                     switch (nv) {
                     case 2: CHUNK(2); break;
                     case 4: CHUNK(4); break;
@@ -219,7 +236,7 @@ int prefill_attention_bf16(const uint16_t *query, int64_t query_stride, const ui
 #else
 int prefill_attention_bf16(const uint16_t *query, int64_t query_stride, const uint16_t *key_cache,
                            const uint16_t *value_cache, const int32_t *blocks, int q_len, int seq_len, uint16_t *out,
-                           int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
+                           int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, int window,
                            int64_t block_stride, int64_t token_stride, int64_t head_stride, int num_threads) {
     return -3; /* not built: clib.fast_prefill routes nothing here without AVX512-BF16 */
 }

@@ -122,18 +122,22 @@ def test_float32_out_is_the_unrounded_sum(m, n, k):
 
 
 @needs_gemm
+@pytest.mark.parametrize(
+    ("activation", "torch_op"),
+    [("silu", F.silu), ("gelu_tanh", lambda g: F.gelu(g, approximate="tanh"))],
+)
 @pytest.mark.parametrize(("m", "inter", "k"), [(1, 32, 64), (7, 64, 33), (64, 1536, 576), (241, 96, 96)])
-def test_silu_and_mul_epilogue_matches_the_torch_ops(m, inter, k):
-    """gate_up packed gated, activation in the epilogue: torch's bits (bf16 after the GEMM, silu looked up
-    from torch's own values, bf16 after the product). With silu computed by the C library's expf instead,
-    0.05% of these differed (a float32 silu on a bf16 tie, e.g. silu(5.9375))."""
+def test_gated_activation_epilogue_matches_the_torch_ops(m, inter, k, activation, torch_op):
+    """gate_up packed gated, activation in the epilogue: torch's bits (bf16 after the GEMM, the activation
+    looked up from torch's own values, bf16 after the product). With silu computed by the C library's expf
+    instead, 0.05% of these differed (a float32 silu on a bf16 tie, e.g. silu(5.9375))."""
     gen = torch.Generator().manual_seed(m + inter + k)
     x = (torch.randn(m, k, generator=gen) * 3).to(torch.bfloat16)
     w = (torch.randn(2 * inter, k, generator=gen) * 0.3).to(torch.bfloat16)
-    fused = PackedLinear(w, None, silu_and_mul=True)
+    fused = PackedLinear(w, None, activation=activation)
     got = fused(x)
     gate_up = PackedLinear(w, None)(x)
-    want = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    want = torch_op(gate_up[:, :inter].contiguous()) * gate_up[:, inter:]  # HF's gate_proj output: contiguous
     assert got.shape == want.shape == (m, inter)
     assert torch.equal(got, want)
 
@@ -142,21 +146,26 @@ def test_pack_linears_fuses_the_mlp_activation_into_gate_up():
     from torch import nn
 
     from aioengine.gpu.cpu.linear import pack_linears
-    from aioengine.gpu.layers import SiluAndMul
+    from aioengine.gpu.layers import GeluTanhAndMul, SiluAndMul
 
     mlp = nn.Module()
     mlp.gate_up_proj = nn.Linear(32, 128, bias=False, dtype=torch.bfloat16)
     mlp.act_fn = SiluAndMul()
+    geglu = nn.Module()  # Gemma's MLP
+    geglu.gate_up_proj = nn.Linear(32, 128, bias=False, dtype=torch.bfloat16)
+    geglu.act_fn = GeluTanhAndMul()
     odd = nn.Module()  # 2 x 40 rows: not a multiple of 64, keeps the separate activation
     odd.gate_up_proj = nn.Linear(32, 80, bias=False, dtype=torch.bfloat16)
     odd.act_fn = SiluAndMul()
     x = torch.randn(5, 32).to(torch.bfloat16)
-    want = mlp.act_fn(mlp.gate_up_proj(x))
-    model = nn.Sequential(mlp, odd)
+    want = [m.act_fn(m.gate_up_proj(x)) for m in (mlp, geglu)]
+    model = nn.Sequential(mlp, geglu, odd)
     pack_linears(model)
     fused = cpu_kernels.gemm_available()
     assert isinstance(mlp.act_fn, nn.Identity) == fused and isinstance(odd.act_fn, SiluAndMul)
-    torch.testing.assert_close(mlp.act_fn(mlp.gate_up_proj(x)), want)
+    assert isinstance(geglu.act_fn, nn.Identity) == fused
+    for m, w in zip((mlp, geglu), want, strict=True):
+        torch.testing.assert_close(m.act_fn(m.gate_up_proj(x)), w)
 
 
 @needs_gemm
