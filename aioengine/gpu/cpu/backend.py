@@ -54,6 +54,21 @@ class CpuOps(Ops):
             return clib.add_rms_norm(x, residual, weight, eps)
         return reference.add_rms_norm(x, weight, eps, residual)
 
+    def gemma_rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        # bf16 only: float32 Gemma keeps the torch reference, the parity tests' exact HF order
+        if (
+            self.elementwise
+            and x.dim() in (2, 3)
+            and (x.dim() == 2 or (residual is None and x.stride(1) == x.shape[2]))
+            and clib.elementwise_ok(x)
+        ):
+            if residual is None:
+                return clib.gemma_rms_norm(None, x, weight, eps)[0]
+            return clib.gemma_rms_norm(x, residual, weight, eps)
+        return reference.gemma_rms_norm(x, weight, eps, residual)
+
     def rope_tables(self, cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cos2, sin2)``: a rotation is then ``x * cos2 + roll(x) * sin2`` (4 ops for q and k together
         instead of 8 each; the same roundings as HF's rotate_half, so the same bits)."""
@@ -275,7 +290,7 @@ class CpuBackend(Backend):
         stack = self.decode_stack
         if stack is not None and stack.takes(input_ids, meta):  # every layer in one C call, the same bits
             decoder: Any = runner.model.model  # a Llama-family decoder (the stack checked it when built)
-            hidden, residual = stack.run(decoder.embed_tokens(input_ids), positions, meta)
+            hidden, residual = stack.run(decoder.embed(input_ids), positions, meta)
             return decoder.norm(hidden, residual)[0]
         return runner.model(input_ids, positions, runner.kv_caches, meta)
 

@@ -1,8 +1,9 @@
 """Decode-only steps on the CPU through cpu_decode_stack.c: all decoder layers in one C call, same bits.
 
-Applies to bf16 Llama-family layers (Llama, Mistral, SmolLM, Qwen2) once ``pack_linears`` has packed every
-linear for cpu_gemm.c and fused the MLP's activation into gate_up; Qwen3's q/k norms, float32, and mixed
-steps with prompt chunks keep the Python path. ``KernelConfig.cpu_decode_stack=False`` turns it off.
+Applies to bf16 Llama-family layers (Llama, Mistral, SmolLM, Qwen2) and Gemma 3's, sliding windows and KV
+cache groups included, once ``pack_linears`` has packed every linear for cpu_gemm.c and fused the MLP's
+activation into gate_up; Qwen3's q/k norms, float32, and mixed steps with prompt chunks keep the Python path.
+``KernelConfig.cpu_decode_stack=False`` turns it off.
 """
 
 from __future__ import annotations
@@ -36,8 +37,14 @@ class _LayerWeights(ctypes.Structure):  # cpu_decode_stack.c's layer_weights
             "down_bias",
             "key_cache",
             "value_cache",
+            "q_norm",
+            "k_norm",
+            "pre_ff_norm",
+            "post_ff_norm",
+            "cos2",
+            "sin2",
         )
-    ]
+    ] + [("window", _I64), ("group", _I64)]
 
 
 class _StackArgs(ctypes.Structure):  # cpu_decode_stack.c's stack_args
@@ -49,8 +56,7 @@ class _StackArgs(ctypes.Structure):  # cpu_decode_stack.c's stack_args
         ("head_dim", _I64),
         ("eps", _F),
         ("scale", _F),
-        ("cos2", _P),
-        ("sin2", _P),
+        ("gemma", _I64),
         ("block_size", _I64),
         ("block_stride", _I64),
         ("token_stride", _I64),
@@ -60,11 +66,12 @@ class _StackArgs(ctypes.Structure):  # cpu_decode_stack.c's stack_args
         ("rows", _I64),
         ("positions", _P),
         ("slots", _P),
-        ("block_table", _P),
+        ("block_tables", _P),
+        ("table_strides", _P),
         ("seq_lens", _P),
-        ("table_stride", _I64),
         ("normed", _P),
         ("qkv_out", _P),
+        ("qk_normed", _P),
         ("qk_rotated", _P),
         ("attn", _P),
         ("act", _P),
@@ -84,13 +91,19 @@ class CpuDecodeStack:
     """The layers' pointers, gathered once; ``run`` fills a step's inputs and makes the call."""
 
     def __init__(
-        self, model: nn.Module, kv_caches: list[torch.Tensor], cos2: torch.Tensor, sin2: torch.Tensor
+        self,
+        model: nn.Module,
+        kv_caches: list[torch.Tensor],
+        rope_tables: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
     ) -> None:
         decoder = model.model
         first = decoder.layers[0]
         attn, mlp = first.self_attn, first.mlp
         cache = kv_caches[0]
+        self.gemma = _is_gemma(first)
+        self.num_groups = 1 + max(layer.self_attn.kv_group for layer in decoder.layers)
         self.layers = (_LayerWeights * len(decoder.layers))()
+        tables = []
         for w, layer, kv in zip(self.layers, decoder.layers, kv_caches, strict=True):
             a, m = layer.self_attn, layer.mlp
             w.input_norm, w.post_norm = (
@@ -105,6 +118,14 @@ class CpuDecodeStack:
                 _ptr(m.down_proj.bias),
             )
             w.key_cache, w.value_cache = cpu_kernels.cache_pointers(kv)
+            if self.gemma:
+                w.q_norm, w.k_norm = _ptr(a.q_norm.weight), _ptr(a.k_norm.weight)
+                w.pre_ff_norm = _ptr(layer.pre_feedforward_layernorm.weight)
+                w.post_ff_norm = _ptr(layer.post_feedforward_layernorm.weight)
+            cos2, sin2 = rope_tables(a.rotary_emb.cos_sin_cache)  # per layer: Gemma's local and global bases
+            tables.append((cos2, sin2))
+            w.cos2, w.sin2 = _ptr(cos2), _ptr(sin2)
+            w.window, w.group = a.sliding_window or 0, a.kv_group
         self.args = _StackArgs(
             hidden=attn.o_proj.out_features,
             intermediate=mlp.gate_up_proj.out_features // 2,
@@ -113,23 +134,23 @@ class CpuDecodeStack:
             head_dim=attn.head_dim,
             eps=first.input_layernorm.variance_epsilon,
             scale=attn.scaling,
-            cos2=_ptr(cos2),
-            sin2=_ptr(sin2),
+            gemma=self.gemma,
             block_size=cache.shape[2],
             block_stride=cache.stride(1),
             token_stride=cache.stride(2),
             head_stride=cache.stride(3),
             num_slots=cache.shape[1] * cache.shape[2],
-            act_table=cpu_kernels.activation_table("silu").data_ptr(),
+            act_table=cpu_kernels.activation_table(mlp.gate_up_proj.activation).data_ptr(),
         )
         self.widths = {
             "normed": self.args.hidden,
             "qkv_out": attn.q_size + 2 * attn.kv_size,
+            "qk_normed": attn.q_size + attn.kv_size if self.gemma else 0,
             "qk_rotated": attn.q_size + attn.kv_size,
             "attn": attn.q_size,
             "act": self.args.intermediate,
         }
-        self._keep = (kv_caches, cos2, sin2)  # the pointers above stay valid while these live
+        self._keep = (kv_caches, tables)  # the pointers above stay valid while these live
 
     @staticmethod
     def build(
@@ -144,32 +165,34 @@ class CpuDecodeStack:
         decoder = getattr(model, "model", None)
         if not getattr(decoder, "layers", None) or kv_caches[0].dtype != torch.bfloat16:
             return None
-        eps = decoder.layers[0].input_layernorm.variance_epsilon
+        first = decoder.layers[0]
+        eps, gemma = first.input_layernorm.variance_epsilon, _is_gemma(first)
+        activation = "gelu_tanh" if gemma else "silu"
         for layer in decoder.layers:
             a, m = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
             if (
                 a is None
                 or m is None
-                or getattr(a, "sliding_window", None) is not None  # the C stack attends to every position
-                or a.q_norm is not None
+                or _is_gemma(layer) != gemma
+                or (a.q_norm is not None) != gemma  # Qwen3's (plain RMSNorm) q/k norms are not in the stack
                 or not _packed(a.qkv_proj, cpu_kernels.GEMM_BF16)
                 or not _packed(a.o_proj, cpu_kernels.GEMM_BF16)
                 or not isinstance(m.act_fn, nn.Identity)
                 or not _packed(m.gate_up_proj, cpu_kernels.GEMM_ACT_MUL)
+                or m.gate_up_proj.activation != activation
                 or not _packed(m.down_proj, cpu_kernels.GEMM_BF16)
-                or layer.input_layernorm.variance_epsilon != eps
-                or layer.post_attention_layernorm.variance_epsilon != eps
+                or any(n.variance_epsilon != eps for n in _norms(layer))
             ):
                 return None
-        attn = decoder.layers[0].self_attn
-        cos2, sin2 = rope_tables(attn.rotary_emb.cos_sin_cache)
-        if cos2.dtype != torch.bfloat16 or not cos2.is_contiguous():
-            return None
+            cos2, _ = rope_tables(a.rotary_emb.cos_sin_cache)
+            if cos2.dtype != torch.bfloat16 or not cos2.is_contiguous():
+                return None
+        attn = first.self_attn
         query = torch.empty(
             1, attn.num_heads, attn.head_dim, dtype=torch.bfloat16
         )  # the decode kernel's limits
         return (
-            CpuDecodeStack(model, kv_caches, cos2, sin2)
+            CpuDecodeStack(model, kv_caches, rope_tables)
             if cpu_kernels.supports(query, kv_caches[0])
             else None
         )
@@ -194,17 +217,23 @@ class CpuDecodeStack:
             if positions.dtype == torch.int64 and positions.is_contiguous()
             else positions.to(torch.int64).contiguous()
         )
-        slots = (
-            meta.slot_mapping if meta.slot_mapping.dtype == torch.int64 else meta.slot_mapping.to(torch.int64)
-        )
-        table = (
-            meta.block_table if meta.block_table.dtype == torch.int32 else meta.block_table.to(torch.int32)
-        )
+        groups = [meta.for_group(g) for g in range(self.num_groups)]
+        slots = [
+            m.slot_mapping if m.slot_mapping.dtype == torch.int64 else m.slot_mapping.long() for m in groups
+        ]
+        tables = [
+            m.block_table if m.block_table.dtype == torch.int32 else m.block_table.int() for m in groups
+        ]
         seq_lens = meta.seq_lens if meta.seq_lens.dtype == torch.int32 else meta.seq_lens.to(torch.int32)
-        assert table.stride(1) == 1 and seq_lens.is_contiguous() and slots.is_contiguous()
+        assert all(t.stride(1) == 1 for t in tables) and all(s.is_contiguous() for s in slots)
+        assert seq_lens.is_contiguous()
+        slot_ptrs = (ctypes.c_void_p * self.num_groups)(*(s.data_ptr() for s in slots))
+        table_ptrs = (ctypes.c_void_p * self.num_groups)(*(t.data_ptr() for t in tables))
+        table_strides = (ctypes.c_int64 * self.num_groups)(*(t.stride(0) for t in tables))
         a = self.args
-        a.rows, a.positions, a.slots = rows, positions.data_ptr(), slots.data_ptr()
-        a.block_table, a.table_stride, a.seq_lens = table.data_ptr(), table.stride(0), seq_lens.data_ptr()
+        a.rows, a.positions, a.seq_lens = rows, positions.data_ptr(), seq_lens.data_ptr()
+        a.slots, a.block_tables = ctypes.addressof(slot_ptrs), ctypes.addressof(table_ptrs)
+        a.table_strides = ctypes.addressof(table_strides)
         for name, t in scratch.items():
             setattr(a, name, t.data_ptr())
         a.num_threads = torch.get_num_threads()
@@ -217,3 +246,19 @@ class CpuDecodeStack:
         )
         assert status == 0, f"decode_stack_bf16 failed ({status})"
         return hidden, residual
+
+
+def _is_gemma(layer: nn.Module) -> bool:
+    """Gemma 3's layer shape: (1 + w) norms before and after attention and the MLP, q/k norms."""
+    return hasattr(layer, "pre_feedforward_layernorm") and hasattr(layer, "post_feedforward_layernorm")
+
+
+def _norms(layer: Any) -> list[Any]:
+    names = (
+        "input_layernorm",
+        "post_attention_layernorm",
+        "pre_feedforward_layernorm",
+        "post_feedforward_layernorm",
+    )
+    norms = [getattr(layer, n) for n in names if hasattr(layer, n)]
+    return norms + [n for n in (layer.self_attn.q_norm, layer.self_attn.k_norm) if n is not None]

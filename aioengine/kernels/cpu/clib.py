@@ -187,6 +187,7 @@ def load() -> ctypes.CDLL | None:
 _P, _I64, _F, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _ELEMENTWISE = {
     "add_rms_norm_bf16": [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _F, _I],
+    "gemma_rms_norm_bf16": [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _F, _I],
     "rotary_bf16": [_P, _I64, _P, _P, _P, _P, _I64, _I64, _I64, _I],
     "add_rms_norm_f32": [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _F, _I],
     "rotary_f32": [_P, _I64, _P, _P, _P, _P, _I64, _I64, _I64, _I],
@@ -235,6 +236,37 @@ def add_rms_norm(
         weight.data_ptr(),
         out.data_ptr(),
         rows,
+        hidden,
+        eps,
+        torch.get_num_threads(),
+    )
+    return out, new_residual
+
+
+def gemma_rms_norm(
+    x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gemma's ``norm(r) * (1 + weight)`` (one rounding) of ``r = x + residual`` (or ``residual`` alone when
+    ``x`` is None), with ``r``; bf16. ``residual`` is ``[rows, hidden]`` (rows may be strided) or, with
+    ``x`` None, ``[tokens, heads, hidden]`` with contiguous heads (q/k norms: each head alone)."""
+    heads = 1 if residual.dim() == 2 else residual.shape[1]
+    rows, hidden = residual.shape[0], residual.shape[-1]
+    assert residual.stride(-1) == 1 and (heads == 1 or (x is None and residual.stride(1) == hidden))
+    out = torch.empty(residual.shape, dtype=residual.dtype)
+    new_residual = residual if x is None else torch.empty((rows, hidden), dtype=residual.dtype)
+    weight = weight.contiguous()
+    assert weight.dtype == residual.dtype == torch.bfloat16 and (x is None or x.dtype == residual.dtype)
+    _lib.gemma_rms_norm_bf16(
+        0 if x is None else x.data_ptr(),
+        0 if x is None else x.stride(0),
+        residual.data_ptr(),
+        residual.stride(0),
+        new_residual.data_ptr(),
+        weight.data_ptr(),
+        out.data_ptr(),
+        heads * hidden,
+        rows,
+        heads,
         hidden,
         eps,
         torch.get_num_threads(),

@@ -1,8 +1,8 @@
 /* A decode step's whole decoder stack in one call: for each layer, the same C kernels in the same order as
- * the Python path (gpu/models/llama.py with bf16 on the CPU), so the same bits, without Python, torch's
- * dispatch and ctypes' argument conversion between them: a small model's decode step is short enough for
- * them to count. aioengine/gpu/cpu/decode_stack.py fills the structs and decides when it applies: decodes
- * only, Llama/Qwen2 layers whose linears are packed for cpu_gemm.c with the activation fused.
+ * the Python path (gpu/models/llama.py and gemma3.py with bf16 on the CPU), so the same bits, without Python,
+ * torch's dispatch and ctypes' argument conversion between them: a small model's decode step is short enough
+ * for them to count. aioengine/gpu/cpu/decode_stack.py fills the structs and decides when it applies:
+ * decodes only, Llama/Qwen2/Gemma 3 layers whose linears are packed for cpu_gemm.c with the activation fused.
  */
 #include <stddef.h>
 #include <stdint.h>
@@ -10,25 +10,32 @@
 
 #include "cpu_kernels.h"
 
-/* One layer's weights and cache (fixed for the engine's life). Biases may be NULL. */
+/* One layer's weights, cache, rotary tables and window (fixed for the engine's life). Biases may be NULL;
+ * the Gemma norms (q_norm, k_norm, pre_ff_norm, post_ff_norm) are NULL in a Llama-family layer. */
 typedef struct {
     const uint16_t *input_norm, *post_norm;
     const uint16_t *qkv, *qkv_bias, *o, *o_bias, *gate_up, *down, *down_bias;
     uint16_t *key_cache, *value_cache;
+    const uint16_t *q_norm, *k_norm, *pre_ff_norm, *post_ff_norm;
+    const uint16_t *cos2, *sin2; /* rotary tables [max_position, head_dim] */
+    int64_t window;              /* 0: full attention */
+    int64_t group;               /* its KV cache group: which block table and slots it uses */
 } layer_weights;
 
 /* Shapes shared by the layers, and this step's inputs and scratch (rows = decodes). */
 typedef struct {
     int64_t hidden, intermediate, num_heads, num_kv_heads, head_dim;
     float eps, scale;
-    const uint16_t *cos2, *sin2; /* rotary tables [max_position, head_dim] */
+    int64_t gemma; /* Gemma 3's layer: (1 + w) norms, q/k norms, post-norms */
     int64_t block_size, block_stride, token_stride, head_stride, num_slots;
     const float *act_table;
     int64_t rows;
-    const int64_t *positions, *slots;
-    const int32_t *block_table, *seq_lens;
-    int64_t table_stride;
-    uint16_t *normed, *qkv_out, *qk_rotated, *attn, *act; /* scratch, rows x their widths */
+    const int64_t *positions;
+    const int64_t *const *slots;          /* per KV cache group */
+    const int32_t *const *block_tables;   /* per KV cache group */
+    const int64_t *table_strides;         /* per KV cache group */
+    const int32_t *seq_lens;
+    uint16_t *normed, *qkv_out, *qk_normed, *qk_rotated, *attn, *act; /* scratch, rows x their widths */
     int num_threads;
 } stack_args;
 
@@ -37,35 +44,54 @@ typedef struct {
 int decode_stack_bf16(const layer_weights *layers, int num_layers, const stack_args *a, uint16_t *hidden,
                       uint16_t *residual) {
     const int64_t rows = a->rows, h = a->hidden, d = a->head_dim, hq = a->num_heads, hkv = a->num_kv_heads;
-    const int64_t qkv_width = (hq + 2 * hkv) * d, nt = a->num_threads;
+    const int64_t qkv_width = (hq + 2 * hkv) * d, qk_width = (hq + hkv) * d, nt = a->num_threads;
     for (int l = 0; l < num_layers; l++) {
         const layer_weights *w = layers + l;
         if (l == 0) /* the first layer's residual is its input */
             memcpy(residual, hidden, (size_t)(rows * h) * sizeof *hidden);
-        add_rms_norm_bf16(l == 0 ? NULL : hidden, h, residual, h, residual, w->input_norm, a->normed, rows, h,
-                          a->eps, nt);
+        const uint16_t *x = l == 0 ? NULL : hidden;
+        if (a->gemma)
+            gemma_rms_norm_bf16(x, h, residual, h, residual, w->input_norm, a->normed, h, rows, 1, h, a->eps, nt);
+        else
+            add_rms_norm_bf16(x, h, residual, h, residual, w->input_norm, a->normed, rows, h, a->eps, nt);
         int status = gemm_bf16(a->normed, h, w->qkv, w->qkv_bias, a->qkv_out, qkv_width, rows, qkv_width, h,
                                OUT_BF16, NULL, nt);
         if (status) return status;
-        rotary_bf16(a->qkv_out, qkv_width, a->positions, a->cos2, a->sin2, a->qk_rotated, rows, hq + hkv, d, nt);
-        store_kv_cpu((const char *)(a->qk_rotated + hq * d), (hq + hkv) * d,
-                     (const char *)(a->qkv_out + (hq + hkv) * d), qkv_width, (char *)w->key_cache,
-                     (char *)w->value_cache, a->slots, rows, (int)hkv, (int)d, (int)a->block_size, a->block_stride,
-                     a->token_stride, a->head_stride, 2, a->num_slots);
-        status = decode_attention_bf16(a->qk_rotated, (hq + hkv) * d, w->key_cache, w->value_cache, a->block_table,
-                                       a->table_stride, a->seq_lens, a->attn, (int)rows, (int)hq, (int)hkv, (int)d,
-                                       (int)a->block_size, a->scale, 0, a->block_stride, a->token_stride,
-                                       a->head_stride, (int)nt);
+        const uint16_t *qk = a->qkv_out; /* q and k heads, token stride qk_stride */
+        int64_t qk_stride = qkv_width;
+        if (a->gemma) { /* per-head norms of q, then k, side by side in qk_normed */
+            gemma_rms_norm_bf16(NULL, 0, a->qkv_out, qkv_width, NULL, w->q_norm, a->qk_normed, qk_width, rows, hq, d,
+                                a->eps, nt);
+            gemma_rms_norm_bf16(NULL, 0, a->qkv_out + hq * d, qkv_width, NULL, w->k_norm, a->qk_normed + hq * d,
+                                qk_width, rows, hkv, d, a->eps, nt);
+            qk = a->qk_normed;
+            qk_stride = qk_width;
+        }
+        rotary_bf16(qk, qk_stride, a->positions, w->cos2, w->sin2, a->qk_rotated, rows, hq + hkv, d, nt);
+        store_kv_cpu((const char *)(a->qk_rotated + hq * d), qk_width, (const char *)(a->qkv_out + (hq + hkv) * d),
+                     qkv_width, (char *)w->key_cache, (char *)w->value_cache, a->slots[w->group], rows, (int)hkv,
+                     (int)d, (int)a->block_size, a->block_stride, a->token_stride, a->head_stride, 2, a->num_slots);
+        status = decode_attention_bf16(a->qk_rotated, qk_width, w->key_cache, w->value_cache,
+                                       a->block_tables[w->group], a->table_strides[w->group], a->seq_lens, a->attn,
+                                       (int)rows, (int)hq, (int)hkv, (int)d, (int)a->block_size, a->scale,
+                                       (int)w->window, a->block_stride, a->token_stride, a->head_stride, (int)nt);
         if (status) return status;
         status = gemm_bf16(a->attn, hq * d, w->o, w->o_bias, hidden, h, rows, h, hq * d, OUT_BF16, NULL, nt);
         if (status) return status;
-        add_rms_norm_bf16(hidden, h, residual, h, residual, w->post_norm, a->normed, rows, h, a->eps, nt);
+        if (a->gemma) { /* post-attention norm in place, then the pre-MLP norm performs the residual add */
+            gemma_rms_norm_bf16(NULL, 0, hidden, h, NULL, w->post_norm, hidden, h, rows, 1, h, a->eps, nt);
+            gemma_rms_norm_bf16(hidden, h, residual, h, residual, w->pre_ff_norm, a->normed, h, rows, 1, h, a->eps,
+                                nt);
+        } else {
+            add_rms_norm_bf16(hidden, h, residual, h, residual, w->post_norm, a->normed, rows, h, a->eps, nt);
+        }
         status = gemm_bf16(a->normed, h, w->gate_up, NULL, a->act, a->intermediate, rows, 2 * a->intermediate, h,
                            OUT_ACT_MUL, a->act_table, nt);
         if (status) return status;
         status = gemm_bf16(a->act, a->intermediate, w->down, w->down_bias, hidden, h, rows, h, a->intermediate,
                            OUT_BF16, NULL, nt);
         if (status) return status;
+        if (a->gemma) gemma_rms_norm_bf16(NULL, 0, hidden, h, NULL, w->post_ff_norm, hidden, h, rows, 1, h, a->eps, nt);
     }
     return 0;
 }

@@ -65,6 +65,32 @@ static void add_rms_norm_row(const uint16_t *xi, const uint16_t *res, uint16_t *
     }
 }
 
+/* One (sub-)row of gemma_rms_norm_bf16: the residual add and the sum as add_rms_norm_row, then
+ * bf16((r * inv) * (1 + w)) in float32, one rounding (HF's Gemma3RMSNorm). o may be res (in place). */
+static void gemma_norm_row(const uint16_t *xi, const uint16_t *res, uint16_t *res_out, const uint16_t *weight,
+                           uint16_t *o, int64_t hidden, float eps) {
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < hidden; j += 16) {
+        const __mmask16 m = lanes_mask(hidden - j);
+        __m512 r = widen_bf16x16(res + j, m);
+        if (xi != NULL) {
+            const __m256i rb = bf16x16(_mm512_add_ps(widen_bf16x16(xi + j, m), r));
+            _mm256_mask_storeu_epi16(res_out + j, m, rb);
+            r = widen_bf16_bits(rb);
+        }
+        sum = _mm512_fmadd_ps(r, r, sum);
+    }
+    const float inv = 1.0f / sqrtf(_mm512_reduce_add_ps(sum) / (float)hidden + eps);
+    const uint16_t *r_row = xi != NULL ? res_out : res;
+    const __m512 iv = _mm512_set1_ps(inv), one = _mm512_set1_ps(1.0f);
+    for (int64_t j = 0; j < hidden; j += 16) {
+        const __mmask16 m = lanes_mask(hidden - j);
+        const __m512 normed = _mm512_mul_ps(widen_bf16x16(r_row + j, m), iv);
+        const __m512 scale = _mm512_add_ps(one, widen_bf16x16(weight + j, m));
+        _mm256_mask_storeu_epi16(o + j, m, bf16x16(_mm512_mul_ps(normed, scale)));
+    }
+}
+
 /* One token's heads of rotary_bf16, 16 dims a step within each half (any even head_dim). */
 static void rotary_row(const uint16_t *x, const uint16_t *c, const uint16_t *s, uint16_t *out, int64_t heads,
                        int64_t head_dim) {
@@ -119,6 +145,36 @@ void add_rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *resi
         for (int64_t j = 0; j < hidden; j++)
             o[j] = float_to_bf16(bf16_to_float(weight[j]) * round_bf16(bf16_to_float(r_row[j]) * inv));
     }
+}
+
+/* Gemma's norm: as add_rms_norm_bf16, but out = bf16(r / sqrt(mean(r^2) + eps) * (1 + weight)) in float32
+ * (HF's Gemma3RMSNorm, one rounding). Each of `rows` rows holds `heads` sub-rows of `hidden` normalised
+ * alone (q/k norms: a token's heads, contiguous; then x must be NULL); out rows have stride out_stride. */
+void gemma_rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *residual, int64_t residual_stride,
+                         uint16_t *residual_out, const uint16_t *weight, uint16_t *out, int64_t out_stride,
+                         int64_t rows, int64_t heads, int64_t hidden, float eps, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows * heads * hidden >= PARALLEL_MIN_ELEMS)
+    for (int64_t i = 0; i < rows; i++)
+        for (int64_t h = 0; h < heads; h++) {
+            const uint16_t *xi = x != NULL ? x + i * x_stride : NULL;
+            const uint16_t *res = residual + i * residual_stride + h * hidden;
+            uint16_t *res_out = xi != NULL ? residual_out + i * hidden : NULL, *o = out + i * out_stride + h * hidden;
+#ifdef ELEMENTWISE_AVX512
+            gemma_norm_row(xi, res, res_out, weight, o, hidden, eps);
+            continue;
+#endif
+            float sum = 0.0f;
+            for (int64_t j = 0; j < hidden; j++) {
+                const float r = xi != NULL ? round_bf16(bf16_to_float(xi[j]) + bf16_to_float(res[j]))
+                                           : bf16_to_float(res[j]);
+                if (xi != NULL) res_out[j] = float_to_bf16(r);
+                sum += r * r;
+            }
+            const float inv = 1.0f / sqrtf(sum / (float)hidden + eps);
+            const uint16_t *r_row = xi != NULL ? res_out : res;
+            for (int64_t j = 0; j < hidden; j++)
+                o[j] = float_to_bf16(bf16_to_float(r_row[j]) * inv * (1.0f + bf16_to_float(weight[j])));
+        }
 }
 
 /* out[t, h] = x[t, h] * cos2[p] + roll(x[t, h], D/2) * sin2[p], p = positions[t], each product and the sum

@@ -14,6 +14,9 @@
 void add_rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *residual, int64_t residual_stride,
                        uint16_t *residual_out, const uint16_t *weight, uint16_t *out, int64_t rows, int64_t hidden,
                        float eps, int num_threads);
+void gemma_rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *residual, int64_t residual_stride,
+                         uint16_t *residual_out, const uint16_t *weight, uint16_t *out, int64_t out_stride,
+                         int64_t rows, int64_t heads, int64_t hidden, float eps, int num_threads);
 void rotary_bf16(const uint16_t *x, int64_t token_stride, const int64_t *positions, const uint16_t *cos2,
                  const uint16_t *sin2, uint16_t *out, int64_t tokens, int64_t heads, int64_t head_dim,
                  int num_threads);

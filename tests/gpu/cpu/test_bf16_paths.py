@@ -56,18 +56,34 @@ def _run(model, config) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize(
     ("arch", "head_dim", "heads", "kv_heads", "inter"),
-    [("llama", 64, 6, 2, 256), ("llama", 128, 4, 1, 256), ("llama", 96, 4, 4, 208), ("qwen2", 64, 4, 2, 160)],
+    [
+        ("llama", 64, 6, 2, 256),
+        ("llama", 128, 4, 1, 256),
+        ("llama", 96, 4, 4, 208),
+        ("qwen2", 64, 4, 2, 160),
+        ("gemma3", 64, 4, 2, 256),
+    ],
 )
 def test_bf16_fast_paths_match_the_torch_paths(tmp_path, arch, head_dim, heads, kv_heads, inter):
-    """Also: intermediate 208 (gate_up of 416 rows: the activation stays separate, not the GEMM's epilogue)
-    and Qwen2's q/k/v biases (added to the GEMM's float32 sums) with an untied head."""
+    """Also: intermediate 208 (gate_up of 416 rows: the activation stays separate, not the GEMM's epilogue),
+    Qwen2's q/k/v biases (added to the GEMM's float32 sums) with an untied head, and Gemma 3 (GeGLU in the
+    epilogue, its norms in C, a 16-token window that the 37- and 50-token prompts' chunks run past)."""
     torch.manual_seed(0)
-    kind = (
-        (transformers.LlamaConfig, transformers.LlamaForCausalLM)
-        if arch == "llama"
-        else (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)
-    )
+    kind = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
+        "gemma3": (
+            transformers.Gemma3TextConfig,
+            transformers.Gemma3ForCausalLM,
+            dict(
+                sliding_window=16,
+                layer_types=["sliding_attention", "full_attention"],
+                query_pre_attn_scalar=64,
+            ),
+        ),
+    }[arch]
     config = kind[0](
+        **kind[2],
         hidden_size=heads * head_dim,
         intermediate_size=inter,
         num_hidden_layers=2,
@@ -76,7 +92,7 @@ def test_bf16_fast_paths_match_the_torch_paths(tmp_path, arch, head_dim, heads, 
         head_dim=head_dim,
         vocab_size=320,
         max_position_embeddings=256,
-        tie_word_embeddings=arch == "llama",
+        tie_word_embeddings=arch != "qwen2",
     )
     hf = kind[1](config).eval()
     with torch.no_grad():

@@ -21,12 +21,17 @@ pytestmark = pytest.mark.skipif(
 BLOCK = 16
 
 
+# Gemma 3: two windowed layers (window 16, so the longer rows attend past it) and a full one, three KV groups
+GEMMA = dict(layer_types=["sliding_attention", "full_attention", "sliding_attention"], sliding_window=16)
+
+
 def _model(tmp_path, arch: str, head_dim: int = 64):
     """A tiny random checkpoint (conftest's, heads of 64 or 128 for the AVX512-BF16 attention loop) in
     bf16, packed."""
     make_tiny_checkpoint(
         arch,
         tmp_path,
+        **(GEMMA if arch == "gemma3" else {}),
         hidden_size=384,
         intermediate_size=192,
         num_hidden_layers=3,
@@ -63,14 +68,20 @@ def _decode(model, cfg, backend, stack: bool, seq_lens: list[int]):
     if stack:
         backend.build_fast_paths(runner, None, 0)
     assert (backend.decode_stack is not None) == stack
+    meta = AttentionMetadata.build([1] * rows, seq_lens, table, BLOCK)
+    groups = 1 + max(layer.self_attn.kv_group for layer in model.model.layers)
+    views = []
+    for _ in range(1, groups):  # each further KV group has its own blocks for the same positions
+        other = table[torch.randperm(rows, generator=gen)]
+        slots = other.long().gather(1, (positions // BLOCK)[:, None])[:, 0] * BLOCK + positions % BLOCK
+        views.append((other, slots))
+    meta.add_group_views(views)
     with torch.inference_mode():
-        hidden = backend.forward(
-            runner, ids, positions, AttentionMetadata.build([1] * rows, seq_lens, table, BLOCK)
-        )
+        hidden = backend.forward(runner, ids, positions, meta)
     return hidden, kv
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
 @pytest.mark.parametrize("seq_lens", [[1], [17, 1, 40, 33, 16], [300] * 3, [5 + 7 * i for i in range(29)]])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_the_stack_gives_the_python_paths_bits(tmp_path, arch, seq_lens, head_dim):

@@ -45,6 +45,34 @@ def test_add_rms_norm_matches_the_torch_ops(rows, hidden):
     assert _ulps_apart(alone_c, alone_t).max() <= 2
 
 
+@pytest.mark.parametrize("rows", [1, 7, 300])
+@pytest.mark.parametrize("hidden", [64, 100, 640])
+def test_gemma_norm_matches_the_torch_ops(rows, hidden):
+    """Gemma's (1 + w) norm in one float32 product, rounded once: with a residual add, alone, and per head
+    over a strided [tokens, heads, head_dim] view (its q/k norms on the qkv projection's output)."""
+    from aioengine.gpu.models.gemma3 import GemmaRMSNorm
+
+    gen = torch.Generator().manual_seed(rows * hidden + 2)
+    norm = GemmaRMSNorm(hidden, 1e-6, torch.bfloat16, "cpu", CpuOps())
+    norm.weight.data = torch.randn(hidden, generator=gen).to(torch.bfloat16)
+    x = (3 * torch.randn(rows, hidden, generator=gen)).to(torch.bfloat16)
+    residual = torch.randn(rows, 2 * hidden, generator=gen).to(torch.bfloat16)[:, :hidden]  # strided rows
+    (out_c, res_c), (out_t, res_t) = _both(lambda ops: norm(x, residual), norm)
+    assert torch.equal(res_c, res_t)
+    # the mean of squares summed in another order: one ulp at most, one rounding after it
+    assert _ulps_apart(out_c, out_t).max() <= 1
+    assert (out_c == out_t).float().mean() > 0.99
+    alone_c, alone_t = _both(lambda ops: norm(x), norm)
+    assert _ulps_apart(alone_c, alone_t).max() <= 1
+    head = GemmaRMSNorm(64, 1e-6, torch.bfloat16, "cpu", CpuOps())
+    head.weight.data = torch.randn(64, generator=gen).to(torch.bfloat16)
+    qkv = (3 * torch.randn(rows, 7 * 64, generator=gen)).to(torch.bfloat16)
+    q = qkv[:, : 4 * 64].view(rows, 4, 64)
+    heads_c, heads_t = _both(lambda ops: head(q), head)
+    assert heads_c.shape == q.shape and _ulps_apart(heads_c, heads_t).max() <= 1
+    assert (heads_c == heads_t).float().mean() > 0.99
+
+
 @pytest.mark.parametrize("tokens", [1, 5, 64])
 @pytest.mark.parametrize("head_dim", [8, 24, 32, 64, 80, 128])
 def test_rotary_matches_the_torch_ops_bit_for_bit(tokens, head_dim):
