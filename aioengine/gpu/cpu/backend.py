@@ -289,7 +289,7 @@ class CpuBackend(Backend):
     ) -> torch.Tensor:
         stack = self.decode_stack
         if stack is not None and stack.takes(input_ids, meta):  # every layer in one C call, the same bits
-            decoder: Any = runner.model.model  # a Llama-family decoder (the stack checked it when built)
+            decoder: Any = runner.model.model  # a Llama-family or Gemma 3 decoder (checked when built)
             hidden, residual = stack.run(decoder.embed(input_ids), positions, meta)
             return decoder.norm(hidden, residual)[0]
         return runner.model(input_ids, positions, runner.kv_caches, meta)
