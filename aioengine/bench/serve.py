@@ -101,7 +101,9 @@ async def run_serve(args) -> dict:
     requests = build_dataset(args, tokenizer)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     timeout = aiohttp.ClientTimeout(total=args.timeout)
-    connector = aiohttp.TCPConnector(limit=0)
+    # A connection per request: a server that closes a keep-alive connection after a few requests (llama.cpp's
+    # llama-server does) made a reused one fail on write, and those requests were lost from its figures.
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         model = args.served_model
         if model is None:
