@@ -29,6 +29,7 @@ from aioengine.http.protocol import (
     parse_chat_request,
     parse_completion_request,
 )
+from aioengine.http.reasoning import ReasoningParser
 from aioengine.http.streaming import JSON, Tally, abort_all, merged
 from aioengine.http.tools import extract
 
@@ -153,6 +154,9 @@ class _Session:
             else None
         )
         texts: dict[int, str] = {}  # with tools: each choice's text, parsed into calls when it finishes
+        # --reasoning-parser: a chat's <think> text goes out apart, as each delta's "reasoning"
+        reasoning = self.app[CONFIG].reasoning_parser if isinstance(req, ChatRequest) else None
+        thinkers: dict[int, ReasoningParser] = {}
         try:
             await self.send({"type": "start", "id": gen_id, "request_id": adm.request_id, "model": adm.model})
             async with aclosing(merged(handles)) as deltas:
@@ -165,21 +169,27 @@ class _Session:
                     tally.add(i, out)
                     for c in out.outputs:
                         index = i * n + c.index
-                        if c.text or c.token_ids:
+                        text, thought = c.text, ""
+                        if reasoning is not None:
+                            thinker = thinkers.setdefault(index, ReasoningParser(reasoning))
+                            thought, text = thinker.feed(c.text, final=c.finish_reason is not None)
+                        if text or thought or c.token_ids:
                             delta = {
                                 "type": "delta",
                                 "id": gen_id,
                                 "index": index,
-                                "text": c.text,
+                                "text": text,
                                 "token_ids": c.token_ids,
                             }
+                            if thought:
+                                delta["reasoning"] = thought
                             if req.params.logprobs is not None:
                                 delta["logprobs"] = chat_logprobs(
                                     self.engine, c.token_ids, c.logprobs, req.params.logprobs
                                 )["content"]
                             await self.send(delta)
                         if tools is not None:
-                            texts[index] = texts.get(index, "") + c.text
+                            texts[index] = texts.get(index, "") + text
                         if c.finish_reason is not None:
                             finish[index] = {
                                 "index": index,

@@ -122,3 +122,27 @@ def test_replies_render_markdown_and_code_safely_with_reasoning_folded(page, ser
     assert html["code"].strip() == "print('hi')" and html["strong"] == "bold"
     assert "<think>" not in html["html"] and "onerror" not in html["html"]
     assert page.evaluate("() => window.__pwned") is None  # the model's HTML never runs
+
+
+def test_reasoning_sent_apart_shows_folded_like_inline_think_text(page, server):
+    """A server with --reasoning-parser sends a chat's think text in each delta's "reasoning": the page shows
+    it in the same collapsible block, and the conversation keeps only the answer."""
+    page.goto(server.url() + "/")
+    out = page.evaluate(
+        """() => {
+            const el = addMessage('assistant', '');
+            el.dataset.state = 'streaming';
+            current = {id: 't', el, text: '', thinking: false, sent: performance.now(), first: null};
+            for (const m of [{reasoning: 'the user'}, {reasoning: ' asks', text: ''}, {text: 'Paris'},
+                             {text: ' it is.'}])
+                onMessage({type: 'delta', id: 't', text: '', ...m});
+            const reasoning = el.querySelector('details.reasoning').innerText;
+            const body = el.querySelector('div.body').textContent;
+            const usage = {completion_tokens: 5};
+            onMessage({type: 'done', id: 't', choices: [{finish_reason: 'stop'}], usage});
+            return {reasoning, body, last: history[history.length - 1]};
+        }"""
+    )
+    assert "the user asks" in out["reasoning"]
+    assert out["body"].strip() == "Paris it is."
+    assert out["last"] == {"role": "assistant", "content": "Paris it is."}

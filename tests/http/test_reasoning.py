@@ -77,6 +77,38 @@ def test_chat_puts_the_think_block_in_reasoning_content_streamed_or_not(oai):
     assert sum(1 for d in deltas if getattr(d, "reasoning_content", None)) >= 2  # streamed as it came
 
 
+def test_the_websocket_sends_the_think_block_as_reasoning(oai, server):
+    """/v1/ws under --reasoning-parser: a chat's deltas carry the think text in "reasoning", the answer in
+    "text", split as the HTTP route splits them."""
+    import asyncio
+
+    import aiohttp
+
+    want = oai.chat.completions.create(
+        model="default", messages=ASK, temperature=0, max_tokens=60, extra_body=THINK
+    ).choices[0]
+
+    async def main():
+        body = {"messages": ASK, "temperature": 0, "max_tokens": 60, **THINK}
+        async with aiohttp.ClientSession() as s, s.ws_connect(server.url("reasoning") + "/v1/ws") as ws:
+            await ws.send_json({"type": "chat", "id": "r", "body": body})
+            deltas = []
+            while True:
+                m = await asyncio.wait_for(ws.receive_json(), 60)
+                if m["type"] == "delta":
+                    deltas.append(m)
+                elif m["type"] in ("done", "error"):
+                    return deltas, m
+
+    deltas, done = asyncio.run(main())
+    assert done["type"] == "done" and done["choices"][0]["finish_reason"] == want.finish_reason
+    assert "".join(d.get("reasoning", "") for d in deltas) == want.message.reasoning_content
+    assert "".join(d["text"] for d in deltas) == want.message.content == "The capital is Paris."
+    assert sum(1 for d in deltas if d.get("reasoning")) >= 2 and all(
+        "<think>" not in d["text"] for d in deltas
+    )
+
+
 def test_an_answer_without_a_think_block_is_unchanged(oai, client):
     plain = client.chat.completions.create(model="default", messages=ASK, temperature=0, max_tokens=12)
     parsed = oai.chat.completions.create(
