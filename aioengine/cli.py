@@ -104,6 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="split <think> text out of the answer: reasoning_content in chat, thinking blocks in messages",
     )
+    srv.add_argument(
+        "--structured-outputs-in-reasoning",
+        action="store_true",
+        help="with --reasoning-parser: structured outputs constrain the think block too (by default only the "
+        "answer after it, as vLLM)",
+    )
     srv.add_argument("--allow-credentials", action="store_true", help="CORS: allow cookies and credentials")
     srv.add_argument("--log-requests", action="store_true", help="log every request and the access log")
     srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
@@ -179,6 +185,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         log_requests=args.log_requests,
         limits=dataclasses.replace(RequestLimits(), **dict(args.request_limit)),
         reasoning_parser=args.reasoning_parser,
+        structured_outputs_in_reasoning=args.structured_outputs_in_reasoning,
         cors=CorsConfig(
             tuple(args.allowed_origins),
             tuple(args.allowed_methods),

@@ -67,6 +67,9 @@ class StructuredOutputsParams:
     strings; grammar: an EBNF grammar (GBNF/xgrammar syntax, root rule `root`); json_object: any JSON
     object (compact).
     disable_any_whitespace: JSON without free whitespace between tokens (fewer ways for small models to loop).
+    reasoning: a reasoning parser's kind ("qwen3", "deepseek_r1"): its think block comes first, unconstrained,
+    and the constraint covers the answer after it (vLLM's default with a reasoning parser). None: the
+    constraint covers the whole output.
     """
 
     json: str | dict | None = None
@@ -75,6 +78,7 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
+    reasoning: str | None = None
 
     def __post_init__(self) -> None:
         kinds = self.kinds()
@@ -118,6 +122,10 @@ class StructuredOutputsParams:
 
     def cache_key(self) -> tuple[str, str]:
         """(kind, spec): equal keys compile to the same grammar."""
+        kind, spec = self._kind_key()
+        return (kind if self.reasoning is None else f"{kind}+{self.reasoning}", spec)
+
+    def _kind_key(self) -> tuple[str, str]:
         kind = self.kinds()[0]
         if kind == "json":
             spec = self.json if isinstance(self.json, str) else json.dumps(self.json, sort_keys=True)

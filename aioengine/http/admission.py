@@ -97,7 +97,11 @@ async def admit_body(
 ) -> Admitted[R]:
     """Parse ``body`` and prepare it; ``given_id`` (the X-Request-Id header) wins over its request_id."""
     engine = app[ENGINE]
-    req = parse(body, engine.allow_priority, app[CONFIG].limits, engine.default_sampling_params)
+    cfg = app[CONFIG]
+    req = parse(body, engine.allow_priority, cfg.limits, engine.default_sampling_params)
+    so = req.params.structured_outputs
+    if so is not None and isinstance(req, ChatRequest) and not cfg.structured_outputs_in_reasoning:
+        so.reasoning = cfg.reasoning_parser  # the constraint starts after the think block, as vLLM's
     model = check_model(app, req.model)
     rid = request_id(given_id or req.request_id, id_prefix)
     grammar = await prepare(engine, req)

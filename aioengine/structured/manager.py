@@ -24,6 +24,25 @@ logger = logging.getLogger(__name__)
 
 _XGR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 
+# A think block's text up to and with the first </think>, then whitespace: EBNF has no "not containing", so
+# state sK has matched K characters of "</think>" (a "<" always restarts the match at s1).
+_THINK_TEXT = r"""
+s0 ::= [^<]* "<" s1
+s1 ::= "/" s2 | "<" s1 | [^/<] s0
+s2 ::= "t" s3 | "<" s1 | [^t<] s0
+s3 ::= "h" s4 | "<" s1 | [^h<] s0
+s4 ::= "i" s5 | "<" s1 | [^i<] s0
+s5 ::= "n" s6 | "<" s1 | [^n<] s0
+s6 ::= "k" s7 | "<" s1 | [^k<] s0
+s7 ::= ">" [ \t\r\n]* | "<" s1 | [^><] s0
+"""
+# What comes before the answer, per reasoning parser (aioengine/http/reasoning.py's rules): qwen3 opens an
+# optional block with <think>; deepseek_r1's template opens it in the prompt, so the output starts inside it.
+_THINK_BLOCKS = {
+    "qwen3": r'root ::= [ \t\r\n]* "<think>" s0' + _THINK_TEXT,
+    "deepseek_r1": "root ::= s0" + _THINK_TEXT,
+}
+
 
 class Grammar:
     """One request's grammar state: an xgrammar matcher over the compiled grammar."""
@@ -85,34 +104,19 @@ class StructuredOutputManager:
         return compiled
 
     def _compile(self, p: StructuredOutputsParams) -> Any:
+        if p.reasoning is not None and p.reasoning not in _THINK_BLOCKS:
+            raise InvalidRequestError(
+                f"structured_outputs.reasoning must be one of {', '.join(_THINK_BLOCKS)}",
+                param="structured_outputs",
+            )
         kind = p.kinds()[0]
         try:
-            if kind == "json":
-                schema = p.json
-                if isinstance(schema, str):
-                    try:
-                        schema = json.loads(schema)
-                    except ValueError as e:
-                        raise InvalidRequestError(
-                            f"Invalid JSON schema: not valid JSON ({e})", param="structured_outputs"
-                        ) from None
-                if not isinstance(schema, dict | bool):
-                    raise InvalidRequestError(
-                        "Invalid JSON schema: it must be an object", param="structured_outputs"
-                    )
-                return self.compiler.compile_json_schema(
-                    json.dumps(schema), any_whitespace=not p.disable_any_whitespace
-                )
-            if kind == "json_object":
-                # OpenAI's JSON mode: an object, not any JSON value; compact, because free whitespace let
-                # a small model emit newlines until max_tokens (SmolLM2-135M did).
-                return self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
-            if kind == "regex":
-                return self.compiler.compile_regex(p.regex)
-            if kind == "choice":
-                alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in p.choice)
-                return self.compiler.compile_grammar(f"root ::= {alternatives}")
-            return self.compiler.compile_grammar(p.grammar)
+            grammar = self._grammar(p, kind)
+            if p.reasoning is not None:  # the answer's grammar after the think block
+                xgr = self._xgr
+                think = xgr.Grammar.concat(xgr.Grammar.from_ebnf(_THINK_BLOCKS[p.reasoning]), grammar)
+                grammar = think if p.reasoning == "deepseek_r1" else xgr.Grammar.union(think, grammar)
+            return self.compiler.compile_grammar(grammar)
         except InvalidRequestError:
             raise
         except Exception as e:  # xgrammar reports bad specs as RuntimeError / ValueError
@@ -127,6 +131,36 @@ class StructuredOutputManager:
             raise InvalidRequestError(
                 f"Invalid {what} for structured outputs: {msg}", param="structured_outputs"
             ) from None
+
+    def _grammar(self, p: StructuredOutputsParams, kind: str) -> Any:
+        """The constraint as an xgrammar Grammar (not yet compiled)."""
+        xgr = self._xgr
+        if kind == "json":
+            schema = p.json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except ValueError as e:
+                    raise InvalidRequestError(
+                        f"Invalid JSON schema: not valid JSON ({e})", param="structured_outputs"
+                    ) from None
+            if not isinstance(schema, dict | bool):
+                raise InvalidRequestError(
+                    "Invalid JSON schema: it must be an object", param="structured_outputs"
+                )
+            return xgr.Grammar.from_json_schema(
+                json.dumps(schema), any_whitespace=not p.disable_any_whitespace
+            )
+        if kind == "json_object":
+            # OpenAI's JSON mode: an object, not any JSON value; compact, because free whitespace let
+            # a small model emit newlines until max_tokens (SmolLM2-135M did).
+            return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False)
+        if kind == "regex":
+            return xgr.Grammar.from_regex(p.regex)
+        if kind == "choice":
+            alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in p.choice)
+            return xgr.Grammar.from_ebnf(f"root ::= {alternatives}")
+        return xgr.Grammar.from_ebnf(p.grammar)
 
     def new_grammar(self, compiled: Any) -> Grammar:
         return Grammar(self._xgr.GrammarMatcher(compiled))

@@ -70,7 +70,13 @@ class LiveServer:
             "keyed": build_app(self.engine, api_key=API_KEY),
             # pages of CORS_ORIGIN may call it, with the key (tests/http/test_cors.py)
             "cors": build_app(self.engine, api_key=API_KEY, cors=CorsConfig((CORS_ORIGIN,))),
-            "reasoning": build_app(self.engine, reasoning_parser="qwen3"),  # tests/http/test_reasoning.py
+            # tests/http/test_reasoning.py: its regexes force think text, so they cover the block too
+            "reasoning": build_app(
+                self.engine, reasoning_parser="qwen3", structured_outputs_in_reasoning=True
+            ),
+            # the default: structured outputs constrain the answer after the think block
+            "reasoning-answer": build_app(self.engine, reasoning_parser="qwen3"),
+            "reasoning-r1": build_app(self.engine, reasoning_parser="deepseek_r1"),
             "limited": build_app(self.engine, max_num_queued_reqs=QUEUE_LIMIT),
             "logged": build_app(self.engine, log_requests=True, served_model_names=["alias", "default"]),
             "overload": build_app(self.engine, max_num_queued_reqs=OVERLOAD_QUEUE_LIMIT),
