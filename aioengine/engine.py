@@ -313,6 +313,10 @@ class AsyncEngine:
             )
             if compiled_grammar is not None:
                 request.structured_output = self._structured.new_grammar(compiled_grammar)
+            if params.thinking_token_budget is not None:  # to the scheduler a grammar, around the own one
+                request.structured_output = self._structured_output_manager().thinking_budget(
+                    params.thinking_token_budget, params.reasoning_parser, request.structured_output
+                )
             self.scheduler.add_request(request)
         if params.timeout_s is not None:  # a no-op once the request has finished
             asyncio.get_running_loop().call_later(params.timeout_s, self._abort_state, state, "timeout")

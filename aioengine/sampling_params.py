@@ -9,6 +9,10 @@ from typing import Any
 from aioengine.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
+# The think-block rules a reasoning model follows (aioengine/http/reasoning.py splits by them): qwen3's
+# output opens a <think> block (or none); deepseek_r1's template opens it in the prompt, so the output starts
+# inside it.
+REASONING_PARSERS = ("qwen3", "deepseek_r1")
 _FLOAT32_MAX = 3.4028234663852886e38
 _INT32_MAX = 2**31 - 1
 MAX_LOGIT_BIAS = 100.0
@@ -56,6 +60,9 @@ BOUNDS: dict[str, Range] = {
     "logprobs": Range(lo=0, hi=MAX_LOGPROBS, words="non-negative"),
     "prompt_logprobs": Range(lo=0, hi=MAX_LOGPROBS, words="non-negative"),
     "timeout_s": Range(lo=0, exclusive_lo=True, words="greater than zero"),
+    "thinking_token_budget": Range(
+        lo=0, hi=_INT32_MAX, words="greater than or equal to 0", above=f"at most {_INT32_MAX}"
+    ),
 }
 
 
@@ -165,6 +172,11 @@ class SamplingParams:
     # A deadline, in seconds from generate(): then the request ends with finish_reason "timeout" (what it
     # generated so far is kept) and its KV blocks are freed.
     timeout_s: float | None = None
+    # At most this many tokens inside the think block: then the engine forces "</think>" and the answer
+    # follows (vLLM's thinking_token_budget, Anthropic's thinking.budget_tokens). The block follows
+    # reasoning_parser's rules (REASONING_PARSERS; None: qwen3's, the block opens with "<think>").
+    thinking_token_budget: int | None = None
+    reasoning_parser: str | None = None
     # Filled by the engine from bad_words with its tokenizer (vLLM's _bad_words_token_ids).
     bad_words_token_ids: list[list[int]] | None = None
 
@@ -217,6 +229,17 @@ class SamplingParams:
                 raise bad(name, f"{name} must be a number, got {value!r}.")
             if abs(value) > _FLOAT32_MAX:  # the device keeps them as float32: beyond, they would become inf
                 raise bad(name, f"{name} must be a finite float32, got {value!r}.")
+        if self.thinking_token_budget is not None and type(self.thinking_token_budget) is not int:
+            raise bad(
+                "thinking_token_budget",
+                f"thinking_token_budget must be an integer, got {self.thinking_token_budget!r}.",
+            )
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            raise bad(
+                "reasoning_parser",
+                f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
+                f"got {self.reasoning_parser!r}.",
+            )
         if self.timeout_s is not None:
             t = self.timeout_s
             if isinstance(t, bool) or not isinstance(t, int | float) or not t > 0 or t == float("inf"):

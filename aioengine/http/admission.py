@@ -99,9 +99,11 @@ async def admit_body(
     engine = app[ENGINE]
     cfg = app[CONFIG]
     req = parse(body, engine.allow_priority, cfg.limits, engine.default_sampling_params)
-    so = req.params.structured_outputs
-    if so is not None and isinstance(req, ChatRequest) and not cfg.structured_outputs_in_reasoning:
-        so.reasoning = cfg.reasoning_parser  # the constraint starts after the think block, as vLLM's
+    if isinstance(req, ChatRequest):
+        req.params.reasoning_parser = cfg.reasoning_parser  # the think block's rules, for a thinking budget
+        so = req.params.structured_outputs
+        if so is not None and not cfg.structured_outputs_in_reasoning:
+            so.reasoning = cfg.reasoning_parser  # the constraint starts after the think block, as vLLM's
     model = check_model(app, req.model)
     rid = request_id(given_id or req.request_id, id_prefix)
     grammar = await prepare(engine, req)

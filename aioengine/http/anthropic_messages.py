@@ -61,6 +61,7 @@ _VLLM_EXTRAS = (
     "structured_outputs",
     "chat_template_kwargs",
     "timeout_s",
+    "thinking_token_budget",
 )
 # Fields of a Messages body that have no chat equivalent here.
 _REFUSED = {
@@ -238,6 +239,20 @@ def to_chat_body(data: JSON) -> JSON:
         if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
             raise bad("stop_sequences must be an array of strings.", "stop_sequences")
         body["stop"] = stops
+    thinking = data.get("thinking")
+    if (
+        thinking is not None
+    ):  # extended thinking: its budget caps the think block (a server's parser finds it)
+        kind = thinking.get("type") if isinstance(thinking, dict) else None
+        if kind not in ("enabled", "disabled"):
+            raise bad("thinking must be an object of type enabled or disabled.", "thinking")
+        if kind == "enabled":
+            budget = thinking.get("budget_tokens")
+            if type(budget) is not int or budget < 1:
+                raise bad("thinking.budget_tokens: a positive integer is required.", "thinking.budget_tokens")
+            if type(data["max_tokens"]) is int and budget >= data["max_tokens"]:
+                raise bad("thinking.budget_tokens must be less than max_tokens.", "thinking.budget_tokens")
+            body["thinking_token_budget"] = budget
     metadata = data.get("metadata")
     if metadata is not None:
         if not isinstance(metadata, dict):

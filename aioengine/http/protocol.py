@@ -176,6 +176,7 @@ def _sampling_params(
             structured_outputs=_structured_outputs(f),
             prompt_logprobs=f.int("prompt_logprobs"),
             timeout_s=f.float("timeout_s"),
+            thinking_token_budget=f.int("thinking_token_budget"),
         )
     except InvalidRequestError as e:
         raise api_error(e) from None

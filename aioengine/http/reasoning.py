@@ -10,8 +10,9 @@ split never depends on how the text was cut into deltas.
 
 from __future__ import annotations
 
+from aioengine.sampling_params import REASONING_PARSERS as PARSERS
+
 START, END = "<think>", "</think>"
-PARSERS = ("qwen3", "deepseek_r1")
 
 
 def _held(text: str, tag: str) -> int:

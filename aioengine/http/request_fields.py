@@ -182,6 +182,9 @@ CHAT: Table = {
     "store": Spec(None, schema={"const": False}),  # nothing is stored: true is refused
     "metadata": _metadata(),
     "reasoning_effort": Spec(str, enum=REASONING_EFFORTS),
+    "thinking_token_budget": _sampled(
+        int, "thinking_token_budget", description="tokens in the think block; then </think> is forced"
+    ),
     "service_tier": Spec(str, enum=("auto", "default"), checked_later=True),  # others: "not supported"
 }
 CHAT_REQUIRED = ("messages",)

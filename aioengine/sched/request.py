@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from aioengine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # a type only: importing it would pull numpy into sched
+    from aioengine.structured.budget import ThinkingBudget
     from aioengine.structured.manager import Grammar
 
 
@@ -65,8 +66,9 @@ class Request:
     block_hashes: list[int] = field(
         default_factory=list
     )  # chained hashes of the full blocks of all_token_ids
-    # Structured output: the grammar state (aioengine.structured.Grammar), advanced as tokens arrive.
-    structured_output: Grammar | None = None
+    # Structured output: the grammar state (aioengine.structured.Grammar, or a thinking budget around it),
+    # advanced as tokens arrive.
+    structured_output: Grammar | ThinkingBudget | None = None
     max_tokens: int = field(init=False)
     # Speculative decoding: whether its sampling allows it (spec_decode.can_speculate), and the drafts of
     # the step in flight (its next step waits for their verdict).

@@ -123,6 +123,7 @@ def can_speculate(params: SamplingParams) -> bool:
         or params.repetition_penalty != 1.0
         or params.bad_words
         or params.structured_outputs is not None
+        or params.thinking_token_budget is not None  # its closing tag is forced token by token, as a grammar
     )
 
 

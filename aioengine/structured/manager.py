@@ -7,6 +7,7 @@ arrive (stop 11). The scheduler only calls Grammar.accept_token / is_terminated 
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -19,6 +20,7 @@ import numpy as np
 from aioengine.errors import InvalidRequestError
 from aioengine.sampling_params import StructuredOutputsParams
 from aioengine.sched.output import GrammarOutput
+from aioengine.structured.budget import ThinkingBudget
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +60,11 @@ class Grammar:
     def is_terminated(self) -> bool:
         return self.matcher.is_terminated()
 
+    def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
+        """Row ``row`` of the step's bitmask; every token stays allowed once the grammar is terminated."""
+        if not self.matcher.is_terminated():
+            self.matcher.fill_next_token_bitmask(bitmask, row)
+
 
 class StructuredOutputManager:
     def __init__(
@@ -73,6 +80,7 @@ class StructuredOutputManager:
         self._xgr = xgr
         stop = [eos_token_id] if eos_token_id is not None else None
         self.vocab_size = vocab_size
+        self.tokenizer = tokenizer
         self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=stop
         )
@@ -165,13 +173,33 @@ class StructuredOutputManager:
     def new_grammar(self, compiled: Any) -> Grammar:
         return Grammar(self._xgr.GrammarMatcher(compiled))
 
+    def thinking_budget(
+        self, budget: int, reasoning_parser: str | None, inner: Grammar | None
+    ) -> ThinkingBudget:
+        """A request's thinking budget (around its grammar, if it has one)."""
+        return ThinkingBudget(
+            budget, reasoning_parser == "deepseek_r1", self.token_bytes, self._closing_ids, inner
+        )
+
+    @functools.lru_cache(maxsize=16)  # noqa: B019 (one manager per engine, a handful of strings)
+    def _closing_ids(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    @functools.cached_property
+    def token_bytes(self) -> list[bytes]:
+        """Each token id's text as bytes (xgrammar's decoded vocabulary), for finding the think tags."""
+        return [bytes(b) for b in self.tokenizer_info.decoded_vocab]
+
     # ---- stop 8: the bitmask -------------------------------------------------------------------
-    def grammar_bitmask(self, req_ids: list[str], grammars: list[Grammar]) -> GrammarOutput:
-        """One row per request, every token allowed where the grammar is already terminated."""
+    def grammar_bitmask(self, req_ids: list[str], grammars: list[Any]) -> GrammarOutput:
+        """One row per request (a Grammar or a ThinkingBudget), every token allowed where the grammar is
+        already terminated."""
         bitmask = np.full((len(req_ids), self.bitmask_width), -1, dtype=np.int32)
         matchers, rows = [], []
         for i, g in enumerate(grammars):
-            if not g.matcher.is_terminated():
+            if not isinstance(g, Grammar):
+                g.fill_bitmask(bitmask, i)  # a thinking budget fills its row (and its inner grammar's)
+            elif not g.matcher.is_terminated():
                 matchers.append(g.matcher)
                 rows.append(i)
         if len(matchers) < 64:  # a few us each: threads only pay off for large batches

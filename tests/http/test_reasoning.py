@@ -196,3 +196,57 @@ def test_structured_outputs_constrain_the_answer_after_the_think_block(server):
     r1 = _json_chat(server, "reasoning-r1")
     assert r1.finish_reason == "length" and r1.message.content in ("", None)
     assert r1.message.reasoning_content.startswith('{"city"') and len(r1.message.reasoning_content) > 30
+
+
+def test_a_thinking_budget_ends_the_reasoning_over_chat_and_messages(server):
+    """thinking_token_budget (vLLM's) and Messages' thinking.budget_tokens: under deepseek_r1's rules the
+    output is reasoning from its first token, so the block holds exactly the budget's tokens before the
+    forced </think>, and an answer follows."""
+    from transformers import AutoTokenizer
+
+    from aioengine.model_files import resolve_model
+
+    tok = AutoTokenizer.from_pretrained(resolve_model("default"))
+    oai = openai.OpenAI(base_url=server.url("reasoning-r1") + "/v1", api_key="x", max_retries=0, timeout=60)
+    r = oai.chat.completions.create(
+        model="default", messages=ASK, temperature=0, max_tokens=30, extra_body={"thinking_token_budget": 5}
+    ).choices[0]
+    assert len(tok.encode(r.message.reasoning_content, add_special_tokens=False)) <= 5 + 1  # one may merge
+    assert r.message.reasoning_content and r.message.content
+    plain = oai.chat.completions.create(model="default", messages=ASK, temperature=0, max_tokens=30).choices[
+        0
+    ]
+    assert plain.message.reasoning_content.startswith(r.message.reasoning_content)  # free until the budget
+    ant = anthropic.Anthropic(base_url=server.url("reasoning-r1"), api_key="x", max_retries=0, timeout=60)
+    m = ant.messages.create(
+        model="default",
+        max_tokens=30,
+        messages=ASK,
+        thinking={"type": "enabled", "budget_tokens": 5},
+        extra_body={"temperature": 0},
+    )
+    assert [b.type for b in m.content][:2] == ["thinking", "text"]
+    assert m.content[0].thinking == r.message.reasoning_content and m.content[1].text
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "param"),
+    [
+        ("/v1/chat/completions", {"thinking_token_budget": -1}, "thinking_token_budget"),
+        ("/v1/chat/completions", {"thinking_token_budget": "5"}, "thinking_token_budget"),
+        ("/v1/messages", {"thinking": {"type": "enabled"}}, "thinking.budget_tokens"),
+        ("/v1/messages", {"thinking": {"type": "enabled", "budget_tokens": 50}}, "thinking.budget_tokens"),
+        ("/v1/messages", {"thinking": {"type": "sometimes"}}, "thinking"),
+    ],
+)
+def test_bad_thinking_budgets_get_the_routes_400(server, route, body, param):
+    from tests.http.conftest import Http
+
+    payload = {"model": "default", "messages": ASK, "max_tokens": 20, **body}
+    r = Http(server.url("reasoning-r1")).request("POST", route, json=payload)
+    assert r.status == 400, r.body
+    err = json.loads(r.body)["error"]
+    if route == "/v1/messages":
+        assert err["type"] == "invalid_request_error" and param.split(".")[-1] in err["message"]
+    else:
+        assert err["param"] == param

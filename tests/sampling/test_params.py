@@ -147,7 +147,17 @@ def test_one_source_for_the_sampling_bounds_sampling_params_and_openapi_agree():
     base = dict(temperature=1.0, max_tokens=None)
     kinds = {
         name: int
-        if name in ("n", "top_k", "max_tokens", "min_tokens", "seed", "logprobs", "prompt_logprobs")
+        if name
+        in (
+            "n",
+            "top_k",
+            "max_tokens",
+            "min_tokens",
+            "seed",
+            "logprobs",
+            "prompt_logprobs",
+            "thinking_token_budget",
+        )
         else float
         for name in BOUNDS
     }
