@@ -13,6 +13,7 @@ MAX_LOGPROBS = 20
 # output opens a <think> block (or none); deepseek_r1's template opens it in the prompt, so the output starts
 # inside it.
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
+THINK_START, THINK_END = "<think>", "</think>"  # the block's tags, in both
 _FLOAT32_MAX = 3.4028234663852886e38
 _INT32_MAX = 2**31 - 1
 MAX_LOGIT_BIAS = 100.0

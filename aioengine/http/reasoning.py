@@ -11,8 +11,8 @@ split never depends on how the text was cut into deltas.
 from __future__ import annotations
 
 from aioengine.sampling_params import REASONING_PARSERS as PARSERS
-
-START, END = "<think>", "</think>"
+from aioengine.sampling_params import THINK_END as END
+from aioengine.sampling_params import THINK_START as START
 
 
 def _held(text: str, tag: str) -> int:

@@ -17,7 +17,9 @@ from typing import Any
 
 import numpy as np
 
-START, END = b"<think>", b"</think>"
+from aioengine.sampling_params import THINK_END, THINK_START
+
+START, END = THINK_START.encode(), THINK_END.encode()
 
 
 class ThinkingBudget:
