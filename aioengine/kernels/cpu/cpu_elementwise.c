@@ -42,8 +42,10 @@ static inline __m512 round_bf16x16(__m512 f) { return widen_bf16_bits(bf16x16(f)
 
 /* One row of add_rms_norm_bf16, 16 columns a step: the roundings of the scalar loop below; the mean of
  * squares is summed in 16 lanes (another order: a result can move by an ulp, as against torch already). */
-static void add_rms_norm_row(const uint16_t *xi, const uint16_t *res, uint16_t *res_out, const uint16_t *weight,
-                             uint16_t *o, int64_t hidden, float eps) {
+/* The norms' first pass over a row: r = bf16(x + res) written to res_out (when x is given, else r = res),
+ * and 1 / sqrt(mean(r^2) + eps). */
+static inline float residual_inv_rms(const uint16_t *xi, const uint16_t *res, uint16_t *res_out, int64_t hidden,
+                                     float eps) {
     __m512 sum = _mm512_setzero_ps();
     for (int64_t j = 0; j < hidden; j += 16) {
         const __mmask16 m = lanes_mask(hidden - j);
@@ -55,7 +57,12 @@ static void add_rms_norm_row(const uint16_t *xi, const uint16_t *res, uint16_t *
         }
         sum = _mm512_fmadd_ps(r, r, sum);
     }
-    const float inv = 1.0f / sqrtf(_mm512_reduce_add_ps(sum) / (float)hidden + eps);
+    return 1.0f / sqrtf(_mm512_reduce_add_ps(sum) / (float)hidden + eps);
+}
+
+static void add_rms_norm_row(const uint16_t *xi, const uint16_t *res, uint16_t *res_out, const uint16_t *weight,
+                             uint16_t *o, int64_t hidden, float eps) {
+    const float inv = residual_inv_rms(xi, res, res_out, hidden, eps);
     const uint16_t *r_row = xi != NULL ? res_out : res;
     const __m512 iv = _mm512_set1_ps(inv);
     for (int64_t j = 0; j < hidden; j += 16) {
@@ -65,22 +72,11 @@ static void add_rms_norm_row(const uint16_t *xi, const uint16_t *res, uint16_t *
     }
 }
 
-/* One (sub-)row of gemma_rms_norm_bf16: the residual add and the sum as add_rms_norm_row, then
+/* One (sub-)row of gemma_rms_norm_bf16: the same first pass as add_rms_norm_row, then
  * bf16((r * inv) * (1 + w)) in float32, one rounding (HF's Gemma3RMSNorm). o may be res (in place). */
 static void gemma_norm_row(const uint16_t *xi, const uint16_t *res, uint16_t *res_out, const uint16_t *weight,
                            uint16_t *o, int64_t hidden, float eps) {
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t j = 0; j < hidden; j += 16) {
-        const __mmask16 m = lanes_mask(hidden - j);
-        __m512 r = widen_bf16x16(res + j, m);
-        if (xi != NULL) {
-            const __m256i rb = bf16x16(_mm512_add_ps(widen_bf16x16(xi + j, m), r));
-            _mm256_mask_storeu_epi16(res_out + j, m, rb);
-            r = widen_bf16_bits(rb);
-        }
-        sum = _mm512_fmadd_ps(r, r, sum);
-    }
-    const float inv = 1.0f / sqrtf(_mm512_reduce_add_ps(sum) / (float)hidden + eps);
+    const float inv = residual_inv_rms(xi, res, res_out, hidden, eps);
     const uint16_t *r_row = xi != NULL ? res_out : res;
     const __m512 iv = _mm512_set1_ps(inv), one = _mm512_set1_ps(1.0f);
     for (int64_t j = 0; j < hidden; j += 16) {
