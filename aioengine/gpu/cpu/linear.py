@@ -88,7 +88,7 @@ class PackedLinear(nn.Module):
         if not self.c_gemm:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         y = cpu_kernels.gemm(
-            self._rows(x), self.packed, self.bias, self.out_features, self.epilogue, self.activation or "silu"
+            self._rows(x), self.packed, self.bias, self.out_features, self.epilogue, self.activation
         )
         return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
 

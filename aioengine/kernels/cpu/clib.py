@@ -348,7 +348,7 @@ def gemm(
     bias: torch.Tensor | None,
     out_features: int,
     epilogue: int = GEMM_BF16,
-    activation: str = "silu",
+    activation: str | None = None,
 ) -> torch.Tensor:
     """``x [M, K] @ W^T (+ bias)`` with ``W [N, K]`` packed by ``pack_gemm_weight``; ``x``'s rows may be
     strided (unit inner stride). Returns bf16 ``[M, N]``; with GEMM_F32 float32 ``[M, N]`` (the sums
@@ -361,6 +361,7 @@ def gemm(
         and x.stride(1) == 1
         and packed.numel() == _lib.packed_gemm_weight_elems(out_features, k)
     )
+    assert (epilogue == GEMM_ACT_MUL) == (activation is not None), "an activation goes with GEMM_ACT_MUL"
     width = out_features // 2 if epilogue == GEMM_ACT_MUL else out_features
     if epilogue == GEMM_ARGMAX:
         out = torch.empty(m, dtype=torch.int64)
@@ -378,7 +379,7 @@ def gemm(
             out_features,
             k,
             epilogue,
-            activation_table(activation).data_ptr() if epilogue == GEMM_ACT_MUL else 0,
+            activation_table(activation).data_ptr() if activation is not None else 0,
             torch.get_num_threads(),
         )
         if status == -3:
