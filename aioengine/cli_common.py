@@ -52,6 +52,7 @@ _ENGINE_HELP = {
     "cpu_linear": "CPU bf16 linears: auto (cpu_gemm.c where built, else oneDNN), onednn, "
     "or torch (plain weights)",
     "cpu_decode_stack": "CPU: a step of decodes only runs every layer in one C call",
+    "cpu_q8_head": "CPU: a GGUF's Q8_0 LM head runs on its own int8 codes for a few rows (AVX512-VNNI)",
     "cuda_graph_capture_timeout_s": "seconds CUDA graph capture may take (sizes not reached run eagerly)",
 }
 _CHOICES = {

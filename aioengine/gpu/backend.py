@@ -146,8 +146,11 @@ class Backend(ABC):
     def make_staging(self) -> Staging: ...
 
     @abstractmethod
-    def prepare_model(self, model: nn.Module, quantization: str | None) -> None:
-        """After loading: quantize and repack the weights for this device's kernels."""
+    def prepare_model(
+        self, model: nn.Module, quantization: str | None, checkpoint: str | None = None
+    ) -> None:
+        """After loading: quantize and repack the weights for this device's kernels. ``checkpoint``: the
+        folder the weights came from, where a backend reads a form of them it runs faster."""
 
     @abstractmethod
     def allocate_kv_caches(

@@ -46,7 +46,7 @@ class Drafter:
                 f"{[g.sliding_window for g in target_groups]}: they must match"
             )
         self.model.cover_positions(max_model_len)
-        backend.prepare_model(self.model, None)
+        backend.prepare_model(self.model, None, path)
         self.backend = backend
         self.dtype = dtype
         self.kv_caches: list[torch.Tensor] = []

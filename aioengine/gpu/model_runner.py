@@ -6,6 +6,7 @@ import collections
 import dataclasses
 import functools
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -72,7 +73,7 @@ class ModelRunner:
         self.model.cover_positions(max_model_len)  # a max_model_len past max_position_embeddings extrapolates
         self.kv_cache_groups = self.model.kv_cache_groups  # layers grouped by attention window
         self._num_parameters = sum(p.numel() for p in self.model.parameters())  # before any repacking
-        backend.prepare_model(self.model, quantization)
+        backend.prepare_model(self.model, quantization, os.fspath(model_path))
         self.sampler = Sampler(
             seed,
             device,

@@ -18,6 +18,7 @@ from aioengine.config import EngineArgs, KernelConfig, cpu_has_fast_bf16
 from aioengine.gpu.backend import Backend, Ops, RunnerParts
 from aioengine.gpu.cpu.decode_stack import CpuDecodeStack
 from aioengine.gpu.cpu.linear import pack_linears
+from aioengine.gpu.cpu.q8_head import attach_q8_head
 from aioengine.gpu.cpu.quant import quantize_model
 from aioengine.gpu.cpu.worker import CpuWorker
 from aioengine.gpu.loader import kv_cache_shape
@@ -241,11 +242,18 @@ class CpuBackend(Backend):
     def make_staging(self) -> CpuStaging:
         return CpuStaging()
 
-    def prepare_model(self, model: nn.Module, quantization: str | None) -> None:
+    def prepare_model(
+        self, model: nn.Module, quantization: str | None, checkpoint: str | None = None
+    ) -> None:
         linear = self.kernels.cpu_linear if self.kernels.cpu_kernels else _without_c(self.kernels.cpu_linear)
         if quantization is not None:
             quantize_model(model, quantization, linear=linear, c_kernels=self.kernels.cpu_kernels)
         pack_linears(model, linear)
+        # A GGUF's Q8_0 head, exact from the converted float32 weights (a tensor-parallel rank's head is a
+        # slice of the file's: it keeps the GEMM).
+        k = self.kernels
+        if quantization is None and checkpoint and k.cpu_kernels and k.cpu_q8_head and self.ops.tp is None:
+            attach_q8_head(model, checkpoint)
         if self.kernels.cpu_kernels:
             clib.load()  # built now (seconds), not inside the first step
 

@@ -98,7 +98,9 @@ class CudaBackend(Backend):
     def make_staging(self) -> HostStaging:
         return HostStaging(self.device)
 
-    def prepare_model(self, model: nn.Module, quantization: str | None) -> None:
+    def prepare_model(
+        self, model: nn.Module, quantization: str | None, checkpoint: str | None = None
+    ) -> None:
         if quantization is not None:
             raise ValueError(f"quantization={quantization!r} is a CPU option (its kernels are CPU kernels)")
 

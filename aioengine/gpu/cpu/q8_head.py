@@ -1,0 +1,158 @@
+"""The LM head on its checkpoint's own Q8_0 codes, for CPU decode steps of a few rows.
+
+GGUF files keep the token embedding (the tied head) in Q8_0 in the common quant mixes: int8 codes and one
+scale per 32 inputs. A converted checkpoint holds those weights dequantized to float32, where
+``code * scale`` is exact, so the codes come back exactly. At a vocabulary of 262k (Gemma 3) the head is
+most of a decode step's weight bytes: its codes read 1.125 bytes a weight instead of bf16's 2 or float32's
+4, through cpu_qgemv.c's VNNI kernel (``clib.qgemv_q8_0``). The weight stays exact; the activations are
+rounded once, per 4 inputs: to 3 bytes for a float32 model (about float32's own rounding), to 2 for a bf16
+one (finer than the bf16 value in all but spans of more than 2^8 within 4 inputs).
+
+A bf16 model's head keeps its packed GEMM for batches past ``MAX_ROWS_BF16`` rows, where the step is
+compute-bound and the GEMM is faster. A float32 model's head has no such crossover in the batches measured
+(float32's GEMM reads 4 bytes a weight), so it keeps only the codes. A checkpoint whose head is not an exact
+Q8_0 dequantization keeps its GEMM.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from aioengine.gpu.cpu import huge_pages
+from aioengine.gpu.loader import safetensors_files
+from aioengine.kernels.cpu import clib
+
+logger = logging.getLogger(__name__)
+
+BLOCK = 32
+# Measured crossover with the bf16 head's packed GEMM (docs/benchmarks.md): past this many rows it is faster.
+MAX_ROWS_BF16 = 4
+_HEAD_NAMES = ("lm_head.weight", "model.embed_tokens.weight")  # a tied head is the embedding
+_CHUNK_ROWS = 16384
+
+
+def q8_0_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(int8 codes ``[N, K]``, float32 scales ``[N, K / 32]``) with ``codes * scale == weight`` bit for bit,
+    where float32 ``weight [N, K]`` (K a multiple of 64) is a Q8_0 dequantization: each 32-input block's
+    largest ``|w|`` is 127 times its scale, as the Q8_0 quantizer sets it. Else None."""
+    if weight.dtype != torch.float32 or weight.dim() != 2:
+        return None
+    return _codes(lambda r0, r1: weight[r0:r1], *weight.shape)
+
+
+def read_head_codes(
+    checkpoint: str | os.PathLike[str], tied: bool
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``q8_0_codes`` of the checkpoint's head (the embedding when ``tied``), read a chunk of rows at a time
+    from its float32 safetensors; None when it has no such tensor or it is not Q8_0."""
+    try:
+        files = safetensors_files(checkpoint)
+    except FileNotFoundError:
+        return None
+    name = _HEAD_NAMES[1] if tied else _HEAD_NAMES[0]
+    for file in files:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            if name not in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                continue
+            part = f.get_slice(name)
+            shape = part.get_shape()
+            if part.get_dtype() != "F32" or len(shape) != 2:
+                return None
+            return _codes(lambda r0, r1, part=part: part[r0:r1], *shape)
+    return None
+
+
+def _codes(
+    read: Callable[[int, int], torch.Tensor], n: int, k: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Codes and scales of the ``[n, k]`` weight whose rows ``read(r0, r1)`` gives, chunk by chunk."""
+    if k % 64:
+        return None
+    codes = torch.empty((n, k), dtype=torch.int8)
+    scales = torch.empty((n, k // BLOCK), dtype=torch.float32)
+    for r0 in range(0, n, _CHUNK_ROWS):
+        r1 = min(n, r0 + _CHUNK_ROWS)
+        blocks = read(r0, r1).reshape(r1 - r0, k // BLOCK, BLOCK)
+        # amax = 127 d exactly (d is a float16 and 127 needs 7 bits), so amax / 127 is d and w / d the code.
+        scale = blocks.abs().amax(-1) / 127
+        q = torch.where(scale[..., None] > 0, blocks / scale[..., None], torch.zeros(())).round_()
+        if not torch.equal(q * scale[..., None], blocks):  # NaN and inf fail here too
+            return None
+        codes[r0:r1], scales[r0:r1] = q.to(torch.int8).reshape(r1 - r0, k), scale
+    return codes, scales
+
+
+class Q8Head(nn.Module):
+    """float32 logits (or each row's argmax) from the head's Q8_0 codes, activations cut to ``limbs``
+    bytes; past ``max_rows`` rows (None: never) ``fallback``, the head's GEMM on its rounded weights, runs
+    instead."""
+
+    def __init__(
+        self,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        limbs: int,
+        fallback: nn.Module | None = None,
+        max_rows: int | None = None,
+    ) -> None:
+        super().__init__()
+        assert limbs in (2, 3) and (fallback is None) == (max_rows is None)
+        self.out_features, self.in_features = codes.shape
+        assert scales.shape == (self.out_features, self.in_features // BLOCK)
+        # On huge pages, as the GEMMs' weights: every decode step streams the whole head.
+        self.packed = clib.q8_0_pack(codes, out=huge_pages.zeros(codes.numel(), torch.uint8))
+        self.scales = scales.contiguous()
+        self.limbs = limbs
+        self.fallback = fallback
+        self.max_rows = max_rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if self.fallback is not None and flat.shape[0] > self.max_rows:
+            return self.fallback(x)
+        y = clib.qgemv_q8_0(self._rows(flat), self.packed, self.scales, limbs=self.limbs)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Each row's argmax of ``forward(x)`` (first maximum; NaN wins) without writing the logits; None
+        where the fallback runs and cannot pick it itself."""
+        flat = x.reshape(-1, self.in_features)
+        if self.fallback is not None and flat.shape[0] > self.max_rows:
+            argmax = getattr(self.fallback, "argmax", None)
+            return argmax(x) if argmax is not None else None
+        return clib.qgemv_q8_0(self._rows(flat), self.packed, self.scales, argmax=True, limbs=self.limbs)
+
+    @staticmethod
+    def _rows(flat: torch.Tensor) -> torch.Tensor:
+        rows = flat.float()
+        return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+    def extra_repr(self) -> str:
+        rows = "every batch" if self.max_rows is None else f"up to {self.max_rows} rows"
+        return f"{self.in_features}, {self.out_features}, q8_0 codes for {rows}, x in {self.limbs} bytes"
+
+
+def attach_q8_head(model: nn.Module, checkpoint: str | os.PathLike[str]) -> bool:
+    """Give ``model`` a Q8Head in front of its (already packed) head where the checkpoint's head is Q8_0
+    and this CPU runs the kernel vectorized; returns whether it did."""
+    head = getattr(model, "lm_head", None)
+    if head is None or not clib.q8_0_available():
+        return False
+    found = read_head_codes(checkpoint, bool(getattr(model, "tie_word_embeddings", False)))
+    if found is None:
+        return False
+    codes, scales = found
+    if codes.shape[0] != getattr(head, "out_features", getattr(head, "num_embeddings", -1)):
+        return False
+    if next(model.parameters()).dtype == torch.float32:
+        model.lm_head = Q8Head(codes, scales, limbs=3)  # the float32 GEMM's copy of the head is freed
+    else:
+        model.lm_head = Q8Head(codes, scales, limbs=2, fallback=head, max_rows=MAX_ROWS_BF16)
+    logger.info("LM head: %s (%d MB)", model.lm_head.extra_repr(), (codes.numel() + scales.numel() * 4) >> 20)
+    return True
