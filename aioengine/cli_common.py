@@ -11,6 +11,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from aioengine.config import CPU_LINEAR_CHOICES, EngineArgs, KernelConfig
+from aioengine.pooling import POOLING_TYPES
 
 # Help for the EngineArgs fields; a field added to EngineArgs later still gets a flag (with generic help).
 _ENGINE_HELP = {
@@ -44,6 +45,7 @@ _ENGINE_HELP = {
     '\'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' '
     'or \'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 3}\'',
     "quantization": "CPU weight-only quantization of the linear layers (int4: groups of 32, like GGUF Q4_1)",
+    "pooling": "embeddings' pooling (default: the checkpoint's sentence-transformers config, else last)",
     # KernelConfig
     "cpu_kernels": "build and use the CPU's C kernels (off: torch ops, oneDNN linears)",
     "cpu_elementwise": "CPU: residual add + RMSNorm and rotary as one C pass each (bf16, float32)",
@@ -60,6 +62,7 @@ _CHOICES = {
     "device": ["auto", "cpu", "cuda"],
     "scheduling_policy": ["fcfs", "priority"],
     "quantization": ["int8", "int4"],
+    "pooling": list(POOLING_TYPES),
     "cpu_linear": list(CPU_LINEAR_CHOICES),
 }
 _BYTES = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)

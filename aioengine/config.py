@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from aioengine.pooling import POOLING_TYPES
 from aioengine.sched.spec_decode import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
@@ -72,6 +73,9 @@ class EngineArgs:
     # Largest decode batch a CUDA graph is captured for (default: the tour's 512; bigger batches run eagerly).
     max_cudagraph_capture_size: int | None = None
     quantization: str | None = None  # CPU only: int8 | int4 weight-only (aioengine/gpu/cpu/quant.py)
+    # embed()'s pooling: last | mean | cls (aioengine/pooling.py); default: the checkpoint's
+    # sentence-transformers config, else last
+    pooling: str | None = None
     step_timeout_s: float = 300.0  # watchdog: a step running longer marks the engine dead
     # A request's grammar (JSON schema, regex, EBNF) that takes longer to compile is refused (400); the
     # compile runs on a thread, so the streams never wait for it.
@@ -116,6 +120,8 @@ class EngineArgs:
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.quantization not in (None, "int8", "int4"):
             raise ValueError(f"quantization must be int8 or int4, got {self.quantization!r}")
+        if self.pooling not in (None, *POOLING_TYPES):
+            raise ValueError(f"pooling must be one of {', '.join(POOLING_TYPES)}, got {self.pooling!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if not self.grammar_compile_timeout_s > 0:

@@ -15,11 +15,13 @@ from typing import TYPE_CHECKING, Any
 
 from aioengine import gc_freeze, startup
 from aioengine.config import EngineArgs
+from aioengine.embedding import EmbedMixin
 from aioengine.engine_client import EngineStats, PrecompiledGrammar, RankStats, RequestListener, StatListener
 from aioengine.errors import EngineDeadError, EngineNotStartedError, InvalidRequestError
 from aioengine.handle import GenerateHandle, RequestState
 from aioengine.output_processor import OutputProcessor
 from aioengine.outputs import CompletionOutput
+from aioengine.pooling import PoolingConfigError, resolve_pooling
 from aioengine.sampling_params import SamplingParams
 from aioengine.sched.output import ModelRunnerOutput, NewRequestData
 from aioengine.sched.request import Request, RequestStatus
@@ -34,7 +36,7 @@ if TYPE_CHECKING:  # importing these imports torch: start() does, lazily
 logger = logging.getLogger(__name__)
 
 
-class AsyncEngine:
+class AsyncEngine(EmbedMixin):
     def __init__(self, args: EngineArgs | None = None, **kwargs: Any) -> None:
         self.args = args if args is not None else EngineArgs(**kwargs)
         self.args.validate()
@@ -62,6 +64,8 @@ class AsyncEngine:
         self._stopping = False
         self._structured: Any = None  # StructuredOutputManager, built on a thread during start()
         self._structured_build: concurrent.futures.Future | None = None
+        self.pooling: str | None = None  # embed()'s, set by start()
+        self._pooling_error = "the engine is not started"
         self.stat_listeners: list[StatListener] = []
         self.request_listeners: list[RequestListener] = self._outputs.request_listeners
         self._stopped = asyncio.Event()  # set once the step loop has ended: dead or shut down
@@ -87,6 +91,11 @@ class AsyncEngine:
         self.vocab_size, self.eos_token_id = s.vocab_size, s.eos_token_id
         self.default_sampling_params = s.default_sampling_params
         self.kv_capacity_tokens = s.kv_capacity_tokens
+        self.embedding_size = int(s.runner.hf_config.hidden_size)
+        try:  # embed()'s pooling, for every request; a checkpoint's unknown one fails embed() only
+            self.pooling = resolve_pooling(self.args.pooling, self.model_path)
+        except PoolingConfigError as e:
+            self.pooling, self._pooling_error = None, str(e)
         self._structured_build = s.structured_build
         # What start-up built (torch, transformers, the model's modules) lives as long as the engine:
         # out of the collector's reach, a full collection no longer walks it while requests wait
@@ -178,22 +187,24 @@ class AsyncEngine:
         """Start a request; raises InvalidRequestError (bad input) or EngineDeadError at once."""
         self._check_alive()
         params = sampling_params or SamplingParams(**self.default_sampling_params)
+        prompt_text, prompt_ids = self._prompt_ids(prompt)
+        return self._add(prompt_text, prompt_ids, params, request_id, priority, cache_salt, grammar)
+
+    def _prompt_ids(self, prompt: object, param: str = "prompt") -> tuple[str | None, list[int]]:
+        """(the prompt's text if it is one, its token ids), or InvalidRequestError."""
         if isinstance(prompt, str):
             if not prompt:
-                raise InvalidRequestError("The prompt cannot be empty.", param="prompt")
-            prompt_text: str | None = prompt
-            prompt_ids = list(self.tokenizer.encode(prompt))
-        elif isinstance(prompt, list | tuple):
-            prompt_text = None
+                raise InvalidRequestError("The prompt cannot be empty.", param=param)
+            return prompt, list(self.tokenizer.encode(prompt))
+        if isinstance(prompt, list | tuple):
             prompt_ids = list(prompt)
-            self._check_prompt_length(len(prompt_ids))  # before scanning millions of ids on the loop
+            self._check_prompt_length(len(prompt_ids), param)  # before scanning millions of ids on the loop
             if not all(type(t) is int and 0 <= t < self.vocab_size for t in prompt_ids):
                 raise InvalidRequestError(
-                    f"prompt token ids must be integers in [0, {self.vocab_size}).", param="prompt"
+                    f"prompt token ids must be integers in [0, {self.vocab_size}).", param=param
                 )
-        else:
-            raise InvalidRequestError("prompt must be a string or a list of token ids.", param="prompt")
-        return self._add(prompt_text, prompt_ids, params, request_id, priority, cache_salt, grammar)
+            return None, prompt_ids
+        raise InvalidRequestError("prompt must be a string or a list of token ids.", param=param)
 
     def chat(
         self,
@@ -245,6 +256,7 @@ class AsyncEngine:
         priority: int,
         cache_salt: str | None,
         grammar: PrecompiledGrammar | None = None,
+        pooling: str | None = None,
     ) -> GenerateHandle:
         num_prompt = len(prompt_ids)
         self._check_prompt_length(num_prompt)
@@ -311,6 +323,7 @@ class AsyncEngine:
             request = Request(
                 cid, prompt_ids, child_params, self.eos_token_id, priority, state.arrival_time, cache_salt
             )
+            request.pooling = pooling
             if compiled_grammar is not None:
                 request.structured_output = self._structured.new_grammar(compiled_grammar)
             if params.thinking_token_budget is not None:  # to the scheduler a grammar, around the own one
@@ -323,14 +336,14 @@ class AsyncEngine:
         self._wakeup.set()
         return GenerateHandle(self, state)
 
-    def _check_prompt_length(self, num_prompt: int) -> None:
+    def _check_prompt_length(self, num_prompt: int, param: str = "prompt") -> None:
         if num_prompt == 0:
-            raise InvalidRequestError("The prompt cannot be empty.", param="prompt")
+            raise InvalidRequestError("The prompt cannot be empty.", param=param)
         if num_prompt >= self.max_model_len:
             raise InvalidRequestError(
                 f"The prompt is {num_prompt} tokens long, which is not shorter than this model's maximum "
                 f"context length of {self.max_model_len} tokens.",
-                param="prompt",
+                param=param,
                 code="context_length_exceeded",
             )
 

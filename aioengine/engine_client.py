@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 from aioengine.errors import EngineDeadError
 from aioengine.outputs import RequestOutput
+from aioengine.pooling import EmbeddingRequestOutput
 from aioengine.sampling_params import SamplingParams, StructuredOutputsParams
 from aioengine.sched.output import EngineCoreOutput, SchedulerStats
 
@@ -144,6 +145,15 @@ class EngineClient(Protocol):
     ) -> RequestHandle: ...
 
     async def precompile(self, params: SamplingParams) -> PrecompiledGrammar | None: ...
+
+    async def embed(
+        self,
+        input: str | list[int] | list[str] | list[list[int]] | list[str | list[int]],
+        *,
+        dimensions: int | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> EmbeddingRequestOutput | list[EmbeddingRequestOutput]: ...  # one output per input, in order
 
     async def abort(self, request_id: str) -> bool: ...
 

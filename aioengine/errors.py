@@ -23,3 +23,7 @@ class EngineDeadError(AioEngineError, RuntimeError):
 
 class EngineNotStartedError(AioEngineError, RuntimeError):
     """generate() was called before start() (or after shutdown())."""
+
+
+class RequestAbortedError(AioEngineError, RuntimeError):
+    """A request whose result is one value (an embedding) was aborted before it had that value."""

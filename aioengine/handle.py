@@ -34,6 +34,7 @@ class RequestState:
     pending_prompt_logprobs: list | None = None  # to attach to the next output
     final_only: bool = False  # the consumer awaits the final output only: deltas may be buffered for it
     buffered: list[CompletionOutput] = field(default_factory=list)  # deltas not yet sent, oldest first
+    embedding: Any = None  # an embedding request's vector (numpy), set with its finish
 
 
 class RequestOwner(Protocol):
@@ -56,6 +57,11 @@ class GenerateHandle:
     @property
     def request_id(self) -> str:
         return self._state.request_id
+
+    @property
+    def embedding(self) -> Any:
+        """An embedding request's unit vector (numpy float32) once it has finished, else None."""
+        return self._state.embedding
 
     def abort(self) -> None:
         """Abort this request now (its stream ends with finish_reason 'abort'); a no-op once finished."""

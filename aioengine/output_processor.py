@@ -92,6 +92,8 @@ class OutputProcessor:
                 state.first_token_time = now
             if o.num_cached_tokens:
                 state.num_cached_tokens = o.num_cached_tokens
+            if o.pooling_output is not None:
+                state.embedding = o.pooling_output
             if finish_reason is not None:
                 state.child_done[idx] = True
                 del self.children[o.request_id]

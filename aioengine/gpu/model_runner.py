@@ -18,6 +18,7 @@ import torch
 from aioengine.gpu.backend import Backend
 from aioengine.gpu.drafter import Drafter
 from aioengine.gpu.loader import kv_cache_bytes_per_block, load_model
+from aioengine.gpu.pooler import Pooler
 from aioengine.gpu.sampler import Sampler, SamplerOutput, SamplingMetadata, gather_logprobs
 from aioengine.gpu.states import RequestStates
 from aioengine.kernels.metadata import AttentionMetadata
@@ -97,6 +98,7 @@ class ModelRunner:
             else None
         )
         self.kv_caches: list[torch.Tensor] = []
+        self.pooler = Pooler()  # embedding requests: their hidden states pooled instead of sampled
         self._pending: tuple[InputBatch, torch.Tensor] | None = None
         self.fault_hook: Callable[[str, SchedulerOutput | None], None] | None = None  # tests inject faults
         self.num_steps = 0
@@ -130,10 +132,14 @@ class ModelRunner:
         states = self.states
         for rid in so.finished_req_ids:
             states.remove(rid)
+            self.pooler.remove(rid)
         for rid in so.preempted_req_ids:
             states.remove(rid)
+            self.pooler.remove(rid)
         for data in so.scheduled_new_reqs:
             states.add(data)
+            if data.pooling is not None:
+                self.pooler.add(data.req_id, data.pooling)
         cached = so.scheduled_cached_reqs
         for rid, block_ids in zip(cached.req_ids, cached.new_block_ids, strict=True):
             if block_ids:
@@ -188,6 +194,8 @@ class ModelRunner:
         slot_mappings = states.slot_mappings(rows_tok, positions, bs)
         block_tables = states.block_tables(rows, -(-max_seq_len // bs))
         sample_mask = seq_lens >= prefill_len
+        if self.pooler.live:  # an embedding's last chunk is pooled, not sampled
+            sample_mask &= ~self.pooler.is_pooling(req_ids)
         logits_indices = (cu[1:] - 1)[sample_mask]
         if num_drafts is not None:  # a verified request samples at its drafts' positions too
             num_logits = np.where(sample_mask, num_drafts + 1, 0)
@@ -293,6 +301,11 @@ class ModelRunner:
         states = self.states
         sampled: list[list[int]] = [[] for _ in batch.req_ids]
         out = ModelRunnerOutput(batch.req_ids, sampled)
+        if self.pooler.live:
+            prompt_lens = states.prefill_len[batch.rows]
+            cu, seq_lens = batch.query_start_loc_cpu, batch.seq_lens_cpu
+            pooled = self.pooler.step(batch.req_ids, cu, seq_lens, prompt_lens, hidden)
+            out.pooler_output = pooled or None
         if (states.num_prompt_logprobs[batch.rows] >= 0).any():
             out.prompt_logprobs = self._prompt_logprobs(batch, hidden)
         if not batch.logits_indices.numel():

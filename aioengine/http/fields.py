@@ -10,7 +10,7 @@ from typing import Any, overload
 
 import orjson
 
-from aioengine.errors import AioEngineError, InvalidRequestError
+from aioengine.errors import AioEngineError, InvalidRequestError, RequestAbortedError
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +91,8 @@ def api_error(e: AioEngineError) -> APIError:
     (InvalidRequestError) -> 400 with its param and code; a dead or stopped engine -> 503."""
     if isinstance(e, InvalidRequestError):
         return APIError(400, e.message, e.param, e.code)
+    if isinstance(e, RequestAbortedError):
+        return APIError(503, f"The request was aborted: {e}", code="request_aborted")
     return APIError(503, f"The engine is not serving: {e}", code="engine_dead")
 
 

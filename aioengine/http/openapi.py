@@ -18,6 +18,8 @@ from aioengine.http.request_fields import (
     COMPLETION,
     COMPLETION_REQUIRED,
     DETOKENIZE,
+    EMBEDDING,
+    EMBEDDING_REQUIRED,
     RESPONSE,
     RESPONSE_REQUIRED,
     TOKENIZE,
@@ -56,6 +58,7 @@ def _schemas(limits: RequestLimits, vocab_size: int, priority: bool) -> JSON:
             ]
         },
         "DetokenizeRequest": object_schema(DETOKENIZE, ctx, ("tokens",)),
+        "EmbeddingRequest": object_schema(EMBEDDING, ctx, EMBEDDING_REQUIRED),
         "MessagesRequest": _messages_schema(limits, ("max_tokens", "messages")),
         "MessagesCountTokensRequest": _messages_schema(limits, ("messages",)),
         "Error": error,
@@ -163,6 +166,13 @@ def _generate_op(summary: str, body: str) -> JSON:
     return op
 
 
+def _embeddings_op() -> JSON:
+    op = _op("Embeddings of strings or token ids (pooled, unit length)", "EmbeddingRequest")
+    op["responses"]["404"] = {"description": "Unknown model"}
+    op["responses"]["503"] = {"description": "Queue full (Retry-After), shutting down, or engine dead"}
+    return op
+
+
 @cache
 def openapi_spec(
     version: str, limits: RequestLimits = DEFAULT_LIMITS, vocab_size: int = 1 << 31, priority: bool = False
@@ -202,6 +212,7 @@ def openapi_spec(
             "/v1/messages/count_tokens": {
                 "post": _op("The prompt's token count for a Messages body", "MessagesCountTokensRequest")
             },
+            "/v1/embeddings": {"post": _embeddings_op()},
             "/v1/models": {"get": _op("List the served model names")},
             "/v1/models/{model}": {"get": models_op},
             "/v1/ws": {"get": ws_op},

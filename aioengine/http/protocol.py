@@ -339,11 +339,14 @@ def parse_completion_request(
     )
 
 
-def parse_prompt(prompt: object, limits: RequestLimits = DEFAULT_LIMITS) -> list[str | list[int]]:
-    """str | [str] | [int] | [[int]] (checked against PROMPT) -> prompts, each a string or token ids."""
+def parse_prompt(
+    prompt: object, limits: RequestLimits = DEFAULT_LIMITS, name: str = "prompt"
+) -> list[str | list[int]]:
+    """str | [str] | [int] | [[int]] (checked against PROMPT) -> prompts, each a string or token ids;
+    ``name``: the field's, for errors."""
     if prompt is None:
-        raise bad("prompt is required.", "prompt")
-    PROMPT.check(prompt, "prompt", SchemaContext(limits))
+        raise bad(f"{name} is required.", name)
+    PROMPT.check(prompt, name, SchemaContext(limits))
     if isinstance(prompt, str):
         return [prompt]
     assert isinstance(prompt, list)

@@ -228,6 +228,18 @@ TOKENIZE_MESSAGES = (
 
 DETOKENIZE: Table = {"model": Spec(str), "tokens": Spec(None, schema=TOKENS.schema)}
 
+# ---- /v1/embeddings ---------------------------------------------------------------------------------------
+EMBEDDING: Table = {
+    "model": Spec(str),
+    "input": Spec(None, schema=lambda ctx: {**PROMPT.schema(ctx), "description": "at most max_prompts"}),
+    "encoding_format": Spec(str, enum=("float", "base64")),
+    "dimensions": Spec(int, lo=1, description="cut the unit vector to its first dimensions, renormalized"),
+    "user": SAMPLING["user"],
+    "request_id": SAMPLING["request_id"],
+    "priority": SAMPLING["priority"],
+}
+EMBEDDING_REQUIRED = ("input",)
+
 # ---- /v1/responses ---------------------------------------------------------------------------------------
 # Parts echoed back from an earlier output carry annotations and logprobs: any other keys are fine.
 _INPUT_PART = Obj({"type": _TEXT_VALUE, "text": _TEXT_VALUE}, ("text",), open=True)

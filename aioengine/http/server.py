@@ -24,7 +24,7 @@ from aiohttp.abc import AbstractAccessLogger
 from aioengine import gc_freeze
 from aioengine.engine_client import EngineClient, RequestInfo
 from aioengine.errors import AioEngineError
-from aioengine.http import anthropic_messages, cors, routes_misc
+from aioengine.http import anthropic_messages, cors, openai_embeddings, routes_misc
 from aioengine.http.context import (
     CONFIG,
     DEFAULT_MAX_BODY,
@@ -82,6 +82,7 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None, **kwargs
     r.add_post("/v1/responses", responses)
     r.add_post("/v1/messages", anthropic_messages.messages)
     r.add_post("/v1/messages/count_tokens", anthropic_messages.count_tokens)
+    r.add_post("/v1/embeddings", openai_embeddings.embeddings)
     r.add_get("/v1/models", routes_misc.list_models)
     r.add_get("/v1/models/{model:.+}", routes_misc.get_model)
     r.add_get("/v1/ws", websocket_handler)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from aioengine.sampling_params import SamplingParams
 
@@ -27,6 +27,7 @@ class NewRequestData:
     num_computed_tokens: int  # prefix-cache hit, before this step
     num_prompt_tokens: int  # the user's prompt length (penalties look at outputs only)
     eos_token_id: int | None = None  # masked with stop_token_ids until min_tokens (unless ignore_eos)
+    pooling: str | None = None  # an embedding request: pool its prompt's hidden states, sample nothing
 
 
 @dataclass(slots=True)
@@ -75,6 +76,8 @@ class ModelRunnerOutput:
     logprobs: list[list[TokenLogprobs] | None] | None = None  # per request, one per sampled token
     prompt_logprobs: dict[str, list[TokenLogprobs]] | None = None  # whole prompt, with the first token
     draft_token_ids: list[list[int]] | None = None  # per request: the draft model's proposals, if asked
+    # Embedding requests whose prompt completed in this step: their pooled, normalized vectors (numpy).
+    pooler_output: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)
@@ -86,6 +89,7 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     new_logprobs: list[TokenLogprobs] | None = None  # one per new token, when requested
     new_prompt_logprobs: list[TokenLogprobs] | None = None
+    pooling_output: Any = None  # an embedding request's vector (numpy float32), with its finish
 
     @property
     def finished(self) -> bool:

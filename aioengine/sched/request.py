@@ -54,6 +54,9 @@ class Request:
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     cache_salt: str | None = None
+    # An embedding request (aioengine/pooling.py's types): prefill-only, finished by the runner's pooled
+    # vector instead of a sampled token.
+    pooling: str | None = None
 
     all_token_ids: list[int] = field(init=False)
     num_prompt_tokens: int = field(init=False)

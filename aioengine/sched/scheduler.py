@@ -75,7 +75,11 @@ class Scheduler:
         assert request.request_id not in self.requests, f"duplicate request id {request.request_id!r}"
         assert 0 < request.num_tokens < self.max_model_len, "the engine validates prompt lengths"
         self.requests[request.request_id] = request
-        request.can_speculate = self.config.speculative is not None and can_speculate(request.sampling_params)
+        request.can_speculate = (
+            self.config.speculative is not None
+            and request.pooling is None
+            and can_speculate(request.sampling_params)
+        )
         self.waiting.add(request)
 
     def finish_requests(self, request_ids: str | list[str], status: RequestStatus) -> list[Request]:
@@ -207,9 +211,9 @@ class Scheduler:
                     # Preempted with a token still in flight: resume once it has arrived.
                     skipped.append(waiting.pop())
                     continue
-                if request.sampling_params.prompt_logprobs is None:
+                if request.sampling_params.prompt_logprobs is None and request.pooling in (None, "last"):
                     hit_blocks, num_hit = kv.get_computed_blocks(request)
-                else:  # prompt logprobs need every prompt position computed: no prefix-cache reads
+                else:  # prompt logprobs, mean and CLS pooling need every prompt position: no cache reads
                     hit_blocks, num_hit = [], 0
                 need = request.num_tokens - num_hit
                 if 0 < threshold < need:
@@ -241,6 +245,7 @@ class Scheduler:
                 r.num_computed_tokens,
                 r.num_prompt_tokens,
                 r.eos_token_id,
+                r.pooling,
             )
             for r in scheduled_new
         ]
@@ -276,8 +281,8 @@ class Scheduler:
             request.is_prefill_chunk = request.num_computed_tokens < (
                 request.num_tokens + request.num_output_placeholders
             )
-            if request.is_prefill_chunk:
-                continue
+            if request.is_prefill_chunk or request.pooling is not None:
+                continue  # (an embedding's last chunk: its vector is in flight, nothing is sampled)
             request.draft_token_ids = []  # used by this step, or stale after it
             request.proposing = req_id in out.num_drafts_to_propose
             num_drafts = len(out.scheduled_spec_decode_tokens.get(req_id, ()))
@@ -365,10 +370,12 @@ class Scheduler:
         num_cached_block = kv.num_cached_block
         block_size = kv.block_size
         proposed = runner_output.draft_token_ids
+        if runner_output.pooler_output:
+            outputs.extend(self._finish_pooled(runner_output.pooler_output))
         for i, req_id in enumerate(runner_output.req_ids):
             new_token_ids = sampled[i]
             if not new_token_ids:
-                continue  # a prefill chunk produces no token
+                continue  # a prefill chunk (or an embedding) produces no token
             request = requests.get(req_id)
             if request is None:
                 continue  # finished (aborted, stopped) while this step was in flight
@@ -427,6 +434,22 @@ class Scheduler:
                 out.new_logprobs = sampled_logprobs[: len(new_token_ids)]
             if prompt_logprobs:
                 out.new_prompt_logprobs = prompt_logprobs.get(req_id)
+            outputs.append(out)
+        return outputs
+
+    def _finish_pooled(self, pooled: dict[str, object]) -> list[EngineCoreOutput]:
+        """Embedding requests whose prompt completed: finished, their vectors out with the finish."""
+        outputs = []
+        for req_id, vector in pooled.items():
+            request = self.requests.get(req_id)
+            if request is None:
+                continue  # aborted while its last step was in flight
+            # (preempted meanwhile: its vector is whole all the same, so it finishes from waiting)
+            (self.running if request in self.running else self.waiting).remove(request)
+            request.status = RequestStatus.FINISHED_STOPPED
+            self._free_request(request)  # (its prompt's full blocks were cached when allocated)
+            out = EngineCoreOutput(req_id, [], "stop", None, max(request.num_cached_tokens, 0))
+            out.pooling_output = vector
             outputs.append(out)
         return outputs
 

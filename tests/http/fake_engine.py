@@ -18,6 +18,7 @@ from aioengine.engine_client import (
 )
 from aioengine.errors import EngineDeadError
 from aioengine.outputs import CompletionOutput, RequestOutput
+from aioengine.pooling import EmbeddingOutput, EmbeddingRequestOutput
 from aioengine.sampling_params import SamplingParams
 
 
@@ -134,6 +135,19 @@ class FakeEngine:
 
     async def precompile(self, params: SamplingParams) -> PrecompiledGrammar | None:
         return None  # no grammars here
+
+    async def embed(
+        self,
+        input: str | list[int] | list[str] | list[list[int]] | list[str | list[int]],
+        *,
+        dimensions: int | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> EmbeddingRequestOutput | list[EmbeddingRequestOutput]:
+        if self.dead_error is not None:
+            raise self.dead_error
+        one = EmbeddingRequestOutput(request_id or "fake", [1, 2], EmbeddingOutput([0.6, 0.8]))
+        return one if isinstance(input, str) or (input and type(input[0]) is int) else [one] * len(input)
 
     async def abort(self, request_id: str) -> bool:
         h = self.live.pop(request_id, None)

@@ -24,7 +24,7 @@ from aioengine.http.protocol import APIError, RequestLimits, parse_chat_request,
 from tests.http.conftest import API_KEY, IDLE_STEPS, Http
 from tests.timing import HANG_S, median_s
 
-CHAT, COMP = "/v1/chat/completions", "/v1/completions"
+CHAT, COMP, EMB = "/v1/chat/completions", "/v1/completions", "/v1/embeddings"
 MSG = [{"role": "user", "content": "Hi"}]
 LIMITS = RequestLimits()
 # A hostile body's 400 within 25 units: a /health round trip plus parsing the body once (measured worst: 7.5).
@@ -130,6 +130,10 @@ CASES = [
     ),
     ("messages-100k", CHAT, orjson.dumps(chat(messages=MSG * 100_000)), "messages", "4096"),
     ("prompts-1000", COMP, orjson.dumps(comp(prompt=["Hi"] * 1000)), "prompt", "256"),
+    ("embedding-inputs-1000", EMB, orjson.dumps({"input": ["Hi"] * 1000}), "input", "256"),
+    ("embedding-ids-beyond-64-bits", EMB, raw({"input": [1, 10**30]}), "input[1]", "integer"),
+    ("embedding-dimensions-huge", EMB, raw({"input": "Hi", "dimensions": 10**30}), "dimensions", "1"),
+    ("embedding-nested-100k", EMB, b'{"input": ' + b"[" * 99_999 + b"]" * 99_999 + b"}", None, "deeper"),
     (
         "template-kwargs-messages",
         CHAT,

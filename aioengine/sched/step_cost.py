@@ -1,0 +1,106 @@
+"""A step's predicted duration, fitted online to measured steps: what the ITL-aware token budget spends.
+
+duration = a + b * decode_rows + c * prefill_tokens + d * decode_context + e * prefill_attention
+- decode_rows: requests decoding (one token each, or 1 + k verified drafts);
+- prefill_tokens: prompt tokens in the step's chunks;
+- decode_context: KV tokens the decode rows read (their sequence lengths);
+- prefill_attention: sum over chunks of tokens x (context + tokens): attention's work grows with both.
+
+Recursive least squares with a forgetting factor: each measured step updates the fit in O(5^2) pure
+Python (sched never imports numpy), and old steps fade, so the fit follows a machine whose speed changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+NUM_FEATURES = 5  # the constant, then the four counts above
+
+
+@dataclass(slots=True)
+class StepFeatures:
+    """What a planned step holds, in the model's terms (SchedulerOutput carries it to the step's result)."""
+
+    decode_rows: int = 0
+    prefill_tokens: int = 0
+    decode_context: int = 0
+    prefill_attention: int = 0
+
+    def vector(self) -> list[float]:
+        return [
+            1.0,
+            float(self.decode_rows),
+            float(self.prefill_tokens),
+            float(self.decode_context),
+            float(self.prefill_attention),
+        ]
+
+    def add_prefill(self, tokens: int, context: int) -> None:
+        """A chunk of ``tokens`` prompt tokens after ``context`` computed ones."""
+        self.prefill_tokens += tokens
+        self.prefill_attention += tokens * (context + tokens)
+
+
+@dataclass(slots=True)
+class StepCostModel:
+    """Online fit of step durations (seconds) to StepFeatures."""
+
+    forgetting: float = 0.995  # an observation's weight halves after ~140 steps
+    prior: float = 1e3  # initial covariance scale: the first steps move the fit freely
+    min_observations: int = 16  # predictions before this many steps are None (no cap yet)
+    theta: list[float] = field(default_factory=lambda: [0.0] * NUM_FEATURES)
+    observations: int = 0
+    _p: list[list[float]] = field(init=False)
+    _scale: list[float] = field(default_factory=lambda: [1.0, 1e-2, 1e-3, 1e-5, 1e-7])
+
+    def __post_init__(self) -> None:
+        # Features differ by orders of magnitude (1 vs thousands of tokens vs millions of context): the fit
+        # runs on scaled features, so one prior suits all.
+        self._p = [[self.prior if i == j else 0.0 for j in range(NUM_FEATURES)] for i in range(NUM_FEATURES)]
+
+    def _x(self, f: StepFeatures) -> list[float]:
+        return [v * s for v, s in zip(f.vector(), self._scale, strict=True)]
+
+    def observe(self, features: StepFeatures, seconds: float) -> None:
+        """One measured step."""
+        if not seconds > 0:
+            return
+        x, p, lam = self._x(features), self._p, self.forgetting
+        px = [sum(p[i][j] * x[j] for j in range(NUM_FEATURES)) for i in range(NUM_FEATURES)]
+        denom = lam + sum(x[i] * px[i] for i in range(NUM_FEATURES))
+        gain = [v / denom for v in px]
+        err = seconds - sum(t * v for t, v in zip(self.theta, x, strict=True))
+        self.theta = [t + g * err for t, g in zip(self.theta, gain, strict=True)]
+        self._p = [
+            [(p[i][j] - gain[i] * px[j]) / lam for j in range(NUM_FEATURES)] for i in range(NUM_FEATURES)
+        ]
+        self.observations += 1
+
+    def coefficients(self) -> list[float]:
+        """(a, b, c, d, e) in seconds per unit of each feature."""
+        return [t * s for t, s in zip(self.theta, self._scale, strict=True)]
+
+    def predict(self, features: StepFeatures) -> float | None:
+        """Predicted seconds, or None until the fit has seen ``min_observations`` steps."""
+        if self.observations < self.min_observations:
+            return None
+        return sum(t * v for t, v in zip(self.theta, self._x(features), strict=True))
+
+    def max_prefill(self, base: StepFeatures, context: int, seconds: float) -> int | None:
+        """The most prompt tokens a chunk after ``context`` computed ones may add to a step holding ``base``
+        and stay within ``seconds``; None without a fit (no cap). 0 when the base alone is at the limit."""
+        if self.observations < self.min_observations:
+            return None
+        _, _, c, _, e = self.coefficients()
+        c, e = max(c, 0.0), max(e, 0.0)  # a noisy fit's negative slope would lift the cap without bound
+        left = seconds - (self.predict(base) or 0.0)
+        if left <= 0:
+            return 0
+        if c == 0.0 and e == 0.0:
+            return None
+        # e n^2 + (c + e context) n <= left
+        lin = c + e * context
+        if e == 0.0:
+            return int(left / lin)
+        disc = lin * lin + 4.0 * e * left
+        return int((-lin + disc**0.5) / (2.0 * e))

@@ -1,0 +1,65 @@
+"""The step cost model (sched/step_cost.py): its online fit converges on synthetic step times, follows a
+machine that slows down, and sizes a prefill chunk to a time limit."""
+
+from __future__ import annotations
+
+import random
+
+from aioengine.sched.step_cost import StepCostModel, StepFeatures
+
+TRUE = (4e-3, 3e-4, 6e-5, 2e-7, 4e-9)  # s: per step, decode row, prefill token, KV token read, attention unit
+
+
+def _steps(n: int, seed: int, coef=TRUE, noise: float = 0.05):
+    rng = random.Random(seed)
+    for _ in range(n):
+        f = StepFeatures(decode_rows=rng.randint(0, 64))
+        f.decode_context = f.decode_rows * rng.randint(50, 2000)
+        for _ in range(rng.randint(0, 2)):
+            f.add_prefill(rng.randint(16, 512), rng.randint(0, 3000))
+        t = sum(c * v for c, v in zip(coef, f.vector(), strict=True))
+        yield f, t * (1 + rng.gauss(0, noise))
+
+
+def test_the_fit_converges_on_synthetic_steps():
+    model = StepCostModel()
+    assert model.predict(StepFeatures(decode_rows=1)) is None  # no fit yet: no cap
+    for f, t in _steps(600, 0):
+        model.observe(f, t)
+    got = model.coefficients()
+    for name, g, want in zip("abcde", got, TRUE, strict=True):
+        assert abs(g - want) <= 0.25 * want, (name, g, want)  # ~200 steps in the window, 5% noise
+    errors = [abs(model.predict(f) - t) / t for f, t in _steps(200, 1, noise=0.0)]
+    assert sorted(errors)[int(0.9 * len(errors))] < 0.05  # 90% of predictions within 5%
+
+
+def test_the_fit_follows_a_machine_that_slows_down():
+    model = StepCostModel()
+    for f, t in _steps(400, 2):
+        model.observe(f, t)
+    slower = tuple(1.5 * c for c in TRUE)
+    for f, t in _steps(1200, 3, coef=slower):
+        model.observe(f, t)
+    probe = StepFeatures(decode_rows=16, decode_context=16 * 500)
+    probe.add_prefill(256, 0)
+    want = sum(c * v for c, v in zip(slower, probe.vector(), strict=True))
+    assert abs(model.predict(probe) - want) < 0.05 * want
+
+
+def test_max_prefill_fills_the_time_left_and_no_more():
+    model = StepCostModel()
+    for f, t in _steps(600, 4, noise=0.0):
+        model.observe(f, t)
+    base = StepFeatures(decode_rows=16, decode_context=16 * 300)
+    limit = 0.030
+    n = model.max_prefill(base, context=100, seconds=limit)
+    assert n is not None and n > 0
+
+    def with_chunk(tokens: int) -> float:
+        f = StepFeatures(base.decode_rows, base.prefill_tokens, base.decode_context, base.prefill_attention)
+        f.add_prefill(tokens, 100)
+        return model.predict(f)
+
+    assert with_chunk(n) <= limit < with_chunk(n + 1)
+    assert model.max_prefill(StepFeatures(decode_rows=10_000), 0, limit) == 0  # decodes alone overrun it
+    assert StepCostModel().max_prefill(base, 0, limit) is None  # unfitted: no cap
