@@ -35,6 +35,8 @@ _ENGINE_HELP = {
     "gpu_memory_utilization": "fraction of GPU memory the engine may use",
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
     "long_prefill_token_threshold": "cap on prompt tokens one request may take per step (0: off)",
+    "target_itl_ms": "cut each step's prompt chunks so that its predicted duration (fitted to measured "
+    "steps) stays within this many ms; default: no target",
     "scheduling_policy": "fcfs, or priority (requests then honour their `priority` field)",
     "num_threads": "torch intra-op threads on CPU (default: all cores)",
     "enforce_eager": "never capture CUDA graphs",

@@ -67,6 +67,9 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     long_prefill_token_threshold: int = 0
+    # ITL-aware token budget (sched/step_cost.py): cut a step's prompt chunks so that its predicted duration
+    # stays within this many ms; None: the token budget alone
+    target_itl_ms: float | None = None
     scheduling_policy: str = "fcfs"  # or "priority"
     num_threads: int | None = None  # torch intra-op threads on CPU (default: all cores)
     enforce_eager: bool = False
@@ -120,6 +123,8 @@ class EngineArgs:
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.quantization not in (None, "int8", "int4"):
             raise ValueError(f"quantization must be int8 or int4, got {self.quantization!r}")
+        if self.target_itl_ms is not None and not self.target_itl_ms > 0:
+            raise ValueError(f"target_itl_ms must be > 0, got {self.target_itl_ms}")
         if self.pooling not in (None, *POOLING_TYPES):
             raise ValueError(f"pooling must be one of {', '.join(POOLING_TYPES)}, got {self.pooling!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -99,6 +99,8 @@ class ModelRunner:
         )
         self.kv_caches: list[torch.Tensor] = []
         self.pooler = Pooler()  # embedding requests: their hidden states pooled instead of sampled
+        self._busy_s = 0.0
+        self._last_output = ModelRunnerOutput([], [])
         self._pending: tuple[InputBatch, torch.Tensor] | None = None
         self.fault_hook: Callable[[str, SchedulerOutput | None], None] | None = None  # tests inject faults
         self.num_steps = 0
@@ -278,8 +280,10 @@ class ModelRunner:
         self._pending = (batch, hidden)
         self.num_steps += 1
         host = self.host_s
+        t2 = time.perf_counter()
         host["prepare"] += t1 - t0
-        host["forward"] += time.perf_counter() - t1
+        host["forward"] += t2 - t1
+        self._busy_s = t2 - t0  # this step's worker time so far; sample_tokens adds its own
 
     # ---- stop 9: logits for the sampled rows only, then the sampler ----------------------------
     @torch.inference_mode()
@@ -290,17 +294,18 @@ class ModelRunner:
         if self._pending is None:
             return ModelRunnerOutput([], [])
         t0 = time.perf_counter()
-        try:
-            return self._sample_tokens(grammar_output)
-        finally:
-            self.host_s["sample"] += time.perf_counter() - t0
+        out = self._sample_tokens(grammar_output)
+        elapsed = time.perf_counter() - t0
+        self.host_s["sample"] += elapsed
+        self._last_output.step_time_s = self._busy_s + elapsed  # (CUDA: its copy may still be in flight)
+        return out
 
     def _sample_tokens(self, grammar_output: GrammarOutput | None) -> Any:
         batch, hidden = self._pending
         self._pending = None
         states = self.states
         sampled: list[list[int]] = [[] for _ in batch.req_ids]
-        out = ModelRunnerOutput(batch.req_ids, sampled)
+        out = self._last_output = ModelRunnerOutput(batch.req_ids, sampled)
         if self.pooler.live:
             prompt_lens = states.prefill_len[batch.rows]
             cu, seq_lens = batch.query_start_loc_cpu, batch.seq_lens_cpu

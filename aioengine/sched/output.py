@@ -11,6 +11,8 @@ if TYPE_CHECKING:  # types only: sched never imports numpy (or torch) at run tim
     import numpy as np
     import numpy.typing as npt
 
+    from aioengine.sched.step_cost import StepFeatures
+
 # The logprobs of one position: (token ids, logprobs, rank of the first id). The first id is the sampled (or
 # prompt) token, the rest are the top-k by rank. Plain lists: the scheduler never sees tensors.
 TokenLogprobs = tuple[list[int], list[float], int]
@@ -52,6 +54,8 @@ class SchedulerOutput:
     # Draft-model proposals to make after this step's sampling: request -> at most this many drafts (their
     # KV slots are reserved past the scheduled tokens).
     num_drafts_to_propose: dict[str, int] = field(default_factory=dict)
+    # The step's work in the cost model's terms, with an ITL target (its measured time refines the fit).
+    step_features: StepFeatures | None = None
     pending_structured_output_tokens: bool = False  # a structured request samples with a token in flight
     structured_output_request_ids: list[str] = field(default_factory=list)  # structured requests that sample
 
@@ -78,6 +82,7 @@ class ModelRunnerOutput:
     draft_token_ids: list[list[int]] | None = None  # per request: the draft model's proposals, if asked
     # Embedding requests whose prompt completed in this step: their pooled, normalized vectors (numpy).
     pooler_output: dict[str, Any] | None = None
+    step_time_s: float | None = None  # the worker's busy time for this step (prepare, forward, sample)
 
 
 @dataclass(slots=True)

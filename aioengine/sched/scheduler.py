@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from aioengine.sched.kv_cache_manager import FULL, KVCacheManager
@@ -23,7 +23,14 @@ from aioengine.sched.request import (
     RequestStatus,
 )
 from aioengine.sched.request_queue import create_request_queue
-from aioengine.sched.spec_decode import SpeculativeConfig, can_speculate, propose_ngram, record_verdict
+from aioengine.sched.spec_decode import (
+    SpecCounters,
+    SpeculativeConfig,
+    can_speculate,
+    propose_ngram,
+    record_verdict,
+)
+from aioengine.sched.step_cost import PrefillCap, StepCostModel, StepFeatures
 
 if TYPE_CHECKING:  # a type only: the manager needs xgrammar, which sched never imports
     from aioengine.structured.manager import StructuredOutputManager
@@ -41,10 +48,13 @@ class SchedulerConfig:
     policy: str = "fcfs"  # or "priority"
     kv_cache_groups: tuple[KVCacheGroup, ...] = FULL  # one full-attention group unless the model has windows
     speculative: SpeculativeConfig | None = None  # n-gram drafts verified inside the token budget
+    # ITL-aware budget: a step's prompt chunks are cut so that its predicted duration (step_cost.py, fitted
+    # to measured steps) stays within this; 0: no target (the token budget alone, as before).
+    target_itl_ms: float = 0.0
 
     def __post_init__(self) -> None:
         assert self.max_num_batched_tokens >= 1 and self.max_num_seqs >= 1 and self.block_size >= 1
-        assert self.long_prefill_token_threshold >= 0
+        assert self.long_prefill_token_threshold >= 0 and self.target_itl_ms >= 0
 
 
 class Scheduler:
@@ -65,10 +75,13 @@ class Scheduler:
         self.num_preemptions_total = 0
         self._num_preemptions_step = 0
         self._num_scheduled_tokens_since_stats = 0
-        self._spec = _SpecCounters()  # since the last stats
-        self.spec_totals = _SpecCounters()  # since start
+        self._spec = SpecCounters()  # since the last stats
+        self.spec_totals = SpecCounters()  # since start
         # Fills grammar bitmasks (aioengine.structured.StructuredOutputManager); set by the engine.
         self.structured_output_manager: StructuredOutputManager | None = None
+        # Fitted to every step's measured duration when there is a target to meet.
+        self.step_cost = StepCostModel() if config.target_itl_ms > 0 else None
+        self.prefill_caps = 0  # steps whose prompt chunks the target cut (stats)
 
     # ---- request lifecycle --------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -132,6 +145,8 @@ class Scheduler:
             spec = None
         drafts: dict[str, list[int]] = {}
         to_propose: dict[str, int] = {}
+        step = self._decode_features()  # the step's predicted work, prompt chunks added as they are planned
+        prefill_cap = PrefillCap(self.step_cost, cfg.target_itl_ms / 1e3, cfg.block_size, step)
 
         # Running pass, from the front: decodes that came first get their token before later prefills.
         running = self.running
@@ -153,6 +168,9 @@ class Scheduler:
             if 0 < threshold < need:
                 need = threshold
             need = min(need, token_budget, max_model_len - request.num_computed_tokens)
+            is_chunk = need > 1 or request.num_computed_tokens < request.num_prompt_tokens
+            if is_chunk:
+                need = prefill_cap.limit(need, request.num_computed_tokens)
             if need <= 0:
                 i += 1
                 continue
@@ -192,6 +210,8 @@ class Scheduler:
                 continue  # the request itself was preempted; running[i] is now the next one
             scheduled_running.append(request)
             num_scheduled[request.request_id] = need
+            if is_chunk:
+                prefill_cap.planned(need, request.num_computed_tokens)
             if proposal:
                 drafts[request.request_id] = proposal
             if lookahead:
@@ -218,7 +238,9 @@ class Scheduler:
                 need = request.num_tokens - num_hit
                 if 0 < threshold < need:
                     need = threshold
-                need = min(need, token_budget)
+                need = prefill_cap.limit(min(need, token_budget), num_hit)
+                if need <= 0:
+                    break  # the step's time is spent: the next one admits it
                 blocks = kv.allocate_slots(request, need, num_hit, hit_blocks)
                 if blocks is None:
                     break
@@ -231,6 +253,7 @@ class Scheduler:
                 running.append(request)
                 scheduled_new.append(request)
                 num_scheduled[request.request_id] = need
+                prefill_cap.planned(need, num_hit)
                 token_budget -= need
             for request in reversed(skipped):
                 waiting.prepend(request)
@@ -266,12 +289,27 @@ class Scheduler:
             preempted_req_ids={r.request_id for r in preempted},
             scheduled_spec_decode_tokens=drafts,
             num_drafts_to_propose=to_propose,
+            step_features=step if self.step_cost is not None else None,
         )
+        self.prefill_caps += prefill_cap.cut
         self.finished_req_ids = set()
         self._num_preemptions_step += len(preempted)
         self._num_scheduled_tokens_since_stats += total
         self._update_after_schedule(out)
         return out
+
+    def _decode_features(self) -> StepFeatures:
+        """The decodes the running requests will add to this step (before any prompt chunk is planned)."""
+        step = StepFeatures()
+        if self.step_cost is None:
+            return step
+        for r in self.running:
+            if r.num_drafts_in_flight or r.proposing:
+                continue
+            if len(r.all_token_ids) + r.num_output_placeholders - r.num_computed_tokens == 1:
+                step.decode_rows += 1
+                step.decode_context += r.num_computed_tokens + 1
+        return step
 
     def _update_after_schedule(self, out: SchedulerOutput) -> None:
         requests = self.requests
@@ -370,6 +408,9 @@ class Scheduler:
         num_cached_block = kv.num_cached_block
         block_size = kv.block_size
         proposed = runner_output.draft_token_ids
+        cost, features = self.step_cost, scheduler_output.step_features
+        if cost is not None and features is not None and runner_output.step_time_s is not None:
+            cost.observe(features, runner_output.step_time_s)  # the fit follows the measured steps
         if runner_output.pooler_output:
             outputs.extend(self._finish_pooled(runner_output.pooler_output))
         for i, req_id in enumerate(runner_output.req_ids):
@@ -483,31 +524,3 @@ class Scheduler:
         self._num_preemptions_step = 0
         self._num_scheduled_tokens_since_stats = 0
         return stats
-
-
-@dataclass(slots=True)
-class _SpecCounters:
-    """Draft verdicts since the last stats."""
-
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_pos: list[int] = field(default_factory=list)
-
-    def record(self, num_drafts: int, num_accepted: int) -> None:
-        self.num_drafts += 1
-        self.num_draft_tokens += num_drafts
-        self.num_accepted_tokens += num_accepted
-        if len(self.accepted_per_pos) < num_drafts:
-            self.accepted_per_pos.extend([0] * (num_drafts - len(self.accepted_per_pos)))
-        for pos in range(num_accepted):
-            self.accepted_per_pos[pos] += 1
-
-    def take(self, stats: SchedulerStats) -> None:
-        stats.spec_num_drafts, stats.spec_num_draft_tokens = self.num_drafts, self.num_draft_tokens
-        stats.spec_num_accepted_tokens, stats.spec_accepted_per_pos = (
-            self.num_accepted_tokens,
-            self.accepted_per_pos,
-        )
-        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
-        self.accepted_per_pos = []

@@ -4,10 +4,11 @@ n-gram proposer: drafts copied from where the request's last tokens occurred bef
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from aioengine.sampling_params import SamplingParams
+from aioengine.sched.output import SchedulerStats
 from aioengine.sched.request import Request
 
 METHODS = ("ngram", "draft_model")
@@ -160,3 +161,31 @@ def _rindex(tokens: list[int], value: int, end: int) -> int:
         if tokens[i] == value:
             return i
     raise ValueError(value)
+
+
+@dataclass(slots=True)
+class SpecCounters:
+    """Draft verdicts since the last stats."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_pos) < num_drafts:
+            self.accepted_per_pos.extend([0] * (num_drafts - len(self.accepted_per_pos)))
+        for pos in range(num_accepted):
+            self.accepted_per_pos[pos] += 1
+
+    def take(self, stats: SchedulerStats) -> None:
+        stats.spec_num_drafts, stats.spec_num_draft_tokens = self.num_drafts, self.num_draft_tokens
+        stats.spec_num_accepted_tokens, stats.spec_accepted_per_pos = (
+            self.num_accepted_tokens,
+            self.accepted_per_pos,
+        )
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.accepted_per_pos = []

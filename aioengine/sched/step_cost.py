@@ -104,3 +104,37 @@ class StepCostModel:
             return int(left / lin)
         disc = lin * lin + 4.0 * e * left
         return int((-lin + disc**0.5) / (2.0 * e))
+
+
+class PrefillCap:
+    """One step's prompt chunks under the ITL target: each chunk gets what the step's predicted time has left,
+    in whole blocks; the step's first chunk gets at least one block, so prompts always make progress."""
+
+    __slots__ = ("block_size", "cut", "model", "seconds", "started", "step")
+
+    def __init__(
+        self, model: StepCostModel | None, seconds: float, block_size: int, step: StepFeatures
+    ) -> None:
+        self.model = model  # None: no target, no cut
+        self.seconds = seconds
+        self.block_size = block_size
+        self.step = step
+        self.started = False  # a chunk is already planned in this step
+        self.cut = 0  # 1 once a chunk was cut short by the target
+
+    def limit(self, need: int, context: int) -> int:
+        if self.model is None:
+            return need
+        cap = self.model.max_prefill(self.step, context, self.seconds)
+        if cap is None or cap >= need:
+            return need
+        cap -= cap % self.block_size  # whole blocks: the prefix cache keeps full blocks
+        if not self.started:
+            cap = max(cap, self.block_size)  # progress: one block a step, whatever the prediction
+        self.cut = 1
+        return min(cap, need)
+
+    def planned(self, tokens: int, context: int) -> None:
+        self.started = True
+        if self.model is not None:
+            self.step.add_prefill(tokens, context)

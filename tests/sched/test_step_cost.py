@@ -63,3 +63,62 @@ def test_max_prefill_fills_the_time_left_and_no_more():
     assert with_chunk(n) <= limit < with_chunk(n + 1)
     assert model.max_prefill(StepFeatures(decode_rows=10_000), 0, limit) == 0  # decodes alone overrun it
     assert StepCostModel().max_prefill(base, 0, limit) is None  # unfitted: no cap
+
+
+def _fitted(coef=TRUE) -> StepCostModel:
+    model = StepCostModel()
+    for f, t in _steps(600, 5, coef=coef, noise=0.0):
+        model.observe(f, t)
+    return model
+
+
+def test_the_scheduler_cuts_prompt_chunks_to_the_target_and_never_starves():
+    from aioengine.sampling_params import SamplingParams
+    from aioengine.sched.request import Request
+    from aioengine.sched.scheduler import Scheduler, SchedulerConfig
+    from tests.sched.fake import Driver
+
+    target_ms = 12.0
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=512,
+        num_blocks=2048,
+        block_size=16,
+        max_model_len=4096,
+        target_itl_ms=target_ms,
+    )
+    sched = Scheduler(cfg)
+    sched.step_cost = model = _fitted()
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    for i in range(12):
+        sched.add_request(Request(f"d{i}", list(range(1, 30)), params))
+    for i in range(3):
+        sched.add_request(Request(f"long{i}", list(range(100, 1600)), params))
+    driver = Driver(sched)
+    steps = []
+    original = sched.schedule
+
+    def schedule():
+        ready = sum(  # requests whose next step is a decode (not all their tokens in flight already)
+            1
+            for r in sched.running
+            if len(r.all_token_ids) + r.num_output_placeholders - r.num_computed_tokens == 1
+            and r.num_output_tokens + r.num_output_placeholders < r.max_tokens
+        )
+        out = original()
+        steps.append((out.step_features, model.predict(out.step_features), out, ready))
+        return out
+
+    sched.schedule = schedule
+    driver.run_to_completion()
+    limit = target_ms / 1e3
+    prefill_steps = [(f, p) for f, p, _, _ in steps if f.prefill_tokens]
+    assert len(prefill_steps) > 10 and sched.prefill_caps > 0
+    for f, predicted in prefill_steps:
+        # within the target, or the one block a step that keeps prompts moving
+        assert predicted <= limit * (1 + 1e-9) or f.prefill_tokens <= 16, (f, predicted)
+    # the token budget alone would have taken 512-token chunks: the target cut them
+    assert max(f.prefill_tokens for f, _ in prefill_steps) < 512
+    # decodes are never starved: every request ready to decode got its token in each step
+    for _, _, out, ready in steps:
+        assert sum(1 for n in out.num_scheduled_tokens.values() if n == 1) >= ready
+    assert all(len(driver.outputs[r]) == 40 for r in driver.outputs)
