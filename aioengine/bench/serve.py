@@ -182,7 +182,7 @@ def _plot(path: str, summary: dict, ok: list[RequestResult], t0: float) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4))
     names = ["ttft_s", "tpot_s", "itl_s", "e2el_s"]
     for i, q in enumerate(["p50", "p90", "p99"]):
         ax1.bar(
@@ -203,6 +203,13 @@ def _plot(path: str, summary: dict, ok: list[RequestResult], t0: float) -> None:
     ax2.set_xlabel("s")
     ax2.set_ylabel("streamed tokens/s")
     ax2.set_title("throughput over time")
+    itl = sorted(x * 1e3 for r in ok for x in r.itl)
+    if itl:  # the ITL distribution: where its tail starts
+        ax3.plot(itl, [1 - (i + 0.5) / len(itl) for i in range(len(itl))])
+    ax3.set_xlabel("ITL, ms")
+    ax3.set_ylabel("fraction of gaps longer")
+    ax3.set_yscale("log")
+    ax3.set_title("inter-token latency")
     fig.tight_layout()
     fig.savefig(path)
 

@@ -290,7 +290,9 @@ class CpuBackend(Backend):
             and k.cpu_elementwise
             and k.cpu_attention
         ):
-            self.decode_stack = CpuDecodeStack.build(runner.model, runner.kv_caches, self.ops.rope_tables)
+            self.decode_stack = CpuDecodeStack.build(
+                runner.model, runner.kv_caches, self.ops.rope_tables, prefill_kernel=self.ops.c_prefill
+            )
 
     def forward(
         self, runner: RunnerParts, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata

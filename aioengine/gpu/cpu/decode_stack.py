@@ -1,8 +1,11 @@
-"""Decode-only steps on the CPU through cpu_decode_stack.c: all decoder layers in one C call, same bits.
+"""CPU steps through cpu_decode_stack.c: all decoder layers in one C call, same bits as the Python path.
 
 Applies to bf16 Llama-family layers (Llama, Mistral, SmolLM, Qwen2) and Gemma 3's, sliding windows and KV
 cache groups included, once ``pack_linears`` has packed every linear for cpu_gemm.c and fused the MLP's
-activation into gate_up; Qwen3's q/k norms, float32, and mixed steps with prompt chunks keep the Python path.
+activation into gate_up; Qwen3's q/k norms and float32 keep the Python path. Steps of decodes only, and, where
+the packed prefill kernel runs (``KernelConfig.cpu_prefill_attention``), steps that carry prompt chunks beside
+their decodes: with the stack such a step costs its tokens, not the Python path's fixed cost per layer, which
+was the largest gap between the serving ITL's median and its tail (docs/benchmarks.md).
 ``KernelConfig.cpu_decode_stack=False`` turns it off.
 """
 
@@ -76,6 +79,10 @@ class _StackArgs(ctypes.Structure):  # cpu_decode_stack.c's stack_args
         ("attn", _P),
         ("act", _P),
         ("num_threads", _I),
+        ("num_decodes", _I64),
+        ("num_reqs", _I64),
+        ("max_seq_len", _I64),
+        ("query_start_loc", _P),
     ]
 
 
@@ -95,8 +102,12 @@ class CpuDecodeStack:
         model: nn.Module,
         kv_caches: list[torch.Tensor],
         rope_tables: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+        mixed: bool = False,
     ) -> None:
+        """``mixed``: take steps with prompt chunks too (where the Python path's attention would run them
+        through the packed prefill kernel)."""
         decoder = model.model
+        self.mixed = mixed
         first = decoder.layers[0]
         attn, mlp = first.self_attn, first.mlp
         cache = kv_caches[0]
@@ -157,9 +168,11 @@ class CpuDecodeStack:
         model: nn.Module,
         kv_caches: list[torch.Tensor],
         rope_tables: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+        prefill_kernel: bool = True,
     ) -> CpuDecodeStack | None:
         """The stack for this model and cache, or None where the C call does not apply. ``rope_tables(cache)``
-        gives the full-width ``(cos2, sin2)`` tables of a rotary ``cos_sin_cache``."""
+        gives the full-width ``(cos2, sin2)`` tables of a rotary ``cos_sin_cache``; ``prefill_kernel``: the
+        backend runs prompt chunks through the packed prefill kernel (then so does the stack)."""
         if not kv_caches:
             return None
         decoder = getattr(model, "model", None)
@@ -191,16 +204,18 @@ class CpuDecodeStack:
         query = torch.empty(
             1, attn.num_heads, attn.head_dim, dtype=torch.bfloat16
         )  # the decode kernel's limits
-        return (
-            CpuDecodeStack(model, kv_caches, rope_tables)
-            if cpu_kernels.supports(query, kv_caches[0])
-            else None
-        )
+        if not cpu_kernels.supports(query, kv_caches[0]):
+            return None
+        mixed = prefill_kernel and cpu_kernels.fast_prefill(query, kv_caches[0])
+        return CpuDecodeStack(model, kv_caches, rope_tables, mixed)
 
-    @staticmethod
-    def takes(input_ids: torch.Tensor, meta: AttentionMetadata) -> bool:
-        """A step of decodes only (no prompt chunk, no padding)."""
-        return meta.num_decodes == meta.num_reqs == input_ids.shape[0] > 0
+    def takes(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """A step of decodes only, or (``mixed``) of decodes and prompt chunks; no padding rows."""
+        rows = input_ids.shape[0]
+        if meta.num_decodes == meta.num_reqs == rows > 0:
+            return True
+        starts = meta.query_start_loc_cpu
+        return self.mixed and meta.num_reqs > 0 and starts[-1] == meta.num_actual_tokens == rows
 
     def run(
         self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
@@ -230,8 +245,11 @@ class CpuDecodeStack:
         slot_ptrs = (ctypes.c_void_p * self.num_groups)(*(s.data_ptr() for s in slots))
         table_ptrs = (ctypes.c_void_p * self.num_groups)(*(t.data_ptr() for t in tables))
         table_strides = (ctypes.c_int64 * self.num_groups)(*(t.stride(0) for t in tables))
+        starts = torch.tensor(meta.query_start_loc_cpu, dtype=torch.int64)
         a = self.args
         a.rows, a.positions, a.seq_lens = rows, positions.data_ptr(), seq_lens.data_ptr()
+        a.num_decodes, a.num_reqs, a.max_seq_len = meta.num_decodes, meta.num_reqs, meta.max_seq_len
+        a.query_start_loc = starts.data_ptr()
         a.slots, a.block_tables = ctypes.addressof(slot_ptrs), ctypes.addressof(table_ptrs)
         a.table_strides = ctypes.addressof(table_strides)
         for name, t in scratch.items():

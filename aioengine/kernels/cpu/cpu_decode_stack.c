@@ -1,9 +1,10 @@
-/* A decode step's whole decoder stack in one call: for each layer, the same C kernels in the same order as
- * the Python path (gpu/models/llama.py and gemma3.py with bf16 on the CPU), so the same bits, without Python,
+/* A step's whole decoder stack in one call: for each layer, the same C kernels in the same order as the
+ * Python path (gpu/models/llama.py and gemma3.py with bf16 on the CPU), so the same bits, without Python,
  * torch's dispatch and ctypes' argument conversion between them: a small model's decode step is short enough
- * for them to count. aioengine/gpu/cpu/decode_stack.py fills the structs and decides when it applies:
- * decodes only, Llama/Qwen2/Gemma 3 layers whose linears are packed for cpu_gemm.c with the activation fused.
- */
+ * for them to count, and so is a step that carries a short prompt chunk beside its decodes.
+ * aioengine/gpu/cpu/decode_stack.py fills the structs and decides when it applies: Llama/Qwen2/Gemma 3 layers
+ * whose linears are packed for cpu_gemm.c with the activation fused; decode rows first, then each prompt
+ * chunk through the packed prefill kernel (the Python path's attention for such a step). */
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
@@ -22,7 +23,8 @@ typedef struct {
     int64_t group;               /* its KV cache group: which block table and slots it uses */
 } layer_weights;
 
-/* Shapes shared by the layers, and this step's inputs and scratch (rows = decodes). */
+/* Shapes shared by the layers, and this step's inputs and scratch (rows: the step's tokens, the decodes
+ * first; requests num_decodes..num_reqs-1 are prompt chunks, rows query_start_loc[i]..[i + 1]). */
 typedef struct {
     int64_t hidden, intermediate, num_heads, num_kv_heads, head_dim;
     float eps, scale;
@@ -37,6 +39,8 @@ typedef struct {
     const int32_t *seq_lens;
     uint16_t *normed, *qkv_out, *qk_normed, *qk_rotated, *attn, *act; /* scratch, rows x their widths */
     int num_threads;
+    int64_t num_decodes, num_reqs, max_seq_len;
+    const int64_t *query_start_loc; /* [num_reqs + 1] */
 } stack_args;
 
 /* hidden [rows, H] in: the embeddings; out: the last layer's MLP output. residual [rows, H] out: the residual
@@ -71,11 +75,25 @@ int decode_stack_bf16(const layer_weights *layers, int num_layers, const stack_a
         store_kv_cpu((const char *)(a->qk_rotated + hq * d), qk_width, (const char *)(a->qkv_out + (hq + hkv) * d),
                      qkv_width, (char *)w->key_cache, (char *)w->value_cache, a->slots[w->group], rows, (int)hkv,
                      (int)d, (int)a->block_size, a->block_stride, a->token_stride, a->head_stride, 2, a->num_slots);
-        status = decode_attention_bf16(a->qk_rotated, qk_width, w->key_cache, w->value_cache,
-                                       a->block_tables[w->group], a->table_strides[w->group], a->seq_lens, a->attn,
-                                       (int)rows, (int)hq, (int)hkv, (int)d, (int)a->block_size, a->scale,
-                                       (int)w->window, a->block_stride, a->token_stride, a->head_stride, (int)nt);
-        if (status) return status;
+        /* within its window a windowed layer attends fully (the Python path drops the window then too) */
+        const int window = w->window && a->max_seq_len > w->window ? (int)w->window : 0;
+        const int32_t *table = a->block_tables[w->group];
+        const int64_t table_stride = a->table_strides[w->group];
+        if (a->num_decodes) {
+            status = decode_attention_bf16(a->qk_rotated, qk_width, w->key_cache, w->value_cache, table, table_stride,
+                                           a->seq_lens, a->attn, (int)a->num_decodes, (int)hq, (int)hkv, (int)d,
+                                           (int)a->block_size, a->scale, window, a->block_stride, a->token_stride,
+                                           a->head_stride, (int)nt);
+            if (status) return status;
+        }
+        for (int64_t i = a->num_decodes; i < a->num_reqs; i++) {
+            const int64_t s0 = a->query_start_loc[i], s1 = a->query_start_loc[i + 1];
+            status = prefill_attention_bf16(a->qk_rotated + s0 * qk_width, qk_width, w->key_cache, w->value_cache,
+                                            table + i * table_stride, (int)(s1 - s0), a->seq_lens[i],
+                                            a->attn + s0 * hq * d, (int)hq, (int)hkv, (int)d, (int)a->block_size,
+                                            a->scale, window, a->block_stride, a->token_stride, a->head_stride, (int)nt);
+            if (status) return status;
+        }
         status = gemm_bf16(a->attn, hq * d, w->o, w->o_bias, hidden, h, rows, h, hq * d, OUT_BF16, NULL, nt);
         if (status) return status;
         if (a->gemma) { /* post-attention norm in place, then the pre-MLP norm performs the residual add */

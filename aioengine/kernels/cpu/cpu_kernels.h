@@ -27,6 +27,10 @@ int decode_attention_bf16(const uint16_t *query, int64_t query_stride, const uin
                           const int32_t *seq_lens, uint16_t *out, int num_reqs, int num_heads, int num_kv_heads,
                           int head_dim, int block_size, float scale, int window, int64_t block_stride,
                           int64_t token_stride, int64_t head_stride, int num_threads);
+int prefill_attention_bf16(const uint16_t *query, int64_t query_stride, const uint16_t *key_cache,
+                           const uint16_t *value_cache, const int32_t *blocks, int q_len, int seq_len, uint16_t *out,
+                           int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, int window,
+                           int64_t block_stride, int64_t token_stride, int64_t head_stride, int num_threads);
 void store_kv_cpu(const char *key, int64_t key_stride, const char *value, int64_t value_stride, char *key_cache,
                   char *value_cache, const int64_t *slots, int64_t num_tokens, int num_kv_heads, int head_dim,
                   int block_size, int64_t block_stride, int64_t token_stride, int64_t head_stride, int elem,

@@ -1,5 +1,6 @@
-"""cpu_decode_stack.c: a decode step's decoder layers in one C call give the Python path's bits exactly
-(hidden states and the KV cache it writes), and the stack steps aside where it does not apply."""
+"""cpu_decode_stack.c: a step's decoder layers in one C call give the Python path's bits exactly (hidden
+states and the KV cache it writes), for decodes and for prompt chunks beside them, and the stack steps aside
+where it does not apply."""
 
 from types import SimpleNamespace
 
@@ -50,10 +51,13 @@ def _kv(backend, cfg, num_blocks):
     return backend.allocate_kv_caches(cfg, num_blocks, BLOCK, torch.bfloat16)
 
 
-def _decode(model, cfg, backend, stack: bool, seq_lens: list[int]):
-    """One decode step through the backend over caches filled with noise: (hidden states, caches after it)."""
+def _decode(model, cfg, backend, stack: bool, seq_lens: list[int], query_lens: list[int] | None = None):
+    """One step through the backend over caches filled with noise: (hidden states, caches after it). Each
+    request's query is its last ``query_lens`` tokens (default 1: decodes; decodes come first)."""
     gen = torch.Generator().manual_seed(len(seq_lens))
+    query_lens = query_lens or [1] * len(seq_lens)
     rows = len(seq_lens)
+    tokens = sum(query_lens)
     max_blocks = -(-max(seq_lens) // BLOCK)
     kv = _kv(backend, cfg, rows * max_blocks + 3)
     for cache in kv:
@@ -61,19 +65,20 @@ def _decode(model, cfg, backend, stack: bool, seq_lens: list[int]):
     table = (
         torch.randperm(rows * max_blocks + 3, generator=gen)[: rows * max_blocks].view(rows, max_blocks).int()
     )
-    ids = torch.randint(0, cfg.vocab_size, (rows,), generator=gen)
-    positions = torch.tensor([n - 1 for n in seq_lens])
+    ids = torch.randint(0, cfg.vocab_size, (tokens,), generator=gen)
+    positions = torch.tensor([p for n, q in zip(seq_lens, query_lens, strict=True) for p in range(n - q, n)])
+    req = torch.repeat_interleave(torch.arange(rows), torch.tensor(query_lens))
     runner = SimpleNamespace(model=model, kv_caches=kv)
     backend.decode_stack = None
     if stack:
         backend.build_fast_paths(runner, None, 0)
     assert (backend.decode_stack is not None) == stack
-    meta = AttentionMetadata.build([1] * rows, seq_lens, table, BLOCK)
+    meta = AttentionMetadata.build(query_lens, seq_lens, table, BLOCK)
     groups = 1 + max(layer.self_attn.kv_group for layer in model.model.layers)
     views = []
     for _ in range(1, groups):  # each further KV group has its own blocks for the same positions
         other = table[torch.randperm(rows, generator=gen)]
-        slots = other.long().gather(1, (positions // BLOCK)[:, None])[:, 0] * BLOCK + positions % BLOCK
+        slots = other.long()[req].gather(1, (positions // BLOCK)[:, None])[:, 0] * BLOCK + positions % BLOCK
         views.append((other, slots))
     meta.add_group_views(views)
     with torch.inference_mode():
@@ -92,6 +97,24 @@ def test_the_stack_gives_the_python_paths_bits(tmp_path, arch, seq_lens, head_di
     assert all(torch.equal(g, w) for g, w in zip(got_kv, want_kv, strict=True))
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+@pytest.mark.parametrize(
+    ("seq_lens", "query_lens"),
+    [
+        ([17, 40, 33], [1, 1, 33]),  # decodes and a whole prompt
+        ([9, 300, 70, 5], [1, 1, 20, 1]),  # a prompt chunk after cached blocks, a one-token chunk last
+        ([90, 64], [90, 7]),  # prompt chunks only (past the window of Gemma's windowed layers)
+    ],
+)
+def test_steps_with_prompt_chunks_give_the_python_paths_bits(tmp_path, arch, seq_lens, query_lens):
+    model, cfg, backend = _model(tmp_path, arch)
+    want, want_kv = _decode(model, cfg, backend, False, seq_lens, query_lens)
+    got, got_kv = _decode(model, cfg, backend, True, seq_lens, query_lens)
+    assert backend.decode_stack.mixed
+    assert torch.equal(got, want)
+    assert all(torch.equal(g, w) for g, w in zip(got_kv, want_kv, strict=True))
+
+
 def test_the_stack_steps_aside_where_it_does_not_apply(tmp_path):
     model, cfg, backend = _model(tmp_path, "llama")
     kv = _kv(backend, cfg, 8)
@@ -99,8 +122,12 @@ def test_the_stack_steps_aside_where_it_does_not_apply(tmp_path):
     table = torch.arange(8, dtype=torch.int32).view(2, 4)
     ids = torch.zeros(3, dtype=torch.int64)
     assert stack.takes(ids[:2], AttentionMetadata.build([1, 1], [5, 9], table, BLOCK))
-    assert not stack.takes(ids, AttentionMetadata.build([1, 2], [5, 9], table, BLOCK))  # a prompt chunk
+    assert stack.takes(ids, AttentionMetadata.build([1, 2], [5, 9], table, BLOCK))  # with a prompt chunk
     assert not stack.takes(ids, AttentionMetadata.build([1, 1], [5, 9], table, BLOCK))  # padded rows
+    # without the packed prefill kernel the Python path runs prompt chunks through SDPA: the stack does not
+    no_prefill = CpuDecodeStack.build(model, kv, backend.ops.rope_tables, prefill_kernel=False)
+    assert not no_prefill.takes(ids, AttentionMetadata.build([1, 2], [5, 9], table, BLOCK))
+    assert no_prefill.takes(ids[:2], AttentionMetadata.build([1, 1], [5, 9], table, BLOCK))
     runner = SimpleNamespace(model=model, kv_caches=kv)
     for off in (
         KernelConfig(cpu_elementwise=False),
