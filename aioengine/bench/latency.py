@@ -20,7 +20,12 @@ async def run_latency(args) -> dict:
         prompt = list(range(1000, 1000 + args.input_len))
         params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
         e2e, step_times = [], []
+        runner = engine.runner
+        host: dict[str, float] = {}
+        steps = 0
         for it in range(args.num_iters_warmup + args.num_iters):
+            if it == args.num_iters_warmup:  # the worker's own counters, from the first measured iteration
+                host, steps = dict(runner.host_s), runner.num_steps
             stamps: list[float] = []
 
             async def one(i: int, stamps: list[float] = stamps) -> None:
@@ -34,10 +39,15 @@ async def run_latency(args) -> dict:
                 e2e.append(time.perf_counter() - t0)
                 # Gaps between the tokens of one request, first token (prefill) excluded.
                 step_times += [b - a for a, b in zip(stamps[1:], stamps[2:], strict=False)]
+        steps = runner.num_steps - steps
+        split = {k: (v - host.get(k, 0.0)) / steps * 1e3 for k, v in runner.host_s.items()} if steps else {}
     finally:
         await engine.shutdown()
     step = statistics.median(step_times)
     return {
+        # Mean ms per step (prefills included) on the worker: inputs, the forward (on the CPU the kernels:
+        # the one-call stack, or the Python path's ops), sampling (the LM head's GEMM and the sampler).
+        "worker_ms_per_step": split,
         "mode": "latency",
         "batch_size": args.batch_size,
         "input_len": args.input_len,
@@ -69,5 +79,8 @@ def main(argv: list[str]) -> dict:
         f"({r['decode_step_ms_p99']:.2f} ms p99) = {r['decode_tokens_per_s']:.1f} tokens/s; "
         f"request end-to-end {r['e2e_s_median']:.2f} s for {r['output_len']} tokens"
     )
+    if r["worker_ms_per_step"]:
+        parts = ", ".join(f"{k} {v:.2f}" for k, v in r["worker_ms_per_step"].items())
+        print(f"Worker per step (mean, ms): {parts}; the rest of a step is the loop's (scheduler, outputs)")
     write_json(args.output_json, r)
     return r
