@@ -109,3 +109,12 @@ def test_unknown_model_and_the_client_error(client, http):
     assert r.status == 404 and r.json()["error"]["param"] == "model"
     with pytest.raises(openai.BadRequestError):
         client.embeddings.create(model="default", input="")
+
+
+def test_the_api_key_guards_the_route(server):
+    from tests.http.conftest import API_KEY, Http
+
+    keyed = Http(server.url("keyed"))
+    assert keyed.post("/v1/embeddings", json={"input": "a"}).status == 401
+    ok = keyed.post("/v1/embeddings", json={"input": "a"}, headers={"Authorization": f"Bearer {API_KEY}"})
+    assert ok.status == 200 and len(ok.json()["data"][0]["embedding"]) == 576
