@@ -21,6 +21,7 @@ async def run_latency(args) -> dict:
         params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
         e2e, step_times = [], []
         runner = engine.runner
+        assert runner is not None  # started
         host: dict[str, float] = {}
         steps = 0
         for it in range(args.num_iters_warmup + args.num_iters):
