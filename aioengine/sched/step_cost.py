@@ -108,7 +108,8 @@ class StepCostModel:
 
 class PrefillCap:
     """One step's prompt chunks under the ITL target: each chunk gets what the step's predicted time has left,
-    in whole blocks; the step's first chunk gets at least one block, so prompts always make progress."""
+    in whole blocks; the step's first chunk gets at least one block, so prompts always make progress. A step
+    with no decode has no inter-token gap to keep short: its chunks take the token budget alone."""
 
     __slots__ = ("block_size", "cut", "model", "seconds", "started", "step")
 
@@ -123,8 +124,8 @@ class PrefillCap:
         self.cut = 0  # 1 once a chunk was cut short by the target
 
     def limit(self, need: int, context: int) -> int:
-        if self.model is None:
-            return need
+        if self.model is None or self.step.decode_rows == 0:
+            return need  # no target, or no stream waits on this step: the token budget alone
         cap = self.model.max_prefill(self.step, context, self.seconds)
         if cap is None or cap >= need:
             return need

@@ -1,6 +1,6 @@
 """The ITL-aware token budget in a real engine: the runner reports each step's time, the scheduler's cost
-model learns from it, and with a target below any step's cost every prompt chunk is cut to the one block a
-step that keeps prompts moving, while decodes go on and greedy tokens stay exact."""
+model learns from it, and with a target below any step's cost every prompt chunk beside decodes is cut to
+the one block a step that keeps prompts moving, while decodes go on and greedy tokens stay exact."""
 
 from __future__ import annotations
 
@@ -34,7 +34,8 @@ def test_a_tight_target_cuts_prompt_chunks_to_one_block(tiny_llama):
             original = sched.schedule
 
             def schedule():
-                fitted = sched.step_cost.predict(sched._decode_features()) is not None
+                base = sched._decode_features()
+                fitted = sched.step_cost.predict(base) is not None and base.decode_rows > 0
                 out = original()
                 steps.append((fitted, out.step_features.prefill_tokens, dict(out.num_scheduled_tokens)))
                 return out

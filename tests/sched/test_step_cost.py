@@ -111,7 +111,8 @@ def test_the_scheduler_cuts_prompt_chunks_to_the_target_and_never_starves():
     sched.schedule = schedule
     driver.run_to_completion()
     limit = target_ms / 1e3
-    prefill_steps = [(f, p) for f, p, _, _ in steps if f.prefill_tokens]
+    # steps with decodes (a step without one has no inter-token gap to protect: not cut)
+    prefill_steps = [(f, p) for f, p, _, _ in steps if f.prefill_tokens and f.decode_rows]
     assert len(prefill_steps) > 10 and sched.prefill_caps > 0
     for f, predicted in prefill_steps:
         # within the target, or the one block a step that keeps prompts moving
@@ -122,3 +123,19 @@ def test_the_scheduler_cuts_prompt_chunks_to_the_target_and_never_starves():
     for _, _, out, ready in steps:
         assert sum(1 for n in out.num_scheduled_tokens.values() if n == 1) >= ready
     assert all(len(driver.outputs[r]) == 40 for r in driver.outputs)
+
+
+def test_a_step_without_decodes_is_not_cut():
+    """Nobody's next token waits on it: prompts take the whole token budget (a burst of new requests)."""
+    from aioengine.sampling_params import SamplingParams
+    from aioengine.sched.request import Request
+    from aioengine.sched.scheduler import Scheduler, SchedulerConfig
+
+    cfg = SchedulerConfig(max_num_batched_tokens=512, num_blocks=512, block_size=16, target_itl_ms=1.0)
+    sched = Scheduler(cfg)
+    sched.step_cost = _fitted()
+    for i in range(3):
+        prompt = list(range(1000 * i + 1, 1000 * i + 301))  # distinct: no prefix hits
+        sched.add_request(Request(f"p{i}", prompt, SamplingParams(max_tokens=4)))
+    out = sched.schedule()
+    assert out.total_num_scheduled_tokens == 512 and sched.prefill_caps == 0
