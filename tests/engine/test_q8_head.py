@@ -13,11 +13,11 @@ from gguf.quants import dequantize, quantize
 
 from aioengine import AsyncEngine, EngineArgs, SamplingParams
 from aioengine.gpu.cpu.q8_head import Q8Head
-from aioengine.kernels.cpu import clib
+from aioengine.kernels.cpu import q8
 from tests.engine.conftest import make_tiny_checkpoint
 from tests.engine.test_parity import NEW_TOKENS, hf_greedy, prompts
 
-pytestmark = pytest.mark.skipif(not clib.q8_0_available(), reason="the Q8_0 head needs AVX512-VNNI")
+pytestmark = pytest.mark.skipif(not q8.available(), reason="the Q8_0 head needs AVX512-VNNI")
 
 
 def _as_q8_0(p: torch.Tensor) -> None:

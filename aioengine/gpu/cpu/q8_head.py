@@ -4,7 +4,7 @@ GGUF files keep the token embedding (the tied head) in Q8_0 in the common quant 
 scale per 32 inputs. A converted checkpoint holds those weights dequantized to float32, where
 ``code * scale`` is exact, so the codes come back exactly. At a vocabulary of 262k (Gemma 3) the head is
 most of a decode step's weight bytes: its codes read 1.125 bytes a weight instead of bf16's 2 or float32's
-4, through cpu_qgemv.c's VNNI kernel (``clib.qgemv_q8_0``). The weight stays exact; the activations are
+4, through cpu_qgemv.c's VNNI kernel (``q8.qgemv_q8_0``). The weight stays exact; the activations are
 rounded once, per 4 inputs: to 3 bytes for a float32 model (about float32's own rounding), to 2 for a bf16
 one (finer than the bf16 value in all but spans of more than 2^8 within 4 inputs).
 
@@ -26,7 +26,7 @@ from torch import nn
 
 from aioengine.gpu.cpu import huge_pages
 from aioengine.gpu.loader import safetensors_files
-from aioengine.kernels.cpu import clib
+from aioengine.kernels.cpu import q8
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ class Q8Head(nn.Module):
         self.out_features, self.in_features = codes.shape
         assert scales.shape == (self.out_features, self.in_features // BLOCK)
         # On huge pages, as the GEMMs' weights: every decode step streams the whole head.
-        self.packed = clib.q8_0_pack(codes, out=huge_pages.zeros(codes.numel(), torch.uint8))
+        self.packed = q8.pack(codes, out=huge_pages.zeros(codes.numel(), torch.uint8))
         self.scales = scales.contiguous()
         self.limbs = limbs
         self.fallback = fallback
@@ -116,7 +116,7 @@ class Q8Head(nn.Module):
         flat = x.reshape(-1, self.in_features)
         if self.fallback is not None and flat.shape[0] > self.max_rows:
             return self.fallback(x)
-        y = clib.qgemv_q8_0(self._rows(flat), self.packed, self.scales, limbs=self.limbs)
+        y = q8.qgemv_q8_0(self._rows(flat), self.packed, self.scales, limbs=self.limbs)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -126,7 +126,7 @@ class Q8Head(nn.Module):
         if self.fallback is not None and flat.shape[0] > self.max_rows:
             argmax = getattr(self.fallback, "argmax", None)
             return argmax(x) if argmax is not None else None
-        return clib.qgemv_q8_0(self._rows(flat), self.packed, self.scales, argmax=True, limbs=self.limbs)
+        return q8.qgemv_q8_0(self._rows(flat), self.packed, self.scales, argmax=True, limbs=self.limbs)
 
     @staticmethod
     def _rows(flat: torch.Tensor) -> torch.Tensor:
@@ -142,7 +142,7 @@ def attach_q8_head(model: nn.Module, checkpoint: str | os.PathLike[str]) -> bool
     """Give ``model`` a Q8Head in front of its (already packed) head where the checkpoint's head is Q8_0
     and this CPU runs the kernel vectorized; returns whether it did."""
     head = getattr(model, "lm_head", None)
-    if head is None or not clib.q8_0_available():
+    if head is None or not q8.available():
         return False
     found = read_head_codes(checkpoint, bool(getattr(model, "tie_word_embeddings", False)))
     if found is None:

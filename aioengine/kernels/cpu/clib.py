@@ -1,6 +1,6 @@
 """The CPU's C kernels (cpu_decode_attention.c, cpu_prefill_attention.c, cpu_elementwise.c, cpu_gemm.c,
-cpu_decode_stack.c, cpu_qgemv.c): built once per machine with the C compiler into one library, loaded with
-ctypes, and called on the worker thread (ctypes releases the GIL).
+cpu_decode_stack.c, cpu_qgemv.c, cpu_q8.c): built once per machine with the C compiler into one library,
+loaded with ctypes, and called on the worker thread (ctypes releases the GIL).
 
 Built with -march=native into the cache directory's ``kernels/`` (``aioengine.env.cache_dir``) under a
 name that hashes the sources, the compiler and the CPU flags; the CPU backend starts the build on a thread
@@ -38,6 +38,7 @@ _SOURCES = [
         "cpu_gemm.c",
         "cpu_decode_stack.c",
         "cpu_qgemv.c",
+        "cpu_q8.c",
     )
 ]
 # Included by the sources: part of the build's hash.
@@ -182,8 +183,10 @@ def load() -> ctypes.CDLL | None:
         lib.qgemv_q8_0_f32.argtypes = [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _P, _I, _I]
         lib.qgemv_q8_0_vectorized.restype = ctypes.c_int
         lib.qgemv_q8_0_vectorized.argtypes = []
-        lib.q8_0_pack.restype = None
-        lib.q8_0_pack.argtypes = [_P, _P, _I64, _I64, _I]
+        lib.q8_pack.restype = None
+        lib.q8_pack.argtypes = [_P, _P, _I64, _I64, _I64, _I]
+        lib.qgemv_q8_bf16.restype = ctypes.c_int
+        lib.qgemv_q8_bf16.argtypes = [_P, _I64, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I, _P, _I]
         lib.gemm_bf16.restype = ctypes.c_int
         lib.gemm_bf16.argtypes = [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I, _P, _I]
         _lib = lib
@@ -434,57 +437,6 @@ def qgemv_int8(
         k,
         torch.get_num_threads(),
     )
-    return y
-
-
-def q8_0_available() -> bool:
-    """Whether qgemv_q8_0 runs vectorized here (AVX512-VNNI): elsewhere it is correct but slow."""
-    lib = load()
-    return lib is not None and bool(lib.qgemv_q8_0_vectorized())
-
-
-def q8_0_pack(q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """int8 codes ``q [N, K]`` (K a multiple of 64) in qgemv_q8_0's layout: uint8 ``q + 128``, each 64-input
-    chunk's 4-byte groups alternating between its two 32-input blocks; into ``out`` (N * K uint8) if given."""
-    n, k = q.shape
-    assert q.dtype == torch.int8 and q.is_contiguous() and k % 64 == 0
-    out = torch.empty((n, k), dtype=torch.uint8) if out is None else out.view(n, k)
-    assert out.dtype == torch.uint8 and out.is_contiguous()
-    _lib.q8_0_pack(q.data_ptr(), out.data_ptr(), n, k, torch.get_num_threads())
-    return out
-
-
-def qgemv_q8_0(
-    x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, argmax: bool = False, limbs: int = 3
-) -> torch.Tensor:
-    """``x @ W.T`` with ``W = q * scale`` per 32-input block (GGUF's Q8_0), for float32 ``x [M, K]`` (unit
-    inner stride, a few rows), ``packed = q8_0_pack(q)`` and float32 ``scale [N, K / 32]`` (contiguous):
-    float32 ``[M, N]``, or with ``argmax`` each row's argmax (int64 ``[M]``, as torch picks it) without
-    writing the logits. x is rounded once, per 4 inputs, to ``limbs`` bytes: 3 (float32 activations, 2^-24 of
-    the 4's largest) or 2 (bf16 ones, 2^-16); cpu_qgemv.c says how. Nothing else is rounded."""
-    m, k = x.shape
-    n = packed.shape[0]
-    assert x.dtype == torch.float32 and x.stride(1) == 1 and k % 64 == 0
-    assert packed.dtype == torch.uint8 and packed.is_contiguous() and packed.shape[1] == k
-    assert scale.dtype == torch.float32 and scale.shape == (n, k // 32) and scale.is_contiguous()
-    y = torch.empty(m, dtype=torch.int64) if argmax else torch.empty((m, n), dtype=torch.float32)
-    status = _lib.qgemv_q8_0_f32(
-        x.data_ptr(),
-        x.stride(0),
-        packed.data_ptr(),
-        scale.data_ptr(),
-        0 if argmax else y.data_ptr(),
-        n,
-        m,
-        n,
-        k,
-        y.data_ptr() if argmax else 0,
-        limbs,
-        torch.get_num_threads(),
-    )
-    if status == -3:
-        raise MemoryError("qgemv_q8_0: no memory for the rows' scratch")
-    assert status == 0, f"qgemv_q8_0 rejected the call ({status})"
     return y
 
 

@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from aioengine.gpu.cpu.q8_head import Q8Head, q8_0_codes, read_head_codes
-from aioengine.kernels.cpu import clib
+from aioengine.kernels.cpu import q8
 
 
 def _q8_0(n: int, k: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -66,7 +66,7 @@ def test_read_head_codes_takes_lm_head_or_the_tied_embedding(tmp_path):
     assert read_head_codes(tmp_path / "missing", tied=False) is None
 
 
-@pytest.mark.skipif(not clib.q8_0_available(), reason="qgemv_q8_0 is vectorized for AVX512-VNNI only")
+@pytest.mark.skipif(not q8.available(), reason="qgemv_q8_0 is vectorized for AVX512-VNNI only")
 def test_head_runs_its_codes_for_few_rows_and_the_fallback_for_more():
     _, w = _q8_0(1000, 128)
     weight = torch.from_numpy(w)

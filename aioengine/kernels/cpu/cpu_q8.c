@@ -1,0 +1,332 @@
+/* GEMVs for a few rows on a GGUF's own block codes: int8 codes and a float32 scale per block of 32 inputs
+ * (Q8_0, Q5_0, Q4_0) or 16 (Q6_K), so the weight is the file's, exactly, at 1.125-1.25 bytes a weight
+ * instead of bf16's 2. A decode step streams every weight from DRAM; fewer bytes are a shorter step.
+ * - qgemv_q8_0_f32: float32 rows in, float32 out or each row's argmax (gpu/cpu/q8_head.py's LM head);
+ * - qgemv_q8_bf16: bf16 rows in, bf16 out (+ bias), or act(gate) * up for a fused gate_up weight in
+ *   gemm_bf16's OUT_ACT_MUL roundings (gpu/cpu/q8_linear.py, cpu_decode_stack.c).
+ *
+ * The codes are stored as u = q + 128 (uint8). Within each 64-input chunk the 16 four-byte lanes take turns
+ * among the chunk's 64 / block blocks (q8_pack): lane l holds 4 inputs of block l % (64 / block). One VNNI dot
+ * (u8 x s8, four products a lane) then leaves each block's sums in its own lanes, and one broadcast of the
+ * chunk's 2 or 4 scales scales them all.
+ * Each row of x is cut per lane (4 inputs) into integers xq = round(x / sx), as two signed bytes
+ * (xq = 256 b1 + b0, |xq| <= 32639) for bf16 activations or three (65536 b2 + 256 b1 + b0) for float32 ones.
+ * The dots are exact in int32; the only rounding of x is that step, at most sx / 2: 2^-16 of the lane's
+ * largest |x| (finer than the bf16 value itself but where 4 inputs span more than 2^8) or 2^-24 (about
+ * float32's own rounding). sum u * xq = sum q * xq + 128 sum xq: the second term is the row's own,
+ * subtracted up front (per part, so no sum overflows). */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+
+#include "cpu_bf16.h"
+#include "cpu_kernels.h"
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+static const float q8_xq_max[4] = {0.0f, 0.0f, 32639.0f, 8355711.0f}; /* 127 (256 + 1), 127 (65536 + 256 + 1) */
+
+/* packed byte p of a chunk <- its input index in the chunk; per: blocks per chunk (64 / block) */
+static inline int64_t q8_src(int64_t p, int64_t per) {
+    const int64_t lane = p / 4;
+    return (64 / per) * (lane % per) + 4 * (lane / per) + p % 4;
+}
+
+void q8_pack(const int8_t *q, uint8_t *out, int64_t n, int64_t k, int64_t block, int num_threads) {
+    const int64_t per = 64 / block;
+#pragma omp parallel for num_threads(num_threads)
+    for (int64_t j = 0; j < n; j++)
+        for (int64_t c = 0; c < k; c += 64)
+            for (int64_t p = 0; p < 64; p++) out[j * k + c + p] = (uint8_t)(q[j * k + c + q8_src(p, per)] + 128);
+}
+
+/* One row of x cut for the dots, each array in the packed order: the bytes b2, b1, b0 [k]; per lane
+ * -128 sum b2 and -128 sum (256 b1 + b0) [k / 4], and sx [k / 4]. */
+typedef struct {
+    int8_t *b2, *b1, *b0;
+    int32_t *corr_hi, *corr_lo;
+    float *sx;
+} q8_row;
+
+static void q8_cut_row(const float *x, int64_t k, int64_t per, int limbs, q8_row row) {
+    const float xq_max = q8_xq_max[limbs];
+    for (int64_t c = 0; c < k; c += 64)
+        for (int64_t lane = 0; lane < 16; lane++) {
+            const float *src = x + c + q8_src(4 * lane, per); /* the lane's 4 inputs are adjacent in x */
+            uint32_t top = 0; /* largest |x| by its bits: NaN > inf > finite, whatever -ffast-math assumes */
+            for (int i = 0; i < 4; i++) {
+                uint32_t u;
+                memcpy(&u, src + i, 4);
+                u &= 0x7fffffffu;
+                top = u > top ? u : top;
+            }
+            float amax;
+            memcpy(&amax, &top, 4);
+            const int finite = top < 0x7f800000u;
+            const float inv = finite && top != 0 ? xq_max / amax : 0.0f;
+            const int64_t at = c / 4 + lane;
+            row.sx[at] = finite ? amax / xq_max : amax; /* a non-finite lane: xq 0, its sums NaN */
+            row.corr_hi[at] = row.corr_lo[at] = 0;
+            for (int i = 0; i < 4; i++) {
+                int32_t xq = (int32_t)lrintf(src[i] * inv);
+                xq = xq > (int32_t)xq_max ? (int32_t)xq_max : xq < -(int32_t)xq_max ? -(int32_t)xq_max : xq;
+                /* balanced base-256 digits: floor division keeps each in [-128, 127] */
+                const int32_t b0 = ((xq + 128) & 255) - 128, rest = (xq - b0) / 256;
+                const int32_t b1 = ((rest + 128) & 255) - 128, b2 = (rest - b1) / 256;
+                row.b2[c + 4 * lane + i] = (int8_t)b2, row.b1[c + 4 * lane + i] = (int8_t)b1;
+                row.b0[c + 4 * lane + i] = (int8_t)b0;
+                row.corr_hi[at] -= 128 * b2;
+                row.corr_lo[at] -= 128 * (256 * b1 + b0);
+            }
+        }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+int qgemv_q8_0_vectorized(void) { return 1; }
+#define Q8_MAXR 4
+#ifndef Q8_PF
+#define Q8_PF 4
+#endif
+/* one chunk of one row against one output's codes: its 16 lane sums, as float32 in units of xq */
+static inline __attribute__((always_inline)) __m512 q8_lanes(__m512i u, __m512i b2, __m512i b1, __m512i b0,
+                                                             __m512i corr_hi, __m512i corr_lo, const int limbs) {
+    const __m512i lo = _mm512_add_epi32(_mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u, b1), 8),
+                                        _mm512_dpbusd_epi32(corr_lo, u, b0));
+    if (limbs == 2) return _mm512_cvtepi32_ps(lo);
+    const __m512i hi = _mm512_dpbusd_epi32(corr_hi, u, b2);
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_set1_ps(65536.0f), _mm512_cvtepi32_ps(lo));
+}
+
+/* a chunk's 2 or 4 block scales, repeated across the 16 lanes as the lanes take turns among the blocks */
+static inline __attribute__((always_inline)) __m512 q8_scales(const float *s, const int per) {
+    if (per == 2) return _mm512_castpd_ps(_mm512_set1_pd(*(const double *)s));
+    return _mm512_broadcast_f32x4(_mm_loadu_ps(s));
+}
+
+static inline __attribute__((always_inline)) void q8dot2(const q8_row *rows, const uint8_t *a, const uint8_t *b,
+                                                          const float *sa, const float *sb, const int M, int64_t k,
+                                                          const int limbs, const int per, float *out) {
+    __m512 acc_a[Q8_MAXR], acc_b[Q8_MAXR];
+    for (int r = 0; r < M; r++) acc_a[r] = acc_b[r] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < k; c += 64) {
+        /* the pair Q8_PF pairs ahead (rows a + 2 Q8_PF k on): the hardware prefetcher alone leaves DRAM idle */
+        _mm_prefetch((const char *)(a + 2 * Q8_PF * k + 2 * c), _MM_HINT_T0);
+        _mm_prefetch((const char *)(a + 2 * Q8_PF * k + 2 * c + 64), _MM_HINT_T0);
+        const __m512i ua = _mm512_loadu_si512(a + c), ub = _mm512_loadu_si512(b + c);
+        const __m512 da = q8_scales(sa + c / 64 * per, per), db = q8_scales(sb + c / 64 * per, per);
+        for (int r = 0; r < M; r++) {
+            const q8_row *w = rows + r;
+            const __m512i b2 = limbs == 3 ? _mm512_loadu_si512(w->b2 + c) : _mm512_setzero_si512();
+            const __m512i ch = limbs == 3 ? _mm512_loadu_si512(w->corr_hi + c / 4) : _mm512_setzero_si512();
+            const __m512i b1 = _mm512_loadu_si512(w->b1 + c), b0 = _mm512_loadu_si512(w->b0 + c);
+            const __m512i cl = _mm512_loadu_si512(w->corr_lo + c / 4);
+            const __m512 sx = _mm512_loadu_ps(w->sx + c / 4);
+            acc_a[r] = _mm512_fmadd_ps(q8_lanes(ua, b2, b1, b0, ch, cl, limbs), _mm512_mul_ps(da, sx), acc_a[r]);
+            acc_b[r] = _mm512_fmadd_ps(q8_lanes(ub, b2, b1, b0, ch, cl, limbs), _mm512_mul_ps(db, sx), acc_b[r]);
+        }
+    }
+    for (int r = 0; r < M; r++) {
+        out[2 * r] = _mm512_reduce_add_ps(acc_a[r]);
+        out[2 * r + 1] = _mm512_reduce_add_ps(acc_b[r]);
+    }
+}
+#else
+int qgemv_q8_0_vectorized(void) { return 0; } /* the scalar path below: correct, but slower than bf16's GEMM */
+#define Q8_MAXR 4
+static inline void q8dot2(const q8_row *rows, const uint8_t *a, const uint8_t *b, const float *sa, const float *sb,
+                          const int M, int64_t k, const int limbs, const int per, float *out) {
+    (void)limbs; /* the digits of 2 limbs leave b2 0 */
+    for (int r = 0; r < M; r++) {
+        float ta = 0.0f, tb = 0.0f;
+        for (int64_t c = 0; c < k; c += 4) {
+            const q8_row *w = rows + r;
+            int64_t da = 0, db = 0;
+            for (int i = 0; i < 4; i++) {
+                const int64_t xq = 65536 * w->b2[c + i] + 256 * w->b1[c + i] + w->b0[c + i];
+                da += (int64_t)(a[c + i] - 128) * xq, db += (int64_t)(b[c + i] - 128) * xq;
+            }
+            const int64_t s = (c / 4) % per + per * (c / 64); /* the lane's block */
+            ta += (float)da * sa[s] * w->sx[c / 4];
+            tb += (float)db * sb[s] * w->sx[c / 4];
+        }
+        out[2 * r] = ta, out[2 * r + 1] = tb;
+    }
+}
+#endif
+
+static void q8dot2_any(const q8_row *rows, const uint8_t *a, const uint8_t *b, const float *sa, const float *sb,
+                       int m, int64_t k, int limbs, int per, float *out) {
+#define Q8_ROWS(L, P)                                                                                            \
+    switch (m) {                                                                                                 \
+    case 1: q8dot2(rows, a, b, sa, sb, 1, k, L, P, out); break;                                                  \
+    case 2: q8dot2(rows, a, b, sa, sb, 2, k, L, P, out); break;                                                  \
+    case 3: q8dot2(rows, a, b, sa, sb, 3, k, L, P, out); break;                                                  \
+    default: q8dot2(rows, a, b, sa, sb, 4, k, L, P, out); break;                                                 \
+    }
+    if (limbs == 2 && per == 2)
+        Q8_ROWS(2, 2)
+    else if (limbs == 2)
+        Q8_ROWS(2, 4)
+    else if (per == 2)
+        Q8_ROWS(3, 2)
+    else
+        Q8_ROWS(3, 4)
+#undef Q8_ROWS
+}
+
+static inline int q8_isnan(float f) { /* by its bits: -ffast-math lets the compiler assume no NaNs */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return (u & 0x7fffffffu) > 0x7f800000u;
+}
+
+/* One thread's running argmax of one row over its outputs, seen in increasing order. */
+typedef struct {
+    float value;
+    int64_t index, first_nan; /* -1: none yet */
+} q8_best;
+
+static inline void q8_best_see(q8_best *b, float v, int64_t j) {
+    if (b->first_nan >= 0) return;
+    if (q8_isnan(v))
+        b->first_nan = j;
+    else if (b->index < 0 || v > b->value)
+        b->value = v, b->index = j;
+}
+
+/* Where a call's sums go: float32 y, each row's argmax, bf16 y (+ bias), or act(gate) * up as bf16 (the
+ * codes' rows in gate/up pairs, q8_pack'ed from [gate_0, up_0, gate_1, up_1, ...]). */
+typedef struct {
+    int out;
+    void *y;
+    int64_t ldy;
+    int64_t *argmax;
+    const uint16_t *bias;
+    const float *act_table;
+} q8_sink;
+
+/* The shared body: rows already cut; outputs in pairs (an odd n repeats its last), contiguous per thread. */
+static int q8_run(const q8_row *rows, int64_t m, const uint8_t *u, const float *scale, int64_t n, int64_t k,
+                  int64_t block, int limbs, const q8_sink *s, int num_threads) {
+    const int64_t pairs = (n + 1) / 2, groups = k / block, per = 64 / block;
+    q8_best *bests = NULL;
+    if (s->out == OUT_ARGMAX) {
+        bests = malloc(sizeof *bests * (size_t)(m > 0 ? m : 1) * (size_t)num_threads);
+        if (bests == NULL) return -3;
+        for (int64_t i = 0; i < m * num_threads; i++) bests[i] = (q8_best){0.0f, -1, -1};
+    }
+#pragma omp parallel num_threads(num_threads)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        q8_best *mine = bests == NULL ? NULL : bests + (int64_t)t * m;
+        for (int64_t p = pairs * t / nt; p < pairs * (t + 1) / nt; p++) {
+            const int64_t j = 2 * p, j2 = j + 1 < n ? j + 1 : j;
+            float dots[2 * Q8_MAXR];
+            for (int64_t r0 = 0; r0 < m; r0 += Q8_MAXR) {
+                const int mm = (int)(m - r0 < Q8_MAXR ? m - r0 : Q8_MAXR);
+                q8dot2_any(rows + r0, u + j * k, u + j2 * k, scale + j * groups, scale + j2 * groups, mm, k, limbs,
+                           (int)per, dots);
+                for (int r = 0; r < mm; r++) {
+                    const int64_t row = r0 + r;
+                    const float da = dots[2 * r], db = dots[2 * r + 1];
+                    if (s->out == OUT_ARGMAX) {
+                        q8_best_see(mine + row, da, j);
+                        if (j2 != j) q8_best_see(mine + row, db, j2);
+                    } else if (s->out == OUT_F32) {
+                        float *y = (float *)s->y + row * s->ldy;
+                        y[j] = da;
+                        if (j2 != j) y[j2] = db;
+                    } else if (s->out == OUT_ACT_MUL) { /* gemm_bf16's roundings: bf16 gate and up, act by table */
+                        const float act = s->act_table[float_to_bf16(da)];
+                        ((uint16_t *)s->y)[row * s->ldy + p] = float_to_bf16(act * bf16_to_float(float_to_bf16(db)));
+                    } else {
+                        uint16_t *y = (uint16_t *)s->y + row * s->ldy;
+                        y[j] = float_to_bf16(da + (s->bias ? bf16_to_float(s->bias[j]) : 0.0f));
+                        if (j2 != j) y[j2] = float_to_bf16(db + (s->bias ? bf16_to_float(s->bias[j2]) : 0.0f));
+                    }
+                }
+            }
+        }
+    }
+    for (int64_t r = 0; bests != NULL && r < m; r++) { /* threads in order: ties go to the earlier one */
+        q8_best all = {0.0f, -1, -1};
+        for (int t = 0; t < num_threads && all.first_nan < 0; t++) {
+            const q8_best *b = bests + (int64_t)t * m + r;
+            if (b->first_nan >= 0)
+                all.first_nan = b->first_nan;
+            else if (b->index >= 0 && (all.index < 0 || b->value > all.value))
+                all.value = b->value, all.index = b->index;
+        }
+        s->argmax[r] = all.first_nan >= 0 ? all.first_nan : all.index >= 0 ? all.index : 0;
+    }
+    free(bests);
+    return 0;
+}
+
+/* Scratch for m cut rows of k inputs (one block: per row 3 x k bytes, then 3 x k / 4 int32 or float), and
+ * k floats for widening a bf16 row; NULL out of memory (free *scratch either way). */
+static q8_row *q8_rows(int64_t m, int64_t k, char **scratch, float **wide) {
+    *scratch = aligned_alloc(64, (size_t)(m * 6 * k + 4 * k) + 64);
+    q8_row *rows = malloc(sizeof *rows * (size_t)(m > 0 ? m : 1));
+    if (*scratch == NULL || rows == NULL) {
+        free(rows);
+        return NULL;
+    }
+    for (int64_t r = 0; r < m; r++) {
+        char *base = *scratch + r * 6 * k;
+        rows[r] = (q8_row){(int8_t *)base,           (int8_t *)(base + k),      (int8_t *)(base + 2 * k),
+                           (int32_t *)(base + 3 * k), (int32_t *)(base + 4 * k), (float *)(base + 5 * k)};
+    }
+    *wide = (float *)(*scratch + m * 6 * k);
+    return rows;
+}
+
+/* y [M, N] = x [M, K] W^T, W = q * scale per 32-input block: u [N, K] from q8_pack (block 32), scale [N, K / 32]
+ * float32, both contiguous; k a multiple of 64. With argmax (int64 [M]) each row's argmax as torch picks it
+ * (the first NaN, else the first maximum) instead of y (which may then be NULL). limbs: 2 or 3 bytes a
+ * cut input (bf16 or float32 activations). Returns 0, -2 for other limbs, or -3 out of memory. */
+int qgemv_q8_0_f32(const float *x, int64_t ldx, const uint8_t *u, const float *scale, float *y, int64_t ldy,
+                   int64_t m, int64_t n, int64_t k, int64_t *argmax, int limbs, int num_threads) {
+    if (limbs != 2 && limbs != 3) return -2;
+    char *scratch;
+    float *wide;
+    q8_row *rows = q8_rows(m, k, &scratch, &wide);
+    if (rows == NULL) {
+        free(scratch);
+        return -3;
+    }
+    for (int64_t r = 0; r < m; r++) q8_cut_row(x + r * ldx, k, 2, limbs, rows[r]);
+    const q8_sink sink = {argmax != NULL ? OUT_ARGMAX : OUT_F32, y, ldy, argmax, NULL, NULL};
+    const int status = q8_run(rows, m, u, scale, n, k, 32, limbs, &sink, num_threads);
+    free(scratch), free(rows);
+    return status;
+}
+
+/* bf16 y = bf16 x [M, K] W^T (+ bias) with W's codes from q8_pack (block 16 or 32) and scale [N, K / block];
+ * out OUT_BF16 (y [M, N]) or OUT_ACT_MUL (y [M, N / 2]: the codes' rows in gate/up pairs, no bias,
+ * act_table as gemm_bf16 takes it). x is cut to 2 bytes per input (module comment). Returns 0, -2 for a call
+ * it cannot take, -3 out of memory. */
+int qgemv_q8_bf16(const uint16_t *x, int64_t ldx, const uint8_t *u, const float *scale, int64_t block,
+                  const uint16_t *bias, uint16_t *y, int64_t ldy, int64_t m, int64_t n, int64_t k, int out,
+                  const float *act_table, int num_threads) {
+    if ((block != 16 && block != 32) || k % 64 != 0) return -2;
+    if (out != OUT_BF16 && (out != OUT_ACT_MUL || n % 2 != 0 || bias != NULL || act_table == NULL)) return -2;
+    char *scratch;
+    float *wide;
+    q8_row *rows = q8_rows(m, k, &scratch, &wide);
+    if (rows == NULL) {
+        free(scratch);
+        return -3;
+    }
+    for (int64_t r = 0; r < m; r++) {
+        for (int64_t i = 0; i < k; i++) wide[i] = bf16_to_float(x[r * ldx + i]);
+        q8_cut_row(wide, k, 64 / block, 2, rows[r]);
+    }
+    const q8_sink sink = {out, y, ldy, NULL, bias, act_table};
+    const int status = q8_run(rows, m, u, scale, n, k, block, 2, &sink, num_threads);
+    free(scratch), free(rows);
+    return status;
+}

@@ -1,0 +1,115 @@
+"""Python entry points of cpu_q8.c: GEMVs on a GGUF's own block codes (int8, a scale per 16 or 32 inputs)."""
+
+from __future__ import annotations
+
+import torch
+
+from aioengine.kernels.cpu import clib
+
+BLOCKS = (16, 32)  # the block sizes the kernels take: Q6_K's, and Q8_0/Q5_0/Q4_0's
+
+
+def available() -> bool:
+    """Whether the kernels run vectorized here (AVX512-VNNI): elsewhere they are correct but slow."""
+    lib = clib.load()
+    return lib is not None and bool(lib.qgemv_q8_0_vectorized())
+
+
+def pack(q: torch.Tensor, block: int = 32, out: torch.Tensor | None = None) -> torch.Tensor:
+    """int8 codes ``q [N, K]`` (K a multiple of 64) in the kernels' layout: uint8 ``q + 128``, each 64-input
+    chunk's 4-byte groups taking turns among its ``64 / block`` blocks; into ``out`` (N * K uint8) if
+    given."""
+    n, k = q.shape
+    assert q.dtype == torch.int8 and q.is_contiguous() and k % 64 == 0 and block in BLOCKS
+    out = torch.empty((n, k), dtype=torch.uint8) if out is None else out.view(n, k)
+    assert out.dtype == torch.uint8 and out.is_contiguous()
+    _lib().q8_pack(q.data_ptr(), out.data_ptr(), n, k, block, torch.get_num_threads())
+    return out
+
+
+def qgemv_q8_0(
+    x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, argmax: bool = False, limbs: int = 3
+) -> torch.Tensor:
+    """``x @ W.T`` with ``W = q * scale`` per 32-input block (GGUF's Q8_0), for float32 ``x [M, K]`` (unit
+    inner stride, a few rows), ``packed = pack(q)`` and float32 ``scale [N, K / 32]`` (contiguous):
+    float32 ``[M, N]``, or with ``argmax`` each row's argmax (int64 ``[M]``, as torch picks it) without
+    writing the logits. x is rounded once, per 4 inputs, to ``limbs`` bytes: 3 (float32 activations, 2^-24 of
+    the 4's largest) or 2 (bf16 ones, 2^-16); cpu_q8.c says how. Nothing else is rounded."""
+    m, k = x.shape
+    n = packed.shape[0]
+    assert x.dtype == torch.float32 and x.stride(1) == 1 and k % 64 == 0
+    assert packed.dtype == torch.uint8 and packed.is_contiguous() and packed.shape[1] == k
+    assert scale.dtype == torch.float32 and scale.shape == (n, k // 32) and scale.is_contiguous()
+    y = torch.empty(m, dtype=torch.int64) if argmax else torch.empty((m, n), dtype=torch.float32)
+    status = _lib().qgemv_q8_0_f32(
+        x.data_ptr(),
+        x.stride(0),
+        packed.data_ptr(),
+        scale.data_ptr(),
+        0 if argmax else y.data_ptr(),
+        n,
+        m,
+        n,
+        k,
+        y.data_ptr() if argmax else 0,
+        limbs,
+        torch.get_num_threads(),
+    )
+    _check(status)
+    return y
+
+
+def qgemv_bf16(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    block: int,
+    bias: torch.Tensor | None = None,
+    activation: str | None = None,
+) -> torch.Tensor:
+    """bf16 ``x @ W.T (+ bias)`` for bf16 ``x [M, K]`` (unit inner stride, a few rows), ``W = q * scale`` per
+    ``block`` inputs (``packed = pack(q, block)``, float32 ``scale [N, K / block]``), rounded to bf16 once.
+    With ``activation`` the codes' rows are gate/up pairs and the result is ``act(gate) * up`` ``[M, N / 2]``
+    in clib.gemm's GEMM_ACT_MUL roundings. x is cut to 2 bytes per input, as ``qgemv_q8_0``'s ``limbs=2``."""
+    m, k = x.shape
+    n = packed.shape[0]
+    assert x.dtype == torch.bfloat16 and x.stride(1) == 1 and k % 64 == 0 and block in BLOCKS
+    assert packed.dtype == torch.uint8 and packed.is_contiguous() and packed.shape[1] == k
+    assert scale.dtype == torch.float32 and scale.shape == (n, k // block) and scale.is_contiguous()
+    assert bias is None or (bias.dtype == torch.bfloat16 and bias.shape == (n,) and bias.is_contiguous())
+    if activation is not None:
+        assert bias is None and n % 2 == 0
+        y = torch.empty((m, n // 2), dtype=torch.bfloat16)
+        table, out = clib.activation_table(activation).data_ptr(), clib.GEMM_ACT_MUL
+    else:
+        y, table, out = torch.empty((m, n), dtype=torch.bfloat16), 0, clib.GEMM_BF16
+    status = _lib().qgemv_q8_bf16(
+        x.data_ptr(),
+        x.stride(0),
+        packed.data_ptr(),
+        scale.data_ptr(),
+        block,
+        0 if bias is None else bias.data_ptr(),
+        y.data_ptr(),
+        y.shape[1],
+        m,
+        n,
+        k,
+        out,
+        table,
+        torch.get_num_threads(),
+    )
+    _check(status)
+    return y
+
+
+def _lib():  # type: ignore[no-untyped-def]
+    lib = clib.load()
+    assert lib is not None, "the CPU kernels are not built here"
+    return lib
+
+
+def _check(status: int) -> None:
+    if status == -3:
+        raise MemoryError("cpu_q8.c: no memory for the rows' scratch")
+    assert status == 0, f"cpu_q8.c rejected the call ({status})"

@@ -1,0 +1,142 @@
+"""cpu_q8.c (GEMVs on a GGUF's own block codes) against float64 references of the exact weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from aioengine.kernels.cpu import clib, q8
+
+pytestmark = pytest.mark.skipif(clib.load() is None, reason="the C kernels cannot be built here")
+
+
+def _q8_0_case(rows: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    scale = torch.rand(n, k // 32, generator=g) * 0.01 + 1e-4
+    # Blocks of very different sizes: each is cut to 16 bits against its own largest value.
+    x = torch.randn(rows, k, generator=g) * torch.logspace(-3, 2, k // 32).repeat_interleave(32)
+    return x, q, scale
+
+
+XQ_MAX = {2: 32639, 3: 8355711}
+
+
+def _q8_0_reference(
+    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, limbs: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 x W^T, and the bound the kernel's one rounding allows: |x - sx xq| <= sx / 2 per input, with
+    sx = (the largest |x| of its 4 inputs) / XQ_MAX, plus float32's share of the sums."""
+    n, k = q.shape
+    w = (q.double().view(n, -1, 32) * scale.double()[..., None]).view(n, k)
+    xd = x.double()
+    sx = xd.abs().view(len(x), -1, 4).amax(-1) / XQ_MAX[limbs]
+    step = (sx / 2).repeat_interleave(4, dim=1)
+    bound = step @ w.abs().t() + 1e-6 * (xd.abs() @ w.abs().t())
+    return xd @ w.t(), bound
+
+
+@pytest.mark.skipif(not q8.available(), reason="qgemv_q8_0 is vectorized for AVX512-VNNI only")
+@pytest.mark.parametrize("rows", [1, 3, 4, 6, 9])
+@pytest.mark.parametrize(("n", "k"), [(48, 64), (33, 576), (1001, 640)])
+@pytest.mark.parametrize("limbs", [2, 3])
+def test_q8_0_gemv_is_within_its_one_rounding_of_the_exact_weights(rows, n, k, limbs):
+    """Odd output counts, more rows than one register block; the packed order of the codes and of x's bytes
+    must agree, or the sums mix blocks with each other's scales."""
+    x, q, scale = _q8_0_case(rows, n, k, rows * 7 + n + k)
+    want, bound = _q8_0_reference(x, q, scale, limbs)
+    got = q8.qgemv_q8_0(x, q8.pack(q), scale, limbs=limbs).double()
+    assert ((got - want).abs() <= bound).all(), float(((got - want).abs() / bound).max())
+    # far below what rounding the same weights to bf16 (the GEMM's head) costs
+    w = (q.double().view(n, -1, 32) * scale.double()[..., None]).view(n, k)
+    bf16 = x.double() @ w.bfloat16().double().t()
+    assert (got - want).abs().mean() < (bf16 - want).abs().mean() / 20
+
+
+@pytest.mark.skipif(not q8.available(), reason="qgemv_q8_0 is vectorized for AVX512-VNNI only")
+def test_q8_0_gemv_reads_strided_rows_and_ties_its_argmax_to_torchs():
+    x, q, scale = _q8_0_case(5, 4099, 128, 3)
+    q[4000] = q[17]  # equal maxima in different threads' ranges: the first wins
+    scale[4000] = scale[17]
+    x[2] = 0.0  # an all-zero row: every logit ties at 0, argmax 0
+    u = q8.pack(q)
+    wide = torch.zeros(5, 160)
+    wide[:, :128] = x
+    logits = q8.qgemv_q8_0(wide[:, :128], u, scale)
+    torch.testing.assert_close(logits, q8.qgemv_q8_0(x, u, scale), rtol=0, atol=0)
+    logits[:, 17] = logits.max(-1).values + 1  # make 17 (and its twin 4000) the maxima to test the tie
+    scale[17] *= 0
+    scale[4000] *= 0
+    x2 = x.clone()
+    got = q8.qgemv_q8_0(x2, u, scale, argmax=True)
+    assert got.tolist() == q8.qgemv_q8_0(x2, u, scale).argmax(-1).tolist()
+    assert got[2] == 0
+
+
+@pytest.mark.skipif(not q8.available(), reason="qgemv_q8_0 is vectorized for AVX512-VNNI only")
+def test_q8_0_argmax_takes_the_first_maximum_across_threads_and_the_first_nan():
+    n, k = 6000, 64
+    q = torch.zeros(n, k, dtype=torch.int8)
+    q[:, 0] = 1
+    scale = torch.full((n, 2), 0.5)
+    x = torch.zeros(2, k)
+    x[:, 0] = 1.0
+    scale[[10, 5000], 0] = 2.0  # the largest logit twice, one in each half
+    assert q8.qgemv_q8_0(x, q8.pack(q), scale, argmax=True).tolist() == [10, 10]
+    scale[[4000, 5500], 1] = float("nan")  # NaN logits win, the first of them
+    got = q8.qgemv_q8_0(x, q8.pack(q), scale, argmax=True)
+    assert got.tolist() == [4000, 4000]
+    assert got.tolist() == q8.qgemv_q8_0(x, q8.pack(q), scale).argmax(-1).tolist()
+
+
+def _blocks_case(
+    rows: int, n: int, k: int, block: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """bf16 rows, int8 codes, per-block scales that differ by block (a block read with its neighbour's
+    scale is far off), and the exact weight in float64."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    scale = torch.rand(n, k // block, generator=g) * torch.logspace(-4, -1, k // block)
+    x = (torch.randn(rows, k, generator=g) * torch.logspace(-2, 1, k // 16).repeat_interleave(16)).bfloat16()
+    w = (q.double().view(n, -1, block) * scale.double()[..., None]).view(n, k)
+    return x, q, scale, w
+
+
+@pytest.mark.skipif(not q8.available(), reason="cpu_q8.c is vectorized for AVX512-VNNI only")
+@pytest.mark.parametrize("block", q8.BLOCKS)
+@pytest.mark.parametrize("rows", [1, 2, 4, 5])
+@pytest.mark.parametrize(("n", "k"), [(64, 64), (37, 640), (300, 1024)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bf16_gemv_is_within_its_roundings_of_the_exact_weights(block, rows, n, k, with_bias):
+    """Each output is the exact weight's dot within the cut of x (2 bytes a 4-input lane) and one bf16
+    rounding; odd n repeats its last row internally and must not write past it."""
+    x, q, scale, w = _blocks_case(rows, n, k, block, rows * 100 + n + k + block)
+    bias = torch.randn(n).bfloat16() if with_bias else None
+    wide = torch.zeros(rows, k + 64, dtype=torch.bfloat16)
+    wide[:, :k] = x  # strided rows
+    got = q8.qgemv_bf16(wide[:, :k], q8.pack(q, block), scale, block, bias).double()
+    xd = x.double()
+    want = xd @ w.t() + (0 if bias is None else bias.double())
+    sx = xd.abs().view(rows, -1, 4).amax(-1) / XQ_MAX[2]
+    bound = (sx / 2).repeat_interleave(4, dim=1) @ w.abs().t() + 1e-6 * (xd.abs() @ w.abs().t())
+    bound += want.abs() * 2.0**-8  # the bf16 rounding of the result (half an ulp is 2^-9 of it)
+    assert ((got - want).abs() <= bound).all(), float(((got - want).abs() / bound).max())
+
+
+@pytest.mark.skipif(not q8.available(), reason="cpu_q8.c is vectorized for AVX512-VNNI only")
+@pytest.mark.parametrize("activation", ["gelu_tanh", "silu"])
+@pytest.mark.parametrize("block", q8.BLOCKS)
+def test_bf16_gemv_act_mul_is_torchs_act_of_its_own_gate_times_up(activation, block):
+    """Codes in gate/up row pairs: the result is act(gate) * up in torch's bf16 roundings, on the very gate
+    and up sums the plain call gives."""
+    x, gate_up, scale, _ = _blocks_case(3, 2 * 96, 640, block, 7)
+    packed = q8.pack(gate_up, block)
+    plain = q8.qgemv_bf16(x, packed, scale, block)
+    gate, up = plain[:, 0::2], plain[:, 1::2]
+    act = torch.nn.functional.gelu(gate, approximate="tanh") if activation == "gelu_tanh" else _silu(gate)
+    got = q8.qgemv_bf16(x, packed, scale, block, activation=activation)
+    torch.testing.assert_close(got, act * up, rtol=0, atol=0)
+
+
+def _silu(x: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.silu(x)
