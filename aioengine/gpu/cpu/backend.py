@@ -19,6 +19,7 @@ from aioengine.gpu.backend import Backend, Ops, RunnerParts
 from aioengine.gpu.cpu.decode_stack import CpuDecodeStack
 from aioengine.gpu.cpu.linear import pack_linears
 from aioengine.gpu.cpu.q8_head import attach_q8_head
+from aioengine.gpu.cpu.q8_linear import attach_q8_linears
 from aioengine.gpu.cpu.quant import quantize_model
 from aioengine.gpu.cpu.worker import CpuWorker
 from aioengine.gpu.loader import kv_cache_shape
@@ -249,11 +250,14 @@ class CpuBackend(Backend):
         if quantization is not None:
             quantize_model(model, quantization, linear=linear, c_kernels=self.kernels.cpu_kernels)
         pack_linears(model, linear)
-        # A GGUF's Q8_0 head, exact from the converted float32 weights (a tensor-parallel rank's head is a
-        # slice of the file's: it keeps the GEMM).
+        # A GGUF's Q8_0 head and the layers' symmetric block types, exact from the converted float32
+        # weights (a tensor-parallel rank's weights are slices of the file's: they keep the GEMM).
         k = self.kernels
-        if quantization is None and checkpoint and k.cpu_kernels and k.cpu_q8_head and self.ops.tp is None:
-            attach_q8_head(model, checkpoint)
+        if checkpoint and quantization is None and k.cpu_kernels and self.ops.tp is None:
+            if k.cpu_q8_head:
+                attach_q8_head(model, checkpoint)
+            if k.cpu_q8_linears:
+                attach_q8_linears(model, checkpoint)
         if self.kernels.cpu_kernels:
             clib.load()  # built now (seconds), not inside the first step
 

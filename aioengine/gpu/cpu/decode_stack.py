@@ -19,10 +19,15 @@ import torch
 from torch import nn
 
 from aioengine.gpu.cpu.linear import PackedLinear
+from aioengine.gpu.cpu.q8_linear import Q8Linear
 from aioengine.kernels.cpu import clib as cpu_kernels
 from aioengine.kernels.metadata import AttentionMetadata
 
 _P, _I64, _F, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+
+
+class _Q8Codes(ctypes.Structure):  # cpu_decode_stack.c's q8_codes
+    _fields_ = [("codes", _P), ("scales", _P), ("block", _I64), ("max_rows", _I64)]
 
 
 class _LayerWeights(ctypes.Structure):  # cpu_decode_stack.c's layer_weights
@@ -47,7 +52,7 @@ class _LayerWeights(ctypes.Structure):  # cpu_decode_stack.c's layer_weights
             "cos2",
             "sin2",
         )
-    ] + [("window", _I64), ("group", _I64)]
+    ] + [("window", _I64), ("group", _I64)] + [(f"{n}_q8", _Q8Codes) for n in ("qkv", "o", "gate_up", "down")]
 
 
 class _StackArgs(ctypes.Structure):  # cpu_decode_stack.c's stack_args
@@ -90,8 +95,20 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def _gemm(module: Any) -> Any:
+    """The packed GEMM of a linear (a Q8Linear keeps one beside its codes)."""
+    return module.gemm if isinstance(module, Q8Linear) else module
+
+
 def _packed(module: Any, epilogue: int) -> bool:
-    return isinstance(module, PackedLinear) and module.c_gemm and module.epilogue == epilogue
+    gemm = _gemm(module)
+    return isinstance(gemm, PackedLinear) and gemm.c_gemm and gemm.epilogue == epilogue
+
+
+def _q8(module: Any) -> _Q8Codes:
+    if not isinstance(module, Q8Linear):
+        return _Q8Codes()
+    return _Q8Codes(module.packed.data_ptr(), module.scales.data_ptr(), module.block, module.max_rows)
 
 
 class CpuDecodeStack:
@@ -121,13 +138,15 @@ class CpuDecodeStack:
                 _ptr(layer.input_layernorm.weight),
                 _ptr(layer.post_attention_layernorm.weight),
             )
-            w.qkv, w.qkv_bias = _ptr(a.qkv_proj.packed), _ptr(a.qkv_proj.bias)
-            w.o, w.o_bias = _ptr(a.o_proj.packed), _ptr(a.o_proj.bias)
+            w.qkv, w.qkv_bias = _ptr(_gemm(a.qkv_proj).packed), _ptr(a.qkv_proj.bias)
+            w.o, w.o_bias = _ptr(_gemm(a.o_proj).packed), _ptr(a.o_proj.bias)
             w.gate_up, w.down, w.down_bias = (
-                _ptr(m.gate_up_proj.packed),
-                _ptr(m.down_proj.packed),
+                _ptr(_gemm(m.gate_up_proj).packed),
+                _ptr(_gemm(m.down_proj).packed),
                 _ptr(m.down_proj.bias),
             )
+            w.qkv_q8, w.o_q8 = _q8(a.qkv_proj), _q8(a.o_proj)
+            w.gate_up_q8, w.down_q8 = _q8(m.gate_up_proj), _q8(m.down_proj)
             w.key_cache, w.value_cache = cpu_kernels.cache_pointers(kv)
             if self.gemma:
                 w.q_norm, w.k_norm = _ptr(a.q_norm.weight), _ptr(a.k_norm.weight)

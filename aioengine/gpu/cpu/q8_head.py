@@ -18,23 +18,21 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from aioengine.gpu.cpu import huge_pages
-from aioengine.gpu.loader import safetensors_files
+from aioengine.gpu.cpu.block_codes import block_codes, read_block_codes
 from aioengine.kernels.cpu import q8
 
 logger = logging.getLogger(__name__)
 
 BLOCK = 32
+Q8_0 = (BLOCK, (127,))  # the head's kernel takes 32-input blocks; Q8_0 is what the common mixes give it
 # Measured crossover with the bf16 head's packed GEMM (docs/benchmarks.md): past this many rows it is faster.
 MAX_ROWS_BF16 = 4
 _HEAD_NAMES = ("lm_head.weight", "model.embed_tokens.weight")  # a tied head is the embedding
-_CHUNK_ROWS = 16384
 
 
 def q8_0_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -43,7 +41,8 @@ def q8_0_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None
     largest ``|w|`` is 127 times its scale, as the Q8_0 quantizer sets it. Else None."""
     if weight.dtype != torch.float32 or weight.dim() != 2:
         return None
-    return _codes(lambda r0, r1: weight[r0:r1], *weight.shape)
+    found = block_codes(lambda r0, r1: weight[r0:r1], *weight.shape, kinds=[Q8_0])
+    return None if found is None else (found.codes, found.scales)
 
 
 def read_head_codes(
@@ -51,41 +50,8 @@ def read_head_codes(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``q8_0_codes`` of the checkpoint's head (the embedding when ``tied``), read a chunk of rows at a time
     from its float32 safetensors; None when it has no such tensor or it is not Q8_0."""
-    try:
-        files = safetensors_files(checkpoint)
-    except FileNotFoundError:
-        return None
-    name = _HEAD_NAMES[1] if tied else _HEAD_NAMES[0]
-    for file in files:
-        with safe_open(file, framework="pt", device="cpu") as f:
-            if name not in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                continue
-            part = f.get_slice(name)
-            shape = part.get_shape()
-            if part.get_dtype() != "F32" or len(shape) != 2:
-                return None
-            return _codes(lambda r0, r1, part=part: part[r0:r1], *shape)
-    return None
-
-
-def _codes(
-    read: Callable[[int, int], torch.Tensor], n: int, k: int
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Codes and scales of the ``[n, k]`` weight whose rows ``read(r0, r1)`` gives, chunk by chunk."""
-    if k % 64:
-        return None
-    codes = torch.empty((n, k), dtype=torch.int8)
-    scales = torch.empty((n, k // BLOCK), dtype=torch.float32)
-    for r0 in range(0, n, _CHUNK_ROWS):
-        r1 = min(n, r0 + _CHUNK_ROWS)
-        blocks = read(r0, r1).reshape(r1 - r0, k // BLOCK, BLOCK)
-        # amax = 127 d exactly (d is a float16 and 127 needs 7 bits), so amax / 127 is d and w / d the code.
-        scale = blocks.abs().amax(-1) / 127
-        q = torch.where(scale[..., None] > 0, blocks / scale[..., None], torch.zeros(())).round_()
-        if not torch.equal(q * scale[..., None], blocks):  # NaN and inf fail here too
-            return None
-        codes[r0:r1], scales[r0:r1] = q.to(torch.int8).reshape(r1 - r0, k), scale
-    return codes, scales
+    found = read_block_codes(checkpoint, [_HEAD_NAMES[1] if tied else _HEAD_NAMES[0]], kinds=[Q8_0])
+    return None if found is None else (found.codes, found.scales)
 
 
 class Q8Head(nn.Module):

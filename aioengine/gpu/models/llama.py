@@ -19,6 +19,9 @@ from aioengine.gpu.layers import RMSNorm, RotaryEmbedding, SiluAndMul, get_rope
 from aioengine.kernels.metadata import AttentionMetadata
 from aioengine.sched.kv_cache_spec import KVCacheGroup, kv_cache_groups, layer_slots
 
+# Our fused linears and the checkpoint's tensors they hold, stacked by rows in this order.
+FUSED_SHARDS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
 
 def _linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device: Any) -> nn.Linear:
     # Weights come from the checkpoint: skip the (slow, useless) random init.
@@ -313,10 +316,7 @@ class LlamaForCausalLM(nn.Module):
     @staticmethod
     def _param_name(hf_name: str) -> tuple[str, str | None]:
         """HF name -> (our parameter name, shard of a fused parameter or None)."""
-        for fused, shards in (
-            ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
-            ("gate_up_proj", ("gate_proj", "up_proj")),
-        ):
+        for fused, shards in FUSED_SHARDS.items():
             for shard in shards:
                 if f".{shard}." in hf_name:
                     return hf_name.replace(f".{shard}.", f".{fused}."), shard

@@ -3,13 +3,22 @@
  * torch's dispatch and ctypes' argument conversion between them: a small model's decode step is short enough
  * for them to count, and so is a step that carries a short prompt chunk beside its decodes.
  * aioengine/gpu/cpu/decode_stack.py fills the structs and decides when it applies: Llama/Qwen2/Gemma 3 layers
- * whose linears are packed for cpu_gemm.c with the activation fused; decode rows first, then each prompt
- * chunk through the packed prefill kernel (the Python path's attention for such a step). */
+ * whose linears are packed for cpu_gemm.c with the activation fused (some also on their GGUF block codes, for
+ * steps of a few rows); decode rows first, then each prompt chunk through the packed prefill kernel (the
+ * Python path's attention for such a step). */
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
 #include "cpu_kernels.h"
+
+/* A linear's GGUF block codes (cpu_q8.c's layout; codes NULL: none), run for steps of up to max_rows rows in
+ * place of its packed GEMM, as gpu/cpu/q8_linear.py's Q8Linear does. */
+typedef struct {
+    const uint8_t *codes;
+    const float *scales;
+    int64_t block, max_rows;
+} q8_codes;
 
 /* One layer's weights, cache, rotary tables and window (fixed for the engine's life). Biases may be NULL;
  * the Gemma norms (q_norm, k_norm, pre_ff_norm, post_ff_norm) are NULL in a Llama-family layer. */
@@ -21,6 +30,7 @@ typedef struct {
     const uint16_t *cos2, *sin2; /* rotary tables [max_position, head_dim] */
     int64_t window;              /* 0: full attention */
     int64_t group;               /* its KV cache group: which block table and slots it uses */
+    q8_codes qkv_q8, o_q8, gate_up_q8, down_q8;
 } layer_weights;
 
 /* Shapes shared by the layers, and this step's inputs and scratch (rows: the step's tokens, the decodes
@@ -43,6 +53,15 @@ typedef struct {
     const int64_t *query_start_loc; /* [num_reqs + 1] */
 } stack_args;
 
+/* y = x W^T (+ bias, or the gated epilogue) on the codes where the step is small enough, else the GEMM */
+static int linear(const q8_codes *q, const stack_args *a, const uint16_t *x, int64_t ldx, const uint16_t *packed,
+                  const uint16_t *bias, uint16_t *y, int64_t ldy, int64_t n, int64_t k, int out) {
+    if (q->codes != NULL && a->rows <= q->max_rows)
+        return qgemv_q8_bf16(x, ldx, q->codes, q->scales, q->block, bias, y, ldy, a->rows, n, k, out, a->act_table,
+                             a->num_threads);
+    return gemm_bf16(x, ldx, packed, bias, y, ldy, a->rows, n, k, out, a->act_table, a->num_threads);
+}
+
 /* hidden [rows, H] in: the embeddings; out: the last layer's MLP output. residual [rows, H] out: the residual
  * stream to add before the final norm (as LlamaModel threads it). Returns 0, or the failing kernel's status. */
 int decode_stack_bf16(const layer_weights *layers, int num_layers, const stack_args *a, uint16_t *hidden,
@@ -58,8 +77,8 @@ int decode_stack_bf16(const layer_weights *layers, int num_layers, const stack_a
             gemma_rms_norm_bf16(x, h, residual, h, residual, w->input_norm, a->normed, h, rows, 1, h, a->eps, nt);
         else
             add_rms_norm_bf16(x, h, residual, h, residual, w->input_norm, a->normed, rows, h, a->eps, nt);
-        int status = gemm_bf16(a->normed, h, w->qkv, w->qkv_bias, a->qkv_out, qkv_width, rows, qkv_width, h,
-                               OUT_BF16, NULL, nt);
+        int status = linear(&w->qkv_q8, a, a->normed, h, w->qkv, w->qkv_bias, a->qkv_out, qkv_width, qkv_width, h,
+                            OUT_BF16);
         if (status) return status;
         const uint16_t *qk = a->qkv_out; /* q and k heads, token stride qk_stride */
         int64_t qk_stride = qkv_width;
@@ -94,7 +113,7 @@ int decode_stack_bf16(const layer_weights *layers, int num_layers, const stack_a
                                             a->scale, window, a->block_stride, a->token_stride, a->head_stride, (int)nt);
             if (status) return status;
         }
-        status = gemm_bf16(a->attn, hq * d, w->o, w->o_bias, hidden, h, rows, h, hq * d, OUT_BF16, NULL, nt);
+        status = linear(&w->o_q8, a, a->attn, hq * d, w->o, w->o_bias, hidden, h, h, hq * d, OUT_BF16);
         if (status) return status;
         if (a->gemma) { /* post-attention norm in place, then the pre-MLP norm performs the residual add */
             gemma_rms_norm_bf16(NULL, 0, hidden, h, NULL, w->post_norm, hidden, h, rows, 1, h, a->eps, nt);
@@ -103,11 +122,11 @@ int decode_stack_bf16(const layer_weights *layers, int num_layers, const stack_a
         } else {
             add_rms_norm_bf16(hidden, h, residual, h, residual, w->post_norm, a->normed, rows, h, a->eps, nt);
         }
-        status = gemm_bf16(a->normed, h, w->gate_up, NULL, a->act, a->intermediate, rows, 2 * a->intermediate, h,
-                           OUT_ACT_MUL, a->act_table, nt);
+        status = linear(&w->gate_up_q8, a, a->normed, h, w->gate_up, NULL, a->act, a->intermediate,
+                        2 * a->intermediate, h, OUT_ACT_MUL);
         if (status) return status;
-        status = gemm_bf16(a->act, a->intermediate, w->down, w->down_bias, hidden, h, rows, h, a->intermediate,
-                           OUT_BF16, NULL, nt);
+        status = linear(&w->down_q8, a, a->act, a->intermediate, w->down, w->down_bias, hidden, h, h,
+                        a->intermediate, OUT_BF16);
         if (status) return status;
         if (a->gemma) gemma_rms_norm_bf16(NULL, 0, hidden, h, NULL, w->post_ff_norm, hidden, h, rows, 1, h, a->eps, nt);
     }

@@ -88,7 +88,7 @@ static void q8_cut_row(const float *x, int64_t k, int64_t per, int limbs, q8_row
 int qgemv_q8_0_vectorized(void) { return 1; }
 #define Q8_MAXR 4
 #ifndef Q8_PF
-#define Q8_PF 4
+#define Q8_PF 8
 #endif
 /* one chunk of one row against one output's codes: its 16 lane sums, as float32 in units of xq */
 static inline __attribute__((always_inline)) __m512 q8_lanes(__m512i u, __m512i b2, __m512i b1, __m512i b0,
@@ -113,8 +113,8 @@ static inline __attribute__((always_inline)) void q8dot2(const q8_row *rows, con
     for (int r = 0; r < M; r++) acc_a[r] = acc_b[r] = _mm512_setzero_ps();
     for (int64_t c = 0; c < k; c += 64) {
         /* the pair Q8_PF pairs ahead (rows a + 2 Q8_PF k on): the hardware prefetcher alone leaves DRAM idle */
-        _mm_prefetch((const char *)(a + 2 * Q8_PF * k + 2 * c), _MM_HINT_T0);
-        _mm_prefetch((const char *)(a + 2 * Q8_PF * k + 2 * c + 64), _MM_HINT_T0);
+        _mm_prefetch((const char *)(a + 2 * Q8_PF * k + 2 * c), _MM_HINT_T1);
+        _mm_prefetch((const char *)(a + 2 * Q8_PF * k + 2 * c + 64), _MM_HINT_T1);
         const __m512i ua = _mm512_loadu_si512(a + c), ub = _mm512_loadu_si512(b + c);
         const __m512 da = q8_scales(sa + c / 64 * per, per), db = q8_scales(sb + c / 64 * per, per);
         for (int r = 0; r < M; r++) {

@@ -1,0 +1,119 @@
+"""Exact int8 block codes of a GGUF's weights, recovered from the converted checkpoint's float32 copy.
+
+GGUF's symmetric block types dequantize to ``code * scale``: one scale per 32 inputs for Q8_0, Q5_0 and Q4_0
+(codes up to 127, 16 and 8), one per 16 for Q6_K (codes up to 32). Both factors are small enough that the
+product is exact in float32, and the converted cache holds those products, so the codes and scales come back
+bit for bit: a block's scale is its largest ``|w|`` over that largest code. Each candidate is verified on the
+whole block; a weight that is not such a dequantization (float16 checkpoints, K-quants with offsets, rows
+not a multiple of 64) gets None, and keeps its GEMM.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+from safetensors import safe_open
+
+from aioengine.gpu.loader import safetensors_files
+
+# (block size, the largest codes to try, most likely first): Q8_0, Q5_0, Q4_0; then Q6_K, whose blocks'
+# largest code varies (its sub-block scales are rounded to int8 before the codes are chosen).
+SYMMETRIC_32 = (32, (127, 16, 8))
+SYMMETRIC_16 = (16, tuple(range(32, 0, -1)))
+KINDS = (SYMMETRIC_32, SYMMETRIC_16)
+_CHUNK_ROWS = 16384
+_PROBE_ROWS = 64  # the first chunk: a weight that is not of this kind usually fails there, at little cost
+
+Read = Callable[[int, int], torch.Tensor]  # rows r0..r1 of the weight
+
+
+@dataclass(slots=True)
+class BlockCodes:
+    codes: torch.Tensor  # int8 [N, K]
+    scales: torch.Tensor  # float32 [N, K / block]
+    block: int
+
+
+def block_codes(
+    read: Read, n: int, k: int, kinds: Iterable[tuple[int, tuple[int, ...]]] = KINDS
+) -> BlockCodes | None:
+    """The codes of the ``[n, k]`` float32 weight whose rows ``read(r0, r1)`` gives, for the first of
+    ``kinds`` that reproduces every block exactly; None for none."""
+    if k % 64:
+        return None
+    for block, largest in kinds:
+        found = _search(read, n, k, block, largest)
+        if found is not None:
+            return found
+    return None
+
+
+def _search(read: Read, n: int, k: int, block: int, largest: tuple[int, ...]) -> BlockCodes | None:
+    codes = torch.empty((n, k), dtype=torch.int8)
+    scales = torch.empty((n, k // block), dtype=torch.float32)
+    for r0 in [0, *range(_PROBE_ROWS, n, _CHUNK_ROWS)]:
+        r1 = min(n, _PROBE_ROWS if r0 == 0 else r0 + _CHUNK_ROWS)
+        w = read(r0, r1)
+        if w.dtype != torch.float32:
+            return None
+        blocks = w.reshape(r1 - r0, k // block, block)
+        amax = blocks.abs().amax(-1)
+        scale = torch.zeros_like(amax)
+        todo = amax > 0  # a NaN block stays "done" at scale 0 and fails the check below
+        for top in largest:
+            if not todo.any():
+                break
+            # amax = top * d exactly, so amax / top is d: the quotient is representable
+            s = amax / top
+            ok = todo & ((blocks / s[..., None]).round() * s[..., None] == blocks).all(-1)
+            scale = torch.where(ok, s, scale)
+            todo &= ~ok
+        if todo.any():
+            return None
+        q = torch.where(scale[..., None] > 0, blocks / scale[..., None], torch.zeros(())).round_()
+        if not torch.equal(q * scale[..., None], blocks):  # NaN and inf fail here too
+            return None
+        codes[r0:r1], scales[r0:r1] = q.to(torch.int8).reshape(r1 - r0, k), scale
+    return BlockCodes(codes, scales, block)
+
+
+def read_block_codes(
+    checkpoint: str | os.PathLike[str],
+    names: list[str],
+    kinds: Iterable[tuple[int, tuple[int, ...]]] = KINDS,
+) -> BlockCodes | None:
+    """The codes of the checkpoint's float32 tensors ``names`` stacked by rows (a fused weight's shards, in
+    order), all of one block size; None when one is missing, not float32 2-D, or has no exact codes."""
+    try:
+        files = safetensors_files(checkpoint)
+    except FileNotFoundError:
+        return None
+    kinds = tuple(kinds)
+    parts: list[BlockCodes] = []
+    for name in names:
+        found = None
+        for file in files:
+            with safe_open(file, framework="pt", device="cpu") as f:
+                if name not in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    continue
+                part = f.get_slice(name)
+                shape = part.get_shape()
+                if part.get_dtype() != "F32" or len(shape) != 2:
+                    return None
+                found = block_codes(lambda r0, r1, part=part: part[r0:r1], *shape, kinds=kinds)
+                break
+        if found is None or (parts and found.codes.shape[1:] != parts[0].codes.shape[1:]):
+            return None
+        if parts and found.block != parts[0].block:
+            return None
+        parts.append(found)
+    if not parts:
+        return None
+    if len(parts) == 1:
+        return parts[0]
+    return BlockCodes(
+        torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]), parts[0].block
+    )

@@ -1,0 +1,93 @@
+"""A bf16 model's decoder linears on their GGUF block codes, for CPU steps of a few rows.
+
+In GGUF's common quant mixes most of a layer's weights are symmetric block types (Q5_0 or Q8_0 for q, k,
+v, gate and up; Q6_K for some down projections): exact as int8 codes with a scale per 32 or 16 inputs
+(gpu/cpu/block_codes.py). At a few rows a decode step streams every weight from DRAM, and the codes are
+1.125-1.25 bytes a weight against bf16's 2 (cpu_q8.c). The weight is the file's, unrounded; the activations
+are cut to 2 bytes per input (finer than their bf16 values except where 4 inputs span more than 2^8).
+Past ``MAX_ROWS`` rows the step is compute-bound and the packed GEMM (kept beside the codes) runs. The
+decode stack (cpu_decode_stack.c) makes the same choice with the same kernels, so both paths keep one
+result.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+from torch import nn
+
+from aioengine.gpu.cpu import huge_pages
+from aioengine.gpu.cpu.block_codes import BlockCodes, read_block_codes
+from aioengine.gpu.cpu.linear import PackedLinear
+from aioengine.gpu.models.llama import FUSED_SHARDS
+from aioengine.kernels.cpu import clib, q8
+
+logger = logging.getLogger(__name__)
+
+# Rows up to which the codes run (the LM head's crossover, gpu/cpu/q8_head.py; docs/benchmarks.md).
+MAX_ROWS = 4
+_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+class Q8Linear(nn.Module):
+    """``gemm``'s linear (bias and fused activation included) on the weight's block codes for up to
+    ``max_rows`` rows, ``gemm`` itself past them."""
+
+    def __init__(self, found: BlockCodes, gemm: PackedLinear, max_rows: int = MAX_ROWS) -> None:
+        super().__init__()
+        assert gemm.c_gemm and gemm.dtype == torch.bfloat16
+        assert found.codes.shape == (gemm.out_features, gemm.in_features)
+        self.gemm = gemm
+        self.out_features, self.in_features = gemm.out_features, gemm.in_features
+        self.bias, self.activation, self.epilogue = gemm.bias, gemm.activation, gemm.epilogue
+        self.block, self.max_rows = found.block, max_rows
+        codes, scales = found.codes, found.scales
+        if self.activation is not None:  # gate/up row pairs: the kernel's epilogue sees both halves at once
+            half = self.out_features // 2
+            codes = torch.stack((codes[:half], codes[half:]), 1).reshape(codes.shape)
+            scales = torch.stack((scales[:half], scales[half:]), 1).reshape(scales.shape)
+        self.packed = q8.pack(
+            codes.contiguous(), self.block, out=huge_pages.zeros(codes.numel(), torch.uint8)
+        )
+        self.scales = scales.contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if flat.shape[0] > self.max_rows:
+            return self.gemm(x)
+        rows = flat.to(torch.bfloat16)
+        rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+        y = q8.qgemv_bf16(rows, self.packed, self.scales, self.block, self.bias, self.activation)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
+
+    def extra_repr(self) -> str:
+        act = "" if self.activation is None else f", {self.activation}_and_mul out"
+        return (
+            f"{self.in_features}, {self.out_features}, bias={self.bias is not None}, block codes of "
+            f"{self.block} for up to {self.max_rows} rows{act}, else {self.gemm.extra_repr()}"
+        )
+
+
+def attach_q8_linears(model: nn.Module, checkpoint: str | os.PathLike[str]) -> int:
+    """Put a Q8Linear in front of each packed decoder linear whose checkpoint weights have exact block
+    codes, where this CPU runs the kernels vectorized; returns how many."""
+    if not q8.available() or not clib.gemm_available():
+        return 0
+    done, nbytes = 0, 0
+    for name, module in list(model.named_modules()):
+        for attr in _LINEARS:
+            gemm = getattr(module, attr, None)
+            if not (isinstance(gemm, PackedLinear) and gemm.c_gemm and gemm.dtype == torch.bfloat16):
+                continue
+            shards = FUSED_SHARDS.get(attr, (attr,))
+            found = read_block_codes(checkpoint, [f"{name}.{shard}.weight" for shard in shards])
+            if found is None or found.codes.shape != (gemm.out_features, gemm.in_features):
+                continue
+            setattr(module, attr, Q8Linear(found, gemm))
+            done += 1
+            nbytes += found.codes.numel() + found.scales.numel() * 4
+    if done:
+        logger.info("%d decoder linears on their GGUF block codes for few rows (%d MB)", done, nbytes >> 20)
+    return done

@@ -1,0 +1,106 @@
+"""gpu/cpu/block_codes.py: a GGUF's symmetric block types come back from their float32 dequantization as the
+file's own codes and scales, bit for bit; every other weight is refused."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.quants import dequantize, quantize
+from safetensors.torch import save_file
+
+from aioengine.gpu.cpu.block_codes import block_codes, read_block_codes
+
+
+def _weight(found) -> torch.Tensor:
+    n, k = found.codes.shape
+    return (found.codes.float().view(n, -1, found.block) * found.scales[..., None]).view(n, k)
+
+
+def _dequantized(qtype: Q, n: int, k: int, seed: int = 0) -> torch.Tensor:
+    rng = np.random.default_rng(seed)
+    if qtype in (Q.Q8_0, Q.Q5_0, Q.Q4_0, Q.Q4_1):
+        raw = quantize(rng.standard_normal((n, k)).astype(np.float32) * 0.05, qtype)
+    else:  # K-quants: the package cannot quantize them; random blocks with a sane float16 super-scale
+        block, nbytes = GGML_QUANT_SIZES[qtype]
+        raw = rng.integers(0, 256, size=(n, k // block, nbytes), dtype=np.uint8)
+        at = {Q.Q6_K: (208,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2)}[qtype]
+        for a in at:
+            raw[..., a : a + 2] = np.frombuffer(np.float16(0.01).tobytes(), dtype=np.uint8)
+        raw = raw.reshape(n, -1)
+    return torch.from_numpy(dequantize(raw, qtype).astype(np.float32).reshape(n, k))
+
+
+def _codes(w: torch.Tensor):
+    return block_codes(lambda r0, r1: w[r0:r1], *w.shape)
+
+
+# Q4_0's codes may come back doubled, with half the scale (its largest code over 16 is as exact as over 8)
+@pytest.mark.parametrize(("qtype", "block", "largest"), [(Q.Q8_0, 32, 127), (Q.Q5_0, 32, 16), (Q.Q4_0, 32, 16)])
+def test_symmetric_32_blocks_are_the_files_codes(qtype, block, largest):
+    w = _dequantized(qtype, 96, 256)
+    found = _codes(w)
+    assert found is not None and found.block == block
+    assert torch.equal(_weight(found), w)
+    assert int(found.codes.abs().max()) == largest
+    if qtype == Q.Q8_0:  # the scales are the file's float16 ones
+        raw = quantize(np.random.default_rng(0).standard_normal((96, 256)).astype(np.float32) * 0.05, qtype)
+        want = raw.reshape(96, 8, 34)[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+        assert np.array_equal(found.scales.numpy(), want)
+
+
+def test_q6_k_comes_back_in_blocks_of_16():
+    w = _dequantized(Q.Q6_K, 64, 512)
+    found = _codes(w)
+    assert found is not None and found.block == 16
+    assert torch.equal(_weight(found), w)
+    assert int(found.codes.abs().max()) <= 32
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q4_1])
+def test_blocks_with_offsets_are_refused(qtype):
+    assert _codes(_dequantized(qtype, 64, 256)) is None
+
+
+def test_anything_but_an_exact_dequantization_is_refused():
+    w = _dequantized(Q.Q5_0, 100, 128)
+    assert _codes(torch.randn(100, 128)) is None
+    assert _codes(w[:, :96].contiguous()) is None  # rows not a multiple of 64
+    assert block_codes(lambda r0, r1: w[r0:r1].bfloat16(), *w.shape) is None
+    for row in (3, 90):  # in the first (probe) chunk and past it
+        off = w.clone()
+        off[row, 70] = torch.nextafter(off[row, 70], torch.tensor(1.0))
+        assert _codes(off) is None
+    off = w.clone()
+    off[80, 5] = float("nan")
+    assert _codes(off) is None
+    off = w.clone()
+    off[81, 5] = float("inf")
+    assert _codes(off) is None
+    zero = w.clone()
+    zero[7] = 0.0  # all-zero blocks are fine (scale 0)
+    found = _codes(zero)
+    assert found is not None and not found.codes[7].any() and not found.scales[7].any()
+
+
+def test_read_block_codes_stacks_a_fused_weights_shards(tmp_path):
+    q, k, v = (_dequantized(t, n, 128, s) for t, n, s in ((Q.Q5_0, 64, 1), (Q.Q5_0, 32, 2), (Q.Q8_0, 32, 3)))
+    tensors = {
+        "l.q_proj.weight": q,
+        "l.k_proj.weight": k,
+        "l.v_proj.weight": v,
+        "l.down_proj.weight": _dequantized(Q.Q6_K, 128, 256),
+        "l.up_proj.weight": torch.randn(64, 128),
+        "l.f16.weight": q.half(),
+    }
+    save_file(tensors, tmp_path / "model.safetensors")
+    found = read_block_codes(tmp_path, ["l.q_proj.weight", "l.k_proj.weight", "l.v_proj.weight"])
+    assert found is not None and found.block == 32
+    assert torch.equal(_weight(found), torch.cat([q, k, v]))
+    assert read_block_codes(tmp_path, ["l.q_proj.weight", "l.up_proj.weight"]) is None  # one shard plain
+    assert read_block_codes(tmp_path, ["l.q_proj.weight", "l.missing.weight"]) is None
+    assert read_block_codes(tmp_path, ["l.f16.weight"]) is None  # not float32
+    assert read_block_codes(tmp_path / "nowhere", ["l.q_proj.weight"]) is None
+    assert read_block_codes(tmp_path, ["l.down_proj.weight"]).block == 16
