@@ -38,7 +38,9 @@ def _codes(w: torch.Tensor):
 
 
 # Q4_0's codes may come back doubled, with half the scale (its largest code over 16 is as exact as over 8)
-@pytest.mark.parametrize(("qtype", "block", "largest"), [(Q.Q8_0, 32, 127), (Q.Q5_0, 32, 16), (Q.Q4_0, 32, 16)])
+@pytest.mark.parametrize(
+    ("qtype", "block", "largest"), [(Q.Q8_0, 32, 127), (Q.Q5_0, 32, 16), (Q.Q4_0, 32, 16)]
+)
 def test_symmetric_32_blocks_are_the_files_codes(qtype, block, largest):
     w = _dequantized(qtype, 96, 256)
     found = _codes(w)
