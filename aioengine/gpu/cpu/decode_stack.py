@@ -31,28 +31,32 @@ class _Q8Codes(ctypes.Structure):  # cpu_decode_stack.c's q8_codes
 
 
 class _LayerWeights(ctypes.Structure):  # cpu_decode_stack.c's layer_weights
-    _fields_ = [
-        (name, _P)
-        for name in (
-            "input_norm",
-            "post_norm",
-            "qkv",
-            "qkv_bias",
-            "o",
-            "o_bias",
-            "gate_up",
-            "down",
-            "down_bias",
-            "key_cache",
-            "value_cache",
-            "q_norm",
-            "k_norm",
-            "pre_ff_norm",
-            "post_ff_norm",
-            "cos2",
-            "sin2",
-        )
-    ] + [("window", _I64), ("group", _I64)] + [(f"{n}_q8", _Q8Codes) for n in ("qkv", "o", "gate_up", "down")]
+    _fields_ = (
+        [
+            (name, _P)
+            for name in (
+                "input_norm",
+                "post_norm",
+                "qkv",
+                "qkv_bias",
+                "o",
+                "o_bias",
+                "gate_up",
+                "down",
+                "down_bias",
+                "key_cache",
+                "value_cache",
+                "q_norm",
+                "k_norm",
+                "pre_ff_norm",
+                "post_ff_norm",
+                "cos2",
+                "sin2",
+            )
+        ]
+        + [("window", _I64), ("group", _I64)]
+        + [(f"{n}_q8", _Q8Codes) for n in ("qkv", "o", "gate_up", "down")]
+    )
 
 
 class _StackArgs(ctypes.Structure):  # cpu_decode_stack.c's stack_args

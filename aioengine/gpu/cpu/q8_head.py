@@ -4,7 +4,7 @@ GGUF files keep the token embedding (the tied head) in Q8_0 in the common quant 
 scale per 32 inputs. A converted checkpoint holds those weights dequantized to float32, where
 ``code * scale`` is exact, so the codes come back exactly. At a vocabulary of 262k (Gemma 3) the head is
 most of a decode step's weight bytes: its codes read 1.125 bytes a weight instead of bf16's 2 or float32's
-4, through cpu_qgemv.c's VNNI kernel (``q8.qgemv_q8_0``). The weight stays exact; the activations are
+4, through cpu_q8.c's VNNI kernel (``q8.qgemv_f32``). The weight stays exact; the activations are
 rounded once, per 4 inputs: to 3 bytes for a float32 model (about float32's own rounding), to 2 for a bf16
 one (finer than the bf16 value in all but spans of more than 2^8 within 4 inputs).
 
@@ -82,7 +82,7 @@ class Q8Head(nn.Module):
         flat = x.reshape(-1, self.in_features)
         if self.fallback is not None and flat.shape[0] > self.max_rows:
             return self.fallback(x)
-        y = q8.qgemv_q8_0(self._rows(flat), self.packed, self.scales, limbs=self.limbs)
+        y = q8.qgemv_f32(self._rows(flat), self.packed, self.scales, limbs=self.limbs)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -92,7 +92,7 @@ class Q8Head(nn.Module):
         if self.fallback is not None and flat.shape[0] > self.max_rows:
             argmax = getattr(self.fallback, "argmax", None)
             return argmax(x) if argmax is not None else None
-        return q8.qgemv_q8_0(self._rows(flat), self.packed, self.scales, argmax=True, limbs=self.limbs)
+        return q8.qgemv_f32(self._rows(flat), self.packed, self.scales, argmax=True, limbs=self.limbs)
 
     @staticmethod
     def _rows(flat: torch.Tensor) -> torch.Tensor:

@@ -1,13 +1,14 @@
-"""A bf16 model's decoder linears on their GGUF block codes, for CPU steps of a few rows.
+"""A model's decoder linears on their GGUF block codes, for CPU steps of a few rows (bf16 and float32).
 
 In GGUF's common quant mixes most of a layer's weights are symmetric block types (Q5_0 or Q8_0 for q, k,
 v, gate and up; Q6_K for some down projections): exact as int8 codes with a scale per 32 or 16 inputs
 (gpu/cpu/block_codes.py). At a few rows a decode step streams every weight from DRAM, and the codes are
-1.125-1.25 bytes a weight against bf16's 2 (cpu_q8.c). The weight is the file's, unrounded; the activations
-are cut to 2 bytes per input (finer than their bf16 values except where 4 inputs span more than 2^8).
-Past ``MAX_ROWS`` rows the step is compute-bound and the packed GEMM (kept beside the codes) runs. The
-decode stack (cpu_decode_stack.c) makes the same choice with the same kernels, so both paths keep one
-result.
+1.125-1.25 bytes a weight against bf16's 2 or float32's 4 (cpu_q8.c). The weight is the file's, unrounded;
+the activations are cut to 2 bytes per input for bf16 (finer than their bf16 values except where 4 inputs
+span more than 2^8) and 3 for float32 (about float32's own rounding).
+Past ``MAX_ROWS`` rows the step is compute-bound and the model's own linear (kept beside the codes: the
+packed bf16 GEMM, or float32's transposed one) runs. The bf16 decode stack (cpu_decode_stack.c) makes the
+same choice with the same kernels, so both paths keep one result.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ from torch import nn
 
 from aioengine.gpu.cpu import huge_pages
 from aioengine.gpu.cpu.block_codes import BlockCodes, read_block_codes
-from aioengine.gpu.cpu.linear import PackedLinear
+from aioengine.gpu.cpu.linear import PackedLinear, TransposedLinear
 from aioengine.gpu.models.llama import FUSED_SHARDS
-from aioengine.kernels.cpu import clib, q8
+from aioengine.kernels.cpu import q8
 
 logger = logging.getLogger(__name__)
 
@@ -32,16 +33,19 @@ _LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 class Q8Linear(nn.Module):
-    """``gemm``'s linear (bias and fused activation included) on the weight's block codes for up to
-    ``max_rows`` rows, ``gemm`` itself past them."""
+    """``gemm``'s linear (bias and a fused activation included) on the weight's block codes for up to
+    ``max_rows`` rows, ``gemm`` itself past them: a packed bf16 linear, or a float32 transposed one."""
 
-    def __init__(self, found: BlockCodes, gemm: PackedLinear, max_rows: int = MAX_ROWS) -> None:
+    def __init__(
+        self, found: BlockCodes, gemm: PackedLinear | TransposedLinear, max_rows: int = MAX_ROWS
+    ) -> None:
         super().__init__()
-        assert gemm.c_gemm and gemm.dtype == torch.bfloat16
+        assert _takes(gemm)
         assert found.codes.shape == (gemm.out_features, gemm.in_features)
         self.gemm = gemm
         self.out_features, self.in_features = gemm.out_features, gemm.in_features
-        self.bias, self.activation, self.epilogue = gemm.bias, gemm.activation, gemm.epilogue
+        self.dtype = torch.bfloat16 if isinstance(gemm, PackedLinear) else torch.float32
+        self.bias, self.activation = gemm.bias, getattr(gemm, "activation", None)
         self.block, self.max_rows = found.block, max_rows
         codes, scales = found.codes, found.scales
         if self.activation is not None:  # gate/up row pairs: the kernel's epilogue sees both halves at once
@@ -57,9 +61,12 @@ class Q8Linear(nn.Module):
         flat = x.reshape(-1, self.in_features)
         if flat.shape[0] > self.max_rows:
             return self.gemm(x)
-        rows = flat.to(torch.bfloat16)
+        rows = flat.to(self.dtype)
         rows = rows if rows.stride(-1) == 1 else rows.contiguous()
-        y = q8.qgemv_bf16(rows, self.packed, self.scales, self.block, self.bias, self.activation)
+        if self.dtype == torch.float32:
+            y = q8.qgemv_f32(rows, self.packed, self.scales, self.block, self.bias, limbs=3)
+        else:
+            y = q8.qgemv_bf16(rows, self.packed, self.scales, self.block, self.bias, self.activation)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
 
     def extra_repr(self) -> str:
@@ -70,16 +77,23 @@ class Q8Linear(nn.Module):
         )
 
 
+def _takes(gemm: object) -> bool:
+    """A linear whose codes the kernels can stand in for: packed bf16 (cpu_gemm.c's layout) or float32."""
+    if isinstance(gemm, PackedLinear):
+        return gemm.c_gemm and gemm.dtype == torch.bfloat16
+    return isinstance(gemm, TransposedLinear)
+
+
 def attach_q8_linears(model: nn.Module, checkpoint: str | os.PathLike[str]) -> int:
-    """Put a Q8Linear in front of each packed decoder linear whose checkpoint weights have exact block
-    codes, where this CPU runs the kernels vectorized; returns how many."""
-    if not q8.available() or not clib.gemm_available():
+    """Put a Q8Linear in front of each decoder linear (packed bf16, or float32) whose checkpoint weights
+    have exact block codes, where this CPU runs the kernels vectorized; returns how many."""
+    if not q8.available():
         return 0
     done, nbytes = 0, 0
     for name, module in list(model.named_modules()):
         for attr in _LINEARS:
             gemm = getattr(module, attr, None)
-            if not (isinstance(gemm, PackedLinear) and gemm.c_gemm and gemm.dtype == torch.bfloat16):
+            if not _takes(gemm):
                 continue
             shards = FUSED_SHARDS.get(attr, (attr,))
             found = read_block_codes(checkpoint, [f"{name}.{shard}.weight" for shard in shards])

@@ -179,10 +179,10 @@ def load() -> ctypes.CDLL | None:
         lib.decode_stack_bf16.argtypes = [_P, _I, _P, _P, _P]
         lib.qgemv_int8_f32.restype = None
         lib.qgemv_int8_f32.argtypes = [_P, _I64, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I]
-        lib.qgemv_q8_0_f32.restype = ctypes.c_int
-        lib.qgemv_q8_0_f32.argtypes = [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _P, _I, _I]
-        lib.qgemv_q8_0_vectorized.restype = ctypes.c_int
-        lib.qgemv_q8_0_vectorized.argtypes = []
+        lib.qgemv_q8_f32.restype = ctypes.c_int
+        lib.qgemv_q8_f32.argtypes = [_P, _I64, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _P, _I, _I]
+        lib.qgemv_q8_vectorized.restype = ctypes.c_int
+        lib.qgemv_q8_vectorized.argtypes = []
         lib.q8_pack.restype = None
         lib.q8_pack.argtypes = [_P, _P, _I64, _I64, _I64, _I]
         lib.qgemv_q8_bf16.restype = ctypes.c_int

@@ -1,7 +1,8 @@
 /* GEMVs for a few rows on a GGUF's own block codes: int8 codes and a float32 scale per block of 32 inputs
  * (Q8_0, Q5_0, Q4_0) or 16 (Q6_K), so the weight is the file's, exactly, at 1.125-1.25 bytes a weight
  * instead of bf16's 2. A decode step streams every weight from DRAM; fewer bytes are a shorter step.
- * - qgemv_q8_0_f32: float32 rows in, float32 out or each row's argmax (gpu/cpu/q8_head.py's LM head);
+ * - qgemv_q8_f32: float32 rows in, float32 out (+ bias) or each row's argmax (gpu/cpu/q8_head.py's LM head,
+ *   a float32 model's Q8Linear);
  * - qgemv_q8_bf16: bf16 rows in, bf16 out (+ bias), or act(gate) * up for a fused gate_up weight in
  *   gemm_bf16's OUT_ACT_MUL roundings (gpu/cpu/q8_linear.py, cpu_decode_stack.c).
  *
@@ -85,7 +86,7 @@ static void q8_cut_row(const float *x, int64_t k, int64_t per, int limbs, q8_row
 }
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
-int qgemv_q8_0_vectorized(void) { return 1; }
+int qgemv_q8_vectorized(void) { return 1; }
 #define Q8_MAXR 4
 #ifndef Q8_PF
 #define Q8_PF 8
@@ -134,7 +135,7 @@ static inline __attribute__((always_inline)) void q8dot2(const q8_row *rows, con
     }
 }
 #else
-int qgemv_q8_0_vectorized(void) { return 0; } /* the scalar path below: correct, but slower than bf16's GEMM */
+int qgemv_q8_vectorized(void) { return 0; } /* the scalar path below: correct, but slower than bf16's GEMM */
 #define Q8_MAXR 4
 static inline void q8dot2(const q8_row *rows, const uint8_t *a, const uint8_t *b, const float *sa, const float *sb,
                           const int M, int64_t k, const int limbs, const int per, float *out) {
@@ -197,14 +198,15 @@ static inline void q8_best_see(q8_best *b, float v, int64_t j) {
         b->value = v, b->index = j;
 }
 
-/* Where a call's sums go: float32 y, each row's argmax, bf16 y (+ bias), or act(gate) * up as bf16 (the
- * codes' rows in gate/up pairs, q8_pack'ed from [gate_0, up_0, gate_1, up_1, ...]). */
+/* Where a call's sums go: float32 y (+ bias_f32), each row's argmax, bf16 y (+ bias), or act(gate) * up as
+ * bf16 (the codes' rows in gate/up pairs, q8_pack'ed from [gate_0, up_0, gate_1, up_1, ...]). */
 typedef struct {
     int out;
     void *y;
     int64_t ldy;
     int64_t *argmax;
     const uint16_t *bias;
+    const float *bias_f32;
     const float *act_table;
 } q8_sink;
 
@@ -237,8 +239,8 @@ static int q8_run(const q8_row *rows, int64_t m, const uint8_t *u, const float *
                         if (j2 != j) q8_best_see(mine + row, db, j2);
                     } else if (s->out == OUT_F32) {
                         float *y = (float *)s->y + row * s->ldy;
-                        y[j] = da;
-                        if (j2 != j) y[j2] = db;
+                        y[j] = da + (s->bias_f32 ? s->bias_f32[j] : 0.0f);
+                        if (j2 != j) y[j2] = db + (s->bias_f32 ? s->bias_f32[j2] : 0.0f);
                     } else if (s->out == OUT_ACT_MUL) { /* gemm_bf16's roundings: bf16 gate and up, act by table */
                         const float act = s->act_table[float_to_bf16(da)];
                         ((uint16_t *)s->y)[row * s->ldy + p] = float_to_bf16(act * bf16_to_float(float_to_bf16(db)));
@@ -284,13 +286,14 @@ static q8_row *q8_rows(int64_t m, int64_t k, char **scratch, float **wide) {
     return rows;
 }
 
-/* y [M, N] = x [M, K] W^T, W = q * scale per 32-input block: u [N, K] from q8_pack (block 32), scale [N, K / 32]
- * float32, both contiguous; k a multiple of 64. With argmax (int64 [M]) each row's argmax as torch picks it
- * (the first NaN, else the first maximum) instead of y (which may then be NULL). limbs: 2 or 3 bytes a
- * cut input (bf16 or float32 activations). Returns 0, -2 for other limbs, or -3 out of memory. */
-int qgemv_q8_0_f32(const float *x, int64_t ldx, const uint8_t *u, const float *scale, float *y, int64_t ldy,
-                   int64_t m, int64_t n, int64_t k, int64_t *argmax, int limbs, int num_threads) {
-    if (limbs != 2 && limbs != 3) return -2;
+/* y [M, N] = x [M, K] W^T (+ bias), W = q * scale per block of 16 or 32 inputs: u [N, K] from q8_pack,
+ * scale [N, K / block] float32, both contiguous; k a multiple of 64. With argmax (int64 [M]) each row's argmax
+ * as torch picks it (the first NaN, else the first maximum) instead of y (which may then be NULL). limbs: 2
+ * or 3 bytes a cut input (bf16 or float32 activations). Returns 0, -2 for a call it cannot take, or -3 out
+ * of memory. */
+int qgemv_q8_f32(const float *x, int64_t ldx, const uint8_t *u, const float *scale, int64_t block, const float *bias,
+                 float *y, int64_t ldy, int64_t m, int64_t n, int64_t k, int64_t *argmax, int limbs, int num_threads) {
+    if ((limbs != 2 && limbs != 3) || (block != 16 && block != 32) || k % 64 != 0) return -2;
     char *scratch;
     float *wide;
     q8_row *rows = q8_rows(m, k, &scratch, &wide);
@@ -298,9 +301,9 @@ int qgemv_q8_0_f32(const float *x, int64_t ldx, const uint8_t *u, const float *s
         free(scratch);
         return -3;
     }
-    for (int64_t r = 0; r < m; r++) q8_cut_row(x + r * ldx, k, 2, limbs, rows[r]);
-    const q8_sink sink = {argmax != NULL ? OUT_ARGMAX : OUT_F32, y, ldy, argmax, NULL, NULL};
-    const int status = q8_run(rows, m, u, scale, n, k, 32, limbs, &sink, num_threads);
+    for (int64_t r = 0; r < m; r++) q8_cut_row(x + r * ldx, k, 64 / block, limbs, rows[r]);
+    const q8_sink sink = {argmax != NULL ? OUT_ARGMAX : OUT_F32, y, ldy, argmax, NULL, bias, NULL};
+    const int status = q8_run(rows, m, u, scale, n, k, block, limbs, &sink, num_threads);
     free(scratch), free(rows);
     return status;
 }
@@ -325,7 +328,7 @@ int qgemv_q8_bf16(const uint16_t *x, int64_t ldx, const uint8_t *u, const float 
         for (int64_t i = 0; i < k; i++) wide[i] = bf16_to_float(x[r * ldx + i]);
         q8_cut_row(wide, k, 64 / block, 2, rows[r]);
     }
-    const q8_sink sink = {out, y, ldy, NULL, bias, act_table};
+    const q8_sink sink = {out, y, ldy, NULL, bias, NULL, act_table};
     const int status = q8_run(rows, m, u, scale, n, k, block, 2, &sink, num_threads);
     free(scratch), free(rows);
     return status;

@@ -12,7 +12,7 @@ BLOCKS = (16, 32)  # the block sizes the kernels take: Q6_K's, and Q8_0/Q5_0/Q4_
 def available() -> bool:
     """Whether the kernels run vectorized here (AVX512-VNNI): elsewhere they are correct but slow."""
     lib = clib.load()
-    return lib is not None and bool(lib.qgemv_q8_0_vectorized())
+    return lib is not None and bool(lib.qgemv_q8_vectorized())
 
 
 def pack(q: torch.Tensor, block: int = 32, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -27,25 +27,34 @@ def pack(q: torch.Tensor, block: int = 32, out: torch.Tensor | None = None) -> t
     return out
 
 
-def qgemv_q8_0(
-    x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, argmax: bool = False, limbs: int = 3
+def qgemv_f32(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    block: int = 32,
+    bias: torch.Tensor | None = None,
+    argmax: bool = False,
+    limbs: int = 3,
 ) -> torch.Tensor:
-    """``x @ W.T`` with ``W = q * scale`` per 32-input block (GGUF's Q8_0), for float32 ``x [M, K]`` (unit
-    inner stride, a few rows), ``packed = pack(q)`` and float32 ``scale [N, K / 32]`` (contiguous):
-    float32 ``[M, N]``, or with ``argmax`` each row's argmax (int64 ``[M]``, as torch picks it) without
-    writing the logits. x is rounded once, per 4 inputs, to ``limbs`` bytes: 3 (float32 activations, 2^-24 of
-    the 4's largest) or 2 (bf16 ones, 2^-16); cpu_q8.c says how. Nothing else is rounded."""
+    """``x @ W.T (+ bias)`` with ``W = q * scale`` per ``block`` inputs, for float32 ``x [M, K]`` (unit
+    inner stride, a few rows), ``packed = pack(q, block)`` and float32 ``scale [N, K / block]``
+    (contiguous): float32 ``[M, N]``, or with ``argmax`` each row's argmax (int64 ``[M]``, as torch picks it)
+    without writing the logits. x is rounded once, per 4 inputs, to ``limbs`` bytes: 3 (float32 activations,
+    2^-24 of the 4's largest) or 2 (bf16 ones, 2^-16); cpu_q8.c says how. Nothing else is rounded."""
     m, k = x.shape
     n = packed.shape[0]
-    assert x.dtype == torch.float32 and x.stride(1) == 1 and k % 64 == 0
+    assert x.dtype == torch.float32 and x.stride(1) == 1 and k % 64 == 0 and block in BLOCKS
     assert packed.dtype == torch.uint8 and packed.is_contiguous() and packed.shape[1] == k
-    assert scale.dtype == torch.float32 and scale.shape == (n, k // 32) and scale.is_contiguous()
+    assert scale.dtype == torch.float32 and scale.shape == (n, k // block) and scale.is_contiguous()
+    assert bias is None or (bias.dtype == torch.float32 and bias.shape == (n,) and bias.is_contiguous())
     y = torch.empty(m, dtype=torch.int64) if argmax else torch.empty((m, n), dtype=torch.float32)
-    status = _lib().qgemv_q8_0_f32(
+    status = _lib().qgemv_q8_f32(
         x.data_ptr(),
         x.stride(0),
         packed.data_ptr(),
         scale.data_ptr(),
+        block,
+        0 if bias is None else bias.data_ptr(),
         0 if argmax else y.data_ptr(),
         n,
         m,
@@ -70,7 +79,7 @@ def qgemv_bf16(
     """bf16 ``x @ W.T (+ bias)`` for bf16 ``x [M, K]`` (unit inner stride, a few rows), ``W = q * scale`` per
     ``block`` inputs (``packed = pack(q, block)``, float32 ``scale [N, K / block]``), rounded to bf16 once.
     With ``activation`` the codes' rows are gate/up pairs and the result is ``act(gate) * up`` ``[M, N / 2]``
-    in clib.gemm's GEMM_ACT_MUL roundings. x is cut to 2 bytes per input, as ``qgemv_q8_0``'s ``limbs=2``."""
+    in clib.gemm's GEMM_ACT_MUL roundings. x is cut to 2 bytes per input, as ``qgemv_f32``'s ``limbs=2``."""
     m, k = x.shape
     n = packed.shape[0]
     assert x.dtype == torch.bfloat16 and x.stride(1) == 1 and k % 64 == 0 and block in BLOCKS

@@ -11,10 +11,13 @@ from aioengine.config import KernelConfig
 from aioengine.gpu.cpu.backend import CpuBackend
 from aioengine.gpu.cpu.decode_stack import CpuDecodeStack
 from aioengine.gpu.cpu.linear import pack_linears
+from aioengine.gpu.cpu.q8_linear import attach_q8_linears
 from aioengine.gpu.loader import load_model
 from aioengine.kernels.cpu import clib as cpu_kernels
+from aioengine.kernels.cpu import q8
 from aioengine.kernels.metadata import AttentionMetadata
 from tests.engine.conftest import make_tiny_checkpoint
+from tests.gpu.cpu.block_coded import as_block_codes
 
 pytestmark = pytest.mark.skipif(
     not cpu_kernels.gemm_available(), reason="needs the AVX512-BF16 build of the C kernels"
@@ -26,10 +29,10 @@ BLOCK = 16
 GEMMA = dict(layer_types=["sliding_attention", "full_attention", "sliding_attention"], sliding_window=16)
 
 
-def _model(tmp_path, arch: str, head_dim: int = 64):
+def _model(tmp_path, arch: str, head_dim: int = 64, codes: bool = False):
     """A tiny random checkpoint (conftest's, heads of 64 or 128 for the AVX512-BF16 attention loop) in
-    bf16, packed."""
-    make_tiny_checkpoint(
+    bf16, packed; ``codes``: its projections exact block codes, run on them (gpu/cpu/q8_linear.py)."""
+    hf = make_tiny_checkpoint(
         arch,
         tmp_path,
         **(GEMMA if arch == "gemma3" else {}),
@@ -41,9 +44,14 @@ def _model(tmp_path, arch: str, head_dim: int = 64):
         head_dim=head_dim,
         vocab_size=300,
     )
+    if codes:
+        as_block_codes(hf)
+        hf.save_pretrained(tmp_path)
     backend = CpuBackend()
     model, cfg = load_model(tmp_path, dtype=torch.bfloat16, ops=backend.ops)
     pack_linears(model)
+    if codes:
+        assert attach_q8_linears(model, tmp_path) == 4 * cfg.num_hidden_layers
     return model, cfg, backend
 
 
@@ -111,6 +119,21 @@ def test_steps_with_prompt_chunks_give_the_python_paths_bits(tmp_path, arch, seq
     want, want_kv = _decode(model, cfg, backend, False, seq_lens, query_lens)
     got, got_kv = _decode(model, cfg, backend, True, seq_lens, query_lens)
     assert backend.decode_stack.mixed
+    assert torch.equal(got, want)
+    assert all(torch.equal(g, w) for g, w in zip(got_kv, want_kv, strict=True))
+
+
+@pytest.mark.skipif(not q8.available(), reason="cpu_q8.c is vectorized for AVX512-VNNI only")
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize(
+    ("seq_lens", "query_lens"),
+    [([40], None), ([17, 1, 40, 33], None), ([17, 1, 40, 33, 16], None), ([17, 40, 33], [1, 1, 33])],
+)
+def test_the_stack_on_block_codes_gives_the_python_paths_bits(tmp_path, arch, seq_lens, query_lens):
+    """Steps of up to 4 rows run the codes, larger ones the GEMMs, in both paths alike."""
+    model, cfg, backend = _model(tmp_path, arch, codes=True)
+    want, want_kv = _decode(model, cfg, backend, False, seq_lens, query_lens)
+    got, got_kv = _decode(model, cfg, backend, True, seq_lens, query_lens)
     assert torch.equal(got, want)
     assert all(torch.equal(g, w) for g, w in zip(got_kv, want_kv, strict=True))
 

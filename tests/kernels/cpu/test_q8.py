@@ -45,7 +45,7 @@ def test_q8_0_gemv_is_within_its_one_rounding_of_the_exact_weights(rows, n, k, l
     must agree, or the sums mix blocks with each other's scales."""
     x, q, scale = _q8_0_case(rows, n, k, rows * 7 + n + k)
     want, bound = _q8_0_reference(x, q, scale, limbs)
-    got = q8.qgemv_q8_0(x, q8.pack(q), scale, limbs=limbs).double()
+    got = q8.qgemv_f32(x, q8.pack(q), scale, limbs=limbs).double()
     assert ((got - want).abs() <= bound).all(), float(((got - want).abs() / bound).max())
     # far below what rounding the same weights to bf16 (the GEMM's head) costs
     w = (q.double().view(n, -1, 32) * scale.double()[..., None]).view(n, k)
@@ -62,14 +62,14 @@ def test_q8_0_gemv_reads_strided_rows_and_ties_its_argmax_to_torchs():
     u = q8.pack(q)
     wide = torch.zeros(5, 160)
     wide[:, :128] = x
-    logits = q8.qgemv_q8_0(wide[:, :128], u, scale)
-    torch.testing.assert_close(logits, q8.qgemv_q8_0(x, u, scale), rtol=0, atol=0)
+    logits = q8.qgemv_f32(wide[:, :128], u, scale)
+    torch.testing.assert_close(logits, q8.qgemv_f32(x, u, scale), rtol=0, atol=0)
     logits[:, 17] = logits.max(-1).values + 1  # make 17 (and its twin 4000) the maxima to test the tie
     scale[17] *= 0
     scale[4000] *= 0
     x2 = x.clone()
-    got = q8.qgemv_q8_0(x2, u, scale, argmax=True)
-    assert got.tolist() == q8.qgemv_q8_0(x2, u, scale).argmax(-1).tolist()
+    got = q8.qgemv_f32(x2, u, scale, argmax=True)
+    assert got.tolist() == q8.qgemv_f32(x2, u, scale).argmax(-1).tolist()
     assert got[2] == 0
 
 
@@ -82,11 +82,11 @@ def test_q8_0_argmax_takes_the_first_maximum_across_threads_and_the_first_nan():
     x = torch.zeros(2, k)
     x[:, 0] = 1.0
     scale[[10, 5000], 0] = 2.0  # the largest logit twice, one in each half
-    assert q8.qgemv_q8_0(x, q8.pack(q), scale, argmax=True).tolist() == [10, 10]
+    assert q8.qgemv_f32(x, q8.pack(q), scale, argmax=True).tolist() == [10, 10]
     scale[[4000, 5500], 1] = float("nan")  # NaN logits win, the first of them
-    got = q8.qgemv_q8_0(x, q8.pack(q), scale, argmax=True)
+    got = q8.qgemv_f32(x, q8.pack(q), scale, argmax=True)
     assert got.tolist() == [4000, 4000]
-    assert got.tolist() == q8.qgemv_q8_0(x, q8.pack(q), scale).argmax(-1).tolist()
+    assert got.tolist() == q8.qgemv_f32(x, q8.pack(q), scale).argmax(-1).tolist()
 
 
 def _blocks_case(
@@ -140,3 +140,19 @@ def test_bf16_gemv_act_mul_is_torchs_act_of_its_own_gate_times_up(activation, bl
 
 def _silu(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(x)
+
+
+@pytest.mark.skipif(not q8.available(), reason="cpu_q8.c is vectorized for AVX512-VNNI only")
+@pytest.mark.parametrize("block", q8.BLOCKS)
+@pytest.mark.parametrize("rows", [1, 4, 7])
+def test_f32_gemv_takes_blocks_of_16_and_a_bias(block, rows):
+    """float32 rows cut to 3 bytes: within float32-sized roundings of the exact weight's dot, plus bias."""
+    x, q, scale, w = _blocks_case(rows, 129, 640, block, rows + block)
+    x = x.float() * torch.rand(rows, 640)  # past bf16's precision
+    bias = torch.randn(129)
+    got = q8.qgemv_f32(x, q8.pack(q, block), scale, block, bias, limbs=3).double()
+    xd = x.double()
+    want = xd @ w.t() + bias.double()
+    sx = xd.abs().view(rows, -1, 4).amax(-1) / XQ_MAX[3]
+    bound = (sx / 2).repeat_interleave(4, dim=1) @ w.abs().t() + 1e-6 * (xd.abs() @ w.abs().t() + 1)
+    assert ((got - want).abs() <= bound).all(), float(((got - want).abs() / bound).max())
