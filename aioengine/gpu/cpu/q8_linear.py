@@ -6,9 +6,11 @@ v, gate and up; Q6_K for some down projections): exact as int8 codes with a scal
 1.125-1.25 bytes a weight against bf16's 2 or float32's 4 (cpu_q8.c). The weight is the file's, unrounded;
 the activations are cut to 2 bytes per input for bf16 (finer than their bf16 values except where 4 inputs
 span more than 2^8) and 3 for float32 (about float32's own rounding).
-Past ``MAX_ROWS`` rows the step is compute-bound and the model's own linear (kept beside the codes: the
-packed bf16 GEMM, or float32's transposed one) runs. The bf16 decode stack (cpu_decode_stack.c) makes the
-same choice with the same kernels, so both paths keep one result.
+The kernel's arithmetic per weight is several times the bf16 GEMM's, so past a few rows (``MAX_ROWS``, the
+crossovers measured per dtype and block size) the model's own linear, kept beside the codes, runs: the
+packed bf16 GEMM, or float32's transposed one (which reads 4 bytes a weight and loses until about 16 rows).
+The bf16 decode stack (cpu_decode_stack.c) makes the same choice with the same kernels, so both paths keep
+one result.
 """
 
 from __future__ import annotations
@@ -27,8 +29,13 @@ from aioengine.kernels.cpu import q8
 
 logger = logging.getLogger(__name__)
 
-# Rows up to which the codes run (the LM head's crossover, gpu/cpu/q8_head.py; docs/benchmarks.md).
-MAX_ROWS = 4
+# Rows up to which the codes run, by (dtype, block size): the measured crossovers (docs/benchmarks.md).
+MAX_ROWS = {
+    (torch.bfloat16, 32): 2,
+    (torch.bfloat16, 16): 1,
+    (torch.float32, 32): 16,
+    (torch.float32, 16): 16,
+}
 _LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
@@ -37,7 +44,7 @@ class Q8Linear(nn.Module):
     ``max_rows`` rows, ``gemm`` itself past them: a packed bf16 linear, or a float32 transposed one."""
 
     def __init__(
-        self, found: BlockCodes, gemm: PackedLinear | TransposedLinear, max_rows: int = MAX_ROWS
+        self, found: BlockCodes, gemm: PackedLinear | TransposedLinear, max_rows: int | None = None
     ) -> None:
         super().__init__()
         assert _takes(gemm)
@@ -46,7 +53,8 @@ class Q8Linear(nn.Module):
         self.out_features, self.in_features = gemm.out_features, gemm.in_features
         self.dtype = torch.bfloat16 if isinstance(gemm, PackedLinear) else torch.float32
         self.bias, self.activation = gemm.bias, getattr(gemm, "activation", None)
-        self.block, self.max_rows = found.block, max_rows
+        self.block = found.block
+        self.max_rows = MAX_ROWS[self.dtype, self.block] if max_rows is None else max_rows
         codes, scales = found.codes, found.scales
         if self.activation is not None:  # gate/up row pairs: the kernel's epilogue sees both halves at once
             half = self.out_features // 2

@@ -127,10 +127,11 @@ def test_steps_with_prompt_chunks_give_the_python_paths_bits(tmp_path, arch, seq
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 @pytest.mark.parametrize(
     ("seq_lens", "query_lens"),
-    [([40], None), ([17, 1, 40, 33], None), ([17, 1, 40, 33, 16], None), ([17, 40, 33], [1, 1, 33])],
+    [([40], None), ([17, 33], None), ([17, 1, 40, 33, 16], None), ([17, 40, 33], [1, 1, 33])],
 )
 def test_the_stack_on_block_codes_gives_the_python_paths_bits(tmp_path, arch, seq_lens, query_lens):
-    """Steps of up to 4 rows run the codes, larger ones the GEMMs, in both paths alike."""
+    """Steps of up to each linear's max_rows run its codes (blocks of 32 to 2 rows, of 16 one row), larger
+    ones the GEMMs, in both paths alike."""
     model, cfg, backend = _model(tmp_path, arch, codes=True)
     want, want_kv = _decode(model, cfg, backend, False, seq_lens, query_lens)
     got, got_kv = _decode(model, cfg, backend, True, seq_lens, query_lens)

@@ -8,7 +8,7 @@ import torch
 
 from aioengine.gpu.cpu.backend import CpuBackend
 from aioengine.gpu.cpu.linear import pack_linears
-from aioengine.gpu.cpu.q8_linear import MAX_ROWS, Q8Linear, attach_q8_linears
+from aioengine.gpu.cpu.q8_linear import Q8Linear, attach_q8_linears
 from aioengine.gpu.loader import load_model
 from aioengine.kernels.cpu import clib, q8
 from tests.engine.conftest import make_tiny_checkpoint
@@ -49,10 +49,10 @@ def test_every_coded_projection_runs_its_codes_for_few_rows_and_its_own_linear_p
         (layer.mlp.down_proj, ref.mlp.down_proj.weight),
     ):  # fmt: skip
         assert isinstance(module, Q8Linear)
-        for rows in (1, MAX_ROWS, MAX_ROWS + 1):
+        for rows in (1, module.max_rows, module.max_rows + 1):
             x = torch.randn(rows, module.in_features, generator=gen).to(dtype)
             got = module(x)
-            if rows > MAX_ROWS:
+            if rows > module.max_rows:
                 assert torch.equal(got, module.gemm(x))
                 continue
             exact = x.double() @ weight.detach().double().t()
