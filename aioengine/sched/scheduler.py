@@ -156,14 +156,11 @@ class Scheduler:
             if request.num_drafts_in_flight or request.proposing:
                 i += 1  # how many of its drafts hold decides where it goes on: wait for the verdict
                 continue
+            if self._all_in_flight(request):
+                i += 1  # no extra step
+                continue
             placeholders = request.num_output_placeholders
             num_tokens = len(request.all_token_ids)
-            if placeholders and (
-                num_tokens - request.num_prompt_tokens + placeholders >= request.max_tokens
-                or num_tokens + placeholders >= max_model_len
-            ):
-                i += 1  # every remaining token is already in flight: no extra step
-                continue
             need = num_tokens + placeholders - request.num_computed_tokens
             if 0 < threshold < need:
                 need = threshold
@@ -298,13 +295,22 @@ class Scheduler:
         self._update_after_schedule(out)
         return out
 
+    def _all_in_flight(self, request: Request) -> bool:
+        """Every token the request may still get is already in flight (async placeholders)."""
+        placeholders = request.num_output_placeholders
+        num_tokens = len(request.all_token_ids)
+        return bool(placeholders) and (
+            num_tokens - request.num_prompt_tokens + placeholders >= request.max_tokens
+            or num_tokens + placeholders >= self.max_model_len
+        )
+
     def _decode_features(self) -> StepFeatures:
         """The decodes the running requests will add to this step (before any prompt chunk is planned)."""
         step = StepFeatures()
         if self.step_cost is None:
             return step
-        for r in self.running:
-            if r.num_drafts_in_flight or r.proposing:
+        for r in self.running:  # the running pass's own skips, so the prediction counts the rows it plans
+            if r.num_drafts_in_flight or r.proposing or self._all_in_flight(r):
                 continue
             if len(r.all_token_ids) + r.num_output_placeholders - r.num_computed_tokens == 1:
                 step.decode_rows += 1

@@ -119,9 +119,11 @@ def test_the_scheduler_cuts_prompt_chunks_to_the_target_and_never_starves():
         assert predicted <= limit * (1 + 1e-9) or f.prefill_tokens <= 16, (f, predicted)
     # the token budget alone would have taken 512-token chunks: the target cut them
     assert max(f.prefill_tokens for f, _ in prefill_steps) < 512
-    # decodes are never starved: every request ready to decode got its token in each step
-    for _, _, out, ready in steps:
+    # decodes are never starved: every request ready to decode got its token in each step; and the
+    # prediction counted exactly those rows (not the requests whose last tokens are all in flight)
+    for f, _, out, ready in steps:
         assert sum(1 for n in out.num_scheduled_tokens.values() if n == 1) >= ready
+        assert f.decode_rows == ready
     assert all(len(driver.outputs[r]) == 40 for r in driver.outputs)
 
 
