@@ -11,8 +11,10 @@ not a multiple of 64) gets None, and keeps its GEMM.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -24,7 +26,7 @@ from aioengine.gpu.loader import safetensors_files
 SYMMETRIC_32 = (32, (127, 16, 8))
 SYMMETRIC_16 = (16, tuple(range(32, 0, -1)))
 KINDS = (SYMMETRIC_32, SYMMETRIC_16)
-_CHUNK_ROWS = 16384
+_CHUNK_ROWS = 2048  # a chunk's temporaries stay in cache
 _PROBE_ROWS = 64  # the first chunk: a weight that is not of this kind usually fails there, at little cost
 
 Read = Callable[[int, int], torch.Tensor]  # rows r0..r1 of the weight
@@ -62,49 +64,57 @@ def _search(read: Read, n: int, k: int, block: int, largest: tuple[int, ...]) ->
         blocks = w.reshape(r1 - r0, k // block, block)
         amax = blocks.abs().amax(-1)
         scale = torch.zeros_like(amax)
-        todo = amax > 0  # a NaN block stays "done" at scale 0 and fails the check below
+        q = torch.zeros_like(blocks)
+        todo = amax > 0  # NaN (and all-zero) blocks stay at scale 0, code 0: the check below fails NaN
         for top in largest:
             if not todo.any():
                 break
             # amax = top * d exactly, so amax / top is d: the quotient is representable
             s = amax / top
-            ok = todo & ((blocks / s[..., None]).round() * s[..., None] == blocks).all(-1)
+            guess = (blocks / s[..., None]).round_()
+            ok = todo & (guess * s[..., None] == blocks).all(-1)
             scale = torch.where(ok, s, scale)
+            q = torch.where(ok[..., None], guess, q)
             todo &= ~ok
-        if todo.any():
-            return None
-        q = torch.where(scale[..., None] > 0, blocks / scale[..., None], torch.zeros(())).round_()
-        if not torch.equal(q * scale[..., None], blocks):  # NaN and inf fail here too
+        if todo.any() or not torch.equal(q * scale[..., None], blocks):  # NaN and inf fail here too
             return None
         codes[r0:r1], scales[r0:r1] = q.to(torch.int8).reshape(r1 - r0, k), scale
     return BlockCodes(codes, scales, block)
 
 
-def read_block_codes(
-    checkpoint: str | os.PathLike[str],
-    names: list[str],
-    kinds: Iterable[tuple[int, tuple[int, ...]]] = KINDS,
-) -> BlockCodes | None:
-    """The codes of the checkpoint's float32 tensors ``names`` stacked by rows (a fused weight's shards, in
-    order), all of one block size; None when one is missing, not float32 2-D, or has no exact codes."""
+@contextmanager
+def float32_matrices(checkpoint: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
+    """The checkpoint's float32 2-D tensors by name, as safetensors slices (read a range of rows at a time),
+    its files open for the context; empty when it has none (a bf16 or float16 checkpoint), or no files."""
     try:
         files = safetensors_files(checkpoint)
     except FileNotFoundError:
-        return None
+        files = []
+    with ExitStack() as stack:
+        found: dict[str, Any] = {}
+        for file in files:  # each file's header parsed once, however many tensors are asked for
+            f = stack.enter_context(safe_open(file, framework="pt", device="cpu"))
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                part = f.get_slice(name)
+                if part.get_dtype() == "F32" and len(part.get_shape()) == 2:
+                    found[name] = part
+        yield found
+
+
+def read_block_codes(
+    matrices: dict[str, Any],
+    names: list[str],
+    kinds: Iterable[tuple[int, tuple[int, ...]]] = KINDS,
+) -> BlockCodes | None:
+    """The codes of the tensors ``names`` (of ``float32_matrices``) stacked by rows (a fused weight's shards,
+    in order), all of one block size; None when one is missing or has no exact codes."""
     kinds = tuple(kinds)
     parts: list[BlockCodes] = []
     for name in names:
-        found = None
-        for file in files:
-            with safe_open(file, framework="pt", device="cpu") as f:
-                if name not in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                    continue
-                part = f.get_slice(name)
-                shape = part.get_shape()
-                if part.get_dtype() != "F32" or len(shape) != 2:
-                    return None
-                found = block_codes(lambda r0, r1, part=part: part[r0:r1], *shape, kinds=kinds)
-                break
+        part = matrices.get(name)
+        if part is None:
+            return None
+        found = block_codes(lambda r0, r1, part=part: part[r0:r1], *part.get_shape(), kinds=kinds)
         if found is None or (parts and found.codes.shape[1:] != parts[0].codes.shape[1:]):
             return None
         if parts and found.block != parts[0].block:

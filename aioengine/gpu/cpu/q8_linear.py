@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from aioengine.gpu.cpu import huge_pages
-from aioengine.gpu.cpu.block_codes import BlockCodes, read_block_codes
+from aioengine.gpu.cpu.block_codes import BlockCodes, float32_matrices, read_block_codes
 from aioengine.gpu.cpu.linear import PackedLinear, TransposedLinear
 from aioengine.gpu.models.llama import FUSED_SHARDS
 from aioengine.kernels.cpu import q8
@@ -98,18 +98,19 @@ def attach_q8_linears(model: nn.Module, checkpoint: str | os.PathLike[str]) -> i
     if not q8.available():
         return 0
     done, nbytes = 0, 0
-    for name, module in list(model.named_modules()):
-        for attr in _LINEARS:
-            gemm = getattr(module, attr, None)
-            if not _takes(gemm):
-                continue
-            shards = FUSED_SHARDS.get(attr, (attr,))
-            found = read_block_codes(checkpoint, [f"{name}.{shard}.weight" for shard in shards])
-            if found is None or found.codes.shape != (gemm.out_features, gemm.in_features):
-                continue
-            setattr(module, attr, Q8Linear(found, gemm))
-            done += 1
-            nbytes += found.codes.numel() + found.scales.numel() * 4
+    with float32_matrices(checkpoint) as matrices:
+        for name, module in list(model.named_modules()) if matrices else []:
+            for attr in _LINEARS:
+                gemm = getattr(module, attr, None)
+                if not _takes(gemm):
+                    continue
+                shards = FUSED_SHARDS.get(attr, (attr,))
+                found = read_block_codes(matrices, [f"{name}.{shard}.weight" for shard in shards])
+                if found is None or found.codes.shape != (gemm.out_features, gemm.in_features):
+                    continue
+                setattr(module, attr, Q8Linear(found, gemm))
+                done += 1
+                nbytes += found.codes.numel() + found.scales.numel() * 4
     if done:
         logger.info("%d decoder linears on their GGUF block codes for few rows (%d MB)", done, nbytes >> 20)
     return done

@@ -11,7 +11,7 @@ from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize, quantize
 from safetensors.torch import save_file
 
-from aioengine.gpu.cpu.block_codes import block_codes, read_block_codes
+from aioengine.gpu.cpu.block_codes import block_codes, float32_matrices, read_block_codes
 
 
 def _weight(found) -> torch.Tensor:
@@ -95,14 +95,19 @@ def test_read_block_codes_stacks_a_fused_weights_shards(tmp_path):
         "l.v_proj.weight": v,
         "l.down_proj.weight": _dequantized(Q.Q6_K, 128, 256),
         "l.up_proj.weight": torch.randn(64, 128),
+        "l.gate_proj.weight": _dequantized(Q.Q5_0, 64, 256, 4),
         "l.f16.weight": q.half(),
     }
     save_file(tensors, tmp_path / "model.safetensors")
-    found = read_block_codes(tmp_path, ["l.q_proj.weight", "l.k_proj.weight", "l.v_proj.weight"])
-    assert found is not None and found.block == 32
-    assert torch.equal(_weight(found), torch.cat([q, k, v]))
-    assert read_block_codes(tmp_path, ["l.q_proj.weight", "l.up_proj.weight"]) is None  # one shard plain
-    assert read_block_codes(tmp_path, ["l.q_proj.weight", "l.missing.weight"]) is None
-    assert read_block_codes(tmp_path, ["l.f16.weight"]) is None  # not float32
-    assert read_block_codes(tmp_path / "nowhere", ["l.q_proj.weight"]) is None
-    assert read_block_codes(tmp_path, ["l.down_proj.weight"]).block == 16
+    with float32_matrices(tmp_path) as matrices:
+        assert "l.f16.weight" not in matrices  # only float32 matrices are offered
+        found = read_block_codes(matrices, ["l.q_proj.weight", "l.k_proj.weight", "l.v_proj.weight"])
+        assert found is not None and found.block == 32
+        assert torch.equal(_weight(found), torch.cat([q, k, v]))
+        assert read_block_codes(matrices, ["l.q_proj.weight", "l.up_proj.weight"]) is None  # a plain shard
+        assert read_block_codes(matrices, ["l.q_proj.weight", "l.missing.weight"]) is None
+        assert read_block_codes(matrices, ["l.f16.weight"]) is None
+        assert read_block_codes(matrices, ["l.down_proj.weight"]).block == 16
+        assert read_block_codes(matrices, ["l.gate_proj.weight", "l.down_proj.weight"]) is None  # 32 and 16
+    with float32_matrices(tmp_path / "nowhere") as matrices:
+        assert matrices == {}
