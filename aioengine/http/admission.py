@@ -23,6 +23,7 @@ from aioengine.errors import AioEngineError, InvalidRequestError
 from aioengine.http.context import CONFIG, ENGINE, STATE, check_model
 from aioengine.http.fields import APIError, RequestLimits, api_error, bad, parse_json_body
 from aioengine.http.protocol import ChatRequest, CompletionRequest, parse_chat_request
+from aioengine.http.reasoning import closed_in_prompt
 from aioengine.http.request_fields import REQUEST_ID_PATTERN
 from aioengine.tokenizer import apply_chat_template
 
@@ -33,6 +34,7 @@ LOG_PROMPT_CHARS = 256  # --log-requests: how much of a prompt is logged
 # Prompts longer than this (in characters) are tokenized on a worker thread: on the loop, a prompt of
 # megabytes stalls every stream for seconds; the tokenizer releases the GIL, so the loop keeps serving.
 OFFLOAD_CHARS = 1 << 16
+_PROMPT_TAIL = 64  # tokens of a rendered chat prompt that hold its generation prompt (and any think block)
 
 R = TypeVar("R", ChatRequest, CompletionRequest)
 # parse_chat_request / parse_completion_request: (body, allow_priority, limits, generation defaults) -> req
@@ -124,15 +126,10 @@ def request_id(given: str | None, prefix: str) -> str:
 async def prepare(engine: EngineClient, req: ChatRequest | CompletionRequest) -> PrecompiledGrammar | None:
     """The slow parts of starting a request, off the event loop (the tokenizer and xgrammar release the
     GIL): compile the grammar, once, for the engine call; tokenize (chat: template) prompts over
-    OFFLOAD_CHARS characters into ``req.prompt_ids``."""
+    OFFLOAD_CHARS characters into ``req.prompt_ids``. A chat whose answer alone is constrained is rendered
+    first in any case: where its template already closed the think block, the constraint covers it all."""
     grammar = None
-    if req.params.structured_outputs is not None:
-        try:
-            grammar = await engine.precompile(req.params)
-        except InvalidRequestError as e:
-            if isinstance(req, ChatRequest) and req.tools is not None and req.tools.structured_outputs():
-                raise bad(f"A tool's parameters schema cannot force the call: {e.message}", "tools") from None
-            raise
+    so = req.params.structured_outputs
     if isinstance(req, ChatRequest):
         size = sum(len(m["content"]) for m in req.messages)
         if req.tools is not None:  # the template renders them too (Qwen's writes each as JSON)
@@ -141,6 +138,20 @@ async def prepare(engine: EngineClient, req: ChatRequest | CompletionRequest) ->
             req.prompt_ids = await asyncio.to_thread(
                 apply_chat_template, engine.tokenizer, req.messages, **req.chat_template_kwargs
             )
+        elif so is not None and so.reasoning is not None:  # the prompt decides where the constraint starts
+            req.prompt_ids = apply_chat_template(engine.tokenizer, req.messages, **req.chat_template_kwargs)
+        if so is not None and so.reasoning is not None and req.prompt_ids is not None:
+            tail = engine.tokenizer.decode(req.prompt_ids[-_PROMPT_TAIL:])
+            if closed_in_prompt(tail):  # the template closed the block itself: constrain all, as vLLM does
+                so.reasoning = None
+    if so is not None:
+        try:
+            grammar = await engine.precompile(req.params)
+        except InvalidRequestError as e:
+            if isinstance(req, ChatRequest) and req.tools is not None and req.tools.structured_outputs():
+                raise bad(f"A tool's parameters schema cannot force the call: {e.message}", "tools") from None
+            raise
+    if isinstance(req, ChatRequest):
         return grammar
     for i, p in enumerate(req.prompts):
         if isinstance(p, str) and len(p) > OFFLOAD_CHARS:

@@ -71,6 +71,10 @@ MESSAGE = Tagged(
                 "refusal": _TEXT,
                 "tool_calls": TOOL_CALLS,
                 "tool_call_id": _NOT_TOOL,
+                # what a reasoning parser split off an earlier answer (vLLM takes either name): templates
+                # such as Qwen3's render it for the turns after the last user message
+                "reasoning_content": _TEXT,
+                "reasoning": _TEXT,
             }
         ),
         "tool": Obj(
@@ -83,7 +87,8 @@ MESSAGES = Array(MESSAGE, min_items=1, max_items=lambda limits: limits.max_messa
 
 
 def parse_messages(raw: Any, limits: RequestLimits = DEFAULT_LIMITS) -> list[dict]:
-    """The chat template's messages: checked against MESSAGES, text parts joined, developer as system."""
+    """The chat template's messages: checked against MESSAGES, text parts joined, developer as system, an
+    assistant's reasoning as ``reasoning_content``."""
     MESSAGES.check(raw, "messages", SchemaContext(limits))
     out = []
     for m in raw:
@@ -97,6 +102,9 @@ def parse_messages(raw: Any, limits: RequestLimits = DEFAULT_LIMITS) -> list[dic
                 msg[key] = m[key]
         if m.get("tool_calls") is not None:
             msg["tool_calls"] = template_tool_calls(m["tool_calls"])
+        reasoning = m.get("reasoning_content", m.get("reasoning"))
+        if role == "assistant" and reasoning is not None:
+            msg["reasoning_content"] = reasoning
         out.append(msg)
     return out
 

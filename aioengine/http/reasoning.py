@@ -74,3 +74,10 @@ def split(kind: str, text: str) -> tuple[str | None, str]:
     parser = ReasoningParser(kind)
     reasoning, content = parser.feed(text, final=True)
     return (reasoning if parser.reasoned else None), content
+
+
+def closed_in_prompt(prompt_tail: str) -> bool:
+    """Whether a rendered prompt's tail already closes its think block (Qwen3's template with
+    ``enable_thinking: false`` writes an empty one): what the model writes then is all answer."""
+    start = prompt_tail.rfind(START)
+    return start >= 0 and prompt_tail.find(END, start) >= 0
