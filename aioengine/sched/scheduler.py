@@ -72,6 +72,8 @@ class Scheduler:
         self.waiting = create_request_queue(config.policy)
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()  # since the last schedule(), for the runner
+        # Steps scheduled and not yet updated: id(SchedulerOutput) -> (it, its request ids' Request objects).
+        self._in_flight: dict[int, tuple[SchedulerOutput, dict[str, Request]]] = {}
         self.num_preemptions_total = 0
         self._num_preemptions_step = 0
         self._num_scheduled_tokens_since_stats = 0
@@ -288,6 +290,8 @@ class Scheduler:
             num_drafts_to_propose=to_propose,
             step_features=step if self.step_cost is not None else None,
         )
+        if num_scheduled:  # which Request each of the step's ids meant (update_from_output checks it)
+            self._in_flight[id(out)] = (out, {rid: self.requests[rid] for rid in num_scheduled})
         self.prefill_caps += prefill_cap.cut
         self.finished_req_ids = set()
         self._num_preemptions_step += len(preempted)
@@ -419,13 +423,16 @@ class Scheduler:
             cost.observe(features, runner_output.step_time_s)  # the fit follows the measured steps
         if runner_output.pooler_output:
             outputs.extend(self._finish_pooled(runner_output.pooler_output))
+        _, planned = self._in_flight.pop(id(scheduler_output), (None, {}))
         for i, req_id in enumerate(runner_output.req_ids):
             new_token_ids = sampled[i]
             if not new_token_ids:
                 continue  # a prefill chunk (or an embedding) produces no token
             request = requests.get(req_id)
-            if request is None:
-                continue  # finished (aborted, stopped) while this step was in flight
+            if request is None or planned.get(req_id, request) is not request:
+                # finished (aborted, stopped) while this step was in flight, maybe with its id taken since
+                # by a new request, which this step's token is not for
+                continue
             if req_id in scheduler_output.num_drafts_to_propose:
                 request.proposing = False
                 request.draft_token_ids = proposed[i] if proposed is not None else []
