@@ -41,12 +41,7 @@ def qgemv_f32(
     (contiguous): float32 ``[M, N]``, or with ``argmax`` each row's argmax (int64 ``[M]``, as torch picks it)
     without writing the logits. x is rounded once, per 4 inputs, to ``limbs`` bytes: 3 (float32 activations,
     2^-24 of the 4's largest) or 2 (bf16 ones, 2^-16); cpu_q8.c says how. Nothing else is rounded."""
-    m, k = x.shape
-    n = packed.shape[0]
-    assert x.dtype == torch.float32 and x.stride(1) == 1 and k % 64 == 0 and block in BLOCKS
-    assert packed.dtype == torch.uint8 and packed.is_contiguous() and packed.shape[1] == k
-    assert scale.dtype == torch.float32 and scale.shape == (n, k // block) and scale.is_contiguous()
-    assert bias is None or (bias.dtype == torch.float32 and bias.shape == (n,) and bias.is_contiguous())
+    m, k, n = _shapes(x, torch.float32, packed, scale, block, bias)
     y = torch.empty(m, dtype=torch.int64) if argmax else torch.empty((m, n), dtype=torch.float32)
     status = _lib().qgemv_q8_f32(
         x.data_ptr(),
@@ -80,12 +75,7 @@ def qgemv_bf16(
     ``block`` inputs (``packed = pack(q, block)``, float32 ``scale [N, K / block]``), rounded to bf16 once.
     With ``activation`` the codes' rows are gate/up pairs and the result is ``act(gate) * up`` ``[M, N / 2]``
     in clib.gemm's GEMM_ACT_MUL roundings. x is cut to 2 bytes per input, as ``qgemv_f32``'s ``limbs=2``."""
-    m, k = x.shape
-    n = packed.shape[0]
-    assert x.dtype == torch.bfloat16 and x.stride(1) == 1 and k % 64 == 0 and block in BLOCKS
-    assert packed.dtype == torch.uint8 and packed.is_contiguous() and packed.shape[1] == k
-    assert scale.dtype == torch.float32 and scale.shape == (n, k // block) and scale.is_contiguous()
-    assert bias is None or (bias.dtype == torch.bfloat16 and bias.shape == (n,) and bias.is_contiguous())
+    m, k, n = _shapes(x, torch.bfloat16, packed, scale, block, bias)
     if activation is not None:
         assert bias is None and n % 2 == 0
         y = torch.empty((m, n // 2), dtype=torch.bfloat16)
@@ -110,6 +100,24 @@ def qgemv_bf16(
     )
     _check(status)
     return y
+
+
+def _shapes(
+    x: torch.Tensor,
+    dtype: torch.dtype,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    block: int,
+    bias: torch.Tensor | None,
+) -> tuple[int, int, int]:
+    """(M, K, N) of a call, its tensors checked against what the kernels read."""
+    m, k = x.shape
+    n = packed.shape[0]
+    assert x.dtype == dtype and x.stride(1) == 1 and k % 64 == 0 and block in BLOCKS
+    assert packed.dtype == torch.uint8 and packed.is_contiguous() and packed.shape[1] == k
+    assert scale.dtype == torch.float32 and scale.shape == (n, k // block) and scale.is_contiguous()
+    assert bias is None or (bias.dtype == dtype and bias.shape == (n,) and bias.is_contiguous())
+    return m, k, n
 
 
 def _lib():  # type: ignore[no-untyped-def]
