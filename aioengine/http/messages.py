@@ -102,7 +102,9 @@ def parse_messages(raw: Any, limits: RequestLimits = DEFAULT_LIMITS) -> list[dic
                 msg[key] = m[key]
         if m.get("tool_calls") is not None:
             msg["tool_calls"] = template_tool_calls(m["tool_calls"])
-        reasoning = m.get("reasoning_content", m.get("reasoning"))
+        reasoning = m.get("reasoning_content")
+        if reasoning is None:  # null means absent: the other name may carry it
+            reasoning = m.get("reasoning")
         if role == "assistant" and reasoning is not None:
             msg["reasoning_content"] = reasoning
         out.append(msg)

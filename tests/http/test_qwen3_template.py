@@ -194,3 +194,21 @@ def test_reasoning_and_answer_split_under_the_template(qwen3):
         for key in streamed:
             streamed[key] += delta.get(key) or ""
     assert streamed == {"reasoning_content": whole["reasoning_content"], "content": whole["content"]}
+
+
+def test_either_name_of_an_earlier_reasoning_reaches_the_template_and_null_is_absent():
+    from aioengine.http.messages import parse_messages
+
+    for given in (
+        {"reasoning_content": "r"},
+        {"reasoning": "r"},
+        {"reasoning_content": None, "reasoning": "r"},
+    ):
+        msgs = parse_messages(
+            [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", **given}]
+        )
+        assert msgs[1]["reasoning_content"] == "r"
+    assert (
+        "reasoning_content"
+        not in parse_messages([{"role": "assistant", "content": "a", "reasoning": None}])[0]
+    )
