@@ -28,7 +28,7 @@ async def run_throughput(args) -> dict:
         bar = tqdm(total=len(requests), desc="requests", disable=args.no_progress)
 
         async def one(req):
-            params = SamplingParams(temperature=0, max_tokens=req.output_len, ignore_eos=True)
+            params = SamplingParams(temperature=0, max_tokens=req.output_len, ignore_eos=args.ignore_eos)
             out = await engine.generate(req.prompt_token_ids, params)
             out.metrics["finish_time"] = time.monotonic()
             bar.update(1)
@@ -71,6 +71,7 @@ async def run_throughput(args) -> dict:
         "requests_per_s": len(requests) / elapsed,
         "input_tokens": in_tokens,
         "output_tokens": out_tokens,
+        "ignore_eos": args.ignore_eos,
         "input_tokens_per_s": in_tokens / elapsed,
         "output_tokens_per_s": out_tokens / elapsed,
         "total_tokens_per_s": (in_tokens + out_tokens) / elapsed,
@@ -188,6 +189,13 @@ def main(argv: list[str]) -> dict:
         "--profile-host",
         metavar="FILE",
         help="cProfile the loop and the device worker during the run; write the top functions to FILE",
+    )
+    ap.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="every request runs to --output-len (the default); --no-ignore-eos ends each where the model "
+        "ends it, as a user's request does (the grounded dataset's answer is the copy, not what follows it)",
     )
     ap.add_argument("--output-json")
     args = ap.parse_args(argv)

@@ -8,6 +8,7 @@ import pytest
 
 from aioengine.bench import main as bench_main
 from aioengine.bench.datasets import (
+    grounded_workload,
     prefix_repetition_workload,
     random_workload,
     shared_workload,
@@ -71,6 +72,43 @@ def test_bench_throughput_reports(tiny, tmp_path, dataset, capsys):
     assert all(v > 0 for v in host.values()) and host["worker_forward"] < 1e3 * r["elapsed_s"]
     out = capsys.readouterr().out
     assert "output tokens/s" in out and "Host ms per step: loop_outputs" in out
+
+
+def test_bench_throughput_no_ignore_eos_ends_each_request_at_its_eos(tiny, tmp_path):
+    """--no-ignore-eos: a request stops at the checkpoint's EOS, which is made here a token greedy decoding
+    writes early; by default every request runs to --output-len."""
+    import asyncio
+    import shutil
+
+    from aioengine.engine import AsyncEngine
+    from aioengine.sampling_params import SamplingParams
+
+    async def greedy(model) -> list[list[int]]:
+        async with AsyncEngine(model=str(model), max_model_len=512) as engine:
+            prompts = grounded_workload(engine.tokenizer, 2, 8)
+            params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+            outs = [await engine.generate(r.prompt_token_ids, params) for r in prompts]
+            return [list(o.outputs[0].token_ids) for o in outs]
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny, model)
+    first, second = asyncio.run(greedy(model))
+    eos = next(t for i, t in enumerate(first) if i >= 2 and t not in first[:i])
+    for name in ("config.json", "generation_config.json"):
+        path = model / name
+        if path.exists():
+            cfg = json.loads(path.read_text())
+            cfg["eos_token_id"] = eos
+            path.write_text(json.dumps(cfg))
+    expected = sum(out.index(eos) + 1 if eos in out else len(out) for out in (first, second))
+    assert expected < 16
+    for flags, want in (([], 16), (["--no-ignore-eos"], expected)):
+        out = tmp_path / "r.json"
+        args = ["throughput", "--model", str(model), "--dataset", "grounded", "--num-prompts", "2"]
+        args += ["--output-len", "8", "--max-model-len", "512", "--no-progress", "--output-json", str(out)]
+        assert bench_main(args + flags) == 0
+        r = json.loads(out.read_text())
+        assert r["output_tokens"] == want and r["ignore_eos"] == (not flags)
 
 
 def test_bench_latency_reports(tiny, tmp_path):
