@@ -16,8 +16,8 @@ from aioengine import AsyncEngine, EngineArgs, SamplingParams  # noqa: E402
 from aioengine.gpu.cpu.q8_linear import Q8Linear  # noqa: E402
 from aioengine.kernels.cpu import q8  # noqa: E402
 from aioengine.model_files import resolve_model  # noqa: E402
+from tests.engine.greedy_ref import NEW_TOKENS, assert_equal_up_to_ties, hf_greedy  # noqa: E402
 
-NEW_TOKENS = 8
 WINDOW = 512
 
 
@@ -52,30 +52,6 @@ def _text_prompt(tokenizer, n: int, seed: int) -> list[int]:
     ids = tokenizer(" ".join(sentences)).input_ids
     assert len(ids) >= n
     return ids[:n]
-
-
-def _hf_greedy(hf, prompt: list[int]) -> list[int]:
-    with torch.no_grad():
-        out = hf.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()
-
-
-def _assert_equal_up_to_ties(hf, prompt: list[int], want: list[int], got: list[int]) -> None:
-    for k, (w, g) in enumerate(zip(want, got, strict=True)):
-        if w != g:
-            with torch.no_grad():
-                logits = hf(torch.tensor([prompt + want[:k]])).logits[0, -1]
-            top2 = logits.topk(2).values
-            assert float(top2[0] - top2[1]) <= 1e-3, (
-                f"token {k}: {g} != {w}, top-2 gap {float(top2[0] - top2[1])}"
-            )
-            return  # after a tie the two continuations may differ
 
 
 def test_the_converted_norms_follow_transformers_gemma_rule(gemma):
@@ -113,7 +89,7 @@ def test_greedy_parity_short_and_long_chunked_and_prefix_hit(gemma):
         base,  # over two windows long
         base[:600] + _text_prompt(tokenizer, 40, seed=2),  # shares 600 tokens with the others
     ]
-    expected = [_hf_greedy(hf, p) for p in prompts]
+    expected = [hf_greedy(hf, p) for p in prompts]
 
     async def run():
         args = EngineArgs(
@@ -133,4 +109,4 @@ def test_greedy_parity_short_and_long_chunked_and_prefix_hit(gemma):
     # Q8_0) in every layer and the Q6_K down projections, not the Q4_K ones
     assert codes == (2 * 18 + 9 if q8.available() else 0)
     for p, want, have in zip(prompts, expected, got, strict=True):
-        _assert_equal_up_to_ties(hf, p, want, have)
+        assert_equal_up_to_ties(hf, p, want, have)

@@ -250,8 +250,8 @@ class CpuBackend(Backend):
         if quantization is not None:
             quantize_model(model, quantization, linear=linear, c_kernels=self.kernels.cpu_kernels)
         pack_linears(model, linear)
-        # A GGUF's Q8_0 head and the layers' symmetric block types, exact from the converted float32
-        # weights (a tensor-parallel rank's weights are slices of the file's: they keep the GEMM).
+        # A GGUF's Q8_0 head and the layers' block types (symmetric, and Q4_1), exact from the converted
+        # float32 weights (a tensor-parallel rank's weights are slices of the file's: they keep the GEMM).
         k = self.kernels
         if checkpoint and quantization is None and k.cpu_kernels and self.ops.tp is None:
             if k.cpu_q8_head:

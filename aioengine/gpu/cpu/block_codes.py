@@ -1,11 +1,13 @@
-"""Exact int8 block codes of a GGUF's weights, recovered from the converted checkpoint's float32 copy.
+"""Exact block codes of a GGUF's weights, recovered from the converted checkpoint's float32 copy.
 
 GGUF's symmetric block types dequantize to ``code * scale``: one scale per 32 inputs for Q8_0, Q5_0 and Q4_0
 (codes up to 127, 16 and 8), one per 16 for Q6_K (codes up to 32). Both factors are small enough that the
 product is exact in float32, and the converted cache holds those products, so the codes and scales come back
-bit for bit: a block's scale is its largest ``|w|`` over that largest code. Each candidate is verified on the
-whole block; a weight that is not such a dequantization (float16 checkpoints, K-quants with offsets, rows
-not a multiple of 64) gets None, and keeps its GEMM.
+bit for bit: a block's scale is its largest ``|w|`` over that largest code. Q4_1 (``affine=True``)
+dequantizes to ``code * d + m`` with codes in [0, 15] and float16 d and m per 32: m is the block's smallest
+weight (llama.cpp gives the smallest code 0) and d the float16 next to its span over 15. Each candidate is
+verified on the whole block; a weight that is not such a dequantization (float16 checkpoints, K-quants with
+offsets, rows not a multiple of 64) gets None, and keeps its GEMM.
 """
 
 from __future__ import annotations
@@ -34,23 +36,28 @@ Read = Callable[[int, int], torch.Tensor]  # rows r0..r1 of the weight
 
 @dataclass(slots=True)
 class BlockCodes:
-    codes: torch.Tensor  # int8 [N, K]
+    codes: torch.Tensor  # int8 [N, K]; with mins, uint8 in [0, 15]
     scales: torch.Tensor  # float32 [N, K / block]
     block: int
+    mins: torch.Tensor | None = None  # float32 [N, K / 32]: the weight is codes * scales + mins
 
 
 def block_codes(
-    read: Read, n: int, k: int, kinds: Iterable[tuple[int, tuple[int, ...]]] = KINDS
+    read: Read,
+    n: int,
+    k: int,
+    kinds: Iterable[tuple[int, tuple[int, ...]]] = KINDS,
+    affine: bool = False,
 ) -> BlockCodes | None:
     """The codes of the ``[n, k]`` float32 weight whose rows ``read(r0, r1)`` gives, for the first of
-    ``kinds`` that reproduces every block exactly; None for none."""
+    ``kinds`` (then Q4_1's, with ``affine``) that reproduces every block exactly; None for none."""
     if k % 64:
         return None
     for block, largest in kinds:
         found = _search(read, n, k, block, largest)
         if found is not None:
             return found
-    return None
+    return _affine_search(read, n, k) if affine else None
 
 
 def _search(read: Read, n: int, k: int, block: int, largest: tuple[int, ...]) -> BlockCodes | None:
@@ -82,6 +89,41 @@ def _search(read: Read, n: int, k: int, block: int, largest: tuple[int, ...]) ->
     return BlockCodes(codes, scales, block)
 
 
+_F16_NEIGHBOURS = (0, -1, 1, -2, 2)  # float16 steps around the span's quotient: d's rounding may sit there
+
+
+def _affine_search(read: Read, n: int, k: int, block: int = 32, top: int = 15) -> BlockCodes | None:
+    codes = torch.empty((n, k), dtype=torch.uint8)
+    scales = torch.empty((n, k // block), dtype=torch.float32)
+    mins = torch.empty_like(scales)
+    for r0 in [0, *range(_PROBE_ROWS, n, _CHUNK_ROWS)]:
+        r1 = min(n, _PROBE_ROWS if r0 == 0 else r0 + _CHUNK_ROWS)
+        w = read(r0, r1)
+        if w.dtype != torch.float32:
+            return None
+        blocks = w.reshape(r1 - r0, k // block, block)
+        low, high = blocks.amin(-1), blocks.amax(-1)
+        if not (low.isfinite().all() and high.isfinite().all()):
+            return None
+        done = high == low  # a flat block: code 0, d 0
+        scale = torch.zeros_like(low)
+        q = torch.zeros_like(blocks)
+        bits = ((high - low) / top).half().view(torch.int16)
+        for step in _F16_NEIGHBOURS:
+            if done.all():
+                break
+            d = (bits + step).view(torch.float16).float()
+            guess = ((blocks - low[..., None]) / d[..., None]).round_().clamp_(0, top)
+            ok = ~done & (d > 0) & (guess * d[..., None] + low[..., None] == blocks).all(-1)
+            scale = torch.where(ok, d, scale)
+            q = torch.where(ok[..., None], guess, q)
+            done |= ok
+        if not done.all() or not torch.equal(q * scale[..., None] + low[..., None], blocks):
+            return None
+        codes[r0:r1], scales[r0:r1], mins[r0:r1] = q.to(torch.uint8).reshape(r1 - r0, k), scale, low
+    return BlockCodes(codes, scales, block, mins)
+
+
 @contextmanager
 def float32_matrices(checkpoint: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
     """The checkpoint's float32 2-D tensors by name, as safetensors slices (read a range of rows at a time),
@@ -105,25 +147,28 @@ def read_block_codes(
     matrices: dict[str, Any],
     names: list[str],
     kinds: Iterable[tuple[int, tuple[int, ...]]] = KINDS,
+    affine: bool = False,
 ) -> BlockCodes | None:
     """The codes of the tensors ``names`` (of ``float32_matrices``) stacked by rows (a fused weight's shards,
-    in order), all of one block size; None when one is missing or has no exact codes."""
+    in order), all of one kind and block size; None when one is missing or has no exact codes."""
     kinds = tuple(kinds)
     parts: list[BlockCodes] = []
     for name in names:
         part = matrices.get(name)
         if part is None:
             return None
-        found = block_codes(lambda r0, r1, part=part: part[r0:r1], *part.get_shape(), kinds=kinds)
+        rows = part.get_shape()
+        found = block_codes(lambda r0, r1, part=part: part[r0:r1], *rows, kinds=kinds, affine=affine)
         if found is None or (parts and found.codes.shape[1:] != parts[0].codes.shape[1:]):
             return None
-        if parts and found.block != parts[0].block:
+        if parts and (found.block != parts[0].block or (found.mins is None) != (parts[0].mins is None)):
             return None
         parts.append(found)
     if not parts:
         return None
     if len(parts) == 1:
         return parts[0]
+    mins = None if parts[0].mins is None else torch.cat([p.mins for p in parts if p.mins is not None])
     return BlockCodes(
-        torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]), parts[0].block
+        torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]), parts[0].block, mins
     )

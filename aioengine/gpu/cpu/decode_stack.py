@@ -27,7 +27,7 @@ _P, _I64, _F, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 
 
 class _Q8Codes(ctypes.Structure):  # cpu_decode_stack.c's q8_codes
-    _fields_ = [("codes", _P), ("scales", _P), ("block", _I64), ("max_rows", _I64)]
+    _fields_ = [("codes", _P), ("scales", _P), ("mins", _P), ("block", _I64), ("max_rows", _I64)]
 
 
 class _LayerWeights(ctypes.Structure):  # cpu_decode_stack.c's layer_weights
@@ -112,7 +112,8 @@ def _packed(module: Any, epilogue: int) -> bool:
 def _q8(module: Any) -> _Q8Codes:
     if not isinstance(module, Q8Linear):
         return _Q8Codes()
-    return _Q8Codes(module.packed.data_ptr(), module.scales.data_ptr(), module.block, module.max_rows)
+    mins = 0 if module.mins is None else module.mins.data_ptr()
+    return _Q8Codes(module.packed.data_ptr(), module.scales.data_ptr(), mins, module.block, module.max_rows)
 
 
 class CpuDecodeStack:

@@ -2,8 +2,9 @@
 
 In GGUF's common quant mixes most of a layer's weights are symmetric block types (Q5_0 or Q8_0 for q, k,
 v, gate and up; Q6_K for some down projections): exact as int8 codes with a scale per 32 or 16 inputs
-(gpu/cpu/block_codes.py). At a few rows a decode step streams every weight from DRAM, and the codes are
-1.125-1.25 bytes a weight against bf16's 2 or float32's 4 (cpu_q8.c). The weight is the file's, unrounded;
+(gpu/cpu/block_codes.py). Q4_1 files hold 4-bit codes with a scale and an offset per 32. At a few rows a
+decode step streams every weight from DRAM, and the codes are 0.75-1.25 bytes a weight against bf16's 2 or
+float32's 4 (cpu_q8.c). The weight is the file's, unrounded;
 the activations are cut to 2 bytes per input for bf16 (finer than their bf16 values except where 4 inputs
 span more than 2^8) and 3 for float32 (about float32's own rounding).
 The kernel's arithmetic per weight is several times the bf16 GEMM's, so past a few rows (``MAX_ROWS``, the
@@ -55,15 +56,18 @@ class Q8Linear(nn.Module):
         self.bias, self.activation = gemm.bias, getattr(gemm, "activation", None)
         self.block = found.block
         self.max_rows = MAX_ROWS[self.dtype, self.block] if max_rows is None else max_rows
-        codes, scales = found.codes, found.scales
+        codes, scales, mins = found.codes, found.scales, found.mins
         if self.activation is not None:  # gate/up row pairs: the kernel's epilogue sees both halves at once
-            half = self.out_features // 2
-            codes = torch.stack((codes[:half], codes[half:]), 1).reshape(codes.shape)
-            scales = torch.stack((scales[:half], scales[half:]), 1).reshape(scales.shape)
-        self.packed = q8.pack(
-            codes.contiguous(), self.block, out=huge_pages.zeros(codes.numel(), torch.uint8)
-        )
+            codes, scales = _pairs(codes), _pairs(scales)
+            mins = None if mins is None else _pairs(mins)
+        if mins is None:
+            self.packed = q8.pack(
+                codes.contiguous(), self.block, out=huge_pages.zeros(codes.numel(), torch.uint8)
+            )
+        else:
+            self.packed = q8.pack4(codes.contiguous(), out=huge_pages.zeros(codes.numel() // 2, torch.uint8))
         self.scales = scales.contiguous()
+        self.mins = None if mins is None else mins.contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
@@ -72,17 +76,32 @@ class Q8Linear(nn.Module):
         rows = flat.to(self.dtype)
         rows = rows if rows.stride(-1) == 1 else rows.contiguous()
         if self.dtype == torch.float32:
-            y = q8.qgemv_f32(rows, self.packed, self.scales, self.block, self.bias, limbs=3)
+            y = q8.qgemv_f32(rows, self.packed, self.scales, self.block, self.bias, limbs=3, mins=self.mins)
         else:
-            y = q8.qgemv_bf16(rows, self.packed, self.scales, self.block, self.bias, self.activation)
+            y = q8.qgemv_bf16(
+                rows, self.packed, self.scales, self.block, self.bias, self.activation, mins=self.mins
+            )
         return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
 
     def extra_repr(self) -> str:
         act = "" if self.activation is None else f", {self.activation}_and_mul out"
+        kind = "4-bit affine" if self.mins is not None else "int8"
         return (
-            f"{self.in_features}, {self.out_features}, bias={self.bias is not None}, block codes of "
+            f"{self.in_features}, {self.out_features}, bias={self.bias is not None}, {kind} block codes of "
             f"{self.block} for up to {self.max_rows} rows{act}, else {self.gemm.extra_repr()}"
         )
+
+
+def _pairs(t: torch.Tensor) -> torch.Tensor:
+    """A fused gate_up's rows as [gate_0, up_0, gate_1, up_1, ...]."""
+    half = t.shape[0] // 2
+    return torch.stack((t[:half], t[half:]), 1).reshape(t.shape)
+
+
+def module_bytes(linear: Q8Linear) -> int:
+    """What a Q8Linear's codes take in memory (its GEMM's weight aside)."""
+    extra = 0 if linear.mins is None else linear.mins.numel() * 4
+    return linear.packed.numel() + linear.scales.numel() * 4 + extra
 
 
 def _takes(gemm: object) -> bool:
@@ -105,12 +124,13 @@ def attach_q8_linears(model: nn.Module, checkpoint: str | os.PathLike[str]) -> i
                 if not _takes(gemm):
                     continue
                 shards = FUSED_SHARDS.get(attr, (attr,))
-                found = read_block_codes(matrices, [f"{name}.{shard}.weight" for shard in shards])
+                names = [f"{name}.{shard}.weight" for shard in shards]
+                found = read_block_codes(matrices, names, affine=True)
                 if found is None or found.codes.shape != (gemm.out_features, gemm.in_features):
                     continue
                 setattr(module, attr, Q8Linear(found, gemm))
                 done += 1
-                nbytes += found.codes.numel() + found.scales.numel() * 4
+                nbytes += module_bytes(getattr(module, attr))
     if done:
         logger.info("%d decoder linears on their GGUF block codes for few rows (%d MB)", done, nbytes >> 20)
     return done

@@ -180,13 +180,15 @@ def load() -> ctypes.CDLL | None:
         lib.qgemv_int8_f32.restype = None
         lib.qgemv_int8_f32.argtypes = [_P, _I64, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I]
         lib.qgemv_q8_f32.restype = ctypes.c_int
-        lib.qgemv_q8_f32.argtypes = [_P, _I64, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _P, _I, _I]
+        lib.qgemv_q8_f32.argtypes = [_P, _I64, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _P, _I, _I]
         lib.qgemv_q8_vectorized.restype = ctypes.c_int
         lib.qgemv_q8_vectorized.argtypes = []
         lib.q8_pack.restype = None
         lib.q8_pack.argtypes = [_P, _P, _I64, _I64, _I64, _I]
+        lib.q4_pack.restype = None
+        lib.q4_pack.argtypes = [_P, _P, _I64, _I64, _I]
         lib.qgemv_q8_bf16.restype = ctypes.c_int
-        lib.qgemv_q8_bf16.argtypes = [_P, _I64, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I, _P, _I]
+        lib.qgemv_q8_bf16.argtypes = [_P, _I64, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I, _P, _I]
         lib.gemm_bf16.restype = ctypes.c_int
         lib.gemm_bf16.argtypes = [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I, _P, _I]
         _lib = lib

@@ -12,11 +12,11 @@
 
 #include "cpu_kernels.h"
 
-/* A linear's GGUF block codes (cpu_q8.c's layout; codes NULL: none), run for steps of up to max_rows rows in
- * place of its packed GEMM, as gpu/cpu/q8_linear.py's Q8Linear does. */
+/* A linear's GGUF block codes (cpu_q8.c's layout; codes NULL: none; mins non-NULL: affine 4-bit ones), run for
+ * steps of up to max_rows rows in place of its packed GEMM, as gpu/cpu/q8_linear.py's Q8Linear does. */
 typedef struct {
     const uint8_t *codes;
-    const float *scales;
+    const float *scales, *mins;
     int64_t block, max_rows;
 } q8_codes;
 
@@ -57,7 +57,7 @@ typedef struct {
 static int linear(const q8_codes *q, const stack_args *a, const uint16_t *x, int64_t ldx, const uint16_t *packed,
                   const uint16_t *bias, uint16_t *y, int64_t ldy, int64_t n, int64_t k, int out) {
     if (q->codes != NULL && a->rows <= q->max_rows)
-        return qgemv_q8_bf16(x, ldx, q->codes, q->scales, q->block, bias, y, ldy, a->rows, n, k, out, a->act_table,
+        return qgemv_q8_bf16(x, ldx, q->codes, q->scales, q->mins, q->block, bias, y, ldy, a->rows, n, k, out, a->act_table,
                              a->num_threads);
     return gemm_bf16(x, ldx, packed, bias, y, ldy, a->rows, n, k, out, a->act_table, a->num_threads);
 }

@@ -15,7 +15,11 @@
  * The dots are exact in int32; the only rounding of x is that step, at most sx / 2: 2^-16 of the lane's
  * largest |x| (finer than the bf16 value itself but where 4 inputs span more than 2^8) or 2^-24 (about
  * float32's own rounding). sum u * xq = sum q * xq + 128 sum xq: the second term is the row's own,
- * subtracted up front (per part, so no sum overflows). */
+ * subtracted up front (per part, so no sum overflows).
+ * Affine 4-bit blocks (Q4_1: w = d q + m, q in [0, 15], blocks of 32; gpu/cpu/block_codes.py) take the same
+ * path at 0.75 bytes a weight: q4_pack keeps a chunk's 64 codes in 32 bytes, the low nibbles its packed
+ * positions 0-31 and the high ones 32-63, so one mask and one shift give the u of the 8-bit layout (the codes
+ * unsigned already: no 128 to take off), and the offsets add m times each block's sum of the cut x. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -36,6 +40,15 @@ static inline int64_t q8_src(int64_t p, int64_t per) {
     return (64 / per) * (lane % per) + 4 * (lane / per) + p % 4;
 }
 
+void q4_pack(const uint8_t *q, uint8_t *out, int64_t n, int64_t k, int num_threads) {
+#pragma omp parallel for num_threads(num_threads)
+    for (int64_t j = 0; j < n; j++)
+        for (int64_t c = 0; c < k; c += 64)
+            for (int64_t p = 0; p < 32; p++)
+                out[(j * k + c) / 2 + p] =
+                    (uint8_t)((q[j * k + c + q8_src(p, 2)] & 15) | (q[j * k + c + q8_src(p + 32, 2)] & 15) << 4);
+}
+
 void q8_pack(const int8_t *q, uint8_t *out, int64_t n, int64_t k, int64_t block, int num_threads) {
     const int64_t per = 64 / block;
 #pragma omp parallel for num_threads(num_threads)
@@ -45,15 +58,16 @@ void q8_pack(const int8_t *q, uint8_t *out, int64_t n, int64_t k, int64_t block,
 }
 
 /* One row of x cut for the dots, each array in the packed order: the bytes b2, b1, b0 [k]; per lane
- * -128 sum b2 and -128 sum (256 b1 + b0) [k / 4], and sx [k / 4]. */
+ * -128 sum b2 and -128 sum (256 b1 + b0) [k / 4], and sx [k / 4]; per block the sum of the cut x [k / 16]. */
 typedef struct {
     int8_t *b2, *b1, *b0;
     int32_t *corr_hi, *corr_lo;
-    float *sx;
+    float *sx, *xsum;
 } q8_row;
 
 static void q8_cut_row(const float *x, int64_t k, int64_t per, int limbs, q8_row row) {
     const float xq_max = q8_xq_max[limbs];
+    for (int64_t g = 0; g < k / (64 / per); g++) row.xsum[g] = 0.0f;
     for (int64_t c = 0; c < k; c += 64)
         for (int64_t lane = 0; lane < 16; lane++) {
             const float *src = x + c + q8_src(4 * lane, per); /* the lane's 4 inputs are adjacent in x */
@@ -71,6 +85,7 @@ static void q8_cut_row(const float *x, int64_t k, int64_t per, int limbs, q8_row
             const int64_t at = c / 4 + lane;
             row.sx[at] = finite ? amax / xq_max : amax; /* a non-finite lane: xq 0, its sums NaN */
             row.corr_hi[at] = row.corr_lo[at] = 0;
+            int32_t lane_sum = 0;
             for (int i = 0; i < 4; i++) {
                 int32_t xq = (int32_t)lrintf(src[i] * inv);
                 xq = xq > (int32_t)xq_max ? (int32_t)xq_max : xq < -(int32_t)xq_max ? -(int32_t)xq_max : xq;
@@ -81,7 +96,9 @@ static void q8_cut_row(const float *x, int64_t k, int64_t per, int limbs, q8_row
                 row.b0[c + 4 * lane + i] = (int8_t)b0;
                 row.corr_hi[at] -= 128 * b2;
                 row.corr_lo[at] -= 128 * (256 * b1 + b0);
+                lane_sum += xq;
             }
+            row.xsum[c / 64 * per + lane % per] += (float)((double)lane_sum * (double)row.sx[at]);
         }
 }
 
@@ -107,23 +124,35 @@ static inline __attribute__((always_inline)) __m512 q8_scales(const float *s, co
     return _mm512_broadcast_f32x4(_mm_loadu_ps(s));
 }
 
+/* a chunk's 64 four-bit codes (32 bytes from q4_pack) as the 8-bit layout's 64 bytes */
+static inline __attribute__((always_inline)) __m512i q4_unpack(const uint8_t *p) {
+    const __m256i v = _mm256_loadu_si256((const __m256i *)p), nib = _mm256_set1_epi8(15);
+    const __m256i lo = _mm256_and_si256(v, nib), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+
+/* nib: a and b are q4_pack'ed (k / 2 bytes a row, codes unsigned: no correction) */
 static inline __attribute__((always_inline)) void q8dot2(const q8_row *rows, const uint8_t *a, const uint8_t *b,
                                                           const float *sa, const float *sb, const int M, int64_t k,
-                                                          const int limbs, const int per, float *out) {
+                                                          const int limbs, const int per, const int nib,
+                                                          float *out) {
     __m512 acc_a[Q8_MAXR], acc_b[Q8_MAXR];
     for (int r = 0; r < M; r++) acc_a[r] = acc_b[r] = _mm512_setzero_ps();
+    const int64_t row_bytes = nib ? k / 2 : k;
     for (int64_t c = 0; c < k; c += 64) {
         /* the pair Q8_PF pairs ahead (rows a + 2 Q8_PF k on): the hardware prefetcher alone leaves DRAM idle */
-        _mm_prefetch((const char *)(a + 2 * Q8_PF * k + 2 * c), _MM_HINT_T1);
-        _mm_prefetch((const char *)(a + 2 * Q8_PF * k + 2 * c + 64), _MM_HINT_T1);
-        const __m512i ua = _mm512_loadu_si512(a + c), ub = _mm512_loadu_si512(b + c);
+        const uint8_t *ahead = a + 2 * Q8_PF * row_bytes + (nib ? c : 2 * c);
+        _mm_prefetch((const char *)ahead, _MM_HINT_T1);
+        if (!nib) _mm_prefetch((const char *)(ahead + 64), _MM_HINT_T1);
+        const __m512i ua = nib ? q4_unpack(a + c / 2) : _mm512_loadu_si512(a + c);
+        const __m512i ub = nib ? q4_unpack(b + c / 2) : _mm512_loadu_si512(b + c);
         const __m512 da = q8_scales(sa + c / 64 * per, per), db = q8_scales(sb + c / 64 * per, per);
         for (int r = 0; r < M; r++) {
             const q8_row *w = rows + r;
             const __m512i b2 = limbs == 3 ? _mm512_loadu_si512(w->b2 + c) : _mm512_setzero_si512();
-            const __m512i ch = limbs == 3 ? _mm512_loadu_si512(w->corr_hi + c / 4) : _mm512_setzero_si512();
+            const __m512i ch = limbs == 3 && !nib ? _mm512_loadu_si512(w->corr_hi + c / 4) : _mm512_setzero_si512();
             const __m512i b1 = _mm512_loadu_si512(w->b1 + c), b0 = _mm512_loadu_si512(w->b0 + c);
-            const __m512i cl = _mm512_loadu_si512(w->corr_lo + c / 4);
+            const __m512i cl = nib ? _mm512_setzero_si512() : _mm512_loadu_si512(w->corr_lo + c / 4);
             const __m512 sx = _mm512_loadu_ps(w->sx + c / 4);
             acc_a[r] = _mm512_fmadd_ps(q8_lanes(ua, b2, b1, b0, ch, cl, limbs), _mm512_mul_ps(da, sx), acc_a[r]);
             acc_b[r] = _mm512_fmadd_ps(q8_lanes(ub, b2, b1, b0, ch, cl, limbs), _mm512_mul_ps(db, sx), acc_b[r]);
@@ -137,8 +166,15 @@ static inline __attribute__((always_inline)) void q8dot2(const q8_row *rows, con
 #else
 int qgemv_q8_vectorized(void) { return 0; } /* the scalar path below: correct, but slower than bf16's GEMM */
 #define Q8_MAXR 4
+/* the code at packed position p of the row (the 8-bit layout's order) */
+static inline int64_t q8_code(const uint8_t *row, int64_t p, int nib) {
+    if (!nib) return (int64_t)row[p] - 128;
+    const int64_t c = p / 64 * 64, i = p % 64;
+    return i < 32 ? row[c / 2 + i] & 15 : row[c / 2 + i - 32] >> 4;
+}
+
 static inline void q8dot2(const q8_row *rows, const uint8_t *a, const uint8_t *b, const float *sa, const float *sb,
-                          const int M, int64_t k, const int limbs, const int per, float *out) {
+                          const int M, int64_t k, const int limbs, const int per, const int nib, float *out) {
     (void)limbs; /* the digits of 2 limbs leave b2 0 */
     for (int r = 0; r < M; r++) {
         float ta = 0.0f, tb = 0.0f;
@@ -147,7 +183,7 @@ static inline void q8dot2(const q8_row *rows, const uint8_t *a, const uint8_t *b
             int64_t da = 0, db = 0;
             for (int i = 0; i < 4; i++) {
                 const int64_t xq = 65536 * w->b2[c + i] + 256 * w->b1[c + i] + w->b0[c + i];
-                da += (int64_t)(a[c + i] - 128) * xq, db += (int64_t)(b[c + i] - 128) * xq;
+                da += q8_code(a, c + i, nib) * xq, db += q8_code(b, c + i, nib) * xq;
             }
             const int64_t s = (c / 4) % per + per * (c / 64); /* the lane's block */
             ta += (float)da * sa[s] * w->sx[c / 4];
@@ -159,22 +195,26 @@ static inline void q8dot2(const q8_row *rows, const uint8_t *a, const uint8_t *b
 #endif
 
 static void q8dot2_any(const q8_row *rows, const uint8_t *a, const uint8_t *b, const float *sa, const float *sb,
-                       int m, int64_t k, int limbs, int per, float *out) {
-#define Q8_ROWS(L, P)                                                                                            \
+                       int m, int64_t k, int limbs, int per, int nib, float *out) {
+#define Q8_ROWS(L, P, N)                                                                                         \
     switch (m) {                                                                                                 \
-    case 1: q8dot2(rows, a, b, sa, sb, 1, k, L, P, out); break;                                                  \
-    case 2: q8dot2(rows, a, b, sa, sb, 2, k, L, P, out); break;                                                  \
-    case 3: q8dot2(rows, a, b, sa, sb, 3, k, L, P, out); break;                                                  \
-    default: q8dot2(rows, a, b, sa, sb, 4, k, L, P, out); break;                                                 \
+    case 1: q8dot2(rows, a, b, sa, sb, 1, k, L, P, N, out); break;                                               \
+    case 2: q8dot2(rows, a, b, sa, sb, 2, k, L, P, N, out); break;                                               \
+    case 3: q8dot2(rows, a, b, sa, sb, 3, k, L, P, N, out); break;                                               \
+    default: q8dot2(rows, a, b, sa, sb, 4, k, L, P, N, out); break;                                              \
     }
-    if (limbs == 2 && per == 2)
-        Q8_ROWS(2, 2)
+    if (nib && limbs == 2) /* q4_pack'ed codes come in blocks of 32 only */
+        Q8_ROWS(2, 2, 1)
+    else if (nib)
+        Q8_ROWS(3, 2, 1)
+    else if (limbs == 2 && per == 2)
+        Q8_ROWS(2, 2, 0)
     else if (limbs == 2)
-        Q8_ROWS(2, 4)
+        Q8_ROWS(2, 4, 0)
     else if (per == 2)
-        Q8_ROWS(3, 2)
+        Q8_ROWS(3, 2, 0)
     else
-        Q8_ROWS(3, 4)
+        Q8_ROWS(3, 4, 0)
 #undef Q8_ROWS
 }
 
@@ -210,10 +250,13 @@ typedef struct {
     const float *act_table;
 } q8_sink;
 
-/* The shared body: rows already cut; outputs in pairs (an odd n repeats its last), contiguous per thread. */
-static int q8_run(const q8_row *rows, int64_t m, const uint8_t *u, const float *scale, int64_t n, int64_t k,
-                  int64_t block, int limbs, const q8_sink *s, int num_threads) {
+/* The shared body: rows already cut; outputs in pairs (an odd n repeats its last), contiguous per thread.
+ * mins: the affine blocks' offsets [N, K / 32] (u then from q4_pack), or NULL. */
+static int q8_run(const q8_row *rows, int64_t m, const uint8_t *u, const float *scale, const float *mins, int64_t n,
+                  int64_t k, int64_t block, int limbs, const q8_sink *s, int num_threads) {
     const int64_t pairs = (n + 1) / 2, groups = k / block, per = 64 / block;
+    const int nib = mins != NULL;
+    const int64_t row_bytes = nib ? k / 2 : k;
     q8_best *bests = NULL;
     if (s->out == OUT_ARGMAX) {
         bests = malloc(sizeof *bests * (size_t)(m > 0 ? m : 1) * (size_t)num_threads);
@@ -229,11 +272,17 @@ static int q8_run(const q8_row *rows, int64_t m, const uint8_t *u, const float *
             float dots[2 * Q8_MAXR];
             for (int64_t r0 = 0; r0 < m; r0 += Q8_MAXR) {
                 const int mm = (int)(m - r0 < Q8_MAXR ? m - r0 : Q8_MAXR);
-                q8dot2_any(rows + r0, u + j * k, u + j2 * k, scale + j * groups, scale + j2 * groups, mm, k, limbs,
-                           (int)per, dots);
+                q8dot2_any(rows + r0, u + j * row_bytes, u + j2 * row_bytes, scale + j * groups,
+                           scale + j2 * groups, mm, k, limbs, (int)per, nib, dots);
                 for (int r = 0; r < mm; r++) {
                     const int64_t row = r0 + r;
-                    const float da = dots[2 * r], db = dots[2 * r + 1];
+                    float da = dots[2 * r], db = dots[2 * r + 1];
+                    if (nib) { /* + sum over blocks of m times the block's cut x */
+                        const float *xs = rows[row].xsum, *ma = mins + j * groups, *mb = mins + j2 * groups;
+                        float oa = 0.0f, ob = 0.0f;
+                        for (int64_t g = 0; g < groups; g++) oa += ma[g] * xs[g], ob += mb[g] * xs[g];
+                        da += oa, db += ob;
+                    }
                     if (s->out == OUT_ARGMAX) {
                         q8_best_see(mine + row, da, j);
                         if (j2 != j) q8_best_see(mine + row, db, j2);
@@ -268,21 +317,23 @@ static int q8_run(const q8_row *rows, int64_t m, const uint8_t *u, const float *
     return 0;
 }
 
-/* Scratch for m cut rows of k inputs (one block: per row 3 x k bytes, then 3 x k / 4 int32 or float), and
- * k floats for widening a bf16 row; NULL out of memory (free *scratch either way). */
+/* Scratch for m cut rows of k inputs (one block: per row 3 x k bytes, then 3 x k / 4 int32 or float, then
+ * up to k / 16 block sums), and k floats for widening a bf16 row; NULL out of memory (free *scratch either
+ * way). */
 static q8_row *q8_rows(int64_t m, int64_t k, char **scratch, float **wide) {
-    *scratch = aligned_alloc(64, (size_t)(m * 6 * k + 4 * k) + 64);
+    *scratch = aligned_alloc(64, (size_t)(m * 7 * k + 4 * k) + 64);
     q8_row *rows = malloc(sizeof *rows * (size_t)(m > 0 ? m : 1));
     if (*scratch == NULL || rows == NULL) {
         free(rows);
         return NULL;
     }
     for (int64_t r = 0; r < m; r++) {
-        char *base = *scratch + r * 6 * k;
+        char *base = *scratch + r * 7 * k;
         rows[r] = (q8_row){(int8_t *)base,           (int8_t *)(base + k),      (int8_t *)(base + 2 * k),
-                           (int32_t *)(base + 3 * k), (int32_t *)(base + 4 * k), (float *)(base + 5 * k)};
+                           (int32_t *)(base + 3 * k), (int32_t *)(base + 4 * k), (float *)(base + 5 * k),
+                           (float *)(base + 6 * k)};
     }
-    *wide = (float *)(*scratch + m * 6 * k);
+    *wide = (float *)(*scratch + m * 7 * k);
     return rows;
 }
 
@@ -290,10 +341,13 @@ static q8_row *q8_rows(int64_t m, int64_t k, char **scratch, float **wide) {
  * scale [N, K / block] float32, both contiguous; k a multiple of 64. With argmax (int64 [M]) each row's argmax
  * as torch picks it (the first NaN, else the first maximum) instead of y (which may then be NULL). limbs: 2
  * or 3 bytes a cut input (bf16 or float32 activations). Returns 0, -2 for a call it cannot take, or -3 out
- * of memory. */
-int qgemv_q8_f32(const float *x, int64_t ldx, const uint8_t *u, const float *scale, int64_t block, const float *bias,
-                 float *y, int64_t ldy, int64_t m, int64_t n, int64_t k, int64_t *argmax, int limbs, int num_threads) {
+ * of memory. With mins [N, K / 32] the weight is affine, W = q * scale + mins per block of 32, and u comes
+ * from q4_pack. */
+int qgemv_q8_f32(const float *x, int64_t ldx, const uint8_t *u, const float *scale, const float *mins, int64_t block,
+                 const float *bias, float *y, int64_t ldy, int64_t m, int64_t n, int64_t k, int64_t *argmax, int limbs,
+                 int num_threads) {
     if ((limbs != 2 && limbs != 3) || (block != 16 && block != 32) || k % 64 != 0) return -2;
+    if (mins != NULL && block != 32) return -2;
     char *scratch;
     float *wide;
     q8_row *rows = q8_rows(m, k, &scratch, &wide);
@@ -303,19 +357,20 @@ int qgemv_q8_f32(const float *x, int64_t ldx, const uint8_t *u, const float *sca
     }
     for (int64_t r = 0; r < m; r++) q8_cut_row(x + r * ldx, k, 64 / block, limbs, rows[r]);
     const q8_sink sink = {argmax != NULL ? OUT_ARGMAX : OUT_F32, y, ldy, argmax, NULL, bias, NULL};
-    const int status = q8_run(rows, m, u, scale, n, k, block, limbs, &sink, num_threads);
+    const int status = q8_run(rows, m, u, scale, mins, n, k, block, limbs, &sink, num_threads);
     free(scratch), free(rows);
     return status;
 }
 
 /* bf16 y = bf16 x [M, K] W^T (+ bias) with W's codes from q8_pack (block 16 or 32) and scale [N, K / block];
  * out OUT_BF16 (y [M, N]) or OUT_ACT_MUL (y [M, N / 2]: the codes' rows in gate/up pairs, no bias,
- * act_table as gemm_bf16 takes it). x is cut to 2 bytes per input (module comment). Returns 0, -2 for a call
- * it cannot take, -3 out of memory. */
-int qgemv_q8_bf16(const uint16_t *x, int64_t ldx, const uint8_t *u, const float *scale, int64_t block,
-                  const uint16_t *bias, uint16_t *y, int64_t ldy, int64_t m, int64_t n, int64_t k, int out,
-                  const float *act_table, int num_threads) {
+ * act_table as gemm_bf16 takes it). x is cut to 2 bytes per input (module comment). mins as qgemv_q8_f32's.
+ * Returns 0, -2 for a call it cannot take, -3 out of memory. */
+int qgemv_q8_bf16(const uint16_t *x, int64_t ldx, const uint8_t *u, const float *scale, const float *mins,
+                  int64_t block, const uint16_t *bias, uint16_t *y, int64_t ldy, int64_t m, int64_t n, int64_t k,
+                  int out, const float *act_table, int num_threads) {
     if ((block != 16 && block != 32) || k % 64 != 0) return -2;
+    if (mins != NULL && block != 32) return -2;
     if (out != OUT_BF16 && (out != OUT_ACT_MUL || n % 2 != 0 || bias != NULL || act_table == NULL)) return -2;
     char *scratch;
     float *wide;
@@ -329,7 +384,7 @@ int qgemv_q8_bf16(const uint16_t *x, int64_t ldx, const uint8_t *u, const float 
         q8_cut_row(wide, k, 64 / block, 2, rows[r]);
     }
     const q8_sink sink = {out, y, ldy, NULL, bias, NULL, act_table};
-    const int status = q8_run(rows, m, u, scale, n, k, block, 2, &sink, num_threads);
+    const int status = q8_run(rows, m, u, scale, mins, n, k, block, 2, &sink, num_threads);
     free(scratch), free(rows);
     return status;
 }

@@ -1,4 +1,5 @@
-"""Python entry points of cpu_q8.c: GEMVs on a GGUF's own block codes (int8, a scale per 16 or 32 inputs)."""
+"""Python entry points of cpu_q8.c: GEMVs on a GGUF's own block codes (int8 with a scale per 16 or 32
+inputs, or 4-bit with a scale and an offset per 32)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,18 @@ def pack(q: torch.Tensor, block: int = 32, out: torch.Tensor | None = None) -> t
     return out
 
 
+def pack4(q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Affine 4-bit codes ``q [N, K]`` (uint8 in [0, 15], K a multiple of 64) in the kernels' layout: each
+    64-input chunk in 32 bytes (``pack``'s order, its first 32 in the low nibbles); into ``out`` (N * K / 2
+    uint8) if given."""
+    n, k = q.shape
+    assert q.dtype == torch.uint8 and q.is_contiguous() and k % 64 == 0
+    out = torch.empty((n, k // 2), dtype=torch.uint8) if out is None else out.view(n, k // 2)
+    assert out.dtype == torch.uint8 and out.is_contiguous()
+    _lib().q4_pack(q.data_ptr(), out.data_ptr(), n, k, torch.get_num_threads())
+    return out
+
+
 def qgemv_f32(
     x: torch.Tensor,
     packed: torch.Tensor,
@@ -35,19 +48,23 @@ def qgemv_f32(
     bias: torch.Tensor | None = None,
     argmax: bool = False,
     limbs: int = 3,
+    mins: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x @ W.T (+ bias)`` with ``W = q * scale`` per ``block`` inputs, for float32 ``x [M, K]`` (unit
     inner stride, a few rows), ``packed = pack(q, block)`` and float32 ``scale [N, K / block]``
     (contiguous): float32 ``[M, N]``, or with ``argmax`` each row's argmax (int64 ``[M]``, as torch picks it)
     without writing the logits. x is rounded once, per 4 inputs, to ``limbs`` bytes: 3 (float32 activations,
-    2^-24 of the 4's largest) or 2 (bf16 ones, 2^-16); cpu_q8.c says how. Nothing else is rounded."""
-    m, k, n = _shapes(x, torch.float32, packed, scale, block, bias)
+    2^-24 of the 4's largest) or 2 (bf16 ones, 2^-16); cpu_q8.c says how. Nothing else is rounded.
+    With ``mins`` (float32 ``[N, K / 32]``) the weight is affine, ``W = q * scale + mins`` per block of 32,
+    and ``packed = pack4(q)``."""
+    m, k, n = _shapes(x, torch.float32, packed, scale, block, bias, mins)
     y = torch.empty(m, dtype=torch.int64) if argmax else torch.empty((m, n), dtype=torch.float32)
     status = _lib().qgemv_q8_f32(
         x.data_ptr(),
         x.stride(0),
         packed.data_ptr(),
         scale.data_ptr(),
+        0 if mins is None else mins.data_ptr(),
         block,
         0 if bias is None else bias.data_ptr(),
         0 if argmax else y.data_ptr(),
@@ -70,12 +87,14 @@ def qgemv_bf16(
     block: int,
     bias: torch.Tensor | None = None,
     activation: str | None = None,
+    mins: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """bf16 ``x @ W.T (+ bias)`` for bf16 ``x [M, K]`` (unit inner stride, a few rows), ``W = q * scale`` per
     ``block`` inputs (``packed = pack(q, block)``, float32 ``scale [N, K / block]``), rounded to bf16 once.
     With ``activation`` the codes' rows are gate/up pairs and the result is ``act(gate) * up`` ``[M, N / 2]``
-    in clib.gemm's GEMM_ACT_MUL roundings. x is cut to 2 bytes per input, as ``qgemv_f32``'s ``limbs=2``."""
-    m, k, n = _shapes(x, torch.bfloat16, packed, scale, block, bias)
+    in clib.gemm's GEMM_ACT_MUL roundings. x is cut to 2 bytes per input, as ``qgemv_f32``'s ``limbs=2``;
+    ``mins`` as there."""
+    m, k, n = _shapes(x, torch.bfloat16, packed, scale, block, bias, mins)
     if activation is not None:
         assert bias is None and n % 2 == 0
         y = torch.empty((m, n // 2), dtype=torch.bfloat16)
@@ -87,6 +106,7 @@ def qgemv_bf16(
         x.stride(0),
         packed.data_ptr(),
         scale.data_ptr(),
+        0 if mins is None else mins.data_ptr(),
         block,
         0 if bias is None else bias.data_ptr(),
         y.data_ptr(),
@@ -109,13 +129,17 @@ def _shapes(
     scale: torch.Tensor,
     block: int,
     bias: torch.Tensor | None,
+    mins: torch.Tensor | None = None,
 ) -> tuple[int, int, int]:
     """(M, K, N) of a call, its tensors checked against what the kernels read."""
     m, k = x.shape
     n = packed.shape[0]
     assert x.dtype == dtype and x.stride(1) == 1 and k % 64 == 0 and block in BLOCKS
-    assert packed.dtype == torch.uint8 and packed.is_contiguous() and packed.shape[1] == k
+    assert packed.dtype == torch.uint8 and packed.is_contiguous()
+    assert packed.shape[1] == (k if mins is None else k // 2)
     assert scale.dtype == torch.float32 and scale.shape == (n, k // block) and scale.is_contiguous()
+    assert mins is None or (block == 32 and mins.dtype == torch.float32 and mins.shape == scale.shape)
+    assert mins is None or mins.is_contiguous()
     assert bias is None or (bias.dtype == dtype and bias.shape == (n,) and bias.is_contiguous())
     return m, k, n
 

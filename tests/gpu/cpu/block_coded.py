@@ -8,15 +8,19 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 
 
-def as_block_codes(hf: torch.nn.Module, seed: int = 0) -> None:
+def as_block_codes(hf: torch.nn.Module, seed: int = 0, q4_1: bool = False) -> None:
     """Make the model's projection weights exact block-code dequantizations, as a GGUF's common mixes hold
     them: Q5_0 and Q8_0 in turn (blocks of 32), the down projections Q6_K-like (a float16 scale times an
-    int8 sub-scale per 16 inputs, codes in [-32, 31])."""
+    int8 sub-scale per 16 inputs, codes in [-32, 31]); with ``q4_1`` all of them Q4_1 (4-bit codes with a
+    scale and an offset per 32, as the default model's file)."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for i, (name, p) in enumerate(n for n in hf.named_parameters() if n[0].endswith("_proj.weight")):
             n, k = p.shape
-            if "down_proj" in name:
+            if q4_1:
+                raw = quantize(p.detach().numpy().astype(np.float32), Q.Q4_1)
+                p.copy_(torch.from_numpy(dequantize(raw, Q.Q4_1).reshape(n, k)))
+            elif "down_proj" in name:
                 d = (torch.rand(n, k // 16, generator=g) * 2e-3).half().float()
                 scale = d * torch.randint(1, 128, (n, k // 16), generator=g)
                 codes = torch.randint(-32, 32, (n, k), generator=g)

@@ -111,3 +111,60 @@ def test_read_block_codes_stacks_a_fused_weights_shards(tmp_path):
         assert read_block_codes(matrices, ["l.gate_proj.weight", "l.down_proj.weight"]) is None  # 32 and 16
     with float32_matrices(tmp_path / "nowhere") as matrices:
         assert matrices == {}
+
+
+def _affine_weight(found) -> torch.Tensor:
+    """codes * d + m in float32's roundings, as the gguf package dequantizes Q4_1."""
+    n, k = found.codes.shape
+    blocks = found.codes.float().view(n, -1, 32) * found.scales[..., None] + found.mins[..., None]
+    return blocks.view(n, k)
+
+
+def test_q4_1_comes_back_as_its_files_4_bit_codes_scales_and_offsets():
+    rng = np.random.default_rng(5)
+    raw = quantize(rng.standard_normal((96, 320)).astype(np.float32) * 0.05, Q.Q4_1)
+    w = torch.from_numpy(dequantize(raw, Q.Q4_1).astype(np.float32).reshape(96, 320))
+    w[3, :32] = 0.25  # a flat block: code 0 and its offset
+    assert _codes(w) is None  # offsets only where asked for
+    found = block_codes(lambda r0, r1: w[r0:r1], *w.shape, affine=True)
+    assert found is not None and found.block == 32 and found.codes.dtype == torch.uint8
+    assert int(found.codes.max()) == 15 and torch.equal(_affine_weight(found), w)
+    blocks = raw.reshape(96, 10, 20)  # float16 d, float16 m, 16 bytes of codes
+    d = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    d[3, 0], m[3, 0] = 0.0, 0.25
+    assert np.array_equal(found.scales.numpy(), d) and np.array_equal(found.mins.numpy(), m)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K])
+def test_k_quants_offsets_are_refused_even_with_affine(qtype):
+    w = _dequantized(qtype, 64, 256)
+    assert block_codes(lambda r0, r1: w[r0:r1], *w.shape, affine=True) is None
+
+
+def test_anything_but_an_exact_q4_1_dequantization_is_refused():
+    w = _dequantized(Q.Q4_1, 100, 128)
+    assert block_codes(lambda r0, r1: w[r0:r1], *w.shape, affine=True) is not None
+    for row in (3, 90):
+        off = w.clone()
+        off[row, 70] = torch.nextafter(off[row, 70], torch.tensor(1.0))
+        assert block_codes(lambda r0, r1, off=off: off[r0:r1], *w.shape, affine=True) is None
+    for bad in (float("nan"), float("inf")):
+        off = w.clone()
+        off[80, 5] = bad
+        assert block_codes(lambda r0, r1, off=off: off[r0:r1], *w.shape, affine=True) is None
+    assert block_codes(lambda r0, r1: torch.randn(r1 - r0, 128), *w.shape, affine=True) is None
+
+
+def test_read_block_codes_stacks_q4_1_shards_with_their_offsets(tmp_path):
+    gate, up = _dequantized(Q.Q4_1, 64, 128, 1), _dequantized(Q.Q4_1, 64, 128, 2)
+    save_file(
+        {"l.gate_proj.weight": gate, "l.up_proj.weight": up, "l.q8.weight": _dequantized(Q.Q8_0, 64, 128, 3)},
+        tmp_path / "model.safetensors",
+    )
+    with float32_matrices(tmp_path) as matrices:
+        found = read_block_codes(matrices, ["l.gate_proj.weight", "l.up_proj.weight"], affine=True)
+        assert found is not None and found.mins is not None and found.mins.shape == (128, 4)
+        assert torch.equal(_affine_weight(found), torch.cat([gate, up]))
+        assert read_block_codes(matrices, ["l.gate_proj.weight", "l.up_proj.weight"]) is None
+        assert read_block_codes(matrices, ["l.gate_proj.weight", "l.q8.weight"], affine=True) is None

@@ -11,7 +11,7 @@ from aioengine.config import KernelConfig
 from aioengine.gpu.cpu.backend import CpuBackend
 from aioengine.gpu.cpu.decode_stack import CpuDecodeStack
 from aioengine.gpu.cpu.linear import pack_linears
-from aioengine.gpu.cpu.q8_linear import attach_q8_linears
+from aioengine.gpu.cpu.q8_linear import Q8Linear, attach_q8_linears
 from aioengine.gpu.loader import load_model
 from aioengine.kernels.cpu import clib as cpu_kernels
 from aioengine.kernels.cpu import q8
@@ -29,9 +29,10 @@ BLOCK = 16
 GEMMA = dict(layer_types=["sliding_attention", "full_attention", "sliding_attention"], sliding_window=16)
 
 
-def _model(tmp_path, arch: str, head_dim: int = 64, codes: bool = False):
+def _model(tmp_path, arch: str, head_dim: int = 64, codes: bool = False, q4_1: bool = False):
     """A tiny random checkpoint (conftest's, heads of 64 or 128 for the AVX512-BF16 attention loop) in
-    bf16, packed; ``codes``: its projections exact block codes, run on them (gpu/cpu/q8_linear.py)."""
+    bf16, packed; ``codes``: its projections exact block codes (``q4_1``: all Q4_1), run on them
+    (gpu/cpu/q8_linear.py)."""
     hf = make_tiny_checkpoint(
         arch,
         tmp_path,
@@ -45,7 +46,7 @@ def _model(tmp_path, arch: str, head_dim: int = 64, codes: bool = False):
         vocab_size=300,
     )
     if codes:
-        as_block_codes(hf)
+        as_block_codes(hf, q4_1=q4_1)
         hf.save_pretrained(tmp_path)
     backend = CpuBackend()
     model, cfg = load_model(tmp_path, dtype=torch.bfloat16, ops=backend.ops)
@@ -129,10 +130,12 @@ def test_steps_with_prompt_chunks_give_the_python_paths_bits(tmp_path, arch, seq
     ("seq_lens", "query_lens"),
     [([40], None), ([17, 33], None), ([17, 1, 40, 33, 16], None), ([17, 40, 33], [1, 1, 33])],
 )
-def test_the_stack_on_block_codes_gives_the_python_paths_bits(tmp_path, arch, seq_lens, query_lens):
+@pytest.mark.parametrize("q4_1", [False, True])
+def test_the_stack_on_block_codes_gives_the_python_paths_bits(tmp_path, arch, seq_lens, query_lens, q4_1):
     """Steps of up to each linear's max_rows run its codes (blocks of 32 to 2 rows, of 16 one row), larger
-    ones the GEMMs, in both paths alike."""
-    model, cfg, backend = _model(tmp_path, arch, codes=True)
+    ones the GEMMs, in both paths alike; Q4_1's 4-bit codes and offsets too."""
+    model, cfg, backend = _model(tmp_path, arch, codes=True, q4_1=q4_1)
+    assert all((m.mins is not None) == q4_1 for m in model.modules() if isinstance(m, Q8Linear))
     want, want_kv = _decode(model, cfg, backend, False, seq_lens, query_lens)
     got, got_kv = _decode(model, cfg, backend, True, seq_lens, query_lens)
     assert torch.equal(got, want)

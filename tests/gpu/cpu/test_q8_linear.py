@@ -17,13 +17,13 @@ from tests.gpu.cpu.block_coded import as_block_codes
 pytestmark = pytest.mark.skipif(not q8.available(), reason="cpu_q8.c is vectorized for AVX512-VNNI only")
 
 
-def _tiny(tmp_path, arch: str, dtype: torch.dtype, codes: bool = True):
+def _tiny(tmp_path, arch: str, dtype: torch.dtype, codes: bool = True, q4_1: bool = False):
     hf = make_tiny_checkpoint(
         arch, tmp_path, hidden_size=384, intermediate_size=192, num_hidden_layers=2, num_attention_heads=6,
         num_key_value_heads=2, head_dim=64, vocab_size=300,
     )  # fmt: skip
     if codes:
-        as_block_codes(hf)
+        as_block_codes(hf, q4_1=q4_1)
         hf.save_pretrained(tmp_path)
     model, _ = load_model(tmp_path, dtype=dtype, ops=CpuBackend().ops)
     pack_linears(model)
@@ -32,15 +32,24 @@ def _tiny(tmp_path, arch: str, dtype: torch.dtype, codes: bool = True):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("q4_1", [False, True])
 def test_every_coded_projection_runs_its_codes_for_few_rows_and_its_own_linear_past_them(
-    tmp_path, arch, dtype
+    tmp_path, arch, dtype, q4_1
 ):
     if dtype == torch.bfloat16 and not clib.gemm_available():
         pytest.skip("bf16 linears are packed for cpu_gemm.c only with AVX512-BF16")
-    model, hf = _tiny(tmp_path, arch, dtype)
+    model, hf = _tiny(tmp_path, arch, dtype, q4_1=q4_1)
     assert attach_q8_linears(model, tmp_path) == 4 * 2  # qkv, o, gate_up, down in both layers
     layer, ref = model.model.layers[1], hf.model.layers[1]
-    assert {layer.mlp.down_proj.block, layer.self_attn.qkv_proj.block} == {16, 32}
+    coded = [m for m in model.modules() if isinstance(m, Q8Linear)]
+    if q4_1:  # 4-bit codes nibble-packed, with their offsets
+        assert all(
+            m.block == 32 and m.mins is not None and m.packed.numel() * 2 == m.scales.numel() * 32
+            for m in coded
+        )
+    else:
+        assert {layer.mlp.down_proj.block, layer.self_attn.qkv_proj.block} == {16, 32}
+        assert all(m.mins is None for m in coded)
     gen = torch.Generator().manual_seed(1)
     for module, weight in (
         (layer.self_attn.qkv_proj, torch.cat([ref.self_attn.q_proj.weight, ref.self_attn.k_proj.weight,

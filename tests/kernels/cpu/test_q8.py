@@ -156,3 +156,64 @@ def test_f32_gemv_takes_blocks_of_16_and_a_bias(block, rows):
     sx = xd.abs().view(rows, -1, 4).amax(-1) / XQ_MAX[3]
     bound = (sx / 2).repeat_interleave(4, dim=1) @ w.abs().t() + 1e-6 * (xd.abs() @ w.abs().t() + 1)
     assert ((got - want).abs() <= bound).all(), float(((got - want).abs() / bound).max())
+
+
+def _affine_case(
+    rows: int, n: int, k: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_1-like blocks of 32: codes in [0, 15], a scale and an offset per block, both differing by block (a
+    block read with its neighbour's is far off); the exact weight in float64."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    scale = torch.rand(n, k // 32, generator=g) * torch.logspace(-4, -1, k // 32)
+    mins = (torch.rand(n, k // 32, generator=g) - 0.7) * 8 * scale
+    x = torch.randn(rows, k, generator=g) * torch.logspace(-2, 1, k // 16).repeat_interleave(16)
+    w = (q.double().view(n, -1, 32) * scale.double()[..., None] + mins.double()[..., None]).view(n, k)
+    return x, q, scale, mins, w
+
+
+@pytest.mark.skipif(not q8.available(), reason="cpu_q8.c is vectorized for AVX512-VNNI only")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", [1, 2, 4, 5])
+@pytest.mark.parametrize(("n", "k"), [(64, 64), (37, 640), (300, 1024)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_affine_4bit_gemv_is_within_its_roundings_of_the_exact_weights(dtype, rows, n, k, with_bias):
+    """Nibble-packed codes with offsets: the exact weight's dot within the cut of x (the offsets multiply the
+    same cut x), float32's sums and, for bf16, one rounding of the result."""
+    x, q, scale, mins, w = _affine_case(rows, n, k, rows * 100 + n + k)
+    x = x.to(dtype)
+    bias = torch.randn(n).to(dtype) if with_bias else None
+    wide = torch.zeros(rows, k + 64, dtype=dtype)
+    wide[:, :k] = x  # strided rows
+    packed = q8.pack4(q)
+    assert packed.shape == (n, k // 2)
+    if dtype == torch.bfloat16:
+        got = q8.qgemv_bf16(wide[:, :k], packed, scale, 32, bias, mins=mins).double()
+    else:
+        got = q8.qgemv_f32(wide[:, :k], packed, scale, 32, bias, limbs=3, mins=mins).double()
+    xd = x.double()
+    want = xd @ w.t() + (0 if bias is None else bias.double())
+    limbs = 2 if dtype == torch.bfloat16 else 3
+    sx = xd.abs().view(rows, -1, 4).amax(-1) / XQ_MAX[limbs]
+    dq = (q.double().view(n, -1, 32) * scale.double()[..., None]).view(n, k)
+    bound = (sx / 2).repeat_interleave(4, dim=1) @ w.abs().t()
+    bound += 2e-6 * (xd.abs() @ (dq.abs() + w.abs()).t() + 1)
+    if dtype == torch.bfloat16:
+        bound += want.abs() * 2.0**-8
+    assert ((got - want).abs() <= bound).all(), float(((got - want).abs() / bound).max())
+
+
+@pytest.mark.skipif(not q8.available(), reason="cpu_q8.c is vectorized for AVX512-VNNI only")
+def test_affine_4bit_act_mul_is_torchs_act_of_its_own_gate_times_up():
+    x, gate_up, scale, mins, _ = _affine_case(2, 2 * 64, 576, 5)
+    x = x.bfloat16()
+    packed = q8.pack4(gate_up)
+    plain = q8.qgemv_bf16(x, packed, scale, 32, mins=mins)
+    got = q8.qgemv_bf16(x, packed, scale, 32, activation="silu", mins=mins)
+    torch.testing.assert_close(got, _silu(plain[:, 0::2]) * plain[:, 1::2], rtol=0, atol=0)
+
+
+def test_affine_4bit_codes_come_only_in_blocks_of_32():
+    x, q, scale, mins, _ = _affine_case(1, 8, 64, 1)
+    with pytest.raises(AssertionError):
+        q8.qgemv_f32(x, q8.pack4(q), torch.ones(8, 4), 16, mins=torch.ones(8, 4))
