@@ -19,7 +19,8 @@
  * Affine 4-bit blocks (Q4_1: w = d q + m, q in [0, 15], blocks of 32; gpu/cpu/block_codes.py) take the same
  * path at 0.75 bytes a weight: q4_pack keeps a chunk's 64 codes in 32 bytes, the low nibbles its packed
  * positions 0-31 and the high ones 32-63, so one mask and one shift give the u of the 8-bit layout (the codes
- * unsigned already: no 128 to take off), and the offsets add m times each block's sum of the cut x. */
+ * unsigned already: no 128 to take off), and the offsets add m times each lane's sum of the cut x (per lane,
+ * beside the dots: one more FMA a chunk). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -58,7 +59,7 @@ void q8_pack(const int8_t *q, uint8_t *out, int64_t n, int64_t k, int64_t block,
 }
 
 /* One row of x cut for the dots, each array in the packed order: the bytes b2, b1, b0 [k]; per lane
- * -128 sum b2 and -128 sum (256 b1 + b0) [k / 4], and sx [k / 4]; per block the sum of the cut x [k / 16]. */
+ * -128 sum b2 and -128 sum (256 b1 + b0) [k / 4], sx [k / 4], and the sum of the lane's cut x [k / 4]. */
 typedef struct {
     int8_t *b2, *b1, *b0;
     int32_t *corr_hi, *corr_lo;
@@ -67,7 +68,6 @@ typedef struct {
 
 static void q8_cut_row(const float *x, int64_t k, int64_t per, int limbs, q8_row row) {
     const float xq_max = q8_xq_max[limbs];
-    for (int64_t g = 0; g < k / (64 / per); g++) row.xsum[g] = 0.0f;
     for (int64_t c = 0; c < k; c += 64)
         for (int64_t lane = 0; lane < 16; lane++) {
             const float *src = x + c + q8_src(4 * lane, per); /* the lane's 4 inputs are adjacent in x */
@@ -98,7 +98,7 @@ static void q8_cut_row(const float *x, int64_t k, int64_t per, int limbs, q8_row
                 row.corr_lo[at] -= 128 * (256 * b1 + b0);
                 lane_sum += xq;
             }
-            row.xsum[c / 64 * per + lane % per] += (float)((double)lane_sum * (double)row.sx[at]);
+            row.xsum[at] = (float)((double)lane_sum * (double)row.sx[at]);
         }
 }
 
@@ -131,11 +131,11 @@ static inline __attribute__((always_inline)) __m512i q4_unpack(const uint8_t *p)
     return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
 }
 
-/* nib: a and b are q4_pack'ed (k / 2 bytes a row, codes unsigned: no correction) */
+/* nib: a and b are q4_pack'ed (k / 2 bytes a row, codes unsigned: no correction), with offsets ma and mb */
 static inline __attribute__((always_inline)) void q8dot2(const q8_row *rows, const uint8_t *a, const uint8_t *b,
-                                                          const float *sa, const float *sb, const int M, int64_t k,
-                                                          const int limbs, const int per, const int nib,
-                                                          float *out) {
+                                                          const float *sa, const float *sb, const float *ma,
+                                                          const float *mb, const int M, int64_t k, const int limbs,
+                                                          const int per, const int nib, float *out) {
     __m512 acc_a[Q8_MAXR], acc_b[Q8_MAXR];
     for (int r = 0; r < M; r++) acc_a[r] = acc_b[r] = _mm512_setzero_ps();
     const int64_t row_bytes = nib ? k / 2 : k;
@@ -147,8 +147,14 @@ static inline __attribute__((always_inline)) void q8dot2(const q8_row *rows, con
         const __m512i ua = nib ? q4_unpack(a + c / 2) : _mm512_loadu_si512(a + c);
         const __m512i ub = nib ? q4_unpack(b + c / 2) : _mm512_loadu_si512(b + c);
         const __m512 da = q8_scales(sa + c / 64 * per, per), db = q8_scales(sb + c / 64 * per, per);
+        const __m512 oa = nib ? q8_scales(ma + c / 64 * per, per) : _mm512_setzero_ps();
+        const __m512 ob = nib ? q8_scales(mb + c / 64 * per, per) : _mm512_setzero_ps();
         for (int r = 0; r < M; r++) {
             const q8_row *w = rows + r;
+            if (nib) {
+                const __m512 xs = _mm512_loadu_ps(w->xsum + c / 4);
+                acc_a[r] = _mm512_fmadd_ps(oa, xs, acc_a[r]), acc_b[r] = _mm512_fmadd_ps(ob, xs, acc_b[r]);
+            }
             const __m512i b2 = limbs == 3 ? _mm512_loadu_si512(w->b2 + c) : _mm512_setzero_si512();
             const __m512i ch = limbs == 3 && !nib ? _mm512_loadu_si512(w->corr_hi + c / 4) : _mm512_setzero_si512();
             const __m512i b1 = _mm512_loadu_si512(w->b1 + c), b0 = _mm512_loadu_si512(w->b0 + c);
@@ -174,7 +180,8 @@ static inline int64_t q8_code(const uint8_t *row, int64_t p, int nib) {
 }
 
 static inline void q8dot2(const q8_row *rows, const uint8_t *a, const uint8_t *b, const float *sa, const float *sb,
-                          const int M, int64_t k, const int limbs, const int per, const int nib, float *out) {
+                          const float *ma, const float *mb, const int M, int64_t k, const int limbs, const int per,
+                          const int nib, float *out) {
     (void)limbs; /* the digits of 2 limbs leave b2 0 */
     for (int r = 0; r < M; r++) {
         float ta = 0.0f, tb = 0.0f;
@@ -188,6 +195,7 @@ static inline void q8dot2(const q8_row *rows, const uint8_t *a, const uint8_t *b
             const int64_t s = (c / 4) % per + per * (c / 64); /* the lane's block */
             ta += (float)da * sa[s] * w->sx[c / 4];
             tb += (float)db * sb[s] * w->sx[c / 4];
+            if (nib) ta += ma[s] * w->xsum[c / 4], tb += mb[s] * w->xsum[c / 4];
         }
         out[2 * r] = ta, out[2 * r + 1] = tb;
     }
@@ -195,13 +203,13 @@ static inline void q8dot2(const q8_row *rows, const uint8_t *a, const uint8_t *b
 #endif
 
 static void q8dot2_any(const q8_row *rows, const uint8_t *a, const uint8_t *b, const float *sa, const float *sb,
-                       int m, int64_t k, int limbs, int per, int nib, float *out) {
+                       const float *ma, const float *mb, int m, int64_t k, int limbs, int per, int nib, float *out) {
 #define Q8_ROWS(L, P, N)                                                                                         \
     switch (m) {                                                                                                 \
-    case 1: q8dot2(rows, a, b, sa, sb, 1, k, L, P, N, out); break;                                               \
-    case 2: q8dot2(rows, a, b, sa, sb, 2, k, L, P, N, out); break;                                               \
-    case 3: q8dot2(rows, a, b, sa, sb, 3, k, L, P, N, out); break;                                               \
-    default: q8dot2(rows, a, b, sa, sb, 4, k, L, P, N, out); break;                                              \
+    case 1: q8dot2(rows, a, b, sa, sb, ma, mb, 1, k, L, P, N, out); break;                                       \
+    case 2: q8dot2(rows, a, b, sa, sb, ma, mb, 2, k, L, P, N, out); break;                                       \
+    case 3: q8dot2(rows, a, b, sa, sb, ma, mb, 3, k, L, P, N, out); break;                                       \
+    default: q8dot2(rows, a, b, sa, sb, ma, mb, 4, k, L, P, N, out); break;                                      \
     }
     if (nib && limbs == 2) /* q4_pack'ed codes come in blocks of 32 only */
         Q8_ROWS(2, 2, 1)
@@ -273,16 +281,11 @@ static int q8_run(const q8_row *rows, int64_t m, const uint8_t *u, const float *
             for (int64_t r0 = 0; r0 < m; r0 += Q8_MAXR) {
                 const int mm = (int)(m - r0 < Q8_MAXR ? m - r0 : Q8_MAXR);
                 q8dot2_any(rows + r0, u + j * row_bytes, u + j2 * row_bytes, scale + j * groups,
-                           scale + j2 * groups, mm, k, limbs, (int)per, nib, dots);
+                           scale + j2 * groups, nib ? mins + j * groups : NULL, nib ? mins + j2 * groups : NULL, mm,
+                           k, limbs, (int)per, nib, dots);
                 for (int r = 0; r < mm; r++) {
                     const int64_t row = r0 + r;
-                    float da = dots[2 * r], db = dots[2 * r + 1];
-                    if (nib) { /* + sum over blocks of m times the block's cut x */
-                        const float *xs = rows[row].xsum, *ma = mins + j * groups, *mb = mins + j2 * groups;
-                        float oa = 0.0f, ob = 0.0f;
-                        for (int64_t g = 0; g < groups; g++) oa += ma[g] * xs[g], ob += mb[g] * xs[g];
-                        da += oa, db += ob;
-                    }
+                    const float da = dots[2 * r], db = dots[2 * r + 1];
                     if (s->out == OUT_ARGMAX) {
                         q8_best_see(mine + row, da, j);
                         if (j2 != j) q8_best_see(mine + row, db, j2);
@@ -317,9 +320,8 @@ static int q8_run(const q8_row *rows, int64_t m, const uint8_t *u, const float *
     return 0;
 }
 
-/* Scratch for m cut rows of k inputs (one block: per row 3 x k bytes, then 3 x k / 4 int32 or float, then
- * up to k / 16 block sums), and k floats for widening a bf16 row; NULL out of memory (free *scratch either
- * way). */
+/* Scratch for m cut rows of k inputs (one block: per row 3 x k bytes, then 4 x k / 4 int32 or float), and k
+ * floats for widening a bf16 row; NULL out of memory (free *scratch either way). */
 static q8_row *q8_rows(int64_t m, int64_t k, char **scratch, float **wide) {
     *scratch = aligned_alloc(64, (size_t)(m * 7 * k + 4 * k) + 64);
     q8_row *rows = malloc(sizeof *rows * (size_t)(m > 0 ? m : 1));
