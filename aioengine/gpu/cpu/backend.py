@@ -301,6 +301,9 @@ class CpuBackend(Backend):
     def forward(
         self, runner: RunnerParts, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
+        coded = getattr(runner.model, "coded_steps", None)  # decoder linears on GGUF codes (q8_linear.py)
+        if coded is not None:
+            coded.decodes_only = meta.num_decodes == meta.num_reqs == input_ids.shape[0]
         stack = self.decode_stack
         if stack is not None and stack.takes(input_ids, meta):  # every layer in one C call, the same bits
             decoder: Any = runner.model.model  # a Llama-family or Gemma 3 decoder (checked when built)

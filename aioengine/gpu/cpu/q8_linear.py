@@ -10,8 +10,10 @@ span more than 2^8) and 3 for float32 (about float32's own rounding).
 The kernel's arithmetic per weight is several times the bf16 GEMM's, so past a few rows (``MAX_ROWS``, the
 crossovers measured per dtype and block size) the model's own linear, kept beside the codes, runs: the
 packed bf16 GEMM, or float32's transposed one (which reads 4 bytes a weight and loses until about 16 rows).
-The bf16 decode stack (cpu_decode_stack.c) makes the same choice with the same kernels, so both paths keep
-one result.
+Only steps of decodes take the codes (``CodedSteps``): a prompt's rows go through the GEMM however few they
+are, so its KV, pooled embedding and prompt logprobs do not depend on what else shared its step. The bf16
+decode stack (cpu_decode_stack.c) makes the same choice with the same kernels, so both paths keep one
+result.
 """
 
 from __future__ import annotations
@@ -40,14 +42,29 @@ MAX_ROWS = {
 _LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
+class CodedSteps:
+    """Whether the step running now is decodes only: one per model, shared by its Q8Linears and set by the
+    backend before each forward (a module called on its own, as in tests, counts as a decode)."""
+
+    __slots__ = ("decodes_only",)
+
+    def __init__(self) -> None:
+        self.decodes_only = True
+
+
 class Q8Linear(nn.Module):
     """``gemm``'s linear (bias and a fused activation included) on the weight's block codes for up to
     ``max_rows`` rows, ``gemm`` itself past them: a packed bf16 linear, or a float32 transposed one."""
 
     def __init__(
-        self, found: BlockCodes, gemm: PackedLinear | TransposedLinear, max_rows: int | None = None
+        self,
+        found: BlockCodes,
+        gemm: PackedLinear | TransposedLinear,
+        max_rows: int | None = None,
+        steps: CodedSteps | None = None,
     ) -> None:
         super().__init__()
+        self.steps = CodedSteps() if steps is None else steps
         assert _takes(gemm)
         assert found.codes.shape == (gemm.out_features, gemm.in_features)
         self.gemm = gemm
@@ -71,7 +88,7 @@ class Q8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if flat.shape[0] > self.max_rows:
+        if flat.shape[0] > self.max_rows or not self.steps.decodes_only:
             return self.gemm(x)
         rows = flat.to(self.dtype)
         rows = rows if rows.stride(-1) == 1 else rows.contiguous()
@@ -117,6 +134,7 @@ def attach_q8_linears(model: nn.Module, checkpoint: str | os.PathLike[str]) -> i
     if not q8.available():
         return 0
     done, nbytes = 0, 0
+    steps = CodedSteps()
     with float32_matrices(checkpoint) as matrices:
         for name, module in list(model.named_modules()) if matrices else []:
             for attr in _LINEARS:
@@ -128,9 +146,10 @@ def attach_q8_linears(model: nn.Module, checkpoint: str | os.PathLike[str]) -> i
                 found = read_block_codes(matrices, names, affine=True)
                 if found is None or found.codes.shape != (gemm.out_features, gemm.in_features):
                     continue
-                setattr(module, attr, Q8Linear(found, gemm))
+                setattr(module, attr, Q8Linear(found, gemm, steps=steps))
                 done += 1
                 nbytes += module_bytes(getattr(module, attr))
     if done:
+        model.coded_steps = steps  # the backend marks each step
         logger.info("%d decoder linears on their GGUF block codes for few rows (%d MB)", done, nbytes >> 20)
     return done

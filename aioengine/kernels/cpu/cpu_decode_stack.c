@@ -53,10 +53,12 @@ typedef struct {
     const int64_t *query_start_loc; /* [num_reqs + 1] */
 } stack_args;
 
-/* y = x W^T (+ bias, or the gated epilogue) on the codes where the step is small enough, else the GEMM */
+/* y = x W^T (+ bias, or the gated epilogue) on the codes where the step is decodes only and small enough,
+ * else the GEMM (a prompt's rows never take the codes: its KV, pooled vector and logprobs are the same
+ * alone as in a batch) */
 static int linear(const q8_codes *q, const stack_args *a, const uint16_t *x, int64_t ldx, const uint16_t *packed,
                   const uint16_t *bias, uint16_t *y, int64_t ldy, int64_t n, int64_t k, int out) {
-    if (q->codes != NULL && a->rows <= q->max_rows)
+    if (q->codes != NULL && a->rows <= q->max_rows && a->num_decodes == a->rows)
         return qgemv_q8_bf16(x, ldx, q->codes, q->scales, q->mins, q->block, bias, y, ldy, a->rows, n, k, out, a->act_table,
                              a->num_threads);
     return gemm_bf16(x, ldx, packed, bias, y, ldy, a->rows, n, k, out, a->act_table, a->num_threads);

@@ -86,3 +86,16 @@ def test_plain_weights_and_missing_checkpoints_keep_their_linears(tmp_path):
     assert attach_q8_linears(model, tmp_path) == 0
     assert attach_q8_linears(model, tmp_path / "nowhere") == 0
     assert not any(isinstance(m, Q8Linear) for m in model.modules())
+
+
+def test_a_step_with_prompt_rows_keeps_the_models_own_linear(tmp_path):
+    """Only decode steps take the codes: a prompt's rows give the same result alone as in a batch."""
+    model, _ = _tiny(tmp_path, "llama", torch.float32, q4_1=True)
+    assert attach_q8_linears(model, tmp_path) == 4 * 2
+    steps = model.coded_steps
+    o_proj = model.model.layers[0].self_attn.o_proj
+    assert o_proj.steps is steps
+    x = torch.randn(1, o_proj.in_features)
+    on_codes = o_proj(x)
+    steps.decodes_only = False
+    assert torch.equal(o_proj(x), o_proj.gemm(x)) and not torch.equal(on_codes, o_proj.gemm(x))
