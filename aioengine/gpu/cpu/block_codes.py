@@ -60,15 +60,21 @@ def block_codes(
     return _affine_search(read, n, k) if affine else None
 
 
-def _search(read: Read, n: int, k: int, block: int, largest: tuple[int, ...]) -> BlockCodes | None:
-    codes = torch.empty((n, k), dtype=torch.int8)
-    scales = torch.empty((n, k // block), dtype=torch.float32)
+def _chunks(read: Read, n: int, k: int, block: int) -> Iterator[tuple[int, int, torch.Tensor | None]]:
+    """(r0, r1, rows r0..r1 as blocks [r1 - r0, k / block, block]): the probe rows first, then chunks; the
+    blocks are None for a weight that is not float32."""
     for r0 in [0, *range(_PROBE_ROWS, n, _CHUNK_ROWS)]:
         r1 = min(n, _PROBE_ROWS if r0 == 0 else r0 + _CHUNK_ROWS)
         w = read(r0, r1)
-        if w.dtype != torch.float32:
+        yield r0, r1, (w.reshape(r1 - r0, k // block, block) if w.dtype == torch.float32 else None)
+
+
+def _search(read: Read, n: int, k: int, block: int, largest: tuple[int, ...]) -> BlockCodes | None:
+    codes = torch.empty((n, k), dtype=torch.int8)
+    scales = torch.empty((n, k // block), dtype=torch.float32)
+    for r0, r1, blocks in _chunks(read, n, k, block):
+        if blocks is None:
             return None
-        blocks = w.reshape(r1 - r0, k // block, block)
         amax = blocks.abs().amax(-1)
         scale = torch.zeros_like(amax)
         q = torch.zeros_like(blocks)
@@ -96,17 +102,13 @@ def _affine_search(read: Read, n: int, k: int, block: int = 32, top: int = 15) -
     codes = torch.empty((n, k), dtype=torch.uint8)
     scales = torch.empty((n, k // block), dtype=torch.float32)
     mins = torch.empty_like(scales)
-    for r0 in [0, *range(_PROBE_ROWS, n, _CHUNK_ROWS)]:
-        r1 = min(n, _PROBE_ROWS if r0 == 0 else r0 + _CHUNK_ROWS)
-        w = read(r0, r1)
-        if w.dtype != torch.float32:
+    for r0, r1, blocks in _chunks(read, n, k, block):
+        if blocks is None:
             return None
-        blocks = w.reshape(r1 - r0, k // block, block)
         low, high = blocks.amin(-1), blocks.amax(-1)
         if not (low.isfinite().all() and high.isfinite().all()):
             return None
-        flat = high == low  # code 0, d 0: exact as it stands
-        done = flat.clone()
+        done = high == low  # a flat block: code 0, d 0, exact as it stands
         scale = torch.zeros_like(low)
         q: torch.Tensor | None = None
         shifted = blocks - low[..., None]  # only to guess the codes: rounded right after
