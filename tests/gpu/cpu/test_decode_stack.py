@@ -181,3 +181,20 @@ def test_the_heads_greedy_pick_is_the_argmax_of_its_logits(tmp_path, arch):
     with torch.inference_mode():
         picked = model.compute_greedy(hidden)
         assert picked is not None and torch.equal(picked, model.compute_logits(hidden).argmax(-1))
+
+
+@pytest.mark.skipif(not q8.available(), reason="cpu_q8.c is vectorized for AVX512-VNNI only")
+@pytest.mark.parametrize("stack", [True, False])
+def test_prompt_rows_take_the_gemm_and_decode_rows_the_codes(tmp_path, stack):
+    """A step of one prompt chunk of 2 rows gives the bits of the same model without codes (the backend and
+    the C stack both keep prompts on the GEMM); a step of 2 decodes does not (it runs on the codes)."""
+    model, cfg, backend = _model(tmp_path, "llama", codes=True, q4_1=True)
+    coded, _ = _decode(model, cfg, backend, stack, [40], [2])
+    decoded, _ = _decode(model, cfg, backend, stack, [40, 17])
+    for module in model.modules():
+        for name, child in list(module.named_children()):
+            if isinstance(child, Q8Linear):
+                setattr(module, name, child.gemm)
+    plain, _ = _decode(model, cfg, backend, stack, [40], [2])
+    assert torch.equal(coded, plain)
+    assert not torch.equal(decoded, _decode(model, cfg, backend, stack, [40, 17])[0])
