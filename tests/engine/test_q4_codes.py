@@ -8,11 +8,10 @@ import asyncio
 
 import pytest
 
-from aioengine import AsyncEngine, EngineArgs, SamplingParams
 from aioengine.gpu.cpu.q8_linear import Q8Linear
 from aioengine.kernels.cpu import q8
 from tests.engine.conftest import make_tiny_checkpoint
-from tests.engine.test_parity import NEW_TOKENS, hf_greedy, prompts
+from tests.engine.test_parity import hf_greedy, prompts, run_engine
 from tests.gpu.cpu.block_coded import as_block_codes
 
 pytestmark = pytest.mark.skipif(not q8.available(), reason="the block-code kernels need AVX512-VNNI")
@@ -23,19 +22,8 @@ def test_greedy_parity_through_the_4_bit_codes(tmp_path, arch):
     hf = make_tiny_checkpoint(arch, tmp_path, hidden_size=128, intermediate_size=256)
     as_block_codes(hf, q4_1=True)
     hf.save_pretrained(tmp_path)
-    few, many = prompts(False, 3), prompts(True, 12)
-
-    async def run() -> tuple[list[list[int]], list[list[int]], int]:
-        args = EngineArgs(model=str(tmp_path), dtype="float32", device="cpu", max_num_batched_tokens=256)
-        async with AsyncEngine(args) as engine:
-            params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-            a = await asyncio.gather(*(engine.generate(p, params) for p in few))
-            b = await asyncio.gather(*(engine.generate(p, params) for p in many))
-            modules = engine.runner.model.modules()
-            coded = [m for m in modules if isinstance(m, Q8Linear) and m.mins is not None]
-            return [o.outputs[0].token_ids for o in a], [o.outputs[0].token_ids for o in b], len(coded)
-
-    got_few, got_many, num_coded = asyncio.run(run())
-    assert num_coded == 4 * hf.config.num_hidden_layers
-    assert got_few == [hf_greedy(hf, p) for p in few]
-    assert got_many == [hf_greedy(hf, p) for p in many]
+    for ps in (prompts(False, 3), prompts(True, 12)):  # a few decodes a step, then many
+        got, engine = asyncio.run(run_engine(tmp_path, ps, max_num_batched_tokens=256))
+        coded = [m for m in engine.runner.model.modules() if isinstance(m, Q8Linear) and m.mins is not None]
+        assert len(coded) == 4 * hf.config.num_hidden_layers
+        assert got == [hf_greedy(hf, p) for p in ps]

@@ -110,7 +110,7 @@ def _affine_search(read: Read, n: int, k: int, block: int = 32, top: int = 15) -
             return None
         done = high == low  # a flat block: code 0, d 0, exact as it stands
         scale = torch.zeros_like(low)
-        q: torch.Tensor | None = None
+        q = torch.zeros_like(blocks)
         shifted = blocks - low[..., None]  # only to guess the codes: rounded right after
         bits = ((high - low) / top).half().view(torch.int16)
         for step in _F16_NEIGHBOURS:
@@ -119,11 +119,11 @@ def _affine_search(read: Read, n: int, k: int, block: int = 32, top: int = 15) -
             # each block checked whole, in the dequantizer's roundings: fl(code * d + m) == w
             ok = ~done & (d > 0) & (guess * d[..., None]).add_(low[..., None]).eq_(blocks).all(-1)
             scale = torch.where(ok, d, scale)
-            q = guess.where(ok[..., None], 0.0) if q is None else torch.where(ok[..., None], guess, q)
+            q = torch.where(ok[..., None], guess, q)
             done |= ok
             if done.all():
                 break
-        if not done.all() or q is None:
+        if not done.all():
             return None
         codes[r0:r1], scales[r0:r1], mins[r0:r1] = q.to(torch.uint8).reshape(r1 - r0, k), scale, low
     return BlockCodes(codes, scales, block, mins)
