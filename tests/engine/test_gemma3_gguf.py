@@ -105,8 +105,8 @@ def test_greedy_parity_short_and_long_chunked_and_prefix_hit(gemma):
 
     got, hits, codes = asyncio.run(run())
     assert hits > 0
-    # the decodes' linears run on the file's block codes where VNNI is built: qkv and gate_up (Q5_0,
-    # Q8_0) in every layer and the Q6_K down projections, not the Q4_K ones
-    assert codes == (2 * 18 + 9 if q8.available() else 0)
+    # the decodes' linears run on the file's block codes where VNNI is built: all four in every layer (qkv
+    # and gate_up Q5_0 or Q8_0, o_proj Q4_K, down Q6_K or Q4_K)
+    assert codes == (4 * 18 if q8.available() else 0)
     for p, want, have in zip(prompts, expected, got, strict=True):
         assert_equal_up_to_ties(hf, p, want, have)

