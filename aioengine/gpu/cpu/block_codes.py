@@ -6,11 +6,11 @@ product is exact in float32, and the converted cache holds those products, so th
 bit for bit: a block's scale is its largest ``|w|`` over that largest code. Q4_1 (``affine=True``)
 dequantizes to ``code * d + m`` with codes in [0, 15] and float16 d and m per 32: m is the block's smallest
 weight (llama.cpp gives the smallest code 0) and d the float16 next to its span over 15. Each candidate is
-verified on the whole block. Q4_K dequantizes to ``code * (d * sc) - dmin * m`` per 32, with float16 d and
-dmin per 256 and 6-bit sc and m: llama.cpp gives the largest sc 63, so d is the float16 near the largest
-sub-block step over 63, and a sub-block's offset is its smallest weight (code 0), or 0 where all are above 0.
-It runs as Q4_1 does, with float32 scales and offsets. A weight that is not such a dequantization (float16
-checkpoints, Q5_K, rows not a multiple of 64) gets None, and keeps its GEMM.
+verified on the whole block. Q4_K dequantizes to ``code * (d * sc) - dmin * m`` per 32 (float16 d and dmin
+per 256, 6-bit sc and m), any 6-bit scales a quantizer chose: a sub-block's d * sc is its span over the
+levels its smallest gap counts (or a float32 next to it), and its offset its smallest weight (code 0), or 0
+where all are above 0. It runs as Q4_1 does, with float32 scales and offsets. A weight that is not such a
+dequantization (float16 checkpoints, Q5_K, rows not a multiple of 64) gets None, and keeps its GEMM.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def block_codes(
     if not affine:
         return None
     found = _affine_search(read, n, k)
-    return found if found is not None or k % 256 else _superblock_search(read, n, k)
+    return found if found is not None or k % 256 else _offset_search(read, n, k)
 
 
 def _chunks(read: Read, n: int, k: int, block: int) -> Iterator[tuple[int, int, torch.Tensor | None]]:
@@ -135,36 +135,30 @@ def _affine_search(read: Read, n: int, k: int, block: int = 32, top: int = 15) -
     return BlockCodes(codes, scales, block, mins)
 
 
-def _superblock_search(read: Read, n: int, k: int, top: int = 15) -> BlockCodes | None:
+def _offset_search(read: Read, n: int, k: int, top: int = 15) -> BlockCodes | None:
     codes = torch.empty((n, k), dtype=torch.uint8)
     scales = torch.empty((n, k // 32), dtype=torch.float32)
     mins = torch.empty_like(scales)
     for r0, r1, blocks in _chunks(read, n, k, 32):
-        if blocks is None:
+        if blocks is None or not blocks.isfinite().all():
             return None
-        if not blocks.isfinite().all():
-            return None
-        sub = blocks.view(r1 - r0, k // 256, 8, 32)
-        low, high = sub.amin(-1), sub.amax(-1)
+        low, high = blocks.amin(-1), blocks.amax(-1)
         span = high - low
-        # a sub-block's step: its span over the levels its smallest gap counts (codes may skip a level)
-        gaps = sub.sort(-1).values.diff(dim=-1)
+        # a block's step: its span over the levels its smallest gap counts (codes may skip a level)
+        gaps = blocks.sort(-1).values.diff(dim=-1)
         gap = torch.where(gaps > 0, gaps, torch.inf).amin(-1)
-        levels = (span / gap).round_().clamp_(1, top)
-        step = torch.where(span > 0, span / levels, 0.0)
-        bits = (step.amax(-1, keepdim=True) / 63).half().view(torch.int16)
-        done = span == 0  # a flat sub-block: code 0, scale 0, offset its value
+        step = torch.where(span > 0, span / (span / gap).round_().clamp_(1, top), 0.0)
+        done = span == 0  # a flat block: code 0, scale 0, offset its value
         scale = torch.zeros_like(low)
         offset = low.clone()
-        q = torch.zeros_like(sub)
-        for near in _F16_NEIGHBOURS:
-            d = (bits + near).view(torch.float16).float()
-            dj = d * (step / d).round_().clamp_(0, 63)  # float16 times a 6-bit integer: exact in float32
-            # the file's offset is -dmin * m <= 0: a sub-block above 0 has 0 (a min clamped to 0)
+        q = torch.zeros_like(blocks)
+        # d * sc is a float32 (float16 times 6 bits): the step, or a neighbour where the span rounded
+        for dj in ((step.view(torch.int32) + near).view(torch.float32) for near in (0, -1, 1, -2, 2)):
+            # the file's offset is -dmin * m <= 0: a block above 0 has 0 (a min clamped to 0)
             for off in (low.clamp(max=0.0), low):
-                guess = ((sub - off[..., None]) / dj[..., None]).round_().clamp_(0, top)
+                guess = ((blocks - off[..., None]) / dj[..., None]).round_().clamp_(0, top)
                 # checked whole, in the dequantizer's roundings: fl(code * dj - dmin * m) == w
-                ok = ~done & (dj > 0) & (guess * dj[..., None]).add_(off[..., None]).eq_(sub).all(-1)
+                ok = ~done & (dj > 0) & (guess * dj[..., None]).add_(off[..., None]).eq_(blocks).all(-1)
                 scale = torch.where(ok, dj, scale)
                 offset = torch.where(ok, off, offset)
                 q = torch.where(ok[..., None], guess, q)
@@ -173,8 +167,7 @@ def _superblock_search(read: Read, n: int, k: int, top: int = 15) -> BlockCodes 
                 break
         if not done.all():
             return None
-        codes[r0:r1] = q.to(torch.uint8).reshape(r1 - r0, k)
-        scales[r0:r1], mins[r0:r1] = scale.reshape(r1 - r0, -1), offset.reshape(r1 - r0, -1)
+        codes[r0:r1], scales[r0:r1], mins[r0:r1] = q.to(torch.uint8).reshape(r1 - r0, k), scale, offset
     return BlockCodes(codes, scales, 32, mins)
 
 

@@ -142,15 +142,16 @@ def test_q5_k_is_refused_even_with_affine():
     assert block_codes(lambda r0, r1: w[r0:r1], *w.shape, affine=True) is None
 
 
-def _q4_k(x: np.ndarray) -> np.ndarray:
+def _q4_k(x: np.ndarray, largest: int = 63) -> np.ndarray:
     """x [n, k] as Q4_K blocks, chosen as llama.cpp's reference quantizer does in outline: per 32, a step
     over the span and an offset that maps the smallest weight (or 0) to code 0; per 256, float16 d and dmin
-    with the largest 6-bit scale and min at 63; then the codes again from the rounded scales."""
+    with the largest 6-bit scale at ``largest`` (63 there; an importance-weighted quantizer picks others)
+    and the largest min at 63; then the codes again from the rounded scales."""
     n, k = x.shape
     sub = x.reshape(n, k // 256, 8, 32).astype(np.float32)
     low = np.minimum(sub.min(-1), 0.0)
     step = (sub.max(-1) - low) / 15
-    d = (step.max(-1, keepdims=True) / 63).astype(np.float16)
+    d = (step.max(-1, keepdims=True) / largest).astype(np.float16)
     dmin = (-low.min(-1, keepdims=True) / 63).astype(np.float16)
     with np.errstate(divide="ignore", invalid="ignore"):  # a super-block of positive rows has dmin 0
         sc = np.clip(np.rint(np.nan_to_num(step / d.astype(np.float32))), 0, 63).astype(np.uint8)
@@ -183,12 +184,12 @@ def _file_codes(raw: np.ndarray, n: int, k: int) -> tuple[np.ndarray, np.ndarray
     return codes, (d * sc).reshape(n, -1), (-(dmin * m)).reshape(n, -1)
 
 
-@pytest.mark.parametrize("spread", [0.05, 3.0])
-def test_q4_k_comes_back_as_its_files_codes_with_float32_scales_and_offsets(spread):
+@pytest.mark.parametrize(("spread", "largest"), [(0.05, 63), (3.0, 63), (0.05, 41)])
+def test_q4_k_comes_back_as_its_files_codes_with_float32_scales_and_offsets(spread, largest):
     rng = np.random.default_rng(11)
     x = rng.standard_normal((80, 512)).astype(np.float32) * spread
     x[5] = np.abs(x[5]) + 0.1  # positive rows: the offset clamps to 0 (no code 0 needed)
-    raw = _q4_k(x)
+    raw = _q4_k(x, largest)
     w = torch.from_numpy(dequantize(raw, Q.Q4_K).astype(np.float32).reshape(80, 512))
     w[9, 64:96] = 0.0  # a flat sub-block
     assert _codes(w) is None  # offsets only where asked for
