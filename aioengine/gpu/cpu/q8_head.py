@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from aioengine.gpu.cpu import huge_pages
-from aioengine.gpu.cpu.block_codes import block_codes, float32_matrices, read_block_codes
+from aioengine.gpu.cpu.block_codes import block_codes
+from aioengine.gpu.cpu.codes_cache import checkpoint_codes
 from aioengine.kernels.cpu import q8
 
 logger = logging.getLogger(__name__)
@@ -50,8 +51,8 @@ def read_head_codes(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``q8_0_codes`` of the checkpoint's head (the embedding when ``tied``), read a chunk of rows at a time
     from its float32 safetensors; None when it has no such tensor or it is not Q8_0."""
-    with float32_matrices(checkpoint) as matrices:
-        found = read_block_codes(matrices, [_HEAD_NAMES[1] if tied else _HEAD_NAMES[0]], kinds=[Q8_0])
+    with checkpoint_codes(checkpoint) as codes:
+        found = codes.read([_HEAD_NAMES[1] if tied else _HEAD_NAMES[0]], kinds=[Q8_0])
     return None if found is None else (found.codes, found.scales)
 
 

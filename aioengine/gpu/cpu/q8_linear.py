@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from aioengine.gpu.cpu import huge_pages
-from aioengine.gpu.cpu.block_codes import BlockCodes, float32_matrices, read_block_codes
+from aioengine.gpu.cpu.block_codes import BlockCodes
+from aioengine.gpu.cpu.codes_cache import checkpoint_codes
 from aioengine.gpu.cpu.linear import PackedLinear, TransposedLinear
 from aioengine.gpu.models.llama import FUSED_SHARDS
 from aioengine.kernels.cpu import q8
@@ -135,15 +136,15 @@ def attach_q8_linears(model: nn.Module, checkpoint: str | os.PathLike[str]) -> i
         return 0
     done, nbytes = 0, 0
     steps = CodedSteps()
-    with float32_matrices(checkpoint) as matrices:
-        for name, module in list(model.named_modules()) if matrices else []:
+    with checkpoint_codes(checkpoint) as codes:
+        for name, module in list(model.named_modules()) if codes.matrices else []:
             for attr in _LINEARS:
                 gemm = getattr(module, attr, None)
                 if not _takes(gemm):
                     continue
                 shards = FUSED_SHARDS.get(attr, (attr,))
                 names = [f"{name}.{shard}.weight" for shard in shards]
-                found = read_block_codes(matrices, names, affine=True)
+                found = codes.read(names, affine=True)
                 if found is None or found.codes.shape != (gemm.out_features, gemm.in_features):
                     continue
                 setattr(module, attr, Q8Linear(found, gemm, steps=steps))
