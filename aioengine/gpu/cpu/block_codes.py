@@ -53,17 +53,14 @@ def block_codes(
     affine: bool = False,
 ) -> BlockCodes | None:
     """The codes of the ``[n, k]`` float32 weight whose rows ``read(r0, r1)`` gives, for the first of
-    ``kinds`` (then Q4_1's, with ``affine``) that reproduces every block exactly; None for none."""
+    ``kinds`` (then Q4_1's and Q4_K's, with ``affine``) that reproduces every block exactly; None for none."""
     if k % 64:
         return None
     for block, largest in kinds:
         found = _search(read, n, k, block, largest)
         if found is not None:
             return found
-    if not affine:
-        return None
-    found = _affine_search(read, n, k)
-    return found if found is not None or k % 256 else _offset_search(read, n, k)
+    return _affine_search(read, n, k) if affine else None
 
 
 def _chunks(read: Read, n: int, k: int, block: int) -> Iterator[tuple[int, int, torch.Tensor | None]]:
@@ -101,7 +98,26 @@ def _search(read: Read, n: int, k: int, block: int, largest: tuple[int, ...]) ->
     return BlockCodes(codes, scales, block)
 
 
-_F16_NEIGHBOURS = (0, -1, 1, -2, 2)  # float16 steps around the span's quotient: d's rounding may sit there
+_NEIGHBOURS = (0, -1, 1, -2, 2)  # steps (float16's or float32's) around an estimate: a rounding may sit there
+Candidates = Iterator[tuple[torch.Tensor, torch.Tensor]]  # (d, offset) per block, most likely first
+
+
+def _affine_candidates(blocks: torch.Tensor, low: torch.Tensor, high: torch.Tensor, top: int) -> Candidates:
+    """Q4_1's: the float16 d around the span over 15, the offset the smallest weight (llama.cpp gives it
+    code 0). Then Q4_K's (measured only if those fail): d * sc is a float32, the span over the levels the
+    smallest gap counts (codes may skip a level) or a neighbour; the offset -dmin * m <= 0, so the smallest
+    weight, or 0 for a block above 0 (a min clamped to 0)."""
+    bits = ((high - low) / top).half().view(torch.int16)
+    for near in _NEIGHBOURS:
+        yield (bits + near).view(torch.float16).float(), low
+    span = high - low
+    gaps = blocks.sort(-1).values.diff(dim=-1)
+    gap = torch.where(gaps > 0, gaps, torch.inf).amin(-1)
+    step = torch.where(span > 0, span / (span / gap).round_().clamp_(1, top), 0.0)
+    for near in _NEIGHBOURS:
+        d = (step.view(torch.int32) + near).view(torch.float32)
+        yield d, low.clamp(max=0.0)
+        yield d, low
 
 
 def _affine_search(read: Read, n: int, k: int, block: int = 32, top: int = 15) -> BlockCodes | None:
@@ -109,66 +125,27 @@ def _affine_search(read: Read, n: int, k: int, block: int = 32, top: int = 15) -
     scales = torch.empty((n, k // block), dtype=torch.float32)
     mins = torch.empty_like(scales)
     for r0, r1, blocks in _chunks(read, n, k, block):
-        if blocks is None:
+        if blocks is None or not blocks.isfinite().all():
             return None
         low, high = blocks.amin(-1), blocks.amax(-1)
-        if not (low.isfinite().all() and high.isfinite().all()):
-            return None
-        done = high == low  # a flat block: code 0, d 0, exact as it stands
+        done = high == low  # a flat block: code 0, d 0, its value the offset
         scale = torch.zeros_like(low)
+        offset = low.clone()
         q = torch.zeros_like(blocks)
-        shifted = blocks - low[..., None]  # only to guess the codes: rounded right after
-        bits = ((high - low) / top).half().view(torch.int16)
-        for step in _F16_NEIGHBOURS:
-            d = (bits + step).view(torch.float16).float()
-            guess = (shifted / d[..., None]).round_().clamp_(0, top)
-            # each block checked whole, in the dequantizer's roundings: fl(code * d + m) == w
-            ok = ~done & (d > 0) & (guess * d[..., None]).add_(low[..., None]).eq_(blocks).all(-1)
+        for d, off in _affine_candidates(blocks, low, high, top):
+            guess = ((blocks - off[..., None]) / d[..., None]).round_().clamp_(0, top)
+            # each block checked whole, in the dequantizer's roundings: fl(code * d + offset) == w
+            ok = ~done & (d > 0) & (guess * d[..., None]).add_(off[..., None]).eq_(blocks).all(-1)
             scale = torch.where(ok, d, scale)
+            offset = torch.where(ok, off, offset)
             q = torch.where(ok[..., None], guess, q)
             done |= ok
             if done.all():
                 break
         if not done.all():
             return None
-        codes[r0:r1], scales[r0:r1], mins[r0:r1] = q.to(torch.uint8).reshape(r1 - r0, k), scale, low
-    return BlockCodes(codes, scales, block, mins)
-
-
-def _offset_search(read: Read, n: int, k: int, top: int = 15) -> BlockCodes | None:
-    codes = torch.empty((n, k), dtype=torch.uint8)
-    scales = torch.empty((n, k // 32), dtype=torch.float32)
-    mins = torch.empty_like(scales)
-    for r0, r1, blocks in _chunks(read, n, k, 32):
-        if blocks is None or not blocks.isfinite().all():
-            return None
-        low, high = blocks.amin(-1), blocks.amax(-1)
-        span = high - low
-        # a block's step: its span over the levels its smallest gap counts (codes may skip a level)
-        gaps = blocks.sort(-1).values.diff(dim=-1)
-        gap = torch.where(gaps > 0, gaps, torch.inf).amin(-1)
-        step = torch.where(span > 0, span / (span / gap).round_().clamp_(1, top), 0.0)
-        done = span == 0  # a flat block: code 0, scale 0, offset its value
-        scale = torch.zeros_like(low)
-        offset = low.clone()
-        q = torch.zeros_like(blocks)
-        # d * sc is a float32 (float16 times 6 bits): the step, or a neighbour where the span rounded
-        for dj in ((step.view(torch.int32) + near).view(torch.float32) for near in (0, -1, 1, -2, 2)):
-            # the file's offset is -dmin * m <= 0: a block above 0 has 0 (a min clamped to 0)
-            for off in (low.clamp(max=0.0), low):
-                guess = ((blocks - off[..., None]) / dj[..., None]).round_().clamp_(0, top)
-                # checked whole, in the dequantizer's roundings: fl(code * dj - dmin * m) == w
-                ok = ~done & (dj > 0) & (guess * dj[..., None]).add_(off[..., None]).eq_(blocks).all(-1)
-                scale = torch.where(ok, dj, scale)
-                offset = torch.where(ok, off, offset)
-                q = torch.where(ok[..., None], guess, q)
-                done |= ok
-            if done.all():
-                break
-        if not done.all():
-            return None
         codes[r0:r1], scales[r0:r1], mins[r0:r1] = q.to(torch.uint8).reshape(r1 - r0, k), scale, offset
-    return BlockCodes(codes, scales, 32, mins)
+    return BlockCodes(codes, scales, block, mins)
 
 
 @contextmanager
