@@ -66,15 +66,17 @@ class CheckpointCodes:
                 else:  # 4-bit codes, two to a byte on disk
                     tensors[f"{key}.codes"] = found.codes[:, 0::2] | (found.codes[:, 1::2] << 4)
                     tensors[f"{key}.mins"] = found.mins
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".codes-", suffix=".tmp")
-        os.close(fd)
+        tmp = None
         try:
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".codes-", suffix=".tmp")
+            os.close(fd)
             save_file(tensors, tmp, metadata={"blocks": json.dumps(blocks)})
             os.chmod(tmp, 0o644)  # as the checkpoint's own files: another user of the cache reads it too
             os.replace(tmp, self.path)  # a concurrent start reads a whole file or none
-        except OSError as e:
+        except OSError as e:  # a read-only or full cache: only the next start's search is lost
             logger.info("block codes not kept beside the checkpoint (%s); the next start searches again", e)
-            Path(tmp).unlink(missing_ok=True)
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)
 
 
 @contextmanager

@@ -99,11 +99,15 @@ def test_a_checkpoint_outside_the_cache_is_not_written_to(entry):
     assert not (entry / CODES_FILE).exists()
 
 
-def test_a_cache_that_cannot_be_written_still_gives_the_codes(entry, monkeypatch):
+@pytest.mark.parametrize("where", ["save_file", "mkstemp"])
+def test_a_cache_that_cannot_be_written_still_gives_the_codes(entry, monkeypatch, where):
     def refuse(*args, **kwargs):
         raise OSError("read-only file system")
 
-    monkeypatch.setattr(codes_cache, "save_file", refuse)
+    if where == "save_file":
+        monkeypatch.setattr(codes_cache, "save_file", refuse)
+    else:  # the directory itself refuses a new file
+        monkeypatch.setattr(codes_cache.tempfile, "mkstemp", refuse)
     assert _answers(entry)[0] is not None
     assert not (entry / CODES_FILE).exists()
     assert not [p for p in entry.iterdir() if p.name.endswith(".tmp")]
