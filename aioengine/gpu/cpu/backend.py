@@ -16,6 +16,7 @@ from torch import nn
 
 from aioengine.config import EngineArgs, KernelConfig, cpu_has_fast_bf16
 from aioengine.gpu.backend import Backend, Ops, RunnerParts
+from aioengine.gpu.cpu.codes_cache import checkpoint_codes
 from aioengine.gpu.cpu.decode_stack import CpuDecodeStack
 from aioengine.gpu.cpu.linear import pack_linears
 from aioengine.gpu.cpu.q8_head import attach_q8_head
@@ -250,14 +251,15 @@ class CpuBackend(Backend):
         if quantization is not None:
             quantize_model(model, quantization, linear=linear, c_kernels=self.kernels.cpu_kernels)
         pack_linears(model, linear)
-        # A GGUF's Q8_0 head and the layers' block types (symmetric, and Q4_1), exact from the converted
+        # A GGUF's Q8_0 head and the layers' block types (symmetric, Q4_1 and Q4_K), exact from the converted
         # float32 weights (a tensor-parallel rank's weights are slices of the file's: they keep the GEMM).
         k = self.kernels
         if checkpoint and quantization is None and k.cpu_kernels and self.ops.tp is None:
-            if k.cpu_q8_head:
-                attach_q8_head(model, checkpoint)
-            if k.cpu_q8_linears:
-                attach_q8_linears(model, checkpoint)
+            with checkpoint_codes(checkpoint) as codes:  # opened once: the head and the linears
+                if k.cpu_q8_head:
+                    attach_q8_head(model, codes)
+                if k.cpu_q8_linears:
+                    attach_q8_linears(model, codes)
         if self.kernels.cpu_kernels:
             clib.load()  # built now (seconds), not inside the first step
 

@@ -17,14 +17,13 @@ Q8_0 dequantization keeps its GEMM.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 from torch import nn
 
 from aioengine.gpu.cpu import huge_pages
 from aioengine.gpu.cpu.block_codes import block_codes
-from aioengine.gpu.cpu.codes_cache import checkpoint_codes
+from aioengine.gpu.cpu.codes_cache import CheckpointCodes
 from aioengine.kernels.cpu import q8
 
 logger = logging.getLogger(__name__)
@@ -46,13 +45,10 @@ def q8_0_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None
     return None if found is None else (found.codes, found.scales)
 
 
-def read_head_codes(
-    checkpoint: str | os.PathLike[str], tied: bool
-) -> tuple[torch.Tensor, torch.Tensor] | None:
+def read_head_codes(codes: CheckpointCodes, tied: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``q8_0_codes`` of the checkpoint's head (the embedding when ``tied``), read a chunk of rows at a time
-    from its float32 safetensors; None when it has no such tensor or it is not Q8_0."""
-    with checkpoint_codes(checkpoint) as codes:
-        found = codes.read([_HEAD_NAMES[1] if tied else _HEAD_NAMES[0]], kinds=[Q8_0])
+    from its float32 safetensors (or its kept codes); None when it has no such tensor or it is not Q8_0."""
+    found = codes.read([_HEAD_NAMES[1] if tied else _HEAD_NAMES[0]], kinds=[Q8_0])
     return None if found is None else (found.codes, found.scales)
 
 
@@ -106,13 +102,13 @@ class Q8Head(nn.Module):
         return f"{self.in_features}, {self.out_features}, q8_0 codes for {rows}, x in {self.limbs} bytes"
 
 
-def attach_q8_head(model: nn.Module, checkpoint: str | os.PathLike[str]) -> bool:
+def attach_q8_head(model: nn.Module, codes: CheckpointCodes) -> bool:
     """Give ``model`` a Q8Head in front of its (already packed) head where the checkpoint's head is Q8_0
     and this CPU runs the kernel vectorized; returns whether it did."""
     head = getattr(model, "lm_head", None)
     if head is None or not q8.available():
         return False
-    found = read_head_codes(checkpoint, bool(getattr(model, "tie_word_embeddings", False)))
+    found = read_head_codes(codes, bool(getattr(model, "tie_word_embeddings", False)))
     if found is None:
         return False
     codes, scales = found

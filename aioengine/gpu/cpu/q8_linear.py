@@ -19,14 +19,13 @@ result.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 from torch import nn
 
 from aioengine.gpu.cpu import huge_pages
 from aioengine.gpu.cpu.block_codes import BlockCodes
-from aioengine.gpu.cpu.codes_cache import checkpoint_codes
+from aioengine.gpu.cpu.codes_cache import CheckpointCodes
 from aioengine.gpu.cpu.linear import PackedLinear, TransposedLinear
 from aioengine.gpu.models.llama import FUSED_SHARDS
 from aioengine.kernels.cpu import q8
@@ -129,27 +128,26 @@ def _takes(gemm: object) -> bool:
     return isinstance(gemm, TransposedLinear)
 
 
-def attach_q8_linears(model: nn.Module, checkpoint: str | os.PathLike[str]) -> int:
+def attach_q8_linears(model: nn.Module, codes: CheckpointCodes) -> int:
     """Put a Q8Linear in front of each decoder linear (packed bf16, or float32) whose checkpoint weights
     have exact block codes, where this CPU runs the kernels vectorized; returns how many."""
     if not q8.available():
         return 0
     done, nbytes = 0, 0
     steps = CodedSteps()
-    with checkpoint_codes(checkpoint) as codes:
-        for name, module in list(model.named_modules()) if codes.matrices else []:
-            for attr in _LINEARS:
-                gemm = getattr(module, attr, None)
-                if not _takes(gemm):
-                    continue
-                shards = FUSED_SHARDS.get(attr, (attr,))
-                names = [f"{name}.{shard}.weight" for shard in shards]
-                found = codes.read(names, affine=True)
-                if found is None or found.codes.shape != (gemm.out_features, gemm.in_features):
-                    continue
-                setattr(module, attr, Q8Linear(found, gemm, steps=steps))
-                done += 1
-                nbytes += module_bytes(getattr(module, attr))
+    for name, module in list(model.named_modules()) if codes.matrices else []:
+        for attr in _LINEARS:
+            gemm = getattr(module, attr, None)
+            if not _takes(gemm):
+                continue
+            shards = FUSED_SHARDS.get(attr, (attr,))
+            names = [f"{name}.{shard}.weight" for shard in shards]
+            found = codes.read(names, affine=True)
+            if found is None or found.codes.shape != (gemm.out_features, gemm.in_features):
+                continue
+            setattr(module, attr, Q8Linear(found, gemm, steps=steps))
+            done += 1
+            nbytes += module_bytes(getattr(module, attr))
     if done:
         model.coded_steps = steps  # the backend marks each step
         logger.info("%d decoder linears on their GGUF block codes for few rows (%d MB)", done, nbytes >> 20)

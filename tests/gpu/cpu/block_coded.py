@@ -29,3 +29,12 @@ def as_block_codes(hf: torch.nn.Module, seed: int = 0, q4_1: bool = False) -> No
                 qtype = (Q.Q5_0, Q.Q8_0)[i % 2]
                 raw = quantize(p.detach().numpy().astype(np.float32), qtype)
                 p.copy_(torch.from_numpy(dequantize(raw, qtype).reshape(n, k)))
+
+
+def attach_codes(model, checkpoint) -> int:
+    """``attach_q8_linears`` on the checkpoint's codes, as the backend calls it."""
+    from aioengine.gpu.cpu.codes_cache import checkpoint_codes
+    from aioengine.gpu.cpu.q8_linear import attach_q8_linears
+
+    with checkpoint_codes(checkpoint) as codes:
+        return attach_q8_linears(model, codes)

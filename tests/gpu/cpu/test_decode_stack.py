@@ -11,13 +11,13 @@ from aioengine.config import KernelConfig
 from aioengine.gpu.cpu.backend import CpuBackend
 from aioengine.gpu.cpu.decode_stack import CpuDecodeStack
 from aioengine.gpu.cpu.linear import pack_linears
-from aioengine.gpu.cpu.q8_linear import Q8Linear, attach_q8_linears
+from aioengine.gpu.cpu.q8_linear import Q8Linear
 from aioengine.gpu.loader import load_model
 from aioengine.kernels.cpu import clib as cpu_kernels
 from aioengine.kernels.cpu import q8
 from aioengine.kernels.metadata import AttentionMetadata
 from tests.engine.conftest import make_tiny_checkpoint
-from tests.gpu.cpu.block_coded import as_block_codes
+from tests.gpu.cpu.block_coded import as_block_codes, attach_codes
 
 pytestmark = pytest.mark.skipif(
     not cpu_kernels.gemm_available(), reason="needs the AVX512-BF16 build of the C kernels"
@@ -52,7 +52,7 @@ def _model(tmp_path, arch: str, head_dim: int = 64, codes: bool = False, q4_1: b
     model, cfg = load_model(tmp_path, dtype=torch.bfloat16, ops=backend.ops)
     pack_linears(model)
     if codes:
-        assert attach_q8_linears(model, tmp_path) == 4 * cfg.num_hidden_layers
+        assert attach_codes(model, tmp_path) == 4 * cfg.num_hidden_layers
     return model, cfg, backend
 
 

@@ -11,6 +11,7 @@ from gguf.quants import dequantize, quantize
 from safetensors.torch import save_file
 from torch import nn
 
+from aioengine.gpu.cpu.codes_cache import checkpoint_codes
 from aioengine.gpu.cpu.q8_head import Q8Head, q8_0_codes, read_head_codes
 from aioengine.kernels.cpu import q8
 
@@ -61,9 +62,11 @@ def test_read_head_codes_takes_lm_head_or_the_tied_embedding(tmp_path):
     other = torch.randn(128, 64)
     tensors = {"lm_head.weight": torch.from_numpy(w), "model.embed_tokens.weight": other}
     save_file(tensors, tmp_path / "model.safetensors")
-    assert torch.equal(_weight(*read_head_codes(tmp_path, tied=False)), torch.from_numpy(w))
-    assert read_head_codes(tmp_path, tied=True) is None  # the embedding is not Q8_0
-    assert read_head_codes(tmp_path / "missing", tied=False) is None
+    with checkpoint_codes(tmp_path) as codes:
+        assert torch.equal(_weight(*read_head_codes(codes, tied=False)), torch.from_numpy(w))
+        assert read_head_codes(codes, tied=True) is None  # the embedding is not Q8_0
+    with checkpoint_codes(tmp_path / "missing") as codes:
+        assert read_head_codes(codes, tied=False) is None
 
 
 @pytest.mark.skipif(not q8.available(), reason="qgemv_q8_0 is vectorized for AVX512-VNNI only")

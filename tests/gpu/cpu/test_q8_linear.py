@@ -8,11 +8,11 @@ import torch
 
 from aioengine.gpu.cpu.backend import CpuBackend
 from aioengine.gpu.cpu.linear import pack_linears
-from aioengine.gpu.cpu.q8_linear import Q8Linear, attach_q8_linears
+from aioengine.gpu.cpu.q8_linear import Q8Linear
 from aioengine.gpu.loader import load_model
 from aioengine.kernels.cpu import clib, q8
 from tests.engine.conftest import make_tiny_checkpoint
-from tests.gpu.cpu.block_coded import as_block_codes
+from tests.gpu.cpu.block_coded import as_block_codes, attach_codes
 
 pytestmark = pytest.mark.skipif(not q8.available(), reason="cpu_q8.c is vectorized for AVX512-VNNI only")
 
@@ -39,7 +39,7 @@ def test_every_coded_projection_runs_its_codes_for_few_rows_and_its_own_linear_p
     if dtype == torch.bfloat16 and not clib.gemm_available():
         pytest.skip("bf16 linears are packed for cpu_gemm.c only with AVX512-BF16")
     model, hf = _tiny(tmp_path, arch, dtype, q4_1=q4_1)
-    assert attach_q8_linears(model, tmp_path) == 4 * 2  # qkv, o, gate_up, down in both layers
+    assert attach_codes(model, tmp_path) == 4 * 2  # qkv, o, gate_up, down in both layers
     layer, ref = model.model.layers[1], hf.model.layers[1]
     coded = [m for m in model.modules() if isinstance(m, Q8Linear)]
     if q4_1:  # 4-bit codes nibble-packed, with their offsets
@@ -83,15 +83,15 @@ def test_every_coded_projection_runs_its_codes_for_few_rows_and_its_own_linear_p
 
 def test_plain_weights_and_missing_checkpoints_keep_their_linears(tmp_path):
     model, _ = _tiny(tmp_path, "llama", torch.float32, codes=False)
-    assert attach_q8_linears(model, tmp_path) == 0
-    assert attach_q8_linears(model, tmp_path / "nowhere") == 0
+    assert attach_codes(model, tmp_path) == 0
+    assert attach_codes(model, tmp_path / "nowhere") == 0
     assert not any(isinstance(m, Q8Linear) for m in model.modules())
 
 
 def test_a_step_with_prompt_rows_keeps_the_models_own_linear(tmp_path):
     """Only decode steps take the codes: a prompt's rows give the same result alone as in a batch."""
     model, _ = _tiny(tmp_path, "llama", torch.float32, q4_1=True)
-    assert attach_q8_linears(model, tmp_path) == 4 * 2
+    assert attach_codes(model, tmp_path) == 4 * 2
     steps = model.coded_steps
     o_proj = model.model.layers[0].self_attn.o_proj
     assert o_proj.steps is steps
