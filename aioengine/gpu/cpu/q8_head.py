@@ -111,12 +111,13 @@ def attach_q8_head(model: nn.Module, codes: CheckpointCodes) -> bool:
     found = read_head_codes(codes, bool(getattr(model, "tie_word_embeddings", False)))
     if found is None:
         return False
-    codes, scales = found
-    if codes.shape[0] != getattr(head, "out_features", getattr(head, "num_embeddings", -1)):
+    head_codes, scales = found
+    if head_codes.shape[0] != getattr(head, "out_features", getattr(head, "num_embeddings", -1)):
         return False
     if next(model.parameters()).dtype == torch.float32:
-        model.lm_head = Q8Head(codes, scales, limbs=3)  # the float32 GEMM's copy of the head is freed
+        model.lm_head = Q8Head(head_codes, scales, limbs=3)  # the float32 GEMM's copy of the head is freed
     else:
-        model.lm_head = Q8Head(codes, scales, limbs=2, fallback=head, max_rows=MAX_ROWS_BF16)
-    logger.info("LM head: %s (%d MB)", model.lm_head.extra_repr(), (codes.numel() + scales.numel() * 4) >> 20)
+        model.lm_head = Q8Head(head_codes, scales, limbs=2, fallback=head, max_rows=MAX_ROWS_BF16)
+    nbytes = head_codes.numel() + scales.numel() * 4
+    logger.info("LM head: %s (%d MB)", model.lm_head.extra_repr(), nbytes >> 20)
     return True
