@@ -57,8 +57,8 @@ _ENGINE_HELP = {
     "or torch (plain weights)",
     "cpu_decode_stack": "CPU: a step of decodes only runs every layer in one C call",
     "cpu_q8_head": "CPU: a GGUF's Q8_0 LM head runs on its own int8 codes for a few rows (AVX512-VNNI)",
-    "cpu_q8_linears": "CPU: a model's decoder linears run on a GGUF's Q8_0/Q5_0/Q4_0/Q6_K/Q4_1 codes for a "
-    "few rows (AVX512-VNNI)",
+    "cpu_q8_linears": "CPU: a model's decoder linears run on a GGUF's Q8_0/Q5_0/Q4_0/Q6_K/Q4_1/Q4_K codes "
+    "for a few rows (AVX512-VNNI)",
     "cuda_graph_capture_timeout_s": "seconds CUDA graph capture may take (sizes not reached run eagerly)",
 }
 _CHOICES = {

@@ -29,8 +29,8 @@ class KernelConfig:
     cpu_decode_stack: bool = True  # a step of decodes only runs every layer in one C call
     # A GGUF's Q8_0 LM head runs on its own codes for a few rows (gpu/cpu/q8_head.py) where VNNI is built.
     cpu_q8_head: bool = True
-    # A model's decoder linears run on a GGUF's block codes (symmetric types, and Q4_1's 4-bit ones with
-    # offsets) for a few rows (gpu/cpu/q8_linear.py) where VNNI is built.
+    # A model's decoder linears run on a GGUF's block codes (symmetric types, and Q4_1's and Q4_K's 4-bit
+    # ones with offsets) for a few rows (gpu/cpu/q8_linear.py) where VNNI is built.
     cpu_q8_linears: bool = True
     # Tensor-parallel CPU ranks of one node all-reduce through shared memory (False: through gloo).
     cpu_shm_allreduce: bool = True

@@ -2,9 +2,9 @@
 
 In GGUF's common quant mixes most of a layer's weights are symmetric block types (Q5_0 or Q8_0 for q, k,
 v, gate and up; Q6_K for some down projections): exact as int8 codes with a scale per 32 or 16 inputs
-(gpu/cpu/block_codes.py). Q4_1 files hold 4-bit codes with a scale and an offset per 32. At a few rows a
-decode step streams every weight from DRAM, and the codes are 0.75-1.25 bytes a weight against bf16's 2 or
-float32's 4 (cpu_q8.c). The weight is the file's, unrounded;
+(gpu/cpu/block_codes.py). Q4_1 and Q4_K tensors hold 4-bit codes with a scale and an offset per 32. At a
+few rows a decode step streams every weight from DRAM, and the codes are 0.75-1.25 bytes a weight against
+bf16's 2 or float32's 4 (cpu_q8.c). The weight is the file's, unrounded;
 the activations are cut to 2 bytes per input for bf16 (finer than their bf16 values except where 4 inputs
 span more than 2^8) and 3 for float32 (about float32's own rounding).
 The kernel's arithmetic per weight is several times the bf16 GEMM's, so past a few rows (``MAX_ROWS``, the
