@@ -12,6 +12,7 @@ import torch
 from aioengine import AsyncEngine, EngineArgs, SamplingParams
 from tests.engine.conftest import SMALL, TINY
 from tests.engine.test_parity import NEW_TOKENS, hf_greedy, prompts
+from tests.engine.test_spec_decode import looping_prompts
 
 CUDA = torch.cuda.is_available()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs CUDA")]
@@ -62,3 +63,51 @@ def test_greedy_parity_with_transformers_on_cuda(checkpoint, graphs, budget):
     # One step per new token (the first comes with the last prompt chunk); more when the prompt is chunked.
     assert stats.steps >= NEW_TOKENS and 0.0 <= stats.idle_fraction < 1.0
     assert set(stats.by_kind) == ({"mixed", "decode_graph"} if graphs else {"mixed", "decode_eager"})
+
+
+@pytest.mark.parametrize("method", ["own_draft", "ngram"])
+def test_verified_drafts_replay_graphs_with_greedy_parity(checkpoint, method):
+    """Steps of 1 + k decode rows a request (drafts verified) replay the captured graphs, and the greedy
+    tokens still equal transformers'. With max_num_seqs 2 a replay of more than 2 rows verifies drafts."""
+    path, hf = checkpoint
+    ps = looping_prompts(4, seed=3)  # phrases repeated: the n-gram proposer finds drafts
+    expected = [hf_greedy(hf, p) for p in ps]
+    spec = {"num_speculative_tokens": 3, "disable_by_batch_size": 64}
+    if method == "own_draft":
+        spec |= {"method": "draft_model", "model": str(path)}
+    else:
+        spec |= {"method": "ngram", "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    rows: list[int] = []
+
+    async def main():
+        args = EngineArgs(
+            model=str(path),
+            device="cuda",
+            dtype="float32",
+            block_size=16,
+            skip_tokenizer_init=True,
+            max_num_seqs=2,
+            speculative_config=spec,
+        )
+        async with AsyncEngine(args) as engine:
+            graphs = engine.backend.graphs
+            assert graphs is not None and graphs.sizes[-1] == 8  # 2 requests x (1 + 3) rows
+            replay = graphs.replay
+
+            def spy(size, input_ids, positions, meta):
+                rows.append(meta.num_reqs)
+                return replay(size, input_ids, positions, meta)
+
+            graphs.replay = spy
+            params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+            outs = await asyncio.gather(*(engine.generate(p, params) for p in ps))
+            totals = engine.scheduler.spec_totals
+            assert engine.kv_cache_usage() == 0.0
+        return [o.outputs[0].token_ids for o in outs], totals
+
+    got, totals = asyncio.run(main())
+    assert got == expected
+    assert totals.num_drafts > 0
+    if method == "own_draft":
+        assert totals.num_accepted_tokens == totals.num_draft_tokens
+        assert max(rows) > 2, rows  # verified drafts replayed a graph

@@ -220,3 +220,54 @@ def test_sampled_tokens_keep_their_distribution(tiny_checkpoint_of):
         keep = (a + b) >= 10  # chi-square needs populated cells
         p = chi2_contingency(np.stack([a[keep], b[keep]])).pvalue
         assert p > 1e-3, (pos, a.tolist(), b.tolist(), p)
+
+
+def test_steps_that_verify_drafts_are_uniform_decode_batches_the_graph_sizes_hold(tiny_checkpoint_of):
+    """With drafts, a step of decodes and verified queries reaches the backend as one decode row per
+    token (what CUDA graphs replay, gpu/cuda/graphs.py), and the capture sizes, which count 1 + k rows a
+    request, hold every such step. Checked on the CPU backend's calls: the runner builds the same batch
+    for every backend."""
+    from aioengine.gpu.cuda.graphs import bucket_for, capture_sizes, is_uniform_decode
+
+    path = tiny_checkpoint_of("llama")
+    # its own draft: every draft holds, so most steps verify drafts
+    spec = {
+        "method": "draft_model",
+        "model": str(path),
+        "num_speculative_tokens": 3,
+        "disable_by_batch_size": 64,
+    }
+    seqs, budget = 4, 64
+    seen: list[tuple[bool, int]] = []
+
+    async def main():
+        args = EngineArgs(
+            model=str(path),
+            dtype="float32",
+            device="cpu",
+            block_size=4,
+            speculative_config=spec,
+            max_num_seqs=seqs,
+            max_num_batched_tokens=budget,
+        )
+        async with AsyncEngine(args) as engine:
+            backend = engine.backend
+            forward = backend.forward
+
+            def spy(runner, input_ids, positions, meta):
+                n = input_ids.shape[0]
+                seen.append((is_uniform_decode(meta, n), n))
+                return forward(runner, input_ids, positions, meta)
+
+            backend.forward = spy
+            params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+            await asyncio.gather(*(engine.generate(p, params) for p in looping_prompts(seqs, seed=2)))
+            return engine.scheduler.spec_totals
+
+    totals = run(main())
+    assert totals.num_drafts > 0
+    sizes = capture_sizes(seqs, budget, decode_query_len=1 + spec["num_speculative_tokens"])
+    verified = [rows for uniform, rows in seen if uniform and rows > seqs]  # more rows than requests
+    assert verified, (totals, seen)
+    assert all(bucket_for(rows, sizes) is not None for uniform, rows in seen if uniform)
+    assert capture_sizes(seqs, budget)[-1] == seqs < max(verified)  # without the 1 + k: eager

@@ -160,14 +160,24 @@ class CudaBackend(Backend):
 
     def build_fast_paths(self, runner: RunnerParts, args: EngineArgs, max_num_batched_tokens: int) -> None:
         if not args.enforce_eager:
-            self.capture_graphs(runner, max_num_batched_tokens, args.max_cudagraph_capture_size)
+            spec = args.speculative()
+            query_len = 1 + (spec.num_speculative_tokens if spec is not None else 0)
+            self.capture_graphs(runner, max_num_batched_tokens, args.max_cudagraph_capture_size, query_len)
 
     def capture_graphs(
-        self, runner: RunnerParts, max_num_batched_tokens: int, max_capture_size: int | None = None
+        self,
+        runner: RunnerParts,
+        max_num_batched_tokens: int,
+        max_capture_size: int | None = None,
+        decode_query_len: int = 1,
     ) -> list[int]:
-        """Capture decode graphs at the bucket sizes (after the KV cache exists); returns the sizes."""
+        """Capture decode graphs at the bucket sizes (after the KV cache exists); returns the sizes.
+        ``decode_query_len``: 1 + the drafts a verified request carries, whose rows replay the graphs too."""
         sizes = capture_sizes(
-            runner.max_num_reqs, max_num_batched_tokens, max_capture_size or MAX_CAPTURE_SIZE
+            runner.max_num_reqs,
+            max_num_batched_tokens,
+            max_capture_size or MAX_CAPTURE_SIZE,
+            decode_query_len,
         )
         graphs = DecodeGraphs(
             runner.model, runner.kv_caches, sizes[-1], runner.max_blocks_per_req, self.device

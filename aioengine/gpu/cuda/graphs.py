@@ -1,9 +1,11 @@
 """CUDA graphs for uniform decode batches: bucket sizes, static input buffers, padding, capture, replay.
 
-A batch where every request has one query token (a pure decode step) of ``n`` requests replays the
-graph of the smallest captured size ``>= n``; the ``size - n`` padded rows get slot -1 (the KV store
-skips them), sequence length 1 and block 0 (the null block), and their outputs are ignored. Any other
-batch runs eagerly. The Triton attention kernel's grid depends only on shapes and it reads lengths and
+A batch of ``n`` decode rows replays the graph of the smallest captured size ``>= n``; the ``size - n``
+padded rows get slot -1 (the KV store skips them), sequence length 1 and block 0 (the null block), and
+their outputs are ignored. A verified query of 1 + k tokens (speculative decoding) reaches attention as
+1 + k such rows, each with its own sequence length (model_runner.py), so steps of decodes and verified
+drafts replay the same graphs; the sizes then reach ``max_num_seqs x (1 + k)``. Any other batch runs
+eagerly. The Triton attention kernel's grid depends only on shapes and it reads lengths and
 block tables from device tensors, so one capture serves every replay of its size.
 
 Only the model's forward is captured; logits and sampling stay eager (they depend on per-request
@@ -29,10 +31,14 @@ MAX_CAPTURE_SIZE = (
 )
 
 
-def capture_sizes(max_num_seqs: int, max_num_batched_tokens: int, cap: int = MAX_CAPTURE_SIZE) -> list[int]:
-    """1, 2, 4, then steps of 8 up to 256 and of 16 beyond, up to min(max_num_seqs, token budget, cap);
-    that limit itself is always a size, so every decode batch up to it has a bucket."""
-    limit = min(max_num_seqs, max_num_batched_tokens, cap)
+def capture_sizes(
+    max_num_seqs: int, max_num_batched_tokens: int, cap: int = MAX_CAPTURE_SIZE, decode_query_len: int = 1
+) -> list[int]:
+    """1, 2, 4, then steps of 8 up to 256 and of 16 beyond, up to min(max_num_seqs x decode_query_len,
+    token budget, cap), where decode_query_len is 1 + the speculative tokens a request verifies; that limit
+    itself is always a size, so every decode batch up to it has a bucket."""
+    assert decode_query_len >= 1
+    limit = min(max_num_seqs * decode_query_len, max_num_batched_tokens, cap)
     if limit < 1:
         return []
     sizes = [s for s in (1, 2, 4, *range(8, 256, 8), *range(256, cap + 1, 16)) if s <= limit]
@@ -42,7 +48,8 @@ def capture_sizes(max_num_seqs: int, max_num_batched_tokens: int, cap: int = MAX
 
 
 def is_uniform_decode(meta: AttentionMetadata, num_input_tokens: int) -> bool:
-    """Every request has exactly one query token (no prompt chunk, no padding)."""
+    """Every attention row has exactly one query token: decodes and verified drafts (no prompt chunk, no
+    padding)."""
     return meta.num_decodes == meta.num_reqs == meta.num_actual_tokens == num_input_tokens
 
 

@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from aioengine.gpu.cpu.backend import CpuBackend  # noqa: E402
-from aioengine.gpu.cuda.graphs import DecodeGraphs, bucket_for, capture_sizes  # noqa: E402
+from aioengine.gpu.cuda.graphs import DecodeGraphs, bucket_for, capture_sizes, is_uniform_decode  # noqa: E402
 from aioengine.gpu.random_model import build_random_model  # noqa: E402
 from aioengine.kernels.metadata import AttentionMetadata  # noqa: E402
 
@@ -106,19 +106,7 @@ def test_run_declines_batches_that_are_not_uniform_decodes(tiny):
 )
 def test_static_forward_matches_eager_with_the_triton_kernels():
     """What a graph captures, run eagerly: padded rows write nothing and the real rows match."""
-    from aioengine.gpu.backend import Ops
-    from aioengine.kernels.triton.attention import paged_attention_triton
-    from aioengine.kernels.triton.kv_store import store_kv_triton
-
-    class TritonAttentionOps(Ops):  # the KV store and attention of the CUDA backend, interpreted
-        def store_kv(self, key, value, kv_cache, slot_mapping):
-            store_kv_triton(key, value, kv_cache, slot_mapping)
-
-        def attention(self, query, kv_cache, meta, scale, window=None):
-            assert window is None  # a full-attention model
-            return paged_attention_triton(query, kv_cache, meta, scale)
-
-    model, config = build_random_model("random:tiny", torch.float32, "cpu", seed=3, ops=TritonAttentionOps())
+    model, config = build_random_model("random:tiny", torch.float32, "cpu", seed=3, ops=_triton_ops())
     seq_lens = [6, 11, 3]
     meta, input_ids, positions = _decode_meta(seq_lens, 24)
     torch.manual_seed(0)
@@ -135,6 +123,59 @@ def test_static_forward_matches_eager_with_the_triton_kernels():
         torch.testing.assert_close(a, b)  # same writes: the padded row stored nothing
 
 
+def test_capture_sizes_with_drafts_reach_max_num_seqs_times_the_query():
+    """A verified request is 1 + k decode rows: the sizes reach max_num_seqs x (1 + k), within the cap
+    and the token budget."""
+    sizes = capture_sizes(max_num_seqs=8, max_num_batched_tokens=8192, decode_query_len=4)
+    assert sizes[-1] == 32 and all(bucket_for(n, sizes) is not None for n in range(1, 33))
+    assert capture_sizes(256, 8192, decode_query_len=4)[-1] == 512  # the cap
+    assert capture_sizes(256, 100, decode_query_len=4)[-1] == 100  # the budget
+    assert capture_sizes(8, 8192) == capture_sizes(8, 8192, decode_query_len=1)
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="interpreter test; tests/engine/test_cuda_parity.py replays real graphs"
+)
+def test_verified_drafts_as_decode_rows_in_the_static_buffers_match_a_causal_query():
+    """A request verifying 3 drafts reaches attention as 4 decode rows, each seeing the KV up to itself
+    (model_runner.py): through the graph's static buffers (padded) they give what the same 4 tokens give as
+    one causal query chunk, eagerly, and store the same KV."""
+    model, config = build_random_model("random:tiny", torch.float32, "cpu", seed=3, ops=_triton_ops())
+    table = torch.tensor([[3, 4, 0], [5, 6, 7]], dtype=torch.int32)  # B decodes at 7; A verifies 5..8
+    input_ids = torch.tensor([11, 21, 22, 23, 24], dtype=torch.int64)
+    positions = torch.tensor([6, 5, 6, 7, 8], dtype=torch.int64)
+    chunk = AttentionMetadata.build([1, 4], [7, 9], table, BLOCK)
+    rows = AttentionMetadata.build([1] * 5, [7, 6, 7, 8, 9], table[[0, 1, 1, 1, 1]], BLOCK)
+    assert torch.equal(rows.slot_mapping, chunk.slot_mapping)
+    assert is_uniform_decode(rows, 5) and not is_uniform_decode(chunk, 5)
+    torch.manual_seed(0)
+    kv = [t.normal_() for t in CpuBackend().allocate_kv_caches(config, 12, BLOCK, torch.float32)]
+    kv_eager = [t.clone() for t in kv]
+    with torch.inference_mode():
+        expected = model(input_ids, positions, kv_eager, chunk)
+        graphs = DecodeGraphs(model, kv, max_size=8, max_blocks_per_req=4, device=torch.device("cpu"))
+        graphs.load(8, input_ids, positions, rows)
+        got = graphs.forward(8)
+    torch.testing.assert_close(got[:5], expected, atol=1e-4, rtol=1e-4)
+    for a, b in zip(kv, kv_eager, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def _triton_ops():
+    from aioengine.gpu.backend import Ops
+    from aioengine.kernels.triton.attention import paged_attention_triton
+    from aioengine.kernels.triton.kv_store import store_kv_triton
+
+    class TritonOps(Ops):  # the KV store and attention of the CUDA backend, interpreted
+        def store_kv(self, key, value, kv_cache, slot_mapping):
+            store_kv_triton(key, value, kv_cache, slot_mapping)
+
+        def attention(self, query, kv_cache, meta, scale, window=None):
+            return paged_attention_triton(query, kv_cache, meta, scale, window=window)
+
+    return TritonOps()
+
+
 @pytest.mark.skipif(
     torch.cuda.is_available(), reason="interpreter test; tests/gpu/cuda/test_device.py replays real graphs"
 )
@@ -143,24 +184,14 @@ def test_static_forward_of_a_hybrid_model_matches_eager():
     static buffers (blocks of one shared tensor); past the window, the graph's rows match eager."""
     import dataclasses
 
-    from aioengine.gpu.backend import Ops
     from aioengine.gpu.models.llama import LlamaForCausalLM
     from aioengine.gpu.random_model import random_config, randomize_
-    from aioengine.kernels.triton.attention import paged_attention_triton
-    from aioengine.kernels.triton.kv_store import store_kv_triton
     from aioengine.sched.kv_cache_spec import group_size, layer_slots
-
-    class TritonOps(Ops):
-        def store_kv(self, key, value, kv_cache, slot_mapping):
-            store_kv_triton(key, value, kv_cache, slot_mapping)
-
-        def attention(self, query, kv_cache, meta, scale, window=None):
-            return paged_attention_triton(query, kv_cache, meta, scale, window=window)
 
     config = random_config("random:tiny")
     config.sliding_window, config.layer_types = 5, ["sliding_attention", "full_attention"]
     with torch.no_grad():
-        model = LlamaForCausalLM(config, ops=TritonOps())
+        model = LlamaForCausalLM(config, ops=_triton_ops())
     randomize_(model, 3)
     groups = model.kv_cache_groups
     assert len(groups) == 2 and groups[1].sliding_window == 5
