@@ -6,7 +6,8 @@ v, gate and up; Q6_K for some down projections): exact as int8 codes with a scal
 few rows a decode step streams every weight from DRAM, and the codes are 0.75-1.25 bytes a weight against
 bf16's 2 or float32's 4 (cpu_q8.c). The weight is the file's, unrounded;
 the activations are cut to 2 bytes per input for bf16 (finer than their bf16 values except where 4 inputs
-span more than 2^8) and 3 for float32 (about float32's own rounding).
+span more than 2^8; 4-bit codes on AVX512-BF16 take them uncut, cpu_q4_bf16.c) and 3 for float32 (about
+float32's own rounding).
 The kernel's arithmetic per weight is several times the bf16 GEMM's, so past a few rows (``MAX_ROWS``, the
 crossovers measured per dtype and block size) the model's own linear, kept beside the codes, runs: the
 packed bf16 GEMM, or float32's transposed one (which reads 4 bytes a weight and loses until about 16 rows).

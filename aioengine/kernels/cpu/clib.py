@@ -39,6 +39,7 @@ _SOURCES = [
         "cpu_decode_stack.c",
         "cpu_qgemv.c",
         "cpu_q8.c",
+        "cpu_q4_bf16.c",
     )
 ]
 # Included by the sources: part of the build's hash.
@@ -183,6 +184,8 @@ def load() -> ctypes.CDLL | None:
         lib.qgemv_q8_f32.argtypes = [_P, _I64, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _P, _I, _I]
         lib.qgemv_q8_vectorized.restype = ctypes.c_int
         lib.qgemv_q8_vectorized.argtypes = []
+        lib.q4b_max_rows.restype = ctypes.c_int
+        lib.q4b_max_rows.argtypes = []
         lib.q8_pack.restype = None
         lib.q8_pack.argtypes = [_P, _P, _I64, _I64, _I64, _I]
         lib.q4_pack.restype = None

@@ -16,6 +16,13 @@ def available() -> bool:
     return lib is not None and bool(lib.qgemv_q8_vectorized())
 
 
+def bf16_dots() -> bool:
+    """Whether ``qgemv_bf16`` with ``mins`` runs AVX512-BF16 dots on x as it is (cpu_q4_bf16.c), rather than
+    cutting x to 2 bytes per input for the integer dots."""
+    lib = clib.load()
+    return lib is not None and lib.q4b_max_rows() > 0
+
+
 def pack(q: torch.Tensor, block: int = 32, out: torch.Tensor | None = None) -> torch.Tensor:
     """int8 codes ``q [N, K]`` (K a multiple of 64) in the kernels' layout: uint8 ``q + 128``, each 64-input
     chunk's 4-byte groups taking turns among its ``64 / block`` blocks; into ``out`` (N * K uint8) if
@@ -93,7 +100,8 @@ def qgemv_bf16(
     ``block`` inputs (``packed = pack(q, block)``, float32 ``scale [N, K / block]``), rounded to bf16 once.
     With ``activation`` the codes' rows are gate/up pairs and the result is ``act(gate) * up`` ``[M, N / 2]``
     in clib.gemm's GEMM_ACT_MUL roundings. x is cut to 2 bytes per input, as ``qgemv_f32``'s ``limbs=2``;
-    ``mins`` as there."""
+    ``mins`` as there, except that where ``bf16_dots()`` affine codes take x as it is (only float32's sums
+    round before the result)."""
     m, k, n = _shapes(x, torch.bfloat16, packed, scale, block, bias, mins)
     if activation is not None:
         assert bias is None and n % 2 == 0

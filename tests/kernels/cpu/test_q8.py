@@ -203,6 +203,26 @@ def test_affine_4bit_gemv_is_within_its_roundings_of_the_exact_weights(dtype, ro
     assert ((got - want).abs() <= bound).all(), float(((got - want).abs() / bound).max())
 
 
+@pytest.mark.skipif(not q8.bf16_dots(), reason="cpu_q4_bf16.c's dots need AVX512-BF16")
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 17])
+@pytest.mark.parametrize(("n", "k"), [(37, 640), (300, 1024)])
+def test_affine_4bit_bf16_dots_take_x_as_it_is(rows, n, k):
+    """With bf16 dots, bf16 rows meet the exact weights with no cut of x: the result is the exact dot but
+    for float32's sums and its one bf16 rounding, for every row past the kernel's 8 a pass."""
+    x, q, scale, mins, w = _affine_case(rows, n, k, rows * 7 + n + k)
+    x = x.bfloat16()
+    got = q8.qgemv_bf16(x, q8.pack4(q), scale, 32, mins=mins).double()
+    xd = x.double()
+    want = xd @ w.t()
+    dq = (q.double().view(n, -1, 32) * scale.double()[..., None]).view(n, k)
+    bound = 2e-6 * (xd.abs() @ (dq.abs() + w.abs()).t()) + want.abs() * 2.0**-8 + 1e-30
+    assert ((got - want).abs() <= bound).all(), float(((got - want).abs() / bound).max())
+    # each row alone gives the same bits: rows do not see one another
+    for r in (0, rows - 1):
+        alone = q8.qgemv_bf16(x[r : r + 1], q8.pack4(q), scale, 32, mins=mins).double()
+        assert torch.equal(alone[0], got[r])
+
+
 @pytest.mark.skipif(not q8.available(), reason="cpu_q8.c is vectorized for AVX512-VNNI only")
 def test_affine_4bit_act_mul_is_torchs_act_of_its_own_gate_times_up():
     x, gate_up, scale, mins, _ = _affine_case(2, 2 * 64, 576, 5)
