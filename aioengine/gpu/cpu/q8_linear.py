@@ -40,6 +40,9 @@ MAX_ROWS = {
     (torch.float32, 32): 16,
     (torch.float32, 16): 16,
 }
+# bf16 rows against 4-bit codes with bf16 dots (cpu_q4_bf16.c): the codes' arithmetic is the GEMM's, so they
+# keep their lead on bytes up to a verified query's rows (docs/benchmarks.md)
+MAX_ROWS_TILES = 16
 _LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
@@ -73,8 +76,10 @@ class Q8Linear(nn.Module):
         self.dtype = torch.bfloat16 if isinstance(gemm, PackedLinear) else torch.float32
         self.bias, self.activation = gemm.bias, getattr(gemm, "activation", None)
         self.block = found.block
-        self.max_rows = MAX_ROWS[self.dtype, self.block] if max_rows is None else max_rows
         codes, scales, mins = found.codes, found.scales, found.mins
+        self.tiles = mins is not None and self.dtype == torch.bfloat16 and q8.bf16_dots()
+        default_rows = MAX_ROWS_TILES if self.tiles else MAX_ROWS[self.dtype, self.block]
+        self.max_rows = default_rows if max_rows is None else max_rows
         if self.activation is not None:  # gate/up row pairs: the kernel's epilogue sees both halves at once
             codes, scales = _pairs(codes), _pairs(scales)
             mins = None if mins is None else _pairs(mins)
@@ -82,6 +87,10 @@ class Q8Linear(nn.Module):
             self.packed = q8.pack(
                 codes.contiguous(), self.block, out=huge_pages.zeros(codes.numel(), torch.uint8)
             )
+        elif self.tiles:  # bf16 dots on x as it is (cpu_q4_bf16.c), in its own layout
+            n16 = -(-self.out_features // 16) * 16
+            out = huge_pages.zeros(n16 * self.in_features // 2, torch.uint8)
+            self.packed, scales, mins = q8.pack4_tiles(codes.contiguous(), scales, mins, out=out)
         else:
             self.packed = q8.pack4(codes.contiguous(), out=huge_pages.zeros(codes.numel() // 2, torch.uint8))
         self.scales = scales.contiguous()
@@ -97,7 +106,14 @@ class Q8Linear(nn.Module):
             y = q8.qgemv_f32(rows, self.packed, self.scales, self.block, self.bias, limbs=3, mins=self.mins)
         else:
             y = q8.qgemv_bf16(
-                rows, self.packed, self.scales, self.block, self.bias, self.activation, mins=self.mins
+                rows,
+                self.packed,
+                self.scales,
+                self.block,
+                self.bias,
+                self.activation,
+                mins=self.mins,
+                n_out=self.out_features if self.tiles else None,
             )
         return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
 

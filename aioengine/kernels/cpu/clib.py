@@ -184,8 +184,10 @@ def load() -> ctypes.CDLL | None:
         lib.qgemv_q8_f32.argtypes = [_P, _I64, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _P, _I, _I]
         lib.qgemv_q8_vectorized.restype = ctypes.c_int
         lib.qgemv_q8_vectorized.argtypes = []
-        lib.q4b_max_rows.restype = ctypes.c_int
-        lib.q4b_max_rows.argtypes = []
+        lib.q4t_available.restype = ctypes.c_int
+        lib.q4t_available.argtypes = []
+        lib.q4t_pack.restype = None
+        lib.q4t_pack.argtypes = [_P, _P, _I64, _I64, _I]
         lib.q8_pack.restype = None
         lib.q8_pack.argtypes = [_P, _P, _I64, _I64, _I64, _I]
         lib.q4_pack.restype = None

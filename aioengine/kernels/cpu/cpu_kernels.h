@@ -52,14 +52,10 @@ int qgemv_q8_bf16(const uint16_t *x, int64_t ldx, const uint8_t *u, const float 
                   int out, const float *act_table, int num_threads);
 
 /* cpu_q4_bf16.c: affine 4-bit codes against bf16 rows with bf16 dots (qgemv_q8_bf16's path where it exists) */
-#define Q4B_MAXR 16 /* rows per pass over an output's codes */
-typedef struct {
-    const uint16_t *x; /* the row in q4_pack's order [k] */
-    const float *sums; /* each block's 32 inputs summed [k / 32] */
-} q4b_row;
-int q4b_max_rows(void);
-void q4b_prepare_row(const uint16_t *x, int64_t k, uint16_t *xb, float *sums);
-void q4b_dot2(const q4b_row *rows, int m, const uint8_t *a, const uint8_t *b, const float *sa, const float *sb,
-              const float *ma, const float *mb, int64_t k, float *out);
+int q4t_available(void);
+void q4t_pack(const uint8_t *q, uint8_t *out, int64_t n, int64_t k, int num_threads);
+int q4t_gemv_bf16(const uint16_t *x, int64_t ldx, const uint8_t *u, const float *d, const float *mn,
+                  const uint16_t *bias, uint16_t *y, int64_t ldy, int64_t m, int64_t n, int64_t k, int out,
+                  const float *act_table, int num_threads);
 
 #endif

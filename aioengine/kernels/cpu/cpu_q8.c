@@ -21,7 +21,7 @@
  * positions 0-31 and the high ones 32-63, so one mask and one shift give the u of the 8-bit layout (the codes
  * unsigned already: no 128 to take off), and the offsets add m times each lane's sum of the cut x (per lane,
  * beside the dots: one more FMA a chunk). Where the CPU has AVX512-BF16, bf16 rows against affine codes take
- * cpu_q4_bf16.c's bf16 dots instead, with x uncut. */
+ * cpu_q4_bf16.c's bf16 dots instead, with x uncut and the codes in its own layout (q4t_pack). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -259,12 +259,10 @@ typedef struct {
     const float *act_table;
 } q8_sink;
 
-/* The shared body: rows already cut (or, with brows, bf16 rows for cpu_q4_bf16.c's dots); outputs in pairs
- * (an odd n repeats its last), contiguous per thread. mins: the affine blocks' offsets [N, K / 32] (u then
- * from q4_pack), or NULL. */
-static int q8_run(const q8_row *rows, const q4b_row *brows, int64_t m, const uint8_t *u, const float *scale,
-                  const float *mins, int64_t n, int64_t k, int64_t block, int limbs, const q8_sink *s,
-                  int num_threads) {
+/* The shared body: rows already cut; outputs in pairs (an odd n repeats its last), contiguous per thread.
+ * mins: the affine blocks' offsets [N, K / 32] (u then from q4_pack), or NULL. */
+static int q8_run(const q8_row *rows, int64_t m, const uint8_t *u, const float *scale, const float *mins, int64_t n,
+                  int64_t k, int64_t block, int limbs, const q8_sink *s, int num_threads) {
     const int64_t pairs = (n + 1) / 2, groups = k / block, per = 64 / block;
     const int nib = mins != NULL;
     const int64_t row_bytes = nib ? k / 2 : k;
@@ -280,17 +278,12 @@ static int q8_run(const q8_row *rows, const q4b_row *brows, int64_t m, const uin
         q8_best *mine = bests == NULL ? NULL : bests + (int64_t)t * m;
         for (int64_t p = pairs * t / nt; p < pairs * (t + 1) / nt; p++) {
             const int64_t j = 2 * p, j2 = j + 1 < n ? j + 1 : j;
-            float dots[2 * (Q8_MAXR > Q4B_MAXR ? Q8_MAXR : Q4B_MAXR)];
-            const int maxr = brows != NULL ? Q4B_MAXR : Q8_MAXR;
-            for (int64_t r0 = 0; r0 < m; r0 += maxr) {
-                const int mm = (int)(m - r0 < maxr ? m - r0 : maxr);
-                if (brows != NULL)
-                    q4b_dot2(brows + r0, mm, u + j * row_bytes, u + j2 * row_bytes, scale + j * groups,
-                             scale + j2 * groups, mins + j * groups, mins + j2 * groups, k, dots);
-                else
-                    q8dot2_any(rows + r0, u + j * row_bytes, u + j2 * row_bytes, scale + j * groups,
-                               scale + j2 * groups, nib ? mins + j * groups : NULL, nib ? mins + j2 * groups : NULL,
-                               mm, k, limbs, (int)per, nib, dots);
+            float dots[2 * Q8_MAXR];
+            for (int64_t r0 = 0; r0 < m; r0 += Q8_MAXR) {
+                const int mm = (int)(m - r0 < Q8_MAXR ? m - r0 : Q8_MAXR);
+                q8dot2_any(rows + r0, u + j * row_bytes, u + j2 * row_bytes, scale + j * groups,
+                           scale + j2 * groups, nib ? mins + j * groups : NULL, nib ? mins + j2 * groups : NULL, mm,
+                           k, limbs, (int)per, nib, dots);
                 for (int r = 0; r < mm; r++) {
                     const int64_t row = r0 + r;
                     const float da = dots[2 * r], db = dots[2 * r + 1];
@@ -367,7 +360,7 @@ int qgemv_q8_f32(const float *x, int64_t ldx, const uint8_t *u, const float *sca
     }
     for (int64_t r = 0; r < m; r++) q8_cut_row(x + r * ldx, k, 64 / block, limbs, rows[r]);
     const q8_sink sink = {argmax != NULL ? OUT_ARGMAX : OUT_F32, y, ldy, argmax, NULL, bias, NULL};
-    const int status = q8_run(rows, NULL, m, u, scale, mins, n, k, block, limbs, &sink, num_threads);
+    const int status = q8_run(rows, m, u, scale, mins, n, k, block, limbs, &sink, num_threads);
     free(scratch), free(rows);
     return status;
 }
@@ -383,21 +376,8 @@ int qgemv_q8_bf16(const uint16_t *x, int64_t ldx, const uint8_t *u, const float 
     if (mins != NULL && block != 32) return -2;
     if (out != OUT_BF16 && (out != OUT_ACT_MUL || n % 2 != 0 || bias != NULL || act_table == NULL)) return -2;
     const q8_sink sink = {out, y, ldy, NULL, bias, NULL, act_table};
-    if (mins != NULL && q4b_max_rows() > 0) { /* affine 4-bit codes: bf16 dots on x as it is */
-        uint16_t *xb = aligned_alloc(64, (size_t)(m * k * 2 + m * k / 8) + 64);
-        q4b_row *brows = malloc(sizeof *brows * (size_t)(m > 0 ? m : 1));
-        int status = -3;
-        if (xb != NULL && brows != NULL) {
-            float *sums = (float *)(xb + m * k);
-            for (int64_t r = 0; r < m; r++) {
-                q4b_prepare_row(x + r * ldx, k, xb + r * k, sums + r * k / 32);
-                brows[r] = (q4b_row){xb + r * k, sums + r * k / 32};
-            }
-            status = q8_run(NULL, brows, m, u, scale, mins, n, k, block, 2, &sink, num_threads);
-        }
-        free(xb), free(brows);
-        return status;
-    }
+    if (mins != NULL && q4t_available()) /* affine 4-bit codes from q4t_pack: bf16 dots on x as it is */
+        return q4t_gemv_bf16(x, ldx, u, scale, mins, bias, y, ldy, m, n, k, out, act_table, num_threads);
     char *scratch;
     float *wide;
     q8_row *rows = q8_rows(m, k, &scratch, &wide);
@@ -409,7 +389,7 @@ int qgemv_q8_bf16(const uint16_t *x, int64_t ldx, const uint8_t *u, const float 
         for (int64_t i = 0; i < k; i++) wide[i] = bf16_to_float(x[r * ldx + i]);
         q8_cut_row(wide, k, 64 / block, 2, rows[r]);
     }
-    const int status = q8_run(rows, NULL, m, u, scale, mins, n, k, block, 2, &sink, num_threads);
+    const int status = q8_run(rows, m, u, scale, mins, n, k, block, 2, &sink, num_threads);
     free(scratch), free(rows);
     return status;
 }

@@ -17,10 +17,33 @@ def available() -> bool:
 
 
 def bf16_dots() -> bool:
-    """Whether ``qgemv_bf16`` with ``mins`` runs AVX512-BF16 dots on x as it is (cpu_q4_bf16.c), rather than
-    cutting x to 2 bytes per input for the integer dots."""
+    """Whether ``qgemv_bf16`` with ``mins`` runs AVX512-BF16 dots on x as it is (cpu_q4_bf16.c, codes from
+    ``pack4_tiles``) rather than cutting x to 2 bytes per input for the integer dots (``pack4``)."""
     lib = clib.load()
-    return lib is not None and lib.q4b_max_rows() > 0
+    return lib is not None and bool(lib.q4t_available())
+
+
+def pack4_tiles(
+    q: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor, out: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Affine 4-bit codes ``q [N, K]`` (uint8 in [0, 15], K a multiple of 64) with their float32 ``scale``
+    and ``mins [N, K / 32]`` in cpu_q4_bf16.c's layout, for ``qgemv_bf16`` where ``bf16_dots()``: outputs in
+    tiles of 16 (N padded with zeros), then blocks of 32; returns (codes [N16 * K / 2] uint8, scale, mins
+    [N16 / 16, K / 32, 16]). ``out``: N16 * K / 2 uint8 for the codes."""
+    n, k = q.shape
+    assert q.dtype == torch.uint8 and q.is_contiguous() and k % 64 == 0
+    assert scale.shape == mins.shape == (n, k // 32)
+    n16 = -(-n // 16) * 16
+    out = torch.empty(n16 * k // 2, dtype=torch.uint8) if out is None else out.view(-1)
+    assert out.dtype == torch.uint8 and out.is_contiguous() and out.numel() == n16 * k // 2
+    _lib().q4t_pack(q.data_ptr(), out.data_ptr(), n, k, torch.get_num_threads())
+
+    def tiles(t: torch.Tensor) -> torch.Tensor:
+        padded = torch.zeros(n16, k // 32, dtype=torch.float32)
+        padded[:n] = t
+        return padded.view(n16 // 16, 16, k // 32).transpose(1, 2).contiguous()
+
+    return out.view(n16, k // 2), tiles(scale), tiles(mins)
 
 
 def pack(q: torch.Tensor, block: int = 32, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -95,14 +118,25 @@ def qgemv_bf16(
     bias: torch.Tensor | None = None,
     activation: str | None = None,
     mins: torch.Tensor | None = None,
+    n_out: int | None = None,
 ) -> torch.Tensor:
     """bf16 ``x @ W.T (+ bias)`` for bf16 ``x [M, K]`` (unit inner stride, a few rows), ``W = q * scale`` per
     ``block`` inputs (``packed = pack(q, block)``, float32 ``scale [N, K / block]``), rounded to bf16 once.
     With ``activation`` the codes' rows are gate/up pairs and the result is ``act(gate) * up`` ``[M, N / 2]``
     in clib.gemm's GEMM_ACT_MUL roundings. x is cut to 2 bytes per input, as ``qgemv_f32``'s ``limbs=2``;
-    ``mins`` as there, except that where ``bf16_dots()`` affine codes take x as it is (only float32's sums
-    round before the result)."""
-    m, k, n = _shapes(x, torch.bfloat16, packed, scale, block, bias, mins)
+    ``mins`` as there, except where ``bf16_dots()``: then ``packed, scale, mins = pack4_tiles(q, ...)``, N is
+    ``n_out`` (default: N padded to 16) and x is taken as it is (only float32's sums round before the
+    result)."""
+    if mins is not None and bf16_dots():
+        m, k = x.shape
+        n = scale.shape[0] * 16 if n_out is None else n_out
+        assert x.dtype == torch.bfloat16 and x.stride(1) == 1 and k % 64 == 0 and block == 32
+        assert packed.dtype == torch.uint8 and packed.is_contiguous() and packed.numel() * 2 >= n * k
+        assert scale.shape == mins.shape == (-(-n // 16), k // 32, 16) and scale.is_contiguous()
+        assert mins.is_contiguous()
+        assert bias is None or (bias.dtype == torch.bfloat16 and bias.shape == (n,))
+    else:
+        m, k, n = _shapes(x, torch.bfloat16, packed, scale, block, bias, mins)
     if activation is not None:
         assert bias is None and n % 2 == 0
         y = torch.empty((m, n // 2), dtype=torch.bfloat16)
