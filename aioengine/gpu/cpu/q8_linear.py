@@ -40,9 +40,9 @@ MAX_ROWS = {
     (torch.float32, 32): 16,
     (torch.float32, 16): 16,
 }
-# bf16 rows against 4-bit codes with bf16 dots (cpu_q4_bf16.c): the codes' arithmetic is the GEMM's, so they
-# keep their lead on bytes up to a verified query's rows (docs/benchmarks.md)
-MAX_ROWS_TILES = 16
+# bf16 rows against 4-bit codes with bf16 dots (cpu_q4_bf16.c): their arithmetic is near the GEMM's, so they
+# lead up to about 8 rows, cover a verified query of 1 + 8 and lose at 16 (docs/benchmarks.md)
+MAX_ROWS_TILES = 9
 _LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
