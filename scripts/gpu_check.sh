@@ -23,10 +23,10 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PIP_NO_INDEX=1 TOKENIZERS_PARALLE
 export PYTHONFAULTHANDLER=1  # a stage stopped by its time limit (SIGABRT) prints every thread's stack
 PY=${PYTHON:-python3}  # the GPU images' python3 holds torch; plain `python` may not exist
 TOTAL_S=${GPU_CHECK_TOTAL_S:-470}  # the whole script stays under 8 minutes
-TESTS_S=${GPU_CHECK_TESTS_S:-120}
+TESTS_S=${GPU_CHECK_TESTS_S:-200}  # the parity tests start an engine per case (graphs, drafts)
 BENCH_S=${GPU_CHECK_BENCH_S:-100}      # each run of the bench: engine start, graph capture and 1000 prompts
 CAPTURE_S=${GPU_CHECK_CAPTURE_S:-90}   # --cuda-graph-capture-timeout-s of each bench run (sizes not reached run eagerly)
-REPEATS=${GPU_CHECK_REPEATS:-3}        # runs of the default engine (the report takes their median)
+REPEATS=${GPU_CHECK_REPEATS:-2}        # runs of the default engine (the report takes their median)
 AB_FLAGS=${GPU_CHECK_AB_FLAGS:-}       # one more run with these engine flags, e.g. "--max-cudagraph-capture-size 1024"
 PEER_S=${GPU_CHECK_PEER_S:-180}
 PEER_LIMIT_S=${GPU_CHECK_PEER_LIMIT_S:-120}  # transformers' paged SDPA is slow: count what it made by then

@@ -31,16 +31,15 @@ def checkpoint(request, tmp_path_factory):
     return path, model
 
 
-async def _run(path, prompts_, **kwargs):
-    args = EngineArgs(
-        model=str(path),
-        device="cuda",
-        dtype="float32",
-        block_size=16,
-        skip_tokenizer_init=True,
-        max_num_seqs=16,
-        **kwargs,
+def _args(path, **kwargs) -> EngineArgs:
+    kwargs = {"max_num_seqs": 16, **kwargs}
+    return EngineArgs(
+        model=str(path), device="cuda", dtype="float32", block_size=16, skip_tokenizer_init=True, **kwargs
     )
+
+
+async def _run(path, prompts_, **kwargs):
+    args = _args(path, **kwargs)
     async with AsyncEngine(args) as engine:
         params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
         outs = await asyncio.gather(*(engine.generate(p, params) for p in prompts_))
@@ -80,16 +79,7 @@ def test_verified_drafts_replay_graphs_with_greedy_parity(checkpoint, method):
     rows: list[int] = []
 
     async def main():
-        args = EngineArgs(
-            model=str(path),
-            device="cuda",
-            dtype="float32",
-            block_size=16,
-            skip_tokenizer_init=True,
-            max_num_seqs=2,
-            speculative_config=spec,
-        )
-        async with AsyncEngine(args) as engine:
+        async with AsyncEngine(_args(path, max_num_seqs=2, speculative_config=spec)) as engine:
             graphs = engine.backend.graphs
             assert graphs is not None and graphs.sizes[-1] == 8  # 2 requests x (1 + 3) rows
             replay = graphs.replay

@@ -109,14 +109,7 @@ def test_static_forward_matches_eager_with_the_triton_kernels():
     model, config = build_random_model("random:tiny", torch.float32, "cpu", seed=3, ops=_triton_ops())
     seq_lens = [6, 11, 3]
     meta, input_ids, positions = _decode_meta(seq_lens, 24)
-    torch.manual_seed(0)
-    kv = [t.normal_() for t in CpuBackend().allocate_kv_caches(config, 24, BLOCK, torch.float32)]
-    kv_eager = [t.clone() for t in kv]
-    with torch.inference_mode():
-        expected = model(input_ids, positions, kv_eager, meta)
-        graphs = DecodeGraphs(model, kv, max_size=8, max_blocks_per_req=8, device=torch.device("cpu"))
-        graphs.load(4, input_ids, positions, meta)
-        got = graphs.forward(4)
+    got, expected, kv, kv_eager = _static_and_eager(model, config, 24, input_ids, positions, meta, meta, 4, 8)
     assert got.shape[0] == 4
     torch.testing.assert_close(got[:3], expected, atol=1e-4, rtol=1e-4)
     for a, b in zip(kv, kv_eager, strict=True):
@@ -148,17 +141,26 @@ def test_verified_drafts_as_decode_rows_in_the_static_buffers_match_a_causal_que
     rows = AttentionMetadata.build([1] * 5, [7, 6, 7, 8, 9], table[[0, 1, 1, 1, 1]], BLOCK)
     assert torch.equal(rows.slot_mapping, chunk.slot_mapping)
     assert is_uniform_decode(rows, 5) and not is_uniform_decode(chunk, 5)
-    torch.manual_seed(0)
-    kv = [t.normal_() for t in CpuBackend().allocate_kv_caches(config, 12, BLOCK, torch.float32)]
-    kv_eager = [t.clone() for t in kv]
-    with torch.inference_mode():
-        expected = model(input_ids, positions, kv_eager, chunk)
-        graphs = DecodeGraphs(model, kv, max_size=8, max_blocks_per_req=4, device=torch.device("cpu"))
-        graphs.load(8, input_ids, positions, rows)
-        got = graphs.forward(8)
+    got, expected, kv, kv_eager = _static_and_eager(
+        model, config, 12, input_ids, positions, chunk, rows, size=8, width=4
+    )
     torch.testing.assert_close(got[:5], expected, atol=1e-4, rtol=1e-4)
     for a, b in zip(kv, kv_eager, strict=True):
         torch.testing.assert_close(a, b)
+
+
+def _static_and_eager(model, config, num_blocks, input_ids, positions, eager_meta, static_meta, size, width):
+    """The model eagerly over ``eager_meta`` and through the graph's static buffers (``size`` rows) over
+    ``static_meta``, each on its own copy of one random KV cache: (static, eager, static KV, eager KV)."""
+    torch.manual_seed(0)
+    kv = [t.normal_() for t in CpuBackend().allocate_kv_caches(config, num_blocks, BLOCK, torch.float32)]
+    kv_eager = [t.clone() for t in kv]
+    with torch.inference_mode():
+        expected = model(input_ids, positions, kv_eager, eager_meta)
+        graphs = DecodeGraphs(model, kv, max_size=8, max_blocks_per_req=width, device=torch.device("cpu"))
+        graphs.load(size, input_ids, positions, static_meta)
+        got = graphs.forward(size)
+    return got, expected, kv, kv_eager
 
 
 def _triton_ops():
