@@ -140,4 +140,67 @@ def test_a_step_without_decodes_is_not_cut():
         prompt = list(range(1000 * i + 1, 1000 * i + 301))  # distinct: no prefix hits
         sched.add_request(Request(f"p{i}", prompt, SamplingParams(max_tokens=4)))
     out = sched.schedule()
-    assert out.total_num_scheduled_tokens == 512 and sched.prefill_caps == 0
+    # the whole budget; p0 stops one token short: its stream starts with the others (below)
+    assert out.num_scheduled_tokens == {"p0": 299, "p1": 213} and sched.prefill_caps == 0
+
+
+def _burst(target_ms: float, n: int = 4, prompt_len: int = 300, **cfg_kwargs):
+    """n distinct prompts arriving at once, driven to completion with a batch queue of 2: each step's
+    tokens and the step in which each request's first token was sampled."""
+    from aioengine.sampling_params import SamplingParams
+    from aioengine.sched.request import Request
+    from aioengine.sched.scheduler import Scheduler, SchedulerConfig
+    from tests.sched.fake import Driver
+
+    cfg = SchedulerConfig(
+        **{"max_num_batched_tokens": 512, "num_blocks": 512, "block_size": 16, "target_itl_ms": target_ms}
+        | cfg_kwargs
+    )
+    sched = Scheduler(cfg)
+    if sched.step_cost is not None:
+        sched.step_cost = _fitted()
+    for i in range(n):
+        prompt = list(range(1000 * i + 1, 1000 * i + 1 + prompt_len))  # distinct: no prefix hits
+        sched.add_request(Request(f"p{i}", prompt, SamplingParams(max_tokens=8, ignore_eos=True)))
+    driver, steps, first = Driver(sched), [], {}
+    original = sched.schedule
+
+    def schedule():
+        out = original()
+        steps.append(dict(out.num_scheduled_tokens))
+        for rid in out.num_scheduled_tokens:
+            r = sched.requests[rid]
+            if not r.is_prefill_chunk:
+                first.setdefault(rid, len(steps))
+        return out
+
+    sched.schedule = schedule
+    driver.run_to_completion()
+    assert all(len(driver.outputs[f"p{i}"]) == 8 for i in range(n))
+    return steps, first
+
+
+def test_a_burst_starts_its_streams_together():
+    """With a target and no stream yet, prompts stop one token short until the rest are in: every first
+    token comes from the same step, so no stream waits through the others' prompt steps, and those steps
+    still take the whole budget. Without a target, first come, first served (as vLLM)."""
+    steps, first = _burst(target_ms=1.0)
+    assert len(set(first.values())) == 1, first
+    burst = steps[: min(first.values()) - 1]
+    assert len(burst) >= 2 and all(sum(s.values()) >= 511 for s in burst), steps
+    steps, first = _burst(target_ms=0.0)
+    assert min(first.values()) == 1 and len(set(first.values())) > 1, first  # p0 streams from the first step
+
+
+def test_a_burst_that_cannot_all_start_is_not_held():
+    """Held prompts must not wait on ones that cannot start before them: more than max_num_seqs, more than
+    the cache holds, or more than BURST_STEPS budgets of prompt are served first come, first served."""
+    from aioengine.sched.scheduler import BURST_STEPS
+
+    for kwargs in (
+        {"max_num_seqs": 3},
+        {"num_blocks": 60},  # 59 usable blocks of 16: 944 tokens, against 4 x 300 pending
+        {"prompt_len": 1000, "n": BURST_STEPS // 2 + 2, "max_model_len": 2048},
+    ):
+        steps, first = _burst(target_ms=1.0, **kwargs)
+        assert min(first.values()) == 1 or len(set(first.values())) > 1, (kwargs, first)
