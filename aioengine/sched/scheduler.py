@@ -57,11 +57,6 @@ class SchedulerConfig:
         assert self.long_prefill_token_threshold >= 0 and self.target_itl_ms >= 0
 
 
-# The longest burst of arrivals whose first tokens are held to start together (_hold_first_tokens), in steps
-# of the full token budget: a longer one is served first come, first served, as without a target.
-BURST_STEPS = 8
-
-
 class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
@@ -89,7 +84,6 @@ class Scheduler:
         # Fitted to every step's measured duration when there is a target to meet.
         self.step_cost = StepCostModel() if config.target_itl_ms > 0 else None
         self.prefill_caps = 0  # steps whose prompt chunks the target cut (stats)
-        self._hold_released = False  # _hold_first_tokens is off until the engine is idle (see schedule)
 
     # ---- request lifecycle --------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -155,7 +149,6 @@ class Scheduler:
         to_propose: dict[str, int] = {}
         step = self._decode_features()  # the step's predicted work, prompt chunks added as they are planned
         prefill_cap = PrefillCap(self.step_cost, cfg.target_itl_ms / 1e3, cfg.block_size, step)
-        hold = self._hold_first_tokens(token_budget)
 
         # Running pass, from the front: decodes that came first get their token before later prefills.
         running = self.running
@@ -177,9 +170,6 @@ class Scheduler:
             is_chunk = need > 1 or request.num_computed_tokens < request.num_prompt_tokens
             if is_chunk:
                 need = prefill_cap.limit(need, request.num_computed_tokens)
-                full = num_tokens + placeholders - request.num_computed_tokens
-                if hold and request.pooling is None and need >= full:
-                    need = full - 1  # its stream starts with the others' (below)
             if need <= 0:
                 i += 1
                 continue
@@ -248,11 +238,6 @@ class Scheduler:
                 if 0 < threshold < need:
                     need = threshold
                 need = prefill_cap.limit(min(need, token_budget), num_hit)
-                if hold and request.pooling is None and need >= request.num_tokens - num_hit:
-                    need = request.num_tokens - num_hit - 1  # its stream starts with the others' (below)
-                    if need <= 0:  # its prompt is cached but one token: it starts with the last chunks
-                        skipped.append(waiting.pop())
-                        continue
                 if need <= 0:
                     break  # the step's time is spent: the next one admits it
                 blocks = kv.allocate_slots(request, need, num_hit, hit_blocks)
@@ -308,9 +293,6 @@ class Scheduler:
         if num_scheduled:  # which Request each of the step's ids meant (update_from_output checks it)
             self._in_flight[id(out)] = (out, {rid: self.requests[rid] for rid in num_scheduled})
         self.prefill_caps += prefill_cap.cut
-        # A held step that scheduled nothing (what was pending could not run after all) would repeat: the
-        # next ones start streams as they finish, as without the hold, until the engine is idle again.
-        self._hold_released = (hold and total == 0) or (self._hold_released and self.has_requests())
         self.finished_req_ids = set()
         self._num_preemptions_step += len(preempted)
         self._num_scheduled_tokens_since_stats += total
@@ -326,28 +308,6 @@ class Scheduler:
             or num_tokens + placeholders >= self.max_model_len
         )
 
-    def _hold_first_tokens(self, token_budget: int) -> bool:
-        """Whether this step's chunks stop one token short of finishing their prompts. With an ITL target and
-        no stream yet (a burst of arrivals, the start), a prompt finished now would stream through the steps
-        that prefill the others: long gaps, or steps cut to the target that delay every later first token.
-        So while the prompts pending exceed one step's budget (and fit in BURST_STEPS of them), their
-        streams are held to start together, in the step that finishes the last of them."""
-        if self.step_cost is None or self._hold_released:
-            return False
-        if len(self.running) + len(self.waiting) > self.config.max_num_seqs:
-            return False  # some could not start before the others finish: held ones would wait forever
-        pending, horizon = 0, BURST_STEPS * token_budget
-        for r in self.running:
-            if r.num_output_tokens or r.num_output_placeholders:
-                return False  # a stream runs: the target caps the steps instead
-            pending += max(0, r.num_tokens - r.num_computed_tokens)
-        for r in self.waiting:
-            pending += r.num_tokens
-            if pending > horizon:
-                return False
-        free_tokens = self.kv_cache_manager.block_pool.get_num_free_blocks() * self.config.block_size
-        return token_budget < pending <= min(horizon, free_tokens)  # and every pending prompt fits the cache
-
     def _decode_features(self) -> StepFeatures:
         """The decodes the running requests will add to this step (before any prompt chunk is planned)."""
         step = StepFeatures()
@@ -356,9 +316,7 @@ class Scheduler:
         for r in self.running:  # the running pass's own skips, so the prediction counts the rows it plans
             if r.num_drafts_in_flight or r.proposing or self._all_in_flight(r):
                 continue
-            # a decode: one token to compute past the prompt (a prompt's last token is a chunk: no stream yet)
-            left = len(r.all_token_ids) + r.num_output_placeholders - r.num_computed_tokens
-            if left == 1 and r.num_computed_tokens >= r.num_prompt_tokens:
+            if len(r.all_token_ids) + r.num_output_placeholders - r.num_computed_tokens == 1:
                 step.decode_rows += 1
                 step.decode_context += r.num_computed_tokens + 1
         return step
