@@ -39,7 +39,8 @@ void q4t_pack(const uint8_t *q, uint8_t *out, int64_t n, int64_t k, int num_thre
             for (int64_t g = 0; g < 8; g++)
                 for (int64_t j = 0; j < 32; j++) {
                     const int64_t row = 16 * t + j / 2, col = 32 * b + 2 * g + j % 2;
-                    const uint8_t lo = row < n ? q[row * k + col] & 15 : 0, hi = row < n ? q[row * k + col + 16] & 15 : 0;
+                    const uint8_t lo = row < n ? q[row * k + col] & 15 : 0;
+                    const uint8_t hi = row < n ? q[row * k + col + 16] & 15 : 0;
                     out[((t * blocks + b) * 8 + g) * 32 + j] = (uint8_t)(lo | hi << 4);
                 }
 }
@@ -84,7 +85,8 @@ static inline __attribute__((always_inline)) void q4t_tile(const uint16_t *const
                 t3 = _mm512_dpbf16_ps(t3, w[g + 3], (__m512bh)_mm512_set1_ps(pair[g + 3]));
             }
             const __m512 t = _mm512_add_ps(_mm512_add_ps(t0, t1), _mm512_add_ps(t2, t3));
-            acc[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(sums[r * blocks + b]), _mm512_fmadd_ps(t, scale, acc[r]));
+            acc[r] = _mm512_fmadd_ps(t, scale, acc[r]);
+            acc[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(sums[r * blocks + b]), acc[r]);
         }
     }
 }
