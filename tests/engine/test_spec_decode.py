@@ -28,11 +28,15 @@ def looping_prompts(n: int = 8, seed: int = 1) -> list[list[int]]:
     return out
 
 
-async def generate_all(path, prompts, params, spec, **kwargs):
-    args = EngineArgs(
+def engine_args(path, spec, **kwargs) -> EngineArgs:
+    """A float32 CPU engine on ``path`` with blocks of 4 and ``spec`` as its speculative_config."""
+    return EngineArgs(
         model=str(path), dtype="float32", device="cpu", block_size=4, speculative_config=spec, **kwargs
     )
-    async with AsyncEngine(args) as engine:
+
+
+async def generate_all(path, prompts, params, spec, **kwargs):
+    async with AsyncEngine(engine_args(path, spec, **kwargs)) as engine:
         outs = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
         assert engine.kv_cache_usage() == 0.0
         totals = engine.scheduler.spec_totals
@@ -170,10 +174,7 @@ def test_abort_while_drafts_are_in_flight_frees_everything(tiny_checkpoint_of):
     path = tiny_checkpoint_of("llama")
 
     async def main():
-        args = EngineArgs(
-            model=str(path), dtype="float32", device="cpu", block_size=4, speculative_config=NGRAM
-        )
-        async with AsyncEngine(args) as engine:
+        async with AsyncEngine(engine_args(path, NGRAM)) as engine:
             params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
             handles = [engine.generate(p, params) for p in looping_prompts(4)]
             seen = 0
@@ -241,15 +242,7 @@ def test_steps_that_verify_drafts_are_uniform_decode_batches_the_graph_sizes_hol
     seen: list[tuple[bool, int]] = []
 
     async def main():
-        args = EngineArgs(
-            model=str(path),
-            dtype="float32",
-            device="cpu",
-            block_size=4,
-            speculative_config=spec,
-            max_num_seqs=seqs,
-            max_num_batched_tokens=budget,
-        )
+        args = engine_args(path, spec, max_num_seqs=seqs, max_num_batched_tokens=budget)
         async with AsyncEngine(args) as engine:
             backend = engine.backend
             forward = backend.forward

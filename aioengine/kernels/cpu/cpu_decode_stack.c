@@ -12,8 +12,9 @@
 
 #include "cpu_kernels.h"
 
-/* A linear's GGUF block codes (cpu_q8.c's layout; codes NULL: none; mins non-NULL: affine 4-bit ones), run for
- * steps of up to max_rows rows in place of its packed GEMM, as gpu/cpu/q8_linear.py's Q8Linear does. */
+/* A linear's GGUF block codes (codes NULL: none; mins non-NULL: affine 4-bit ones, in cpu_q4_bf16.c's tiles
+ * where the CPU has AVX512-BF16; else cpu_q8.c's layout), run for steps of up to max_rows rows in place of
+ * its packed GEMM, as gpu/cpu/q8_linear.py's Q8Linear does. */
 typedef struct {
     const uint8_t *codes;
     const float *scales, *mins;

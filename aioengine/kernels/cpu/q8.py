@@ -131,7 +131,8 @@ def qgemv_bf16(
         m, k = x.shape
         n = scale.shape[0] * 16 if n_out is None else n_out
         assert x.dtype == torch.bfloat16 and x.stride(1) == 1 and k % 64 == 0 and block == 32
-        assert packed.dtype == torch.uint8 and packed.is_contiguous() and packed.numel() * 2 >= n * k
+        assert packed.dtype == torch.uint8 and packed.is_contiguous()
+        assert packed.numel() * 2 == scale.shape[0] * 16 * k  # N padded to 16, two codes a byte
         assert scale.shape == mins.shape == (-(-n // 16), k // 32, 16) and scale.is_contiguous()
         assert mins.is_contiguous()
         assert bias is None or (bias.dtype == torch.bfloat16 and bias.shape == (n,))
