@@ -243,6 +243,37 @@ def test_the_roofline_takes_the_best_of_its_timings(monkeypatch):
     assert gflops == pytest.approx(2 * 8**3 * 3 / 0.5 / 1e9)
 
 
+def test_bench_throughput_keeps_the_better_of_its_two_rooflines(tiny, tmp_path, monkeypatch):
+    """The roofline is measured before the run and after it: a busy spell during one (half the rate)
+    must not double the fraction."""
+    from aioengine.bench import throughput
+
+    rates = iter([400.0, 200.0])
+    monkeypatch.setattr(throughput, "matmul_gflops", lambda *a, **k: next(rates))
+    out = tmp_path / "r.json"
+    argv = [
+        "throughput",
+        "--model",
+        str(tiny),
+        "--dataset",
+        "random",
+        "--num-prompts",
+        "2",
+        "--output-len",
+        "3",
+    ]
+    assert (
+        bench_main(
+            [*argv, "--input-len", "8", "--max-model-len", "256", "--no-progress", "--output-json", str(out)]
+        )
+        == 0
+    )
+    r = json.loads(out.read_text())
+    assert r["matmul_gflops_runs"] == [400.0, 200.0] and r["matmul_gflops"] == 400.0
+    assert r["fraction_of_roofline"] == pytest.approx(r["output_tokens_per_s"] / r["roofline_tokens_per_s"])
+    assert r["roofline_tokens_per_s"] == pytest.approx(400e9 / (2 * r["num_parameters"]))
+
+
 def test_bench_throughput_profile_host_writes_both_threads(tiny, tmp_path):
     prof = tmp_path / "host.txt"
     assert (
