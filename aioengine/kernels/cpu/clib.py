@@ -1,7 +1,7 @@
 """The CPU's C kernels (cpu_decode_attention.c, cpu_prefill_attention.c, cpu_elementwise.c, cpu_gemm.c,
 cpu_decode_stack.c, cpu_qgemv.c, cpu_q8.c, cpu_q4_bf16.c, and cpu_pool.c, which splits their work between
-threads): built once per machine with the C compiler into one library, loaded with ctypes, and called on the
-worker thread (ctypes releases the GIL).
+threads): built once per machine with the C compiler into one library, loaded with ctypes, and called on the worker thread (ctypes
+releases the GIL).
 
 Built with -march=native into the cache directory's ``kernels/`` (``aioengine.env.cache_dir``) under a
 name that hashes the sources, the compiler and the CPU flags; the CPU backend starts the build on a thread
