@@ -1,7 +1,6 @@
 """The CPU's C kernels (cpu_decode_attention.c, cpu_prefill_attention.c, cpu_elementwise.c, cpu_gemm.c,
-cpu_decode_stack.c, cpu_qgemv.c, cpu_q8.c, cpu_q4_bf16.c, and cpu_pool.c, which splits their work between
-threads): built once per machine with the C compiler into one library, loaded with ctypes, and called on the worker thread (ctypes
-releases the GIL).
+cpu_decode_stack.c, cpu_qgemv.c, cpu_q8.c): built once per machine with the C compiler into one library,
+loaded with ctypes, and called on the worker thread (ctypes releases the GIL).
 
 Built with -march=native into the cache directory's ``kernels/`` (``aioengine.env.cache_dir``) under a
 name that hashes the sources, the compiler and the CPU flags; the CPU backend starts the build on a thread
@@ -41,7 +40,6 @@ _SOURCES = [
         "cpu_qgemv.c",
         "cpu_q8.c",
         "cpu_q4_bf16.c",
-        "cpu_pool.c",
     )
 ]
 # Included by the sources: part of the build's hash.
@@ -166,10 +164,6 @@ def load() -> ctypes.CDLL | None:
         lib.decode_attention_bf16_vectorized.argtypes = []
         lib.exp_f32.restype = ctypes.c_int
         lib.exp_f32.argtypes = [_P, _P, _I64]
-        lib.pool_hold.restype = None
-        lib.pool_hold.argtypes = [_I]
-        lib.pool_count.restype = None
-        lib.pool_count.argtypes = [_I64, _I, _P, _P, _P]
         for name, argtypes in _ELEMENTWISE.items():
             fn = getattr(lib, name)
             fn.restype = None

@@ -202,100 +202,76 @@ static inline __attribute__((always_inline)) void tile_bf16_avx512(
             }                                                                                            \
     } while (0)
 
-typedef struct {
-    const uint16_t *query, *key_cache, *value_cache;
-    const int32_t *block_table, *seq_lens;
-    uint16_t *out;
-    int64_t query_stride, table_stride, block_stride, token_stride, head_stride;
-    int num_heads, num_kv_heads, head_dim, block_size, window;
-    float scale;
-} decode_job;
-
-/* One unit per (request, KV head), so even a single request keeps every thread busy. */
-static void decode_unit(void *arg, int64_t unit, int slot, int stolen) {
-    (void)slot, (void)stolen;
-    const decode_job *a = arg;
-    const uint16_t *query = a->query, *key_cache = a->key_cache, *value_cache = a->value_cache;
-    const int32_t *block_table = a->block_table, *seq_lens = a->seq_lens;
-    uint16_t *out = a->out;
-    const int64_t query_stride = a->query_stride, table_stride = a->table_stride, block_stride = a->block_stride;
-    const int64_t token_stride = a->token_stride, head_stride = a->head_stride;
-    const int num_heads = a->num_heads, num_kv_heads = a->num_kv_heads, head_dim = a->head_dim;
-    const int block_size = a->block_size, window = a->window;
-    const float scale = a->scale;
-    const int group = num_heads / num_kv_heads;
-    const int halves = head_dim / 32;
-    const int r = (int)(unit / num_kv_heads), kvh = (int)(unit % num_kv_heads);
-    head_state st[MAX_GROUP];
-    for (int g = 0; g < group; g++) {
-        memcpy(st[g].qd, query + r * query_stride + (int64_t)(kvh * group + g) * head_dim, 2 * head_dim);
-        for (int h = 0; h < halves; h++) st[g].acc_lo[h] = st[g].acc_hi[h] = _mm512_setzero_ps();
-        st[g].run_max = -INFINITY;
-        st[g].run_sum = 0.0f;
-    }
-    const int seq_len = seq_lens[r];
-    const int32_t *blocks = block_table + (int64_t)r * table_stride;
-    const int last = (seq_len - 1) / block_size;
-    const uint16_t *k_head = key_cache + (int64_t)kvh * head_stride, *v_head = value_cache + (int64_t)kvh * head_stride;
-    for (int pos = window > 0 && seq_len > window ? seq_len - window : 0; pos < seq_len;) {
-        const int in_block = pos % block_size, j = pos / block_size;
-        if (in_block == 0) { /* scattered blocks defeat the hardware prefetchers: without these the
-                                loop waits on DRAM. Far blocks go to L2 first, which keeps more lines in
-                                flight than L1's miss buffers allow; the next block then moves to L1. */
-            for (int nj = j == 0 ? 1 : j + PF_FAR; nj <= j + PF_FAR && nj <= last; nj++)
-                if (nj > j + 1) PREFETCH_BLOCK(nj, _MM_HINT_T1);
-            for (int nj = j + 1; nj <= j + 1 && nj <= last; nj++) PREFETCH_BLOCK(nj, _MM_HINT_T0);
-        }
-        int m = block_size - in_block < 16 ? block_size - in_block : 16;
-        m = seq_len - pos < m ? seq_len - pos : m;
-        const int64_t base = (int64_t)blocks[j] * block_stride + (int64_t)in_block * token_stride;
-        const uint16_t *k = k_head + base, *v = v_head + base;
-#define TILE(G, H) tile_bf16_avx512(st, k, v, m, G, H, token_stride, scale)
-        /* The common shapes get their own unrolled copy (head_dim 64 or 128, GQA groups 1-8). */
-        switch (halves * 100 + group) {
-        case 201: TILE(1, 2); break;
-        case 202: TILE(2, 2); break;
-        case 203: TILE(3, 2); break;
-        case 204: TILE(4, 2); break;
-        case 205: TILE(5, 2); break;
-        case 206: TILE(6, 2); break;
-        case 207: TILE(7, 2); break;
-        case 208: TILE(8, 2); break;
-        case 401: TILE(1, 4); break;
-        case 402: TILE(2, 4); break;
-        case 403: TILE(3, 4); break;
-        case 404: TILE(4, 4); break;
-        case 405: TILE(5, 4); break;
-        case 406: TILE(6, 4); break;
-        case 407: TILE(7, 4); break;
-        case 408: TILE(8, 4); break;
-        default: TILE(group, halves); break;
-        }
-#undef TILE
-        pos += m;
-    }
-    for (int g = 0; g < group; g++) {
-        float acc[MAX_HEAD_DIM] __attribute__((aligned(64)));
-        for (int h = 0; h < halves; h++) {
-            _mm512_store_ps(acc + 32 * h, st[g].acc_lo[h]);
-            _mm512_store_ps(acc + 32 * h + 16, st[g].acc_hi[h]);
-        }
-        store_row(out + ((int64_t)r * num_heads + kvh * group + g) * head_dim, acc, st[g].run_sum, head_dim);
-    }
-}
-
+/* One task per (request, KV head), so even a single request keeps every thread busy. */
 static int decode_attention_bf16_avx512(const uint16_t *query, int64_t query_stride, const uint16_t *key_cache,
                                         const uint16_t *value_cache, const int32_t *block_table,
                                         int64_t table_stride, const int32_t *seq_lens, uint16_t *out, int num_reqs,
                                         int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
                                         int window, int64_t block_stride, int64_t token_stride,
                                         int64_t head_stride, int num_threads) {
-    decode_job a = {.query = query, .key_cache = key_cache, .value_cache = value_cache, .block_table = block_table,
-                    .seq_lens = seq_lens, .out = out, .query_stride = query_stride, .table_stride = table_stride,
-                    .block_stride = block_stride, .token_stride = token_stride, .head_stride = head_stride,
-                    .num_heads = num_heads, .num_kv_heads = num_kv_heads, .head_dim = head_dim,
-                    .block_size = block_size, .window = window, .scale = scale};
-    pool_run(decode_unit, &a, (int64_t)num_reqs * num_kv_heads, num_threads);
+    const int group = num_heads / num_kv_heads;
+    const int halves = head_dim / 32;
+#pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)
+    for (int r = 0; r < num_reqs; r++) {
+        for (int kvh = 0; kvh < num_kv_heads; kvh++) {
+            head_state st[MAX_GROUP];
+            for (int g = 0; g < group; g++) {
+                memcpy(st[g].qd, query + r * query_stride + (int64_t)(kvh * group + g) * head_dim, 2 * head_dim);
+                for (int h = 0; h < halves; h++) st[g].acc_lo[h] = st[g].acc_hi[h] = _mm512_setzero_ps();
+                st[g].run_max = -INFINITY;
+                st[g].run_sum = 0.0f;
+            }
+            const int seq_len = seq_lens[r];
+            const int32_t *blocks = block_table + (int64_t)r * table_stride;
+            const int last = (seq_len - 1) / block_size;
+            const uint16_t *k_head = key_cache + (int64_t)kvh * head_stride, *v_head = value_cache + (int64_t)kvh * head_stride;
+            for (int pos = window > 0 && seq_len > window ? seq_len - window : 0; pos < seq_len;) {
+                const int in_block = pos % block_size, j = pos / block_size;
+                if (in_block == 0) { /* scattered blocks defeat the hardware prefetchers: without these the
+                                        loop waits on DRAM. Far blocks go to L2 first, which keeps more lines in
+                                        flight than L1's miss buffers allow; the next block then moves to L1. */
+                    for (int nj = j == 0 ? 1 : j + PF_FAR; nj <= j + PF_FAR && nj <= last; nj++)
+                        if (nj > j + 1) PREFETCH_BLOCK(nj, _MM_HINT_T1);
+                    for (int nj = j + 1; nj <= j + 1 && nj <= last; nj++) PREFETCH_BLOCK(nj, _MM_HINT_T0);
+                }
+                int m = block_size - in_block < 16 ? block_size - in_block : 16;
+                m = seq_len - pos < m ? seq_len - pos : m;
+                const int64_t base = (int64_t)blocks[j] * block_stride + (int64_t)in_block * token_stride;
+                const uint16_t *k = k_head + base, *v = v_head + base;
+#define TILE(G, H) tile_bf16_avx512(st, k, v, m, G, H, token_stride, scale)
+                /* The common shapes get their own unrolled copy (head_dim 64 or 128, GQA groups 1-8). */
+                switch (halves * 100 + group) {
+                case 201: TILE(1, 2); break;
+                case 202: TILE(2, 2); break;
+                case 203: TILE(3, 2); break;
+                case 204: TILE(4, 2); break;
+                case 205: TILE(5, 2); break;
+                case 206: TILE(6, 2); break;
+                case 207: TILE(7, 2); break;
+                case 208: TILE(8, 2); break;
+                case 401: TILE(1, 4); break;
+                case 402: TILE(2, 4); break;
+                case 403: TILE(3, 4); break;
+                case 404: TILE(4, 4); break;
+                case 405: TILE(5, 4); break;
+                case 406: TILE(6, 4); break;
+                case 407: TILE(7, 4); break;
+                case 408: TILE(8, 4); break;
+                default: TILE(group, halves); break;
+                }
+#undef TILE
+                pos += m;
+            }
+            for (int g = 0; g < group; g++) {
+                float acc[MAX_HEAD_DIM] __attribute__((aligned(64)));
+                for (int h = 0; h < halves; h++) {
+                    _mm512_store_ps(acc + 32 * h, st[g].acc_lo[h]);
+                    _mm512_store_ps(acc + 32 * h + 16, st[g].acc_hi[h]);
+                }
+                store_row(out + ((int64_t)r * num_heads + kvh * group + g) * head_dim, acc, st[g].run_sum, head_dim);
+            }
+        }
+    }
     return 0;
 }
 #endif

@@ -5,7 +5,7 @@
  * in another order (rms_norm's mean of squares): then a bf16 result can move by one ulp. The torch path
  * stays the reference (tests/kernels/cpu/test_elementwise.py). silu_and_mul is not here: torch's
  * vectorized exp already runs it as fast as a C loop does (measured).
- * Rows are independent; large calls split them between threads (cpu_pool.c).
+ * Rows are independent; large calls split them over OpenMP threads (torch's pool: libgomp is shared).
  * With AVX512-BF16 the norm and rotary run 16 lanes a step, rounding with vcvtneps2bf16, faster than gcc's
  * vectorization of the scalar loops, whose roundings are integer emulation.
  */
@@ -107,84 +107,40 @@ static void rotary_row(const uint16_t *x, const uint16_t *c, const uint16_t *s, 
 }
 #endif
 
-typedef struct { /* add_rms_norm_bf16's and gemma_rms_norm_bf16's arguments */
-    const uint16_t *x, *residual, *weight;
-    uint16_t *residual_out, *out;
-    int64_t x_stride, residual_stride, out_stride, heads, hidden;
-    float eps;
-} norm_job;
-
-static void add_rms_norm_unit(void *arg, int64_t i, int slot, int stolen) {
-    (void)slot, (void)stolen;
-    const norm_job *a = arg;
-    const uint16_t *x = a->x, *residual = a->residual, *weight = a->weight;
-    uint16_t *residual_out = a->residual_out, *out = a->out;
-    const int64_t x_stride = a->x_stride, residual_stride = a->residual_stride, hidden = a->hidden;
-    const float eps = a->eps;
-#ifdef ELEMENTWISE_AVX512
-    add_rms_norm_row(x != NULL ? x + i * x_stride : NULL, residual + i * residual_stride,
-                     residual_out + i * hidden, weight, out + i * hidden, hidden, eps);
-    return;
-#endif
-    const uint16_t *res = residual + i * residual_stride;
-    uint16_t *res_out = residual_out + i * hidden;
-    float sum = 0.0f;
-    if (x != NULL) {
-        const uint16_t *xi = x + i * x_stride;
-        for (int64_t j = 0; j < hidden; j++) {
-            const float r = round_bf16(bf16_to_float(xi[j]) + bf16_to_float(res[j]));
-            res_out[j] = float_to_bf16(r);
-            sum += r * r;
-        }
-    } else {
-        for (int64_t j = 0; j < hidden; j++) {
-            const float r = bf16_to_float(res[j]);
-            sum += r * r;
-        }
-    }
-    const float inv = 1.0f / sqrtf(sum / (float)hidden + eps);
-    const uint16_t *r_row = x != NULL ? res_out : res;
-    uint16_t *o = out + i * hidden;
-    for (int64_t j = 0; j < hidden; j++)
-        o[j] = float_to_bf16(bf16_to_float(weight[j]) * round_bf16(bf16_to_float(r_row[j]) * inv));
-}
-
 /* residual_out = x + residual (when x is given), out = weight * bf16(r / sqrt(mean(r^2) + eps)) with r the
  * (new) residual: vLLM's fused add + RMSNorm in Hugging Face's rounding order. Rows have their own strides. */
 void add_rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *residual, int64_t residual_stride,
                        uint16_t *residual_out, const uint16_t *weight, uint16_t *out, int64_t rows, int64_t hidden,
                        float eps, int num_threads) {
-    norm_job a = {.x = x, .residual = residual, .weight = weight, .residual_out = residual_out, .out = out,
-                  .x_stride = x_stride, .residual_stride = residual_stride, .hidden = hidden, .eps = eps};
-    pool_run(add_rms_norm_unit, &a, rows, rows * hidden >= PARALLEL_MIN_ELEMS ? num_threads : 1);
-}
-
-static void gemma_rms_norm_unit(void *arg, int64_t unit, int slot, int stolen) { /* unit: (row, head) */
-    (void)slot, (void)stolen;
-    const norm_job *a = arg;
-    const uint16_t *x = a->x, *residual = a->residual, *weight = a->weight;
-    uint16_t *residual_out = a->residual_out, *out = a->out;
-    const int64_t x_stride = a->x_stride, residual_stride = a->residual_stride, out_stride = a->out_stride;
-    const int64_t hidden = a->hidden, i = unit / a->heads, h = unit % a->heads;
-    const float eps = a->eps;
-    const uint16_t *xi = x != NULL ? x + i * x_stride : NULL;
-    const uint16_t *res = residual + i * residual_stride + h * hidden;
-    uint16_t *res_out = xi != NULL ? residual_out + i * hidden : NULL, *o = out + i * out_stride + h * hidden;
+#pragma omp parallel for num_threads(num_threads) if (rows * hidden >= PARALLEL_MIN_ELEMS)
+    for (int64_t i = 0; i < rows; i++) {
 #ifdef ELEMENTWISE_AVX512
-    gemma_norm_row(xi, res, res_out, weight, o, hidden, eps);
-    return;
+        add_rms_norm_row(x != NULL ? x + i * x_stride : NULL, residual + i * residual_stride,
+                         residual_out + i * hidden, weight, out + i * hidden, hidden, eps);
+        continue;
 #endif
-    float sum = 0.0f;
-    for (int64_t j = 0; j < hidden; j++) {
-        const float r = xi != NULL ? round_bf16(bf16_to_float(xi[j]) + bf16_to_float(res[j]))
-                                   : bf16_to_float(res[j]);
-        if (xi != NULL) res_out[j] = float_to_bf16(r);
-        sum += r * r;
+        const uint16_t *res = residual + i * residual_stride;
+        uint16_t *res_out = residual_out + i * hidden;
+        float sum = 0.0f;
+        if (x != NULL) {
+            const uint16_t *xi = x + i * x_stride;
+            for (int64_t j = 0; j < hidden; j++) {
+                const float r = round_bf16(bf16_to_float(xi[j]) + bf16_to_float(res[j]));
+                res_out[j] = float_to_bf16(r);
+                sum += r * r;
+            }
+        } else {
+            for (int64_t j = 0; j < hidden; j++) {
+                const float r = bf16_to_float(res[j]);
+                sum += r * r;
+            }
+        }
+        const float inv = 1.0f / sqrtf(sum / (float)hidden + eps);
+        const uint16_t *r_row = x != NULL ? res_out : res;
+        uint16_t *o = out + i * hidden;
+        for (int64_t j = 0; j < hidden; j++)
+            o[j] = float_to_bf16(bf16_to_float(weight[j]) * round_bf16(bf16_to_float(r_row[j]) * inv));
     }
-    const float inv = 1.0f / sqrtf(sum / (float)hidden + eps);
-    const uint16_t *r_row = xi != NULL ? res_out : res;
-    for (int64_t j = 0; j < hidden; j++)
-        o[j] = float_to_bf16(bf16_to_float(r_row[j]) * inv * (1.0f + bf16_to_float(weight[j])));
 }
 
 /* Gemma's norm: as add_rms_norm_bf16, but out = bf16(r / sqrt(mean(r^2) + eps) * (1 + weight)) in float32
@@ -193,41 +149,28 @@ static void gemma_rms_norm_unit(void *arg, int64_t unit, int slot, int stolen) {
 void gemma_rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *residual, int64_t residual_stride,
                          uint16_t *residual_out, const uint16_t *weight, uint16_t *out, int64_t out_stride,
                          int64_t rows, int64_t heads, int64_t hidden, float eps, int num_threads) {
-    norm_job a = {.x = x, .residual = residual, .weight = weight, .residual_out = residual_out, .out = out,
-                  .x_stride = x_stride, .residual_stride = residual_stride, .out_stride = out_stride, .heads = heads,
-                  .hidden = hidden, .eps = eps};
-    pool_run(gemma_rms_norm_unit, &a, rows * heads, rows * heads * hidden >= PARALLEL_MIN_ELEMS ? num_threads : 1);
-}
-
-typedef struct { /* rotary_bf16's and rotary_f32's arguments */
-    const void *x, *cos2, *sin2;
-    const int64_t *positions;
-    void *out;
-    int64_t token_stride, heads, head_dim;
-} rotary_job;
-
-static void rotary_bf16_unit(void *arg, int64_t t, int slot, int stolen) {
-    (void)slot, (void)stolen;
-    const rotary_job *a = arg;
-    const uint16_t *x = a->x, *cos2 = a->cos2, *sin2 = a->sin2;
-    const int64_t *positions = a->positions;
-    uint16_t *out = a->out;
-    const int64_t token_stride = a->token_stride, heads = a->heads, head_dim = a->head_dim, half = head_dim / 2;
-    const uint16_t *c = cos2 + positions[t] * head_dim, *s = sin2 + positions[t] * head_dim;
+#pragma omp parallel for num_threads(num_threads) if (rows * heads * hidden >= PARALLEL_MIN_ELEMS)
+    for (int64_t i = 0; i < rows; i++)
+        for (int64_t h = 0; h < heads; h++) {
+            const uint16_t *xi = x != NULL ? x + i * x_stride : NULL;
+            const uint16_t *res = residual + i * residual_stride + h * hidden;
+            uint16_t *res_out = xi != NULL ? residual_out + i * hidden : NULL, *o = out + i * out_stride + h * hidden;
 #ifdef ELEMENTWISE_AVX512
-    rotary_row(x + t * token_stride, c, s, out + t * heads * head_dim, heads, head_dim);
-    return;
+            gemma_norm_row(xi, res, res_out, weight, o, hidden, eps);
+            continue;
 #endif
-    for (int64_t h = 0; h < heads; h++) {
-        const uint16_t *xi = x + t * token_stride + h * head_dim;
-        uint16_t *o = out + (t * heads + h) * head_dim;
-        for (int64_t j = 0; j < head_dim; j++) {
-            const float rolled = bf16_to_float(xi[j < half ? j + half : j - half]);
-            const float a = round_bf16(bf16_to_float(xi[j]) * bf16_to_float(c[j]));
-            const float b = round_bf16(rolled * bf16_to_float(s[j]));
-            o[j] = float_to_bf16(a + b);
+            float sum = 0.0f;
+            for (int64_t j = 0; j < hidden; j++) {
+                const float r = xi != NULL ? round_bf16(bf16_to_float(xi[j]) + bf16_to_float(res[j]))
+                                           : bf16_to_float(res[j]);
+                if (xi != NULL) res_out[j] = float_to_bf16(r);
+                sum += r * r;
+            }
+            const float inv = 1.0f / sqrtf(sum / (float)hidden + eps);
+            const uint16_t *r_row = xi != NULL ? res_out : res;
+            for (int64_t j = 0; j < hidden; j++)
+                o[j] = float_to_bf16(bf16_to_float(r_row[j]) * inv * (1.0f + bf16_to_float(weight[j])));
         }
-    }
 }
 
 /* out[t, h] = x[t, h] * cos2[p] + roll(x[t, h], D/2) * sin2[p], p = positions[t], each product and the sum
@@ -237,9 +180,25 @@ static void rotary_bf16_unit(void *arg, int64_t t, int slot, int stolen) {
 void rotary_bf16(const uint16_t *x, int64_t token_stride, const int64_t *positions, const uint16_t *cos2,
                  const uint16_t *sin2, uint16_t *out, int64_t tokens, int64_t heads, int64_t head_dim,
                  int num_threads) {
-    rotary_job a = {.x = x, .cos2 = cos2, .sin2 = sin2, .positions = positions, .out = out,
-                    .token_stride = token_stride, .heads = heads, .head_dim = head_dim};
-    pool_run(rotary_bf16_unit, &a, tokens, tokens * heads * head_dim >= PARALLEL_MIN_ELEMS ? num_threads : 1);
+    const int64_t half = head_dim / 2;
+#pragma omp parallel for num_threads(num_threads) if (tokens * heads * head_dim >= PARALLEL_MIN_ELEMS)
+    for (int64_t t = 0; t < tokens; t++) {
+        const uint16_t *c = cos2 + positions[t] * head_dim, *s = sin2 + positions[t] * head_dim;
+#ifdef ELEMENTWISE_AVX512
+        rotary_row(x + t * token_stride, c, s, out + t * heads * head_dim, heads, head_dim);
+        continue;
+#endif
+        for (int64_t h = 0; h < heads; h++) {
+            const uint16_t *xi = x + t * token_stride + h * head_dim;
+            uint16_t *o = out + (t * heads + h) * head_dim;
+            for (int64_t j = 0; j < head_dim; j++) {
+                const float rolled = bf16_to_float(xi[j < half ? j + half : j - half]);
+                const float a = round_bf16(bf16_to_float(xi[j]) * bf16_to_float(c[j]));
+                const float b = round_bf16(rolled * bf16_to_float(s[j]));
+                o[j] = float_to_bf16(a + b);
+            }
+        }
+    }
 }
 
 /* A key whose unsigned order is the float order of a bf16: -0 counts as +0 (torch's ties pick the first of
@@ -291,58 +250,12 @@ static int64_t argmax_row(const uint16_t *row, int64_t cols) {
 }
 #endif
 
-typedef struct {
-    const uint16_t *x;
-    int64_t row_stride, cols;
-    int64_t *out;
-} argmax_job;
-
-static void argmax_unit(void *arg, int64_t i, int slot, int stolen) {
-    (void)slot, (void)stolen;
-    const argmax_job *a = arg;
-    a->out[i] = argmax_row(a->x + i * a->row_stride, a->cols);
-}
-
 /* out[i] = the first index of row i's largest value (torch.argmax's answer), for bf16 logits: widening them
  * to float32 first (what torch needs for a fast argmax on the CPU) writes and reads the rows twice more. */
 void argmax_bf16(const uint16_t *x, int64_t row_stride, int64_t rows, int64_t cols, int64_t *out,
                  int num_threads) {
-    argmax_job j = {.x = x, .row_stride = row_stride, .cols = cols, .out = out};
-    pool_run(argmax_unit, &j, rows, rows * cols >= PARALLEL_MIN_ELEMS ? num_threads : 1);
-}
-
-typedef struct {
-    const float *x, *residual, *weight;
-    float *residual_out, *out;
-    int64_t x_stride, residual_stride, hidden;
-    float eps;
-} norm_f32_job;
-
-static void add_rms_norm_f32_unit(void *arg, int64_t i, int slot, int stolen) {
-    (void)slot, (void)stolen;
-    const norm_f32_job *a = arg;
-    const float *x = a->x, *residual = a->residual, *weight = a->weight;
-    float *residual_out = a->residual_out, *out = a->out;
-    const int64_t x_stride = a->x_stride, residual_stride = a->residual_stride, hidden = a->hidden;
-    const float eps = a->eps;
-    const float *res = residual + i * residual_stride;
-    const float *r_row = res;
-    float sum = 0.0f;
-    if (x != NULL) {
-        const float *xi = x + i * x_stride;
-        float *res_out = residual_out + i * hidden;
-        for (int64_t j = 0; j < hidden; j++) {
-            const float r = xi[j] + res[j];
-            res_out[j] = r;
-            sum += r * r;
-        }
-        r_row = res_out;
-    } else {
-        for (int64_t j = 0; j < hidden; j++) sum += res[j] * res[j];
-    }
-    const float inv = 1.0f / sqrtf(sum / (float)hidden + eps);
-    float *o = out + i * hidden;
-    for (int64_t j = 0; j < hidden; j++) o[j] = weight[j] * (r_row[j] * inv);
+#pragma omp parallel for num_threads(num_threads) if (rows * cols >= PARALLEL_MIN_ELEMS)
+    for (int64_t i = 0; i < rows; i++) out[i] = argmax_row(x + i * row_stride, cols);
 }
 
 /* float32 versions of the two above, for a CPU whose models run in float32 (no bf16 instructions): one pass
@@ -351,30 +264,40 @@ static void add_rms_norm_f32_unit(void *arg, int64_t i, int slot, int stolen) {
 void add_rms_norm_f32(const float *x, int64_t x_stride, const float *residual, int64_t residual_stride,
                       float *residual_out, const float *weight, float *out, int64_t rows, int64_t hidden,
                       float eps, int num_threads) {
-    norm_f32_job a = {.x = x, .residual = residual, .weight = weight, .residual_out = residual_out, .out = out,
-                      .x_stride = x_stride, .residual_stride = residual_stride, .hidden = hidden, .eps = eps};
-    pool_run(add_rms_norm_f32_unit, &a, rows, rows * hidden >= PARALLEL_MIN_ELEMS ? num_threads : 1);
-}
-
-static void rotary_f32_unit(void *arg, int64_t t, int slot, int stolen) {
-    (void)slot, (void)stolen;
-    const rotary_job *a = arg;
-    const float *x = a->x, *cos2 = a->cos2, *sin2 = a->sin2;
-    const int64_t *positions = a->positions;
-    float *out = a->out;
-    const int64_t token_stride = a->token_stride, heads = a->heads, head_dim = a->head_dim, half = head_dim / 2;
-    const float *c = cos2 + positions[t] * head_dim, *s = sin2 + positions[t] * head_dim;
-    for (int64_t h = 0; h < heads; h++) {
-        const float *xi = x + t * token_stride + h * head_dim;
-        float *o = out + (t * heads + h) * head_dim;
-        for (int64_t j = 0; j < half; j++) o[j] = xi[j] * c[j] + xi[j + half] * s[j];
-        for (int64_t j = half; j < head_dim; j++) o[j] = xi[j] * c[j] + xi[j - half] * s[j];
+#pragma omp parallel for num_threads(num_threads) if (rows * hidden >= PARALLEL_MIN_ELEMS)
+    for (int64_t i = 0; i < rows; i++) {
+        const float *res = residual + i * residual_stride;
+        const float *r_row = res;
+        float sum = 0.0f;
+        if (x != NULL) {
+            const float *xi = x + i * x_stride;
+            float *res_out = residual_out + i * hidden;
+            for (int64_t j = 0; j < hidden; j++) {
+                const float r = xi[j] + res[j];
+                res_out[j] = r;
+                sum += r * r;
+            }
+            r_row = res_out;
+        } else {
+            for (int64_t j = 0; j < hidden; j++) sum += res[j] * res[j];
+        }
+        const float inv = 1.0f / sqrtf(sum / (float)hidden + eps);
+        float *o = out + i * hidden;
+        for (int64_t j = 0; j < hidden; j++) o[j] = weight[j] * (r_row[j] * inv);
     }
 }
 
 void rotary_f32(const float *x, int64_t token_stride, const int64_t *positions, const float *cos2,
                 const float *sin2, float *out, int64_t tokens, int64_t heads, int64_t head_dim, int num_threads) {
-    rotary_job a = {.x = x, .cos2 = cos2, .sin2 = sin2, .positions = positions, .out = out,
-                    .token_stride = token_stride, .heads = heads, .head_dim = head_dim};
-    pool_run(rotary_f32_unit, &a, tokens, tokens * heads * head_dim >= PARALLEL_MIN_ELEMS ? num_threads : 1);
+    const int64_t half = head_dim / 2;
+#pragma omp parallel for num_threads(num_threads) if (tokens * heads * head_dim >= PARALLEL_MIN_ELEMS)
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *c = cos2 + positions[t] * head_dim, *s = sin2 + positions[t] * head_dim;
+        for (int64_t h = 0; h < heads; h++) {
+            const float *xi = x + t * token_stride + h * head_dim;
+            float *o = out + (t * heads + h) * head_dim;
+            for (int64_t j = 0; j < half; j++) o[j] = xi[j] * c[j] + xi[j + half] * s[j];
+            for (int64_t j = half; j < head_dim; j++) o[j] = xi[j] * c[j] + xi[j - half] * s[j];
+        }
+    }
 }

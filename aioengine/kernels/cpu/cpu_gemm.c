@@ -12,8 +12,8 @@
  * cache), and oneDNN's kernel waits on it. Here each 6-row block of a panel prefetches its share of the
  * thread's next panel into L2, spread over its k loop.
  *
- * Work is split between threads (cpu_pool.c) in units of (panel, 6-row block), contiguous per thread, so
- * a 9-panel weight splits evenly too. Where the compiler does not target AVX512-BF16, gemm_bf16_vectorized() is 0
+ * Work is split between threads in units of (panel, 6-row block), contiguous per thread, so a 9-panel
+ * weight splits evenly too. Where the compiler does not target AVX512-BF16, gemm_bf16_vectorized() is 0
  * and the caller keeps oneDNN.
  */
 #include <math.h>
@@ -66,6 +66,8 @@ void pack_gemm_weight_bf16(const uint16_t *w, int64_t n, int64_t k, int gated, u
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <omp.h>
+
 #include "cpu_avx512.h"
 
 int gemm_bf16_vectorized(void) { return 1; }
@@ -133,11 +135,8 @@ static inline __attribute__((always_inline)) void micro(const uint16_t *x, int64
                 const __mmask16 nan = _mm512_mask_cmp_ps_mask(live[q], v, v, _CMP_UNORD_Q);
                 if (__builtin_expect(nan != 0, 0) && col0 + 16 * q + __builtin_ctz(nan) < s->first_nan)
                     s->first_nan = col0 + 16 * q + __builtin_ctz(nan);
-                /* greater, or equal at a lower column: a lane keeps the first column of its maximum
-                 * whatever order a thread takes its panels in (a stolen one comes out of order) */
-                const __mmask16 gt = _mm512_mask_cmp_ps_mask(live[q], v, best, _CMP_GT_OQ) |
-                                     (_mm512_mask_cmp_ps_mask(live[q], v, best, _CMP_EQ_OQ) &
-                                      _mm512_cmplt_epi32_mask(col[q], best_col));
+                /* strictly greater: a lane keeps the first column of its maximum */
+                const __mmask16 gt = _mm512_mask_cmp_ps_mask(live[q], v, best, _CMP_GT_OQ);
                 best = _mm512_mask_mov_ps(best, gt, v);
                 best_col = _mm512_mask_mov_epi32(best_col, gt, col[q]);
             }
@@ -159,53 +158,6 @@ static inline __attribute__((always_inline)) void micro(const uint16_t *x, int64
     }
 }
 
-typedef struct {
-    const uint16_t *x, *packed, *bias;
-    void *y;
-    const float *act_table;
-    lane_best *bests;
-    int64_t ldx, ldy, m, n, k, m0, mc, blocks, units, panel_elems, panel_lines;
-    int out, threads;
-} gemm_job;
-
-/* One unit: 6-row block j of panel p, over the whole of k. */
-static void gemm_unit(void *arg, int64_t u, int t, int stolen) {
-    const gemm_job *g = arg;
-    const int64_t p = u / g->blocks, j = u % g->blocks, i = g->m0 + j * ROWS, k = g->k, ldx = g->ldx, ldy = g->ldy;
-    const uint16_t *panel = g->packed + p * g->panel_elems;
-    /* block j prefetches lines [l0, l1) of the next panel, if this thread's own range has it */
-    const int64_t l0 = g->panel_lines * j / g->blocks, l1 = g->panel_lines * (j + 1) / g->blocks;
-    const char *pf = (const char *)(panel + g->panel_elems) + 64 * l0;
-    const int64_t pf_lines = !stolen && (p + 1) * g->blocks < pool_static_end(g->units, g->threads, t) ? l1 - l0 : 0;
-    const int cols = g->n - p * PANEL < PANEL ? (int)(g->n - p * PANEL) : PANEL;
-    const uint16_t *xi = g->x + i * ldx, *bp = g->bias == NULL ? NULL : g->bias + p * PANEL;
-    const int64_t y_col = g->out == OUT_ACT_MUL ? p * PANEL / 2 : p * PANEL;
-    void *yi = g->out == OUT_ARGMAX ? (void *)(g->bests + t * g->m + i)
-                                    : (char *)g->y + (i * ldy + y_col) * (g->out == OUT_F32 ? 4 : 2);
-    const int rows = g->m0 + g->mc - i >= ROWS ? ROWS : (int)(g->m0 + g->mc - i);
-    const float *act_table = g->act_table;
-#define MICRO(R, OUT) micro(xi, ldx, panel, k, bp, yi, ldy, cols, R, pf, pf_lines, OUT, act_table, (int32_t)(p * PANEL))
-#define MICRO_ROWS(OUT)                                                                                  \
-    switch (rows) {                                                                                      \
-    case 6: MICRO(6, OUT); break;                                                                        \
-    case 5: MICRO(5, OUT); break;                                                                        \
-    case 4: MICRO(4, OUT); break;                                                                        \
-    case 3: MICRO(3, OUT); break;                                                                        \
-    case 2: MICRO(2, OUT); break;                                                                        \
-    default: MICRO(1, OUT); break;                                                                       \
-    }
-    if (g->out == OUT_F32)
-        MICRO_ROWS(OUT_F32)
-    else if (g->out == OUT_ACT_MUL)
-        MICRO_ROWS(OUT_ACT_MUL)
-    else if (g->out == OUT_ARGMAX)
-        MICRO_ROWS(OUT_ARGMAX)
-    else
-        MICRO_ROWS(OUT_BF16)
-#undef MICRO_ROWS
-#undef MICRO
-}
-
 /* y: bf16 [M, N], float32 [M, N] (OUT_F32), bf16 [M, N / 2] (OUT_ACT_MUL, a weight packed gated, no
  * bias, and act_table: the activation of each of the 65536 bf16 values, rounded to bf16, as floats), or int64 [M]
  * (OUT_ARGMAX); ldy in elements. Returns 0; -2 for a call the epilogue cannot take; -3 out of memory. */
@@ -221,13 +173,50 @@ int gemm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *packed, const uint
             bests[r].first_nan = INT32_MAX;
         }
     }
-    gemm_job g = {.x = x, .packed = packed, .bias = bias, .y = y, .act_table = act_table, .bests = bests,
-                  .ldx = ldx, .ldy = ldy, .m = m, .n = n, .k = k, .panel_elems = panel_elems,
-                  .panel_lines = panel_elems * 2 / 64, .out = out, .threads = num_threads};
-    for (g.m0 = 0; g.m0 < m; g.m0 += ROW_CHUNK) {
-        g.mc = m - g.m0 < ROW_CHUNK ? m - g.m0 : ROW_CHUNK, g.blocks = (g.mc + ROWS - 1) / ROWS;
-        g.units = panels * g.blocks;
-        pool_run(gemm_unit, &g, g.units, num_threads);
+    const int64_t panel_lines = panel_elems * 2 / 64;
+    for (int64_t m0 = 0; m0 < m; m0 += ROW_CHUNK) {
+        const int64_t mc = m - m0 < ROW_CHUNK ? m - m0 : ROW_CHUNK, blocks = (mc + ROWS - 1) / ROWS;
+        const int64_t units = panels * blocks;
+#pragma omp parallel num_threads(num_threads) if (units > 1)
+        {
+            const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+            const int64_t u0 = units * t / nt, u1 = units * (t + 1) / nt;
+            for (int64_t u = u0; u < u1; u++) {
+                const int64_t p = u / blocks, j = u % blocks, i = m0 + j * ROWS;
+                const uint16_t *panel = packed + p * panel_elems;
+                /* block j prefetches lines [l0, l1) of the next panel, if this thread computes it */
+                const int64_t l0 = panel_lines * j / blocks, l1 = panel_lines * (j + 1) / blocks;
+                const char *pf = (const char *)(panel + panel_elems) + 64 * l0;
+                const int64_t pf_lines = (p + 1) * blocks < u1 ? l1 - l0 : 0;
+                const int cols = n - p * PANEL < PANEL ? (int)(n - p * PANEL) : PANEL;
+                const uint16_t *xi = x + i * ldx, *bp = bias == NULL ? NULL : bias + p * PANEL;
+                const int64_t y_col = out == OUT_ACT_MUL ? p * PANEL / 2 : p * PANEL;
+                void *yi = out == OUT_ARGMAX ? (void *)(bests + t * m + i)
+                                             : (char *)y + (i * ldy + y_col) * (out == OUT_F32 ? 4 : 2);
+                const int rows = m0 + mc - i >= ROWS ? ROWS : (int)(m0 + mc - i);
+#define MICRO(R, OUT) micro(xi, ldx, panel, k, bp, yi, ldy, cols, R, pf, pf_lines, OUT, act_table, \
+                                  (int32_t)(p * PANEL))
+#define MICRO_ROWS(OUT)                                                                                  \
+    switch (rows) {                                                                                      \
+    case 6: MICRO(6, OUT); break;                                                                        \
+    case 5: MICRO(5, OUT); break;                                                                        \
+    case 4: MICRO(4, OUT); break;                                                                        \
+    case 3: MICRO(3, OUT); break;                                                                        \
+    case 2: MICRO(2, OUT); break;                                                                        \
+    default: MICRO(1, OUT); break;                                                                       \
+    }
+                if (out == OUT_F32)
+                    MICRO_ROWS(OUT_F32)
+                else if (out == OUT_ACT_MUL)
+                    MICRO_ROWS(OUT_ACT_MUL)
+                else if (out == OUT_ARGMAX)
+                    MICRO_ROWS(OUT_ARGMAX)
+                else
+                    MICRO_ROWS(OUT_BF16)
+#undef MICRO_ROWS
+#undef MICRO
+            }
+        }
     }
     if (out == OUT_ARGMAX) { /* torch.argmax's answer: the first NaN, else the first maximum (0 if all -inf) */
         for (int64_t i = 0; i < m; i++) {

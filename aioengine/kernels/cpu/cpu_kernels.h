@@ -5,13 +5,6 @@
 #define AIOENGINE_CPU_KERNELS_H
 #include <stdint.h>
 
-/* cpu_pool.c: body(ctx, unit, slot, stolen) for every unit in [0, units) on up to `threads` OpenMP threads,
- * the caller included; slot < threads names the thread (per-thread scratch), stolen says the unit came from
- * another thread's range (out of that range's order). Returns when all are done. */
-typedef void (*pool_body)(void *ctx, int64_t unit, int slot, int stolen);
-void pool_run(pool_body body, void *ctx, int64_t units, int threads);
-int64_t pool_static_end(int64_t units, int threads, int slot); /* where slot's own range ends */
-
 /* gemm_bf16's epilogues (clib.py's GEMM_*) */
 #define OUT_BF16 0
 #define OUT_F32 1

@@ -26,7 +26,6 @@
 #include <string.h>
 
 #include "cpu_bf16.h"
-#include "cpu_kernels.h"
 
 #define PF_MAX_ROWS 32 /* query rows (tokens x heads of a KV group) one task carries */
 
@@ -157,82 +156,6 @@ static inline void pack_tile(const uint16_t *k_head, const uint16_t *v_head, con
         }
 }
 
-typedef struct {
-    const uint16_t *query, *key_cache, *value_cache;
-    const int32_t *blocks;
-    uint16_t *out;
-    int32_t *kp, *vp;
-    int64_t query_stride, block_stride, token_stride, head_stride, ktile, vtile;
-    int q_len, seq_len, num_heads, head_dim, block_size, window, group, context, first_key, tile0, pairs, ntiles,
-        per_task, ntasks, nv;
-    float scale;
-} prefill_job;
-
-/* Unit kvh * ntiles + tile: one tile of 16 keys and values, packed. */
-static void pack_unit(void *arg, int64_t unit, int slot, int stolen) {
-    (void)slot, (void)stolen;
-    const prefill_job *a = arg;
-    const int kvh = (int)(unit / a->ntiles), tile = (int)(unit % a->ntiles);
-    pack_tile(a->key_cache + (int64_t)kvh * a->head_stride, a->value_cache + (int64_t)kvh * a->head_stride, a->blocks,
-              a->tile0 + tile, a->first_key, a->seq_len, a->head_dim, a->block_size, a->block_stride, a->token_stride,
-              a->kp + ((int64_t)kvh * a->ntiles + tile) * a->ktile, a->vp + ((int64_t)kvh * a->ntiles + tile) * a->vtile);
-}
-
-/* Unit kvh * ntasks + task: per_task query tokens' rows of one KV head's group, over every key they see. */
-static void task_unit(void *arg, int64_t unit, int slot, int stolen) {
-    (void)slot, (void)stolen;
-    const prefill_job *a = arg;
-    const int kvh = (int)(unit / a->ntasks), task = (int)(unit % a->ntasks);
-    const uint16_t *query = a->query;
-    uint16_t *out = a->out;
-    const int32_t *kp = a->kp, *vp = a->vp;
-    const int64_t query_stride = a->query_stride, ktile = a->ktile, vtile = a->vtile;
-    const int q_len = a->q_len, num_heads = a->num_heads, head_dim = a->head_dim, window = a->window;
-    const int group = a->group, context = a->context, tile0 = a->tile0, pairs = a->pairs, ntiles = a->ntiles;
-    const int per_task = a->per_task, nv = a->nv;
-    const float scale = a->scale;
-    const int first = task * per_task, count = q_len - first < per_task ? q_len - first : per_task;
-    const int rows = count * group;
-    float acc[PF_MAX_ROWS][PF_MAX_HEAD_DIM] __attribute__((aligned(64)));
-    int32_t qd[PF_MAX_ROWS][PF_MAX_HEAD_DIM / 2];
-    float run_max[PF_MAX_ROWS], run_sum[PF_MAX_ROWS];
-    for (int r = 0; r < rows; r++) {
-        const int i = first + r / group, head = kvh * group + r % group;
-        memcpy(qd[r], query + (int64_t)i * query_stride + (int64_t)head * head_dim, 2 * (size_t)head_dim);
-        memset(acc[r], 0, sizeof(float) * head_dim);
-        run_max[r] = -INFINITY;
-        run_sum[r] = 0.0f;
-    }
-    const int last_pos = context + first + count - 1;
-    const int task_key = window && context + first - window + 1 > 0 ? context + first - window + 1 : 0;
-    const int32_t *kh = kp + (int64_t)kvh * ntiles * ktile, *vh = vp + (int64_t)kvh * ntiles * vtile;
-    for (int start = task_key / PF_CHUNK * PF_CHUNK; start <= last_pos; start += PF_CHUNK) {
-        const int end = start + PF_CHUNK <= last_pos + 1 ? start + PF_CHUNK : last_pos + 1;
-        const int nt = (end - start + 15) / 16, tile = start / 16 - tile0;
-        const int32_t *kt = kh + (int64_t)tile * ktile, *vt = vh + (int64_t)tile * vtile;
-        for (int r = 0; r < rows; r++) {
-            const int pos = context + first + r / group;
-            const int valid = pos + 1 - start; /* keys before this one the row may see */
-            const int skip = window ? pos - window + 1 - start : 0; /* keys before its window */
-            if (valid <= 0 || skip >= PF_CHUNK) continue;
-#define CHUNK(NV)                                                                                        \
-row_chunk(acc[r], &run_max[r], &run_sum[r], qd[r], kt, vt, nt, skip, valid, pairs, head_dim, scale, NV)
-            switch (nv) {
-            case 2: CHUNK(2); break;
-            case 4: CHUNK(4); break;
-            case 6: CHUNK(6); break;
-            case 8: CHUNK(8); break;
-            default: CHUNK(nv); break;
-            }
-#undef CHUNK
-        }
-    }
-    for (int r = 0; r < rows; r++) {
-        const int i = first + r / group, head = kvh * group + r % group;
-        store_row(out + ((int64_t)i * num_heads + head) * head_dim, acc[r], run_sum[r], head_dim);
-    }
-}
-
 int prefill_attention_bf16(const uint16_t *query, int64_t query_stride, const uint16_t *key_cache,
                            const uint16_t *value_cache, const int32_t *blocks, int q_len, int seq_len, uint16_t *out,
                            int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, int window,
@@ -254,16 +177,58 @@ int prefill_attention_bf16(const uint16_t *query, int64_t query_stride, const ui
         free(vp);
         return -2;
     }
+#pragma omp parallel for collapse(2) schedule(static) num_threads(num_threads)
+    for (int kvh = 0; kvh < num_kv_heads; kvh++)
+        for (int tile = 0; tile < ntiles; tile++)
+            pack_tile(key_cache + (int64_t)kvh * head_stride, value_cache + (int64_t)kvh * head_stride, blocks,
+                      tile0 + tile, first_key, seq_len, head_dim, block_size, block_stride, token_stride,
+                      kp + ((int64_t)kvh * ntiles + tile) * ktile, vp + ((int64_t)kvh * ntiles + tile) * vtile);
     const int per_task = PF_MAX_ROWS / group; /* query tokens per task */
-    prefill_job a = {.query = query, .key_cache = key_cache, .value_cache = value_cache, .blocks = blocks, .out = out,
-                     .kp = kp, .vp = vp, .query_stride = query_stride, .block_stride = block_stride,
-                     .token_stride = token_stride, .head_stride = head_stride, .ktile = ktile, .vtile = vtile,
-                     .q_len = q_len, .seq_len = seq_len, .num_heads = num_heads, .head_dim = head_dim,
-                     .block_size = block_size, .window = window, .group = group, .context = context,
-                     .first_key = first_key, .tile0 = tile0, .pairs = pairs, .ntiles = ntiles, .per_task = per_task,
-                     .ntasks = (q_len + per_task - 1) / per_task, .nv = head_dim / 16, .scale = scale};
-    pool_run(pack_unit, &a, (int64_t)num_kv_heads * ntiles, num_threads);
-    pool_run(task_unit, &a, (int64_t)num_kv_heads * a.ntasks, num_threads);
+    const int ntasks = (q_len + per_task - 1) / per_task, nv = head_dim / 16;
+#pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)
+    for (int kvh = 0; kvh < num_kv_heads; kvh++)
+        for (int task = 0; task < ntasks; task++) {
+            const int first = task * per_task, count = q_len - first < per_task ? q_len - first : per_task;
+            const int rows = count * group;
+            float acc[PF_MAX_ROWS][PF_MAX_HEAD_DIM] __attribute__((aligned(64)));
+            int32_t qd[PF_MAX_ROWS][PF_MAX_HEAD_DIM / 2];
+            float run_max[PF_MAX_ROWS], run_sum[PF_MAX_ROWS];
+            for (int r = 0; r < rows; r++) {
+                const int i = first + r / group, head = kvh * group + r % group;
+                memcpy(qd[r], query + (int64_t)i * query_stride + (int64_t)head * head_dim, 2 * (size_t)head_dim);
+                memset(acc[r], 0, sizeof(float) * head_dim);
+                run_max[r] = -INFINITY;
+                run_sum[r] = 0.0f;
+            }
+            const int last_pos = context + first + count - 1;
+            const int task_key = window && context + first - window + 1 > 0 ? context + first - window + 1 : 0;
+            const int32_t *kh = kp + (int64_t)kvh * ntiles * ktile, *vh = vp + (int64_t)kvh * ntiles * vtile;
+            for (int start = task_key / PF_CHUNK * PF_CHUNK; start <= last_pos; start += PF_CHUNK) {
+                const int end = start + PF_CHUNK <= last_pos + 1 ? start + PF_CHUNK : last_pos + 1;
+                const int nt = (end - start + 15) / 16, tile = start / 16 - tile0;
+                const int32_t *kt = kh + (int64_t)tile * ktile, *vt = vh + (int64_t)tile * vtile;
+                for (int r = 0; r < rows; r++) {
+                    const int pos = context + first + r / group;
+                    const int valid = pos + 1 - start; /* keys before this one the row may see */
+                    const int skip = window ? pos - window + 1 - start : 0; /* keys before its window */
+                    if (valid <= 0 || skip >= PF_CHUNK) continue;
+#define CHUNK(NV)                                                                                        \
+    row_chunk(acc[r], &run_max[r], &run_sum[r], qd[r], kt, vt, nt, skip, valid, pairs, head_dim, scale, NV)
+                    switch (nv) {
+                    case 2: CHUNK(2); break;
+                    case 4: CHUNK(4); break;
+                    case 6: CHUNK(6); break;
+                    case 8: CHUNK(8); break;
+                    default: CHUNK(nv); break;
+                    }
+#undef CHUNK
+                }
+            }
+            for (int r = 0; r < rows; r++) {
+                const int i = first + r / group, head = kvh * group + r % group;
+                store_row(out + ((int64_t)i * num_heads + head) * head_dim, acc[r], run_sum[r], head_dim);
+            }
+        }
     free(kp);
     free(vp);
     return 0;

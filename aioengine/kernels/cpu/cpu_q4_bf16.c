@@ -18,6 +18,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <omp.h>
+
 #include "cpu_bf16.h"
 #include "cpu_kernels.h"
 #ifdef __AVX512F__
@@ -102,46 +104,6 @@ static void q4t_tile_any(const uint16_t *const *xs, const float *sums, int64_t b
 
 /* bf16 y = x W^T (+ bias), or act(gate) * up (OUT_ACT_MUL: the codes' rows in gate/up pairs), with u, d and
  * mn from q4t_pack's layout; k a multiple of 32. Returns 0, or -3 out of memory. */
-typedef struct {
-    const uint16_t **xs, *bias;
-    const float *sums, *d, *mn, *act_table;
-    const uint8_t *u;
-    uint16_t *y;
-    int64_t ldy, m, n, blocks;
-    int out;
-} q4t_job;
-
-/* One unit: a tile of 16 outputs for every row. */
-static void q4t_unit(void *arg, int64_t t, int slot, int stolen) {
-    (void)slot, (void)stolen;
-    const q4t_job *a = arg;
-    const uint16_t **xs = a->xs, *bias = a->bias;
-    const float *sums = a->sums, *d = a->d, *mn = a->mn, *act_table = a->act_table;
-    const uint8_t *u = a->u;
-    uint16_t *y = a->y;
-    const int64_t ldy = a->ldy, m = a->m, n = a->n, blocks = a->blocks;
-    const int out = a->out;
-    for (int64_t r0 = 0; r0 < m; r0 += Q4T_MAXR) {
-        const int mm = (int)(m - r0 < Q4T_MAXR ? m - r0 : Q4T_MAXR);
-        __m512 acc[Q4T_MAXR];
-        q4t_tile_any(xs + r0, sums + r0 * blocks, blocks, u + t * blocks * 256, d + t * blocks * 16,
-                     mn + t * blocks * 16, mm, acc);
-        for (int r = 0; r < mm; r++) {
-            float v[16];
-            _mm512_storeu_ps(v, acc[r]);
-            uint16_t *row = y + (r0 + r) * ldy;
-            for (int o = 0; o < 16 && 16 * t + o < n; o += out == OUT_ACT_MUL ? 2 : 1) {
-                const int64_t j = 16 * t + o;
-                if (out == OUT_ACT_MUL) /* gemm_bf16's roundings: bf16 gate and up, act by table */
-                    row[j / 2] = float_to_bf16(act_table[float_to_bf16(v[o])] *
-                                               bf16_to_float(float_to_bf16(v[o + 1])));
-                else
-                    row[j] = float_to_bf16(v[o] + (bias ? bf16_to_float(bias[j]) : 0.0f));
-            }
-        }
-    }
-}
-
 int q4t_gemv_bf16(const uint16_t *x, int64_t ldx, const uint8_t *u, const float *d, const float *mn,
                   const uint16_t *bias, uint16_t *y, int64_t ldy, int64_t m, int64_t n, int64_t k, int out,
                   const float *act_table, int num_threads) {
@@ -160,9 +122,28 @@ int q4t_gemv_bf16(const uint16_t *x, int64_t ldx, const uint8_t *u, const float 
             sums[r * blocks + b] = s;
         }
     }
-    q4t_job a = {.xs = xs, .bias = bias, .sums = sums, .d = d, .mn = mn, .act_table = act_table, .u = u, .y = y,
-                 .ldy = ldy, .m = m, .n = n, .blocks = blocks, .out = out};
-    pool_run(q4t_unit, &a, tiles, num_threads);
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        for (int64_t r0 = 0; r0 < m; r0 += Q4T_MAXR) {
+            const int mm = (int)(m - r0 < Q4T_MAXR ? m - r0 : Q4T_MAXR);
+            __m512 acc[Q4T_MAXR];
+            q4t_tile_any(xs + r0, sums + r0 * blocks, blocks, u + t * blocks * 256, d + t * blocks * 16,
+                         mn + t * blocks * 16, mm, acc);
+            for (int r = 0; r < mm; r++) {
+                float v[16];
+                _mm512_storeu_ps(v, acc[r]);
+                uint16_t *row = y + (r0 + r) * ldy;
+                for (int o = 0; o < 16 && 16 * t + o < n; o += out == OUT_ACT_MUL ? 2 : 1) {
+                    const int64_t j = 16 * t + o;
+                    if (out == OUT_ACT_MUL) /* gemm_bf16's roundings: bf16 gate and up, act by table */
+                        row[j / 2] = float_to_bf16(act_table[float_to_bf16(v[o])] *
+                                                   bf16_to_float(float_to_bf16(v[o + 1])));
+                    else
+                        row[j] = float_to_bf16(v[o] + (bias ? bf16_to_float(bias[j]) : 0.0f));
+                }
+            }
+        }
+    }
     free(sums), free(xs);
     return 0;
 }

@@ -26,6 +26,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <omp.h>
 
 #include "cpu_bf16.h"
 #include "cpu_kernels.h"
@@ -232,19 +233,18 @@ static inline int q8_isnan(float f) { /* by its bits: -ffast-math lets the compi
     return (u & 0x7fffffffu) > 0x7f800000u;
 }
 
-/* One thread's running argmax of one row over the outputs it computed. */
+/* One thread's running argmax of one row over its outputs, seen in increasing order. */
 typedef struct {
     float value;
     int64_t index, first_nan; /* -1: none yet */
 } q8_best;
 
-/* Outputs come in any order (a stolen unit comes out of it): the lowest NaN, else the lowest maximum. */
 static inline void q8_best_see(q8_best *b, float v, int64_t j) {
-    if (q8_isnan(v)) {
-        if (b->first_nan < 0 || j < b->first_nan) b->first_nan = j;
-    } else if (b->index < 0 || v > b->value || (v == b->value && j < b->index)) {
+    if (b->first_nan >= 0) return;
+    if (q8_isnan(v))
+        b->first_nan = j;
+    else if (b->index < 0 || v > b->value)
         b->value = v, b->index = j;
-    }
 }
 
 /* Where a call's sums go: float32 y (+ bias_f32), each row's argmax, bf16 y (+ bias), or act(gate) * up as
@@ -259,61 +259,7 @@ typedef struct {
     const float *act_table;
 } q8_sink;
 
-typedef struct {
-    const q8_row *rows;
-    const uint8_t *u;
-    const float *scale, *mins;
-    const q8_sink *s;
-    q8_best *bests;
-    int64_t m, n, k, pairs, groups, per, row_bytes;
-    int limbs, nib;
-} q8_job;
-
-#define Q8_UNIT_PAIRS 8 /* output pairs per unit of work: one is too little work to claim alone */
-
-static void q8_unit(void *arg, int64_t unit, int t, int stolen) {
-    (void)stolen;
-    const q8_job *a = arg;
-    const q8_row *rows = a->rows;
-    const uint8_t *u = a->u;
-    const float *scale = a->scale, *mins = a->mins;
-    const q8_sink *s = a->s;
-    const int64_t m = a->m, n = a->n, k = a->k, groups = a->groups, per = a->per, row_bytes = a->row_bytes;
-    const int limbs = a->limbs, nib = a->nib;
-    q8_best *mine = a->bests == NULL ? NULL : a->bests + (int64_t)t * m;
-    const int64_t p1 = (unit + 1) * Q8_UNIT_PAIRS < a->pairs ? (unit + 1) * Q8_UNIT_PAIRS : a->pairs;
-    for (int64_t p = unit * Q8_UNIT_PAIRS; p < p1; p++) {
-        const int64_t j = 2 * p, j2 = j + 1 < n ? j + 1 : j;
-        float dots[2 * Q8_MAXR];
-        for (int64_t r0 = 0; r0 < m; r0 += Q8_MAXR) {
-            const int mm = (int)(m - r0 < Q8_MAXR ? m - r0 : Q8_MAXR);
-            q8dot2_any(rows + r0, u + j * row_bytes, u + j2 * row_bytes, scale + j * groups,
-                       scale + j2 * groups, nib ? mins + j * groups : NULL, nib ? mins + j2 * groups : NULL, mm,
-                       k, limbs, (int)per, nib, dots);
-            for (int r = 0; r < mm; r++) {
-                const int64_t row = r0 + r;
-                const float da = dots[2 * r], db = dots[2 * r + 1];
-                if (s->out == OUT_ARGMAX) {
-                    q8_best_see(mine + row, da, j);
-                    if (j2 != j) q8_best_see(mine + row, db, j2);
-                } else if (s->out == OUT_F32) {
-                    float *y = (float *)s->y + row * s->ldy;
-                    y[j] = da + (s->bias_f32 ? s->bias_f32[j] : 0.0f);
-                    if (j2 != j) y[j2] = db + (s->bias_f32 ? s->bias_f32[j2] : 0.0f);
-                } else if (s->out == OUT_ACT_MUL) { /* gemm_bf16's roundings: bf16 gate and up, act by table */
-                    const float act = s->act_table[float_to_bf16(da)];
-                    ((uint16_t *)s->y)[row * s->ldy + p] = float_to_bf16(act * bf16_to_float(float_to_bf16(db)));
-                } else {
-                    uint16_t *y = (uint16_t *)s->y + row * s->ldy;
-                    y[j] = float_to_bf16(da + (s->bias ? bf16_to_float(s->bias[j]) : 0.0f));
-                    if (j2 != j) y[j2] = float_to_bf16(db + (s->bias ? bf16_to_float(s->bias[j2]) : 0.0f));
-                }
-            }
-        }
-    }
-}
-
-/* The shared body: rows already cut; outputs in pairs (an odd n repeats its last), split by cpu_pool.c.
+/* The shared body: rows already cut; outputs in pairs (an odd n repeats its last), contiguous per thread.
  * mins: the affine blocks' offsets [N, K / 32] (u then from q4_pack), or NULL. */
 static int q8_run(const q8_row *rows, int64_t m, const uint8_t *u, const float *scale, const float *mins, int64_t n,
                   int64_t k, int64_t block, int limbs, const q8_sink *s, int num_threads) {
@@ -326,16 +272,48 @@ static int q8_run(const q8_row *rows, int64_t m, const uint8_t *u, const float *
         if (bests == NULL) return -3;
         for (int64_t i = 0; i < m * num_threads; i++) bests[i] = (q8_best){0.0f, -1, -1};
     }
-    q8_job job = {.rows = rows, .u = u, .scale = scale, .mins = mins, .s = s, .bests = bests, .m = m, .n = n,
-                  .k = k, .pairs = pairs, .groups = groups, .per = per, .row_bytes = row_bytes, .limbs = limbs,
-                  .nib = nib};
-    pool_run(q8_unit, &job, (pairs + Q8_UNIT_PAIRS - 1) / Q8_UNIT_PAIRS, num_threads);
-    for (int64_t r = 0; bests != NULL && r < m; r++) {
+#pragma omp parallel num_threads(num_threads)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        q8_best *mine = bests == NULL ? NULL : bests + (int64_t)t * m;
+        for (int64_t p = pairs * t / nt; p < pairs * (t + 1) / nt; p++) {
+            const int64_t j = 2 * p, j2 = j + 1 < n ? j + 1 : j;
+            float dots[2 * Q8_MAXR];
+            for (int64_t r0 = 0; r0 < m; r0 += Q8_MAXR) {
+                const int mm = (int)(m - r0 < Q8_MAXR ? m - r0 : Q8_MAXR);
+                q8dot2_any(rows + r0, u + j * row_bytes, u + j2 * row_bytes, scale + j * groups,
+                           scale + j2 * groups, nib ? mins + j * groups : NULL, nib ? mins + j2 * groups : NULL, mm,
+                           k, limbs, (int)per, nib, dots);
+                for (int r = 0; r < mm; r++) {
+                    const int64_t row = r0 + r;
+                    const float da = dots[2 * r], db = dots[2 * r + 1];
+                    if (s->out == OUT_ARGMAX) {
+                        q8_best_see(mine + row, da, j);
+                        if (j2 != j) q8_best_see(mine + row, db, j2);
+                    } else if (s->out == OUT_F32) {
+                        float *y = (float *)s->y + row * s->ldy;
+                        y[j] = da + (s->bias_f32 ? s->bias_f32[j] : 0.0f);
+                        if (j2 != j) y[j2] = db + (s->bias_f32 ? s->bias_f32[j2] : 0.0f);
+                    } else if (s->out == OUT_ACT_MUL) { /* gemm_bf16's roundings: bf16 gate and up, act by table */
+                        const float act = s->act_table[float_to_bf16(da)];
+                        ((uint16_t *)s->y)[row * s->ldy + p] = float_to_bf16(act * bf16_to_float(float_to_bf16(db)));
+                    } else {
+                        uint16_t *y = (uint16_t *)s->y + row * s->ldy;
+                        y[j] = float_to_bf16(da + (s->bias ? bf16_to_float(s->bias[j]) : 0.0f));
+                        if (j2 != j) y[j2] = float_to_bf16(db + (s->bias ? bf16_to_float(s->bias[j2]) : 0.0f));
+                    }
+                }
+            }
+        }
+    }
+    for (int64_t r = 0; bests != NULL && r < m; r++) { /* threads in order: ties go to the earlier one */
         q8_best all = {0.0f, -1, -1};
-        for (int t = 0; t < num_threads; t++) {
+        for (int t = 0; t < num_threads && all.first_nan < 0; t++) {
             const q8_best *b = bests + (int64_t)t * m + r;
-            if (b->first_nan >= 0 && (all.first_nan < 0 || b->first_nan < all.first_nan)) all.first_nan = b->first_nan;
-            if (b->index >= 0) q8_best_see(&all, b->value, b->index);
+            if (b->first_nan >= 0)
+                all.first_nan = b->first_nan;
+            else if (b->index >= 0 && (all.index < 0 || b->value > all.value))
+                all.value = b->value, all.index = b->index;
         }
         s->argmax[r] = all.first_nan >= 0 ? all.first_nan : all.index >= 0 ? all.index : 0;
     }

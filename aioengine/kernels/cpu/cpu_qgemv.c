@@ -8,6 +8,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <omp.h>
 
 #include "cpu_kernels.h"
 #ifdef __AVX512F__
@@ -58,23 +59,11 @@ static void qdot2_any(const float *x, int64_t ldx, const int8_t *a, const int8_t
     }
 }
 
-typedef struct {
-    const float *x, *scale, *bias;
-    const int8_t *q;
-    float *y;
-    int64_t ldx, ldy, m, n, k;
-} qgemv_job;
-
-#define QGEMV_UNIT_PAIRS 8 /* output pairs per unit of work */
-
-static void qgemv_unit(void *arg, int64_t unit, int slot, int stolen) {
-    (void)slot, (void)stolen;
-    const qgemv_job *a = arg;
-    const float *x = a->x, *scale = a->scale, *bias = a->bias;
-    const int8_t *q = a->q;
-    float *y = a->y;
-    const int64_t ldx = a->ldx, ldy = a->ldy, m = a->m, n = a->n, k = a->k, pairs = (n + 1) / 2;
-    for (int64_t p = unit * QGEMV_UNIT_PAIRS; p < (unit + 1) * QGEMV_UNIT_PAIRS && p < pairs; p++) {
+void qgemv_int8_f32(const float *x, int64_t ldx, const int8_t *q, const float *scale, const float *bias,
+                    float *y, int64_t ldy, int64_t m, int64_t n, int64_t k, int num_threads) {
+    int64_t pairs = (n + 1) / 2;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t p = 0; p < pairs; p++) {
         int64_t j = 2 * p, j2 = j + 1 < n ? j + 1 : j; /* an odd n repeats its last row */
         float dots[2 * MAXR];
         for (int64_t r0 = 0; r0 < m; r0 += MAXR) {
@@ -86,10 +75,4 @@ static void qgemv_unit(void *arg, int64_t unit, int slot, int stolen) {
             }
         }
     }
-}
-
-void qgemv_int8_f32(const float *x, int64_t ldx, const int8_t *q, const float *scale, const float *bias,
-                    float *y, int64_t ldy, int64_t m, int64_t n, int64_t k, int num_threads) {
-    qgemv_job a = {.x = x, .scale = scale, .bias = bias, .q = q, .y = y, .ldx = ldx, .ldy = ldy, .m = m, .n = n, .k = k};
-    pool_run(qgemv_unit, &a, ((n + 1) / 2 + QGEMV_UNIT_PAIRS - 1) / QGEMV_UNIT_PAIRS, num_threads);
 }
