@@ -243,6 +243,13 @@ def test_the_roofline_takes_the_best_of_its_timings(monkeypatch):
     assert gflops == pytest.approx(2 * 8**3 * 3 / 0.5 / 1e9)
 
 
+def _tiny_throughput(tiny, *extra: str) -> int:
+    """``bench throughput`` on the tiny checkpoint: 3 random prompts of 16 tokens, 4 tokens each."""
+    argv = ["throughput", "--model", str(tiny), "--dataset", "random", "--num-prompts", "3"]
+    argv += ["--output-len", "4", "--input-len", "16", "--max-model-len", "512", "--no-progress", *extra]
+    return bench_main(argv)
+
+
 def test_bench_throughput_keeps_the_better_of_its_two_rooflines(tiny, tmp_path, monkeypatch):
     """The roofline is measured before the run and after it: a busy spell during one (half the rate)
     must not double the fraction."""
@@ -251,23 +258,7 @@ def test_bench_throughput_keeps_the_better_of_its_two_rooflines(tiny, tmp_path, 
     rates = iter([400.0, 200.0])
     monkeypatch.setattr(throughput, "matmul_gflops", lambda *a, **k: next(rates))
     out = tmp_path / "r.json"
-    argv = [
-        "throughput",
-        "--model",
-        str(tiny),
-        "--dataset",
-        "random",
-        "--num-prompts",
-        "2",
-        "--output-len",
-        "3",
-    ]
-    assert (
-        bench_main(
-            [*argv, "--input-len", "8", "--max-model-len", "256", "--no-progress", "--output-json", str(out)]
-        )
-        == 0
-    )
+    assert _tiny_throughput(tiny, "--output-json", str(out)) == 0
     r = json.loads(out.read_text())
     assert r["matmul_gflops_runs"] == [400.0, 200.0] and r["matmul_gflops"] == 400.0
     assert r["fraction_of_roofline"] == pytest.approx(r["output_tokens_per_s"] / r["roofline_tokens_per_s"])
@@ -276,29 +267,7 @@ def test_bench_throughput_keeps_the_better_of_its_two_rooflines(tiny, tmp_path, 
 
 def test_bench_throughput_profile_host_writes_both_threads(tiny, tmp_path):
     prof = tmp_path / "host.txt"
-    assert (
-        bench_main(
-            [
-                "throughput",
-                "--model",
-                str(tiny),
-                "--dataset",
-                "random",
-                "--num-prompts",
-                "3",
-                "--output-len",
-                "4",
-                "--input-len",
-                "16",
-                "--max-model-len",
-                "512",
-                "--no-progress",
-                "--profile-host",
-                str(prof),
-            ]
-        )
-        == 0
-    )
+    assert _tiny_throughput(tiny, "--profile-host", str(prof)) == 0
     text = prof.read_text()
     assert "==== loop thread, by tottime" in text and "scheduler.py" in text  # the loop plans steps
     assert "execute_model" in text  # the worker's steps: its own profiler, or (3.12+) the loop's covers it

@@ -35,6 +35,16 @@ def engine_args(path, spec, **kwargs) -> EngineArgs:
     )
 
 
+def own_draft(path, num_speculative_tokens: int = 3) -> dict:
+    """speculative_config with the model as its own draft: every draft holds (never disabled by batch)."""
+    return {
+        "method": "draft_model",
+        "model": str(path),
+        "num_speculative_tokens": num_speculative_tokens,
+        "disable_by_batch_size": 64,
+    }
+
+
 async def generate_all(path, prompts, params, spec, **kwargs):
     async with AsyncEngine(engine_args(path, spec, **kwargs)) as engine:
         outs = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
@@ -91,12 +101,7 @@ def test_the_target_as_its_own_draft_has_every_draft_accepted(tiny_checkpoint_of
     """Its own draft proposes exactly what greedy decoding samples: every draft holds (the mechanics:
     the draft's KV behind the target's block tables, its positions, the reserved slots)."""
     path = tiny_checkpoint_of(kind)
-    spec = {
-        "method": "draft_model",
-        "model": str(path),
-        "num_speculative_tokens": 4,
-        "disable_by_batch_size": 64,
-    }
+    spec = own_draft(path, 4)
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     prompts = looping_prompts(4, seed=3)
     off, _ = run(generate_all(path, prompts, params, None, max_num_batched_tokens=32))
@@ -151,12 +156,7 @@ def test_default_model_copies_and_cuts_stops_inside_accepted_drafts_with_equal_t
 def test_logprobs_of_accepted_drafts_equal_speculation_off(tiny_checkpoint_of):
     """A request with logprobs speculates: each kept token's logprobs come from the row that sampled it."""
     path = tiny_checkpoint_of("llama")
-    own = {
-        "method": "draft_model",
-        "model": str(path),
-        "num_speculative_tokens": 3,
-        "disable_by_batch_size": 64,
-    }
+    own = own_draft(path)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
     prompts = looping_prompts(3, seed=7)
     off, _ = run(generate_all(path, prompts, params, None))
@@ -232,12 +232,7 @@ def test_steps_that_verify_drafts_are_uniform_decode_batches_the_graph_sizes_hol
 
     path = tiny_checkpoint_of("llama")
     # its own draft: every draft holds, so most steps verify drafts
-    spec = {
-        "method": "draft_model",
-        "model": str(path),
-        "num_speculative_tokens": 3,
-        "disable_by_batch_size": 64,
-    }
+    spec = own_draft(path)
     seqs, budget = 4, 64
     seen: list[tuple[bool, int]] = []
 
