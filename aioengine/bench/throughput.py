@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import functools
 import io
 import pstats
 import time
@@ -47,8 +48,10 @@ async def run_throughput(args) -> dict:
         dtype_name = str(runner.dtype).removeprefix("torch.")
         device = engine.backend.name
         # The roofline before the run and after it, the better kept: a busy spell on a shared machine that
-        # halves one measurement would double the fraction of it.
-        gflops_runs = [matmul_gflops(dtype_name, device=device)]
+        # halves one measurement would double the fraction of it. Both run on the worker, the process's
+        # only OpenMP master: a pool of this thread's makes libgomp throttle the kernels' threads.
+        roofline = functools.partial(matmul_gflops, dtype_name, device=device)
+        gflops_runs = [await engine.run_on_worker(roofline)]
         profiler = await HostProfiler.start(engine) if profile_path else None
         t0 = time.perf_counter()
         outs = await asyncio.gather(*(one(r) for r in requests))
@@ -60,9 +63,9 @@ async def run_throughput(args) -> dict:
         host = host_ms_per_step(engine.host_s, await engine.run_on_worker(runner.host_s.copy))
         spec = spec_stats(engine)
         tp = tp_stats(comm0, engine.comm_stats(), engine.host_s["steps"], engine.args.tensor_parallel_size)
+        gflops_runs.append(await engine.run_on_worker(roofline))
     finally:
         await engine.shutdown()
-    gflops_runs.append(matmul_gflops(dtype_name, device=device))
     gflops = max(gflops_runs)
     in_tokens = sum(len(r.prompt_token_ids) for r in requests)
     out_tokens = sum(o.num_generated_tokens for o in outs)
