@@ -101,6 +101,7 @@ class AsyncEngine(EmbedMixin):
         # out of the collector's reach, a full collection no longer walks it while requests wait
         # (vLLM does the same).
         _freeze_startup_objects()
+        s.backend.engine_started()
         self._task = asyncio.create_task(self._run(), name="aioengine-step-loop")
         config = s.config
         logger.info(

@@ -186,3 +186,6 @@ class Backend(ABC):
 
     def end_step(self) -> None:  # noqa: B027 (a hook: most backends record nothing)
         """A step with nothing to sample ends here."""
+
+    def engine_started(self) -> None:  # noqa: B027 (a hook: only the CPU has something to do)
+        """Called on the thread that started the engine, once the engine is ready."""

@@ -19,6 +19,7 @@ from aioengine.gpu.backend import Backend, Ops, RunnerParts
 from aioengine.gpu.cpu.codes_cache import checkpoint_codes
 from aioengine.gpu.cpu.decode_stack import CpuDecodeStack
 from aioengine.gpu.cpu.linear import pack_linears
+from aioengine.gpu.cpu.openmp import release_thread_pool
 from aioengine.gpu.cpu.q8_head import attach_q8_head
 from aioengine.gpu.cpu.q8_linear import attach_q8_linears
 from aioengine.gpu.cpu.quant import quantize_model
@@ -227,9 +228,12 @@ class CpuBackend(Backend):
     sample_top_p_from_candidates = True
     grammar_check_argmax_first = True
 
-    def __init__(self, kernels: KernelConfig | None = None, num_threads: int = 1) -> None:
+    def __init__(
+        self, kernels: KernelConfig | None = None, num_threads: int = 1, watch_openmp: bool = True
+    ) -> None:
         self.kernels = kernels or KernelConfig()
         self.num_threads = num_threads
+        self.watch_openmp = watch_openmp and num_threads > 1
         self.ops = CpuOps(self.kernels)
         self.decode_stack: CpuDecodeStack | None = None
         if self.kernels.cpu_kernels:  # gcc builds the C kernels (seconds when cold) while the model loads
@@ -238,8 +242,13 @@ class CpuBackend(Backend):
     def default_dtype(self) -> str:
         return "bfloat16" if cpu_has_fast_bf16() else "float32"
 
+    def engine_started(self) -> None:
+        # torch work on the starting thread (loading, a caller's own) left it an OpenMP pool that would
+        # throttle the worker's (gpu/cpu/openmp.py)
+        release_thread_pool()
+
     def make_worker(self) -> CpuWorker:
-        return CpuWorker(self.num_threads)
+        return CpuWorker(self.num_threads, watch=self.watch_openmp)
 
     def make_staging(self) -> CpuStaging:
         return CpuStaging()

@@ -1,0 +1,90 @@
+"""libgomp's thread pools: the CPU worker should be the process's only OpenMP master, and this keeps it so.
+
+Every thread that runs a parallel region (a torch op, a C kernel) gets a pool of its own, and libgomp counts
+the threads of all pools together: once they outnumber the CPUs, every wait spins about a hundred times
+instead of some milliseconds, then sleeps in the kernel. The worker's threads then sleep and wake at every
+barrier of every kernel, which made decode steps 1.8-2.4x as long (docs/benchmarks.md, issue 23). A thread
+gives its pool back when it exits, or here, through OpenMP 5's ``omp_pause_resource_all``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import resource
+from collections.abc import Callable
+from typing import Any
+
+logger = logging.getLogger("aioengine.cpu")
+
+_OMP_PAUSE_SOFT = 1
+# A worker call whose thread sleeps this often on average is waiting at throttled barriers: unthrottled, a
+# step of the default model sleeps 0-4 times; throttled, 150 times (one a parallel region).
+_SLEEPS_PER_CALL = 20.0
+_WINDOW = 32  # calls averaged before the check
+
+
+@functools.cache
+def _libgomp() -> ctypes.CDLL | None:
+    """The libgomp this process has loaded (torch's copy), or None (another OpenMP runtime, or none)."""
+    try:
+        with open("/proc/self/maps") as f:
+            path = next((line.split()[-1] for line in f if "/libgomp" in line), None)
+    except OSError:
+        return None
+    if path is None:
+        return None
+    try:
+        lib = ctypes.CDLL(path)  # already mapped: the same library, one more reference
+        lib.omp_pause_resource_all.argtypes = [ctypes.c_int]
+        lib.omp_pause_resource_all.restype = ctypes.c_int
+    except (OSError, AttributeError):  # a libgomp older than OpenMP 5.0
+        return None
+    return lib
+
+
+def release_thread_pool() -> bool:
+    """Give back the calling thread's OpenMP pool, if it has one (its next parallel region makes a new
+    one). Call it on a thread that has run torch work beside a running engine. False where this process's
+    OpenMP runtime is not a libgomp that can."""
+    lib = _libgomp()
+    return lib is not None and lib.omp_pause_resource_all(_OMP_PAUSE_SOFT) == 0
+
+
+def thread_sleeps() -> int:
+    """The calling thread's voluntary context switches so far: each is a wait that went to the kernel."""
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw
+
+
+class SleepWatch:
+    """Counts the worker's sleeps per call and warns once when they show throttled OpenMP barriers."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.sleeps = 0
+        self.warned = False
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on the worker, its sleeps counted."""
+        before = thread_sleeps()
+        try:
+            return fn(*args)
+        finally:
+            self.record(thread_sleeps() - before)
+
+    def record(self, sleeps: int) -> None:
+        self.calls += 1
+        self.sleeps += sleeps
+        if self.calls < _WINDOW:
+            return
+        mean, self.calls, self.sleeps = self.sleeps / self.calls, 0, 0
+        if mean > _SLEEPS_PER_CALL and not self.warned:
+            self.warned = True
+            logger.warning(
+                "the CPU worker's thread slept %.0f times a call: another thread of this process has run "
+                "OpenMP work (torch ops), and libgomp throttles every pool's waits while their threads "
+                "outnumber the CPUs, which can halve the engine's speed. Call "
+                "aioengine.gpu.cpu.openmp.release_thread_pool() on that thread after its torch work.",
+                mean,
+            )
