@@ -150,16 +150,24 @@ static inline __attribute__((always_inline)) void tile_bf16_avx512(
         const __m512 x = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), live, _mm512_add_ps(s_even[g], s_odd[g]),
                                             _mm512_set1_ps(scale));
         const float mx = _mm512_reduce_max_ps(x);
-        const float new_max = mx > st[g].run_max ? mx : st[g].run_max;
-        const float correction = exp1(st[g].run_max - new_max);
-        const __m512 p = exp16(_mm512_sub_ps(x, _mm512_set1_ps(new_max)));
-        st[g].run_sum = st[g].run_sum * correction + _mm512_reduce_add_ps(p);
-        st[g].run_max = new_max;
-        const __m512 cv = _mm512_set1_ps(correction);
         for (int h = 0; h < halves; h++) {
-            acc_lo[g][h] = _mm512_mul_ps(st[g].acc_lo[h], cv);
-            acc_hi[g][h] = _mm512_mul_ps(st[g].acc_hi[h], cv);
+            acc_lo[g][h] = st[g].acc_lo[h];
+            acc_hi[g][h] = st[g].acc_hi[h];
         }
+        /* Past the first tiles the max rarely grows, and then the correction is e^0 = 1 exactly: skipping
+         * the exp and the rescale keeps every bit. */
+        if (mx > st[g].run_max) {
+            const float correction = exp1(st[g].run_max - mx);
+            st[g].run_sum *= correction;
+            st[g].run_max = mx;
+            const __m512 cv = _mm512_set1_ps(correction);
+            for (int h = 0; h < halves; h++) {
+                acc_lo[g][h] = _mm512_mul_ps(acc_lo[g][h], cv);
+                acc_hi[g][h] = _mm512_mul_ps(acc_hi[g][h], cv);
+            }
+        }
+        const __m512 p = exp16(_mm512_sub_ps(x, _mm512_set1_ps(st[g].run_max)));
+        st[g].run_sum += _mm512_reduce_add_ps(p);
         const __m256bh hi = _mm512_cvtneps_pbh(p);
         _mm256_storeu_si256((__m256i *)pd_hi[g], (__m256i)hi);
         _mm256_storeu_si256((__m256i *)pd_lo[g], (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(p, _mm512_cvtpbh_ps(hi))));
