@@ -15,5 +15,4 @@ def make_backend(args: EngineArgs, device_index: int = 0) -> Backend:
     from aioengine.gpu.cpu.backend import CpuBackend
 
     threads = args.num_threads or max(1, default_num_threads() // args.tensor_parallel_size)
-    # a tensor-parallel rank's worker naps in its all-reduces: the OpenMP watch would take it for throttling
-    return CpuBackend(args.kernels, threads, watch_openmp=args.tensor_parallel_size == 1)
+    return CpuBackend(args.kernels, threads)

@@ -228,12 +228,9 @@ class CpuBackend(Backend):
     sample_top_p_from_candidates = True
     grammar_check_argmax_first = True
 
-    def __init__(
-        self, kernels: KernelConfig | None = None, num_threads: int = 1, watch_openmp: bool = True
-    ) -> None:
+    def __init__(self, kernels: KernelConfig | None = None, num_threads: int = 1) -> None:
         self.kernels = kernels or KernelConfig()
         self.num_threads = num_threads
-        self.watch_openmp = watch_openmp and num_threads > 1
         self.ops = CpuOps(self.kernels)
         self.decode_stack: CpuDecodeStack | None = None
         if self.kernels.cpu_kernels:  # gcc builds the C kernels (seconds when cold) while the model loads
@@ -248,7 +245,7 @@ class CpuBackend(Backend):
         release_thread_pool()
 
     def make_worker(self) -> CpuWorker:
-        return CpuWorker(self.num_threads, watch=self.watch_openmp)
+        return CpuWorker(self.num_threads)
 
     def make_staging(self) -> CpuStaging:
         return CpuStaging()

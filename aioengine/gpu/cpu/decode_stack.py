@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from aioengine.gpu.cpu.linear import PackedLinear
+from aioengine.gpu.cpu.openmp import SleepWatch
 from aioengine.gpu.cpu.q8_linear import Q8Linear
 from aioengine.kernels.cpu import clib as cpu_kernels
 from aioengine.kernels.metadata import AttentionMetadata
@@ -130,6 +131,7 @@ class CpuDecodeStack:
         through the packed prefill kernel)."""
         decoder = model.model
         self.mixed = mixed
+        self.watch = SleepWatch()
         first = decoder.layers[0]
         attn, mlp = first.self_attn, first.mlp
         cache = kv_caches[0]
@@ -279,7 +281,8 @@ class CpuDecodeStack:
         for name, t in scratch.items():
             setattr(a, name, t.data_ptr())
         a.num_threads = torch.get_num_threads()
-        status = cpu_kernels.load().decode_stack_bf16(
+        status = self.watch.run(  # hundreds of parallel regions in one call: where throttling shows
+            cpu_kernels.load().decode_stack_bf16,
             ctypes.addressof(self.layers),
             len(self.layers),
             ctypes.addressof(a),

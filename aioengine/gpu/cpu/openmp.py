@@ -19,9 +19,11 @@ from typing import Any
 logger = logging.getLogger("aioengine.cpu")
 
 _OMP_PAUSE_SOFT = 1
-# A worker call whose thread sleeps this often on average is waiting at throttled barriers: unthrottled, a
-# step of the default model sleeps 0-4 times; throttled, 150 times (one a parallel region).
-_SLEEPS_PER_CALL = 20.0
+# A decode-stack call (every layer in one C call) whose thread sleeps this often on average waits at
+# throttled barriers: unthrottled it sleeps at most once (taking the GIL back at the end), throttled at
+# about every parallel region (150 a call on the default model). Counted around that call only: the
+# worker's Python also sleeps when it waits for the GIL, as often as the switch interval makes it.
+_SLEEPS_PER_CALL = 4.0
 _WINDOW = 32  # calls averaged before the check
 
 
@@ -58,7 +60,8 @@ def thread_sleeps() -> int:
 
 
 class SleepWatch:
-    """Counts the worker's sleeps per call and warns once when they show throttled OpenMP barriers."""
+    """Counts a thread's sleeps in calls that run many parallel regions, and warns once when they show
+    throttled OpenMP barriers."""
 
     def __init__(self) -> None:
         self.calls = 0
@@ -66,7 +69,7 @@ class SleepWatch:
         self.warned = False
 
     def run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(*args)`` on the worker, its sleeps counted."""
+        """``fn(*args)``, its thread's sleeps counted."""
         before = thread_sleeps()
         try:
             return fn(*args)
@@ -82,7 +85,7 @@ class SleepWatch:
         if mean > _SLEEPS_PER_CALL and not self.warned:
             self.warned = True
             logger.warning(
-                "the CPU worker's thread slept %.0f times a call: another thread of this process has run "
+                "the CPU worker slept %.0f times in each decode step: another thread of this process has run "
                 "OpenMP work (torch ops), and libgomp throttles every pool's waits while their threads "
                 "outnumber the CPUs, which can halve the engine's speed. Call "
                 "aioengine.gpu.cpu.openmp.release_thread_pool() on that thread after its torch work.",

@@ -13,18 +13,13 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from aioengine.gpu.cpu.openmp import SleepWatch
 from aioengine.sched.output import ModelRunnerOutput
 
 
 class CpuWorker:
-    _watch: SleepWatch | None = None  # the CUDA worker's thread sleeps on events by design: no watch there
-
-    def __init__(self, num_threads: int, watch: bool = False) -> None:
-        """``watch``: count the thread's sleeps per call, and warn if they show throttled OpenMP waits."""
+    def __init__(self, num_threads: int) -> None:
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="aioengine-step")
         self._pool.submit(self._init_thread, num_threads).result()
-        self._watch = SleepWatch() if watch else None
 
     @staticmethod
     def _init_thread(num_threads: int) -> None:
@@ -37,8 +32,6 @@ class CpuWorker:
         torch.set_num_threads(num_threads)
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
-        if self._watch is not None:
-            return self._pool.submit(self._watch.run, fn, *args)
         return self._pool.submit(fn, *args)
 
     async def output(self, fut: concurrent.futures.Future) -> ModelRunnerOutput:
