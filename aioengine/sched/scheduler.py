@@ -316,7 +316,8 @@ class Scheduler:
         for r in self.running:  # the running pass's own skips, so the prediction counts the rows it plans
             if r.num_drafts_in_flight or r.proposing or self._all_in_flight(r):
                 continue
-            if len(r.all_token_ids) + r.num_output_placeholders - r.num_computed_tokens == 1:
+            left = len(r.all_token_ids) + r.num_output_placeholders - r.num_computed_tokens
+            if left == 1 and r.num_computed_tokens >= r.num_prompt_tokens:  # a prompt's last token: a chunk
                 step.decode_rows += 1
                 step.decode_context += r.num_computed_tokens + 1
         return step

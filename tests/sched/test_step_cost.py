@@ -102,6 +102,7 @@ def test_the_scheduler_cuts_prompt_chunks_to_the_target_and_never_starves():
             1
             for r in sched.running
             if len(r.all_token_ids) + r.num_output_placeholders - r.num_computed_tokens == 1
+            and r.num_computed_tokens >= r.num_prompt_tokens
             and r.num_output_tokens + r.num_output_placeholders < r.max_tokens
         )
         out = original()
@@ -141,3 +142,32 @@ def test_a_step_without_decodes_is_not_cut():
         sched.add_request(Request(f"p{i}", prompt, SamplingParams(max_tokens=4)))
     out = sched.schedule()
     assert out.total_num_scheduled_tokens == 512 and sched.prefill_caps == 0
+
+
+def test_a_prompts_last_token_is_predicted_as_a_prompt_token_not_a_decode():
+    """A chunk that stopped one token short of the prompt's end leaves a one-token chunk: the running pass
+    plans it as a prompt chunk (no token is sampled for it), so the prediction must not count it as a
+    decode row as well."""
+    from aioengine.sampling_params import SamplingParams
+    from aioengine.sched.request import Request
+    from aioengine.sched.scheduler import Scheduler, SchedulerConfig
+    from tests.sched.fake import Driver, fake_run
+
+    cfg = SchedulerConfig(max_num_batched_tokens=34, num_blocks=512, block_size=16, target_itl_ms=1e6)
+    sched = Scheduler(cfg)
+    sched.step_cost = _fitted()
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    driver = Driver(sched, batch_queue_size=1)
+    for i in range(2):  # two streams decoding
+        sched.add_request(Request(f"d{i}", [1000 * i + t for t in range(1, 9)], params))
+    driver.step()
+    prompt = Request("p", list(range(5000, 5033)), params)  # 33 tokens: 32 fit beside the 2 decodes
+    sched.add_request(prompt)
+    first = sched.schedule()
+    assert first.num_scheduled_tokens["p"] == 32 and first.step_features.decode_rows == 2
+    driver.queue.appendleft((first, fake_run(sched, first)))
+    driver.update()
+    second = sched.schedule()
+    assert second.num_scheduled_tokens["p"] == 1 and prompt.num_computed_tokens == 33
+    f = second.step_features
+    assert (f.decode_rows, f.prefill_tokens) == (2, 1), f
