@@ -28,30 +28,32 @@ _WINDOW = 32  # calls averaged before the check
 
 
 @functools.cache
-def _libgomp() -> ctypes.CDLL | None:
-    """The libgomp this process has loaded (torch's copy), or None (another OpenMP runtime, or none)."""
+def _libgomps() -> tuple[ctypes.CDLL, ...]:
+    """Every libgomp this process has loaded: torch's copy, and any other package's vendored one (each is a
+    runtime with pools of its own). Empty where none is, or /proc is not there."""
     try:
         with open("/proc/self/maps") as f:
-            path = next((line.split()[-1] for line in f if "/libgomp" in line), None)
+            paths = dict.fromkeys(line.split()[-1] for line in f if "/libgomp" in line)
     except OSError:
-        return None
-    if path is None:
-        return None
-    try:
-        lib = ctypes.CDLL(path)  # already mapped: the same library, one more reference
-        lib.omp_pause_resource_all.argtypes = [ctypes.c_int]
-        lib.omp_pause_resource_all.restype = ctypes.c_int
-    except (OSError, AttributeError):  # a libgomp older than OpenMP 5.0
-        return None
-    return lib
+        return ()
+    libs = []
+    for path in paths:
+        try:
+            lib = ctypes.CDLL(path)  # already mapped: the same library, one more reference
+            lib.omp_pause_resource_all.argtypes = [ctypes.c_int]
+            lib.omp_pause_resource_all.restype = ctypes.c_int
+        except (OSError, AttributeError):  # a libgomp older than OpenMP 5.0
+            continue
+        libs.append(lib)
+    return tuple(libs)
 
 
 def release_thread_pool() -> bool:
-    """Give back the calling thread's OpenMP pool, if it has one (its next parallel region makes a new
-    one). Call it on a thread that has run torch work beside a running engine. False where this process's
-    OpenMP runtime is not a libgomp that can."""
-    lib = _libgomp()
-    return lib is not None and lib.omp_pause_resource_all(_OMP_PAUSE_SOFT) == 0
+    """Give back the calling thread's OpenMP pools, if it has any (its next parallel region makes a new
+    one). Call it on a thread that has run torch work beside a running engine. False where this process
+    has no libgomp that can."""
+    results = [lib.omp_pause_resource_all(_OMP_PAUSE_SOFT) == 0 for lib in _libgomps()]
+    return bool(results) and all(results)
 
 
 def thread_sleeps() -> int:
