@@ -100,20 +100,35 @@ def test_preempted_embeddings_still_pool_every_token(tiny_llama):
     prompts = [rng.integers(3, 49152, size=int(n)).tolist() for n in rng.integers(90, 140, size=8)]
     gen_prompts = _prompts(4, seed=3)
 
+    async def tokens(handle, decoding: asyncio.Event) -> list[int]:
+        ids: list[int] = []
+        async for delta in handle:
+            ids += delta.outputs[0].token_ids
+            if len(ids) >= 2:
+                decoding.set()
+        return ids
+
     async def run():
         async with _engine(path, pooling="mean", num_kv_blocks=48, max_num_batched_tokens=64) as engine:
             params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
-            gens = [engine.generate(p, params) for p in gen_prompts]
-            await asyncio.sleep(0.05)  # the generations are decoding when the embeddings arrive
+            decoding = [asyncio.Event() for _ in gen_prompts]
+            gens = [
+                asyncio.ensure_future(tokens(engine.generate(p, params), e))
+                for p, e in zip(gen_prompts, decoding, strict=True)
+            ]
+            # the embeddings arrive while every generation is decoding (a wait on the clock raced a fast
+            # engine, whose generations had finished by then)
+            await asyncio.gather(*(e.wait() for e in decoding))
             outs = await asyncio.gather(engine.embed(prompts), *gens)
             return outs[0], outs[1:], engine.scheduler.num_preemptions_total
 
-    outs, gen_outs, preemptions = asyncio.run(run())
+    outs, gen_ids, preemptions = asyncio.run(run())
     assert preemptions > 0
     for p, o in zip(prompts, outs, strict=True):
         np.testing.assert_allclose(o.outputs.embedding, _reference(hf, p, "mean"), atol=1e-5)
     want = [hf_greedy(hf, p) for p in gen_prompts]  # NEW_TOKENS of them
-    assert [o.outputs[0].token_ids[: len(w)] for o, w in zip(gen_outs, want, strict=True)] == want
+    assert [ids[: len(w)] for ids, w in zip(gen_ids, want, strict=True)] == want
+    assert all(len(ids) == 60 for ids in gen_ids)
 
 
 def test_bad_input_and_aborts_are_typed_errors(tiny_llama):
