@@ -3,8 +3,8 @@
 Every thread that runs a parallel region (a torch op, a C kernel) gets a pool of its own, and libgomp counts
 the threads of all pools together: once they outnumber the CPUs, every wait spins about a hundred times
 instead of some milliseconds, then sleeps in the kernel. The worker's threads then sleep and wake at every
-barrier of every kernel, which made decode steps 1.8-2.4x as long (docs/benchmarks.md, issue 23). A thread
-gives its pool back when it exits, or here, through OpenMP 5's ``omp_pause_resource_all``.
+barrier of every kernel (what that costs: docs/benchmarks.md, issue 23). A thread gives its pool back when
+it exits, or here, through OpenMP 5's ``omp_pause_resource_all``.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ logger = logging.getLogger("aioengine.cpu")
 _OMP_PAUSE_SOFT = 1
 # A decode-stack call (every layer in one C call) whose thread sleeps this often on average waits at
 # throttled barriers: unthrottled it sleeps at most once (taking the GIL back at the end), throttled at
-# about every parallel region (150 a call on the default model). Counted around that call only: the
-# worker's Python also sleeps when it waits for the GIL, as often as the switch interval makes it.
+# about every parallel region (several a layer). Counted around that call only: the worker's Python also
+# sleeps when it waits for the GIL, as often as the switch interval makes it.
 _SLEEPS_PER_CALL = 4.0
 _WINDOW = 32  # calls averaged before the check
 
