@@ -151,7 +151,7 @@ def test_a_prompts_last_token_is_predicted_as_a_prompt_token_not_a_decode():
     from aioengine.sampling_params import SamplingParams
     from aioengine.sched.request import Request
     from aioengine.sched.scheduler import Scheduler, SchedulerConfig
-    from tests.sched.fake import Driver, fake_run
+    from tests.sched.fake import Driver
 
     cfg = SchedulerConfig(max_num_batched_tokens=34, num_blocks=512, block_size=16, target_itl_ms=1e6)
     sched = Scheduler(cfg)
@@ -163,9 +163,9 @@ def test_a_prompts_last_token_is_predicted_as_a_prompt_token_not_a_decode():
     driver.step()
     prompt = Request("p", list(range(5000, 5033)), params)  # 33 tokens: 32 fit beside the 2 decodes
     sched.add_request(prompt)
-    first = sched.schedule()
+    first = driver.schedule()
+    assert first is not None
     assert first.num_scheduled_tokens["p"] == 32 and first.step_features.decode_rows == 2
-    driver.queue.appendleft((first, fake_run(sched, first)))
     driver.update()
     second = sched.schedule()
     assert second.num_scheduled_tokens["p"] == 1 and prompt.num_computed_tokens == 33
