@@ -8,7 +8,7 @@ import dataclasses
 import json
 import re
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, TypeVar
 
 from aioengine.config import CPU_LINEAR_CHOICES, EngineArgs, KernelConfig
 from aioengine.pooling import POOLING_TYPES
@@ -139,7 +139,10 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
     return EngineArgs(**values, kernels=kernels)
 
 
-def run_in_loop(coro: Coroutine[Any, Any, int]) -> int:
+T = TypeVar("T")
+
+
+def run_in_loop(coro: Coroutine[Any, Any, T]) -> T:
     """Run on uvloop when it is installed: one loop for the engine and the server."""
     try:
         import uvloop
