@@ -37,6 +37,8 @@ _ENGINE_HELP = {
     "long_prefill_token_threshold": "cap on prompt tokens one request may take per step (0: off)",
     "target_itl_ms": "cut each step's prompt chunks so that its predicted duration (fitted to measured "
     "steps) stays within this many ms; default: no target",
+    "target_itl_ratio": "cut each step's prompt chunks so that its predicted duration stays within this many "
+    "times that of its decodes alone (> 1; with --target-itl-ms, the larger of the two); default: none",
     "scheduling_policy": "fcfs, or priority (requests then honour their `priority` field)",
     "num_threads": "torch intra-op threads on CPU (default: all cores)",
     "enforce_eager": "never capture CUDA graphs",

@@ -73,6 +73,9 @@ class EngineArgs:
     # ITL-aware token budget (sched/step_cost.py): cut a step's prompt chunks so that its predicted duration
     # stays within this many ms; None: the token budget alone
     target_itl_ms: float | None = None
+    # ...or within this many times the predicted duration of its decodes alone, which follows the machine's
+    # speed and the batch; with both, a step may take the larger of the two. None: no relative target.
+    target_itl_ratio: float | None = None
     scheduling_policy: str = "fcfs"  # or "priority"
     num_threads: int | None = None  # torch intra-op threads on CPU (default: all cores)
     enforce_eager: bool = False
@@ -128,6 +131,8 @@ class EngineArgs:
             raise ValueError(f"quantization must be int8 or int4, got {self.quantization!r}")
         if self.target_itl_ms is not None and not self.target_itl_ms > 0:
             raise ValueError(f"target_itl_ms must be > 0, got {self.target_itl_ms}")
+        if self.target_itl_ratio is not None and not self.target_itl_ratio > 1:
+            raise ValueError(f"target_itl_ratio must be > 1, got {self.target_itl_ratio}")
         if self.pooling not in (None, *POOLING_TYPES):
             raise ValueError(f"pooling must be one of {', '.join(POOLING_TYPES)}, got {self.pooling!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -215,6 +215,7 @@ async def initialize_kv_cache(
             enable_prefix_caching=args.enable_prefix_caching,
             long_prefill_token_threshold=args.long_prefill_token_threshold,
             target_itl_ms=args.target_itl_ms or 0.0,
+            target_itl_ratio=args.target_itl_ratio or 0.0,
             policy=args.scheduling_policy,
             kv_cache_groups=runner.kv_cache_groups,
             speculative=args.speculative(),

@@ -51,10 +51,14 @@ class SchedulerConfig:
     # ITL-aware budget: a step's prompt chunks are cut so that its predicted duration (step_cost.py, fitted
     # to measured steps) stays within this; 0: no target (the token budget alone, as before).
     target_itl_ms: float = 0.0
+    # ...or within this many times the predicted duration of the step's decodes alone (0: none; with both, the
+    # larger limit holds).
+    target_itl_ratio: float = 0.0
 
     def __post_init__(self) -> None:
         assert self.max_num_batched_tokens >= 1 and self.max_num_seqs >= 1 and self.block_size >= 1
         assert self.long_prefill_token_threshold >= 0 and self.target_itl_ms >= 0
+        assert self.target_itl_ratio == 0 or self.target_itl_ratio > 1
 
 
 class Scheduler:
@@ -82,7 +86,7 @@ class Scheduler:
         # Fills grammar bitmasks (aioengine.structured.StructuredOutputManager); set by the engine.
         self.structured_output_manager: StructuredOutputManager | None = None
         # Fitted to every step's measured duration when there is a target to meet.
-        self.step_cost = StepCostModel() if config.target_itl_ms > 0 else None
+        self.step_cost = StepCostModel() if config.target_itl_ms > 0 or config.target_itl_ratio > 0 else None
         self.prefill_caps = 0  # steps whose prompt chunks the target cut (stats)
 
     # ---- request lifecycle --------------------------------------------------------------------
@@ -148,7 +152,9 @@ class Scheduler:
         drafts: dict[str, list[int]] = {}
         to_propose: dict[str, int] = {}
         step = self._decode_features()  # the step's predicted work, prompt chunks added as they are planned
-        prefill_cap = PrefillCap(self.step_cost, cfg.target_itl_ms / 1e3, cfg.block_size, step)
+        prefill_cap = PrefillCap(
+            self.step_cost, cfg.target_itl_ms / 1e3, cfg.target_itl_ratio, cfg.block_size, step
+        )
 
         # Running pass, from the front: decodes that came first get their token before later prefills.
         running = self.running

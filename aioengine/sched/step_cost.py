@@ -91,8 +91,12 @@ class StepCostModel:
         and stay within ``seconds``; None without a fit (no cap). 0 when the base alone is at the limit."""
         if self.observations < self.min_observations:
             return None
-        _, _, c, _, e = self.coefficients()
+        _, b, c, _, e = self.coefficients()
         c, e = max(c, 0.0), max(e, 0.0)  # a noisy fit's negative slope would lift the cap without bound
+        if c == 0.0 and e == 0.0:
+            # No evidence yet of what a prompt token costs (a fit of decodes and a short prompt or two): it
+            # goes through the same linears as a decode row, so it is taken to cost as much.
+            c = max(b, 0.0)
         left = seconds - (self.predict(base) or 0.0)
         if left <= 0:
             return 0
@@ -109,14 +113,22 @@ class StepCostModel:
 class PrefillCap:
     """One step's prompt chunks under the ITL target: each chunk gets what the step's predicted time has left,
     in whole blocks; the step's first chunk gets at least one block, so prompts always make progress. A step
-    with no decode has no inter-token gap to keep short: its chunks take the token budget alone."""
+    with no decode has no inter-token gap to keep short: its chunks take the token budget alone.
+
+    The step's limit is ``seconds``, or ``ratio`` times the predicted duration of its decodes alone where that
+    is longer: a relative limit keeps a gap near the usual one however fast the machine is at the moment, and
+    however many streams share the step (at a high concurrency the decodes alone outlast any fixed target)."""
 
     __slots__ = ("block_size", "cut", "model", "seconds", "started", "step")
 
     def __init__(
-        self, model: StepCostModel | None, seconds: float, block_size: int, step: StepFeatures
+        self, model: StepCostModel | None, seconds: float, ratio: float, block_size: int, step: StepFeatures
     ) -> None:
         self.model = model  # None: no target, no cut
+        if model is not None and ratio > 0 and step.decode_rows:
+            decodes = model.predict(step)  # before any chunk is planned: the decodes alone
+            if decodes is not None:
+                seconds = max(seconds, ratio * decodes)
         self.seconds = seconds
         self.block_size = block_size
         self.step = step

@@ -1,12 +1,14 @@
 """The ITL-aware token budget in a real engine: the runner reports each step's time, the scheduler's cost
-model learns from it, and with a target below any step's cost every prompt chunk beside decodes is cut to
-the one block a step that keeps prompts moving, while decodes go on and greedy tokens stay exact."""
+model learns from it, and with a target below any step's cost (a fixed one, or one barely above the decodes
+alone) every prompt chunk beside decodes is cut to the one block a step that keeps prompts moving, while
+decodes go on and greedy tokens stay exact."""
 
 from __future__ import annotations
 
 import asyncio
 
 import numpy as np
+import pytest
 
 from aioengine import AsyncEngine, EngineArgs, SamplingParams
 from tests.engine.test_parity import NEW_TOKENS, hf_greedy
@@ -14,7 +16,12 @@ from tests.engine.test_parity import NEW_TOKENS, hf_greedy
 BLOCK = 8
 
 
-def test_a_tight_target_cuts_prompt_chunks_to_one_block(tiny_llama):
+@pytest.mark.parametrize(
+    "target",
+    [{"target_itl_ms": 0.01}, {"target_itl_ratio": 1.01}],  # below any step's cost: only the progress floor
+    ids=["ms", "ratio"],
+)
+def test_a_tight_target_cuts_prompt_chunks_to_one_block(tiny_llama, target):
     path, hf = tiny_llama
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 49152, size=int(n)).tolist() for n in (20, 200, 30, 160, 12, 220)]
@@ -27,7 +34,7 @@ def test_a_tight_target_cuts_prompt_chunks_to_one_block(tiny_llama):
             device="cpu",
             block_size=BLOCK,
             max_num_batched_tokens=256,
-            target_itl_ms=0.01,  # below any step's cost: only the progress floor admits prompt tokens
+            **target,
         )
         async with AsyncEngine(args) as engine:
             sched = engine.scheduler
@@ -42,9 +49,11 @@ def test_a_tight_target_cuts_prompt_chunks_to_one_block(tiny_llama):
 
             sched.schedule = schedule
             params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-            warm = await engine.generate(prompts[0], params)  # the fit's first steps
-            outs = await asyncio.gather(*(engine.generate(p, params) for p in prompts[1:]))
-            return [warm, *outs], sched.step_cost.observations, sched.prefill_caps
+            # The fit's first steps: several streams and a long prompt, so that it has seen what rows and
+            # prompt tokens cost (one stream alone leaves those slopes to chance).
+            warm = await asyncio.gather(*(engine.generate(p, params) for p in prompts[:3]))
+            outs = await asyncio.gather(*(engine.generate(p, params) for p in prompts[3:]))
+            return [*warm, *outs], sched.step_cost.observations, sched.prefill_caps
 
     outs, observations, caps = asyncio.run(run())
     assert [o.outputs[0].token_ids[:NEW_TOKENS] for o in outs] == [hf_greedy(hf, p) for p in prompts]

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import random
 
-from aioengine.sched.step_cost import StepCostModel, StepFeatures
+import pytest
+
+from aioengine.sched.step_cost import PrefillCap, StepCostModel, StepFeatures
 
 TRUE = (4e-3, 3e-4, 6e-5, 2e-7, 4e-9)  # s: per step, decode row, prefill token, KV token read, attention unit
 
@@ -72,19 +74,52 @@ def _fitted(coef=TRUE) -> StepCostModel:
     return model
 
 
-def test_the_scheduler_cuts_prompt_chunks_to_the_target_and_never_starves():
+def _decodes_alone(f: StepFeatures) -> StepFeatures:
+    return StepFeatures(decode_rows=f.decode_rows, decode_context=f.decode_context)
+
+
+def test_a_relative_target_is_a_multiple_of_the_decodes_alone():
+    model = _fitted()
+    step = StepFeatures(decode_rows=16, decode_context=16 * 300)
+    decodes = model.predict(step)
+    assert decodes is not None
+
+    def predicted(tokens: int) -> float:
+        f = _decodes_alone(step)
+        f.add_prefill(tokens, 0)
+        return model.predict(f)
+
+    cap = PrefillCap(model, 0.0, 1.5, 16, _decodes_alone(step))
+    n = cap.limit(4096, 0)
+    assert n % 16 == 0 and predicted(n) <= 1.5 * decodes < predicted(n + 16)  # whole blocks, and no more
+    # with a fixed target too, the larger limit holds
+    longer = 3 * decodes
+    m = PrefillCap(model, longer, 1.5, 16, _decodes_alone(step)).limit(4096, 0)
+    assert m > n and predicted(m) <= longer < predicted(m + 16)
+    assert PrefillCap(model, 0.001, 1.5, 16, _decodes_alone(step)).limit(4096, 0) == n
+    # more decodes in the step: a longer step is allowed (a fixed target below the decodes alone would let
+    # only the one-block floor through)
+    big = StepFeatures(decode_rows=64, decode_context=64 * 300)
+    assert PrefillCap(model, 0.0, 1.5, 16, big).limit(4096, 0) > n
+    # no fit yet, or no decode in the step: not cut
+    assert PrefillCap(StepCostModel(), 0.0, 1.5, 16, _decodes_alone(step)).limit(4096, 0) == 4096
+    assert PrefillCap(model, 0.0, 1.5, 16, StepFeatures()).limit(4096, 0) == 4096
+
+
+@pytest.mark.parametrize(("target_ms", "ratio"), [(12.0, 0.0), (0.0, 1.5), (12.0, 1.5)])
+def test_the_scheduler_cuts_prompt_chunks_to_the_target_and_never_starves(target_ms, ratio):
     from aioengine.sampling_params import SamplingParams
     from aioengine.sched.request import Request
     from aioengine.sched.scheduler import Scheduler, SchedulerConfig
     from tests.sched.fake import Driver
 
-    target_ms = 12.0
     cfg = SchedulerConfig(
         max_num_batched_tokens=512,
         num_blocks=2048,
         block_size=16,
         max_model_len=4096,
         target_itl_ms=target_ms,
+        target_itl_ratio=ratio,
     )
     sched = Scheduler(cfg)
     sched.step_cost = model = _fitted()
@@ -111,15 +146,15 @@ def test_the_scheduler_cuts_prompt_chunks_to_the_target_and_never_starves():
 
     sched.schedule = schedule
     driver.run_to_completion()
-    limit = target_ms / 1e3
     # steps with decodes (a step without one has no inter-token gap to protect: not cut)
     prefill_steps = [(f, p) for f, p, _, _ in steps if f.prefill_tokens and f.decode_rows]
     assert len(prefill_steps) > 10 and sched.prefill_caps > 0
     for f, predicted in prefill_steps:
+        limit = max(target_ms / 1e3, ratio * model.predict(_decodes_alone(f)))
         # within the target, or the one block a step that keeps prompts moving
-        assert predicted <= limit * (1 + 1e-9) or f.prefill_tokens <= 16, (f, predicted)
-    # the token budget alone would have taken 512-token chunks: the target cut them
-    assert max(f.prefill_tokens for f, _ in prefill_steps) < 512
+        assert predicted <= limit * (1 + 1e-9) or f.prefill_tokens <= 16, (f, predicted, limit)
+    # the token budget alone would have taken 512-token chunks: the target cut them, to more than the floor
+    assert 16 < max(f.prefill_tokens for f, _ in prefill_steps) < 512
     # decodes are never starved: every request ready to decode got its token in each step; and the
     # prediction counted exactly those rows (not the requests whose last tokens are all in flight)
     for f, _, out, ready in steps:
@@ -171,3 +206,28 @@ def test_a_prompts_last_token_is_predicted_as_a_prompt_token_not_a_decode():
     assert second.num_scheduled_tokens["p"] == 1 and prompt.num_computed_tokens == 33
     f = second.step_features
     assert (f.decode_rows, f.prefill_tokens) == (2, 1), f
+
+
+@pytest.mark.parametrize("ratio", [1.0, 0.5, -2.0])
+def test_a_ratio_that_allows_no_prompt_work_is_refused(ratio):
+    from aioengine.config import EngineArgs
+
+    with pytest.raises(ValueError, match="target_itl_ratio must be > 1"):
+        EngineArgs(model="default", target_itl_ratio=ratio).validate()
+
+
+def test_a_fit_that_has_seen_no_prompt_work_still_caps_it():
+    """Decodes only (and so no prompt slope): a prompt token is taken to cost what a decode row does,
+    rather than nothing, which would lift the cap entirely."""
+    rng = random.Random(7)
+    model = StepCostModel()
+    for _ in range(200):
+        rows = rng.randint(1, 32)
+        f = StepFeatures(decode_rows=rows, decode_context=rows * rng.randint(50, 500))
+        model.observe(f, sum(c * v for c, v in zip(TRUE, f.vector(), strict=True)))
+    _, b, c, _, e = model.coefficients()
+    assert abs(c) < 1e-9 and abs(e) < 1e-12  # nothing learned about prompts
+    base = StepFeatures(decode_rows=16, decode_context=16 * 300)
+    limit = model.predict(base) + 0.0015
+    n = model.max_prefill(base, 0, limit)
+    assert n is not None and n > 0 and abs(n - 0.0015 / b) <= 1
