@@ -8,10 +8,13 @@ duration = a + b * decode_rows + c * prefill_tokens + d * decode_context + e * p
 
 Recursive least squares with a forgetting factor: each measured step updates the fit in O(5^2) pure
 Python (sched never imports numpy), and old steps fade, so the fit follows a machine whose speed changes.
+A target is a bound on gaps, whose tail is what a user sees: the model also keeps its recent errors, and
+chunks are planned so that a step stays within the target at their 90th percentile, not only on average.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 NUM_FEATURES = 5  # the constant, then the four counts above
@@ -48,8 +51,12 @@ class StepCostModel:
     forgetting: float = 0.995  # an observation's weight halves after ~140 steps
     prior: float = 1e3  # initial covariance scale: the first steps move the fit freely
     min_observations: int = 16  # predictions before this many steps are None (no cap yet)
+    error_quantile: float = 0.9  # of measured / predicted over the last error_window steps: the margin
+    error_window: int = 64
     theta: list[float] = field(default_factory=lambda: [0.0] * NUM_FEATURES)
     observations: int = 0
+    margin: float = 1.0  # a step's planned duration times this stays within a limit (>= 1)
+    _errors: deque[float] = field(init=False)
     _p: list[list[float]] = field(init=False)
     _scale: list[float] = field(default_factory=lambda: [1.0, 1e-2, 1e-3, 1e-5, 1e-7])
 
@@ -57,6 +64,7 @@ class StepCostModel:
         # Features differ by orders of magnitude (1 vs thousands of tokens vs millions of context): the fit
         # runs on scaled features, so one prior suits all.
         self._p = [[self.prior if i == j else 0.0 for j in range(NUM_FEATURES)] for i in range(NUM_FEATURES)]
+        self._errors = deque(maxlen=self.error_window)
 
     def _x(self, f: StepFeatures) -> list[float]:
         return [v * s for v, s in zip(f.vector(), self._scale, strict=True)]
@@ -69,7 +77,14 @@ class StepCostModel:
         px = [sum(p[i][j] * x[j] for j in range(NUM_FEATURES)) for i in range(NUM_FEATURES)]
         denom = lam + sum(x[i] * px[i] for i in range(NUM_FEATURES))
         gain = [v / denom for v in px]
-        err = seconds - sum(t * v for t, v in zip(self.theta, x, strict=True))
+        predicted = sum(t * v for t, v in zip(self.theta, x, strict=True))
+        if self.observations >= self.min_observations and predicted > 0:
+            # the error the planner faced (the fit before this step): the margin follows the machine's noise
+            self._errors.append(seconds / predicted)
+            if len(self._errors) >= self.min_observations:
+                ordered = sorted(self._errors)
+                self.margin = max(1.0, ordered[int(self.error_quantile * (len(ordered) - 1))])
+        err = seconds - predicted
         self.theta = [t + g * err for t, g in zip(self.theta, gain, strict=True)]
         self._p = [
             [(p[i][j] - gain[i] * px[j]) / lam for j in range(NUM_FEATURES)] for i in range(NUM_FEATURES)
@@ -88,7 +103,8 @@ class StepCostModel:
 
     def max_prefill(self, base: StepFeatures, context: int, seconds: float) -> int | None:
         """The most prompt tokens a chunk after ``context`` computed ones may add to a step holding ``base``
-        and stay within ``seconds``; None without a fit (no cap). 0 when the base alone is at the limit."""
+        and stay within ``seconds`` (its prediction times the margin); None without a fit (no cap). 0 when
+        the base alone is at the limit."""
         if self.observations < self.min_observations:
             return None
         _, b, c, _, e = self.coefficients()
@@ -97,7 +113,7 @@ class StepCostModel:
             # No evidence yet of what a prompt token costs (a fit of decodes and a short prompt or two): it
             # goes through the same linears as a decode row, so it is taken to cost as much.
             c = max(b, 0.0)
-        left = seconds - (self.predict(base) or 0.0)
+        left = seconds / self.margin - (self.predict(base) or 0.0)
         if left <= 0:
             return 0
         if c == 0.0 and e == 0.0:

@@ -67,6 +67,29 @@ def test_max_prefill_fills_the_time_left_and_no_more():
     assert StepCostModel().max_prefill(base, 0, limit) is None  # unfitted: no cap
 
 
+def test_chunks_are_planned_at_the_fits_90th_percentile_error():
+    """One step in five runs 20% over the line the others lie on (a busy neighbour, say): the limit has to
+    hold for those too, so a chunk is sized with the fit's recent 90th-percentile error on top."""
+    rng = random.Random(11)
+    model = StepCostModel()
+    for f, t in _steps(800, 8, noise=0.0):
+        model.observe(f, t * (1.2 if rng.random() < 0.2 else 1.0))
+    assert 1.1 < model.margin < 1.25  # the slow steps over a line fitted a little above the rest
+    base = StepFeatures(decode_rows=16, decode_context=16 * 300)
+    limit = 0.030
+    n = model.max_prefill(base, context=100, seconds=limit)
+    assert n is not None and n > 0
+
+    def with_chunk(tokens: int) -> float:
+        f = StepFeatures(base.decode_rows, base.prefill_tokens, base.decode_context, base.prefill_attention)
+        f.add_prefill(tokens, 100)
+        return model.margin * model.predict(f)
+
+    assert with_chunk(n) <= limit < with_chunk(n + 1)
+    exact = _fitted()  # steps right on the line: no margin
+    assert abs(exact.margin - 1.0) < 1e-3
+
+
 def _fitted(coef=TRUE) -> StepCostModel:
     model = StepCostModel()
     for f, t in _steps(600, 5, coef=coef, noise=0.0):
