@@ -48,6 +48,13 @@ def test_the_fit_follows_a_machine_that_slows_down():
     assert abs(model.predict(probe) - want) < 0.05 * want
 
 
+def _planned(model: StepCostModel, base: StepFeatures, tokens: int, context: int = 100) -> float:
+    """What the planner holds against a limit: the step with a chunk of ``tokens``, times the margin."""
+    f = StepFeatures(base.decode_rows, base.prefill_tokens, base.decode_context, base.prefill_attention)
+    f.add_prefill(tokens, context)
+    return model.margin * model.predict(f)
+
+
 def test_max_prefill_fills_the_time_left_and_no_more():
     model = StepCostModel()
     for f, t in _steps(600, 4, noise=0.0):
@@ -56,13 +63,7 @@ def test_max_prefill_fills_the_time_left_and_no_more():
     limit = 0.030
     n = model.max_prefill(base, context=100, seconds=limit)
     assert n is not None and n > 0
-
-    def with_chunk(tokens: int) -> float:
-        f = StepFeatures(base.decode_rows, base.prefill_tokens, base.decode_context, base.prefill_attention)
-        f.add_prefill(tokens, 100)
-        return model.predict(f)
-
-    assert with_chunk(n) <= limit < with_chunk(n + 1)
+    assert _planned(model, base, n) <= limit < _planned(model, base, n + 1)
     assert model.max_prefill(StepFeatures(decode_rows=10_000), 0, limit) == 0  # decodes alone overrun it
     assert StepCostModel().max_prefill(base, 0, limit) is None  # unfitted: no cap
 
@@ -79,13 +80,7 @@ def test_chunks_are_planned_at_the_fits_90th_percentile_error():
     limit = 0.030
     n = model.max_prefill(base, context=100, seconds=limit)
     assert n is not None and n > 0
-
-    def with_chunk(tokens: int) -> float:
-        f = StepFeatures(base.decode_rows, base.prefill_tokens, base.decode_context, base.prefill_attention)
-        f.add_prefill(tokens, 100)
-        return model.margin * model.predict(f)
-
-    assert with_chunk(n) <= limit < with_chunk(n + 1)
+    assert _planned(model, base, n) <= limit < _planned(model, base, n + 1)
     exact = _fitted()  # steps right on the line: no margin
     assert abs(exact.margin - 1.0) < 1e-3
 
@@ -108,9 +103,7 @@ def test_a_relative_target_is_a_multiple_of_the_decodes_alone():
     assert decodes is not None
 
     def predicted(tokens: int) -> float:
-        f = _decodes_alone(step)
-        f.add_prefill(tokens, 0)
-        return model.predict(f)
+        return _planned(model, step, tokens, context=0)
 
     cap = PrefillCap(model, 0.0, 1.5, 16, _decodes_alone(step))
     n = cap.limit(4096, 0)
