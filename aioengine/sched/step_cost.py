@@ -104,7 +104,7 @@ class StepCostModel:
     def max_prefill(self, base: StepFeatures, context: int, seconds: float) -> int | None:
         """The most prompt tokens a chunk after ``context`` computed ones may add to a step holding ``base``
         and stay within ``seconds`` (its prediction times the margin); None without a fit (no cap). 0 when
-        the base alone is at the limit."""
+        the base alone is at the limit, or when no slope yet prices a prompt token (the floor then)."""
         if self.observations < self.min_observations:
             return None
         _, b, c, _, e = self.coefficients()
@@ -113,11 +113,11 @@ class StepCostModel:
             # No evidence yet of what a prompt token costs (a fit of decodes and a short prompt or two): it
             # goes through the same linears as a decode row, so it is taken to cost as much.
             c = max(b, 0.0)
-        left = seconds / self.margin - (self.predict(base) or 0.0)
-        if left <= 0:
-            return 0
-        if c == 0.0 and e == 0.0:
-            return None
+        # A fit on few or alike steps can slope below zero (a decode row that takes time off): a step with
+        # decodes never takes less than nothing, or the time it "frees" would go to prompt tokens.
+        left = seconds / self.margin - max(self.predict(base) or 0.0, 0.0)
+        if left <= 0 or (c == 0.0 and e == 0.0):
+            return 0  # the decodes fill the limit, or no slope says what a prompt token costs: the floor only
         # e n^2 + (c + e context) n <= left
         lin = c + e * context
         if e == 0.0:
