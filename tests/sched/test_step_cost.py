@@ -90,13 +90,18 @@ def test_a_fit_that_predicts_less_than_nothing_frees_no_time_for_prompts():
     0.16 s more for prompt tokens than the limit itself."""
     model = StepCostModel()
     model.observations = model.min_observations
-    model.theta = [1e-3, -1.0, 0.06, 0.0, 0.0]  # scaled: 1 ms a step, -10 ms a decode row, 60 us a prompt token
+    # scaled: 1 ms a step, -10 ms a decode row, 60 us a prompt token
+    model.theta = [1e-3, -1.0, 0.06, 0.0, 0.0]
     step = StepFeatures(decode_rows=16, decode_context=16 * 300)
     assert model.predict(step) < 0
-    assert PrefillCap(model, 0.005, 0.0, 16, _decodes_alone(step)).limit(512, 0) == 80  # 5 ms of prompt tokens
-    assert PrefillCap(model, 0.0, 1.5, 16, _decodes_alone(step)).limit(512, 0) == 16  # no relative room: floor
-    model.theta = [1e-3, -1.0, -0.06, 0.0, 0.0]  # and no slope for prompt tokens at all: the floor, not no cap
-    assert PrefillCap(model, 0.005, 0.0, 16, _decodes_alone(step)).limit(512, 0) == 16
+
+    def limit(seconds: float, ratio: float) -> int:
+        return PrefillCap(model, seconds, ratio, 16, _decodes_alone(step)).limit(512, 0)
+
+    assert limit(0.005, 0.0) == 80  # 5 ms of prompt tokens
+    assert limit(0.0, 1.5) == 16  # no relative room: the floor
+    model.theta = [1e-3, -1.0, -0.06, 0.0, 0.0]  # no slope for prompt tokens at all: the floor, not no cap
+    assert limit(0.005, 0.0) == 16
 
 
 def _fitted(coef=TRUE) -> StepCostModel:
