@@ -26,7 +26,7 @@ from aioengine.sampling_params import SamplingParams
 from aioengine.sched.output import ModelRunnerOutput, NewRequestData
 from aioengine.sched.request import Request, RequestStatus
 from aioengine.sched.scheduler import Scheduler
-from aioengine.tokenizer import IncrementalDetokenizer, apply_chat_template
+from aioengine.tokenizer import IncrementalDetokenizer, apply_chat_template, raw_encoder
 
 if TYPE_CHECKING:  # importing these imports torch: start() does, lazily
     from aioengine.executor import Executor
@@ -41,6 +41,7 @@ class AsyncEngine(EmbedMixin):
         self.args = args if args is not None else EngineArgs(**kwargs)
         self.args.validate()
         self.tokenizer: Any = None
+        self._encode: Callable[[str], list[int]] | None = None  # the tokenizer's encode, or its fast path
         self.runner: ModelRunner | None = None
         self.backend: Backend | None = None  # picked in start() (importing it imports torch)
         self.scheduler: Scheduler | None = None
@@ -86,6 +87,7 @@ class AsyncEngine(EmbedMixin):
         )
         s.executor.on_death(self._rank_died)
         self.tokenizer = self._outputs.tokenizer = s.tokenizer
+        self._encode = raw_encoder(s.tokenizer) or s.tokenizer.encode
         self.model_path, self.model_name = s.model_path, s.model_name
         self.max_model_len = s.config.max_model_len
         self.vocab_size, self.eos_token_id = s.vocab_size, s.eos_token_id
@@ -196,7 +198,8 @@ class AsyncEngine(EmbedMixin):
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("The prompt cannot be empty.", param=param)
-            return prompt, list(self.tokenizer.encode(prompt))
+            assert self._encode is not None
+            return prompt, list(self._encode(prompt))
         if isinstance(prompt, list | tuple):
             prompt_ids = list(prompt)
             self._check_prompt_length(len(prompt_ids), param)  # before scanning millions of ids on the loop

