@@ -102,9 +102,10 @@ class SSEWriter:
         """A named event (`event: <type>`), as the Responses API streams them."""
         await self.resp.write(b"event: " + obj["type"].encode() + b"\ndata: " + orjson.dumps(obj) + b"\n\n")
 
-    async def done(self) -> None:
-        await self.resp.write(b"data: [DONE]\n\n")
-        await self.resp.write_eof()
+    async def done(self, *last: JSON) -> None:
+        """``last`` events, [DONE] and the end of the body in one write: a stream's end is one syscall."""
+        events = b"".join(b"data: " + orjson.dumps(obj) + b"\n\n" for obj in last)
+        await self.resp.write_eof(events + b"data: [DONE]\n\n")
 
 
 async def guarded_sse(
@@ -183,12 +184,9 @@ async def stream_choices(
                     if req.continuous_usage_stats:
                         chunk["usage"] = tally.usage()
                     await sse.send(chunk)
-        if req.include_usage:
-            await sse.send({**base, "choices": [], "usage": tally.usage()})
-        await sse.done()
+        await sse.done(*([{**base, "choices": [], "usage": tally.usage()}] if req.include_usage else []))
 
     async def write_error(sse: SSEWriter, err: APIError) -> None:
-        await sse.send(error_dict(err.status, err.message, code=err.code))
-        await sse.done()
+        await sse.done(error_dict(err.status, err.message, code=err.code))
 
     return await guarded_sse(request, engine, handles, request_id, write, write_error)
