@@ -17,6 +17,7 @@ import aiohttp
 import orjson
 
 from aioengine.bench.datasets import add_dataset_args, build_dataset
+from aioengine.bench.proc_cpu import CpuSnapshot, ProcCpuError, cpu_split
 from aioengine.bench.report import write_json
 from aioengine.cli_common import run_in_loop
 
@@ -130,6 +131,7 @@ async def run_serve(args) -> dict:
                 return await _one(session, args.base_url + "/v1/completions", payload, headers)
 
         tasks = []
+        cpu0 = CpuSnapshot.take(args.server_pid) if args.server_pid else None
         t0 = time.perf_counter()
         for req in requests:
             tasks.append(asyncio.create_task(limited(req)))
@@ -137,6 +139,7 @@ async def run_serve(args) -> dict:
                 await asyncio.sleep(rng.expovariate(args.request_rate))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - t0
+        cpu = cpu_split(args.server_pid, cpu0, CpuSnapshot.take(args.server_pid), duration) if cpu0 else None
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
     tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
@@ -158,6 +161,8 @@ async def run_serve(args) -> dict:
         "itl_s": _stats([x for r in ok for x in r.itl]),
         "e2el_s": _stats([r.e2e for r in ok]),
     }
+    if cpu is not None:
+        summary["server_cpu"] = cpu
     if getattr(args, "save_detailed", False):  # vLLM's --save-detailed: every request's own timings
         summary["requests"] = [
             {
@@ -234,8 +239,18 @@ def main(argv: list[str]) -> dict:
         help="with --save-result: each request's start, TTFT, inter-token gaps and end-to-end latency",
     )
     ap.add_argument("--plot", help="write a PNG of latency percentiles and tokens/s over time")
+    ap.add_argument(
+        "--server-pid",
+        type=int,
+        help="a server on this machine (Linux): report its event loop's and other threads' CPU over the run",
+    )
     add_dataset_args(ap)
     args = ap.parse_args(argv)
+    if args.server_pid is not None:
+        try:  # before the dataset and the run: a wrong pid is a usage error
+            CpuSnapshot.take(args.server_pid)
+        except ProcCpuError as e:
+            ap.error(f"--server-pid: {e}")
     s = run_in_loop(run_serve(args))  # uvloop: the client's own overhead shares the server's CPUs
     ms = {k: {q: v * 1e3 for q, v in s[k].items()} for k in ("ttft_s", "tpot_s", "itl_s", "e2el_s")}
     print(
@@ -250,6 +265,15 @@ def main(argv: list[str]) -> dict:
         )
     if s["failed"]:
         print(f"  failed: {s['failed']} ({s['errors']})")
+    if "server_cpu" in s:
+        c, tokens = s["server_cpu"], max(s["output_tokens"], 1)
+        others = ", ".join(f"{x:.2f}" for x in c["other_threads_s"][:6])
+        loop_ms = 1e3 * c["loop_s"] / tokens
+        print(
+            f"  server CPU (pid {c['pid']}): loop {c['loop_s']:.2f} s ({loop_ms:.3f} ms an output token), "
+            f"other threads {c['server_s'] - c['loop_s']:.2f} s ({others}); client {c['client_s']:.2f} s; "
+            f"{c['machine_s']:.1f} CPU-s in the run"
+        )
     ok, t0 = s.pop("_results")
     write_json(args.save_result, s)
     if args.plot:

@@ -154,6 +154,12 @@ def test_datasets_have_the_promised_shapes():
     assert pr[0].prompt_token_ids[:64] == pr[2].prompt_token_ids[:64] != pr[1].prompt_token_ids[:64]
 
 
+def test_bench_serve_refuses_a_server_pid_it_cannot_read(capsys):
+    with pytest.raises(SystemExit) as e:  # before loading a tokenizer or sending a request
+        bench_main(["serve", "--server-pid", str(2**22 + 12345)])
+    assert e.value.code == 2 and "--server-pid: cannot read the threads of process" in capsys.readouterr().err
+
+
 def test_bench_usage_errors():
     assert bench_main([]) == 2
     assert bench_main(["nonsense"]) == 2
@@ -215,11 +221,16 @@ def test_bench_serve_reports_against_a_live_server(tiny, tmp_path):
                     "--save-detailed",
                     "--plot",
                     str(png),
+                    "--server-pid",
+                    str(server.pid),
                 ]
             )
             == 0
         )
         r = json.loads(out.read_text())
+        cpu = r["server_cpu"]  # the server's threads over the run: its loop, and the worker that computed
+        assert cpu["pid"] == server.pid and 0 < cpu["loop_s"] < cpu["server_s"] <= cpu["machine_s"]
+        assert cpu["other_threads_s"] and cpu["other_threads_s"][0] > 0 and cpu["client_s"] > 0
         detail = r["requests"]  # --save-detailed: every request's own timings
         assert len(detail) == 6 and all(d["output_tokens"] == 5 and len(d["itl_s"]) == 4 for d in detail)
         assert all(d["start_s"] >= 0 and 0 < d["ttft_s"] <= d["e2el_s"] and not d["error"] for d in detail)
