@@ -81,25 +81,32 @@ def apply_chat_template(
     return list(ids)
 
 
-def raw_decoder(tokenizer: Any) -> Callable[[list[int], bool], str] | None:
-    """The tokenizers library's own ``decode(ids, skip_special_tokens)`` where it returns what
-    ``tokenizer.decode`` would: a transformers fast tokenizer that overrides neither ``decode`` nor
-    ``_decode`` and cleans up no spaces. The Python wrapper around it costs several times the decode itself,
-    twice a token."""
+def _plain_backend(tokenizer: Any, base: tuple[str, ...], backend: tuple[str, ...]) -> Any:
+    """The tokenizers library's Tokenizer behind a transformers fast ``tokenizer`` whose methods named in
+    ``base`` (PreTrainedTokenizerBase's) and ``backend`` (TokenizersBackend's) are transformers' own; else
+    None. Only then does calling the library directly return what the tokenizer's methods would."""
     try:
         from transformers.tokenization_utils_base import PreTrainedTokenizerBase
         from transformers.tokenization_utils_tokenizers import TokenizersBackend
     except ImportError:
         return None
-    backend = getattr(tokenizer, "_tokenizer", None)
     cls = type(tokenizer)
-    if (
-        not isinstance(tokenizer, TokenizersBackend)
-        or backend is None
-        or not hasattr(backend, "decode")
-        or cls.decode is not PreTrainedTokenizerBase.decode
-        or cls._decode is not TokenizersBackend._decode
+    if not isinstance(tokenizer, TokenizersBackend) or getattr(tokenizer, "_tokenizer", None) is None:
+        return None
+    if any(getattr(cls, m) is not getattr(PreTrainedTokenizerBase, m) for m in base) or any(
+        getattr(cls, m) is not getattr(TokenizersBackend, m) for m in backend
     ):
+        return None
+    return tokenizer._tokenizer
+
+
+def raw_decoder(tokenizer: Any) -> Callable[[list[int], bool], str] | None:
+    """The tokenizers library's own ``decode(ids, skip_special_tokens)`` where it returns what
+    ``tokenizer.decode`` would: a transformers fast tokenizer that overrides neither ``decode`` nor
+    ``_decode`` and cleans up no spaces. The Python wrapper around it costs several times the decode itself,
+    twice a token."""
+    backend = _plain_backend(tokenizer, ("decode",), ("_decode",))
+    if backend is None or not hasattr(backend, "decode"):
         return None
     if getattr(tokenizer, "clean_up_tokenization_spaces", False):
         return None  # transformers may rewrite the text (or skip that for BPE, with a warning): keep its path
@@ -111,18 +118,10 @@ def raw_encoder(tokenizer: Any) -> Callable[[str], list[int]] | None:
     where they are what that returns: a transformers fast tokenizer that overrides neither ``encode`` nor
     ``_encode_plus``, with no truncation or padding set on its backend. It skips the offsets transformers
     asks for and the wrapper around the call: about a third of a prompt's tokenizing, done on the loop."""
-    try:
-        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
-        from transformers.tokenization_utils_tokenizers import TokenizersBackend
-    except ImportError:
-        return None
-    backend = getattr(tokenizer, "_tokenizer", None)
-    cls = type(tokenizer)
+    backend = _plain_backend(tokenizer, ("encode",), ("_encode_plus",))
     if (
-        not isinstance(tokenizer, TokenizersBackend)
+        backend is None
         or not hasattr(backend, "encode_batch_fast")
-        or cls.encode is not PreTrainedTokenizerBase.encode
-        or cls._encode_plus is not TokenizersBackend._encode_plus
         or backend.truncation is not None
         or backend.padding is not None
     ):
