@@ -41,7 +41,7 @@ class AsyncEngine(EmbedMixin):
         self.args = args if args is not None else EngineArgs(**kwargs)
         self.args.validate()
         self.tokenizer: Any = None
-        self._encode: Callable[[str], list[int]] | None = None  # the tokenizer's encode, or its fast path
+        self._encode: Callable[..., list[int]] | None = None  # the tokenizer's encode, or its fast path
         self.runner: ModelRunner | None = None
         self.backend: Backend | None = None  # picked in start() (importing it imports torch)
         self.scheduler: Scheduler | None = None

@@ -59,6 +59,22 @@ class NullTokenizer:
         return ""
 
 
+# apply_chat_template's options that change how the rendered chat is encoded (or what is returned)
+_ENCODING_OPTIONS = frozenset(
+    {
+        "tokenize",
+        "sanitize_control_tokens",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
+
+
 def apply_chat_template(
     tokenizer: Any, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any
 ) -> list[int]:
@@ -70,12 +86,22 @@ def apply_chat_template(
             raise InvalidRequestError("each message must be an object with a 'role'", param="messages")
     if getattr(tokenizer, "chat_template", None) is None:
         raise InvalidRequestError("this model's tokenizer has no chat template", param="messages")
+    # transformers' tokenize=True renders the chat, then encodes it without adding special tokens: the same
+    # two steps here, the second on the fast path, unless the caller passed options of that encoding
+    encode = None if _ENCODING_OPTIONS & kwargs.keys() else raw_encoder(tokenizer)
     try:
-        ids = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=True, **kwargs
-        )
+        if encode is not None:
+            text = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs
+            )
+        else:
+            ids = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=True, **kwargs
+            )
     except Exception as e:  # jinja errors from user content: the request is bad, the engine is fine
         raise InvalidRequestError(f"could not apply the chat template: {e}", param="messages") from e
+    if encode is not None:
+        return encode(text, False)
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
     return list(ids)
@@ -113,11 +139,12 @@ def raw_decoder(tokenizer: Any) -> Callable[[list[int], bool], str] | None:
     return lambda ids, skip_special_tokens: backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
-def raw_encoder(tokenizer: Any) -> Callable[[str], list[int]] | None:
-    """The tokenizers library's ids of one text, with the special tokens ``tokenizer.encode(text)`` adds,
-    where they are what that returns: a transformers fast tokenizer that overrides neither ``encode`` nor
-    ``_encode_plus``, with no truncation or padding set on its backend. It skips the offsets transformers
-    asks for and the wrapper around the call: about a third of a prompt's tokenizing, done on the loop."""
+def raw_encoder(tokenizer: Any) -> Callable[[str, bool], list[int]] | None:
+    """The tokenizers library's ids of one text (and the special tokens, if asked), where they are what
+    ``tokenizer.encode(text, add_special_tokens=...)`` returns: a transformers fast tokenizer that overrides
+    neither ``encode`` nor ``_encode_plus``, with no truncation or padding set on its backend. It skips the
+    offsets transformers asks for and the wrapper around the call: about a third of a prompt's tokenizing,
+    done on the loop."""
     backend = _plain_backend(tokenizer, ("encode",), ("_encode_plus",))
     if (
         backend is None
@@ -128,10 +155,10 @@ def raw_encoder(tokenizer: Any) -> Callable[[str], list[int]] | None:
         return None
     split = bool(getattr(tokenizer, "split_special_tokens", False))
 
-    def encode(text: str) -> list[int]:
+    def encode(text: str, add_special_tokens: bool = True) -> list[int]:
         if backend.encode_special_tokens != split:  # transformers sets it per call: so does this
             backend.encode_special_tokens = split
-        return backend.encode_batch_fast([text], add_special_tokens=True)[0].ids
+        return backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
 
     return encode
 

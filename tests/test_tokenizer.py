@@ -8,7 +8,13 @@ import random
 import pytest
 
 from aioengine.model_files import resolve_model
-from aioengine.tokenizer import IncrementalDetokenizer, load_tokenizer, raw_decoder, raw_encoder
+from aioengine.tokenizer import (
+    IncrementalDetokenizer,
+    apply_chat_template,
+    load_tokenizer,
+    raw_decoder,
+    raw_encoder,
+)
 
 
 @pytest.fixture(scope="module")
@@ -120,3 +126,30 @@ def test_tokenizers_that_change_encoding_keep_transformers_encode(tokenizer):
     custom = load_tokenizer(path)
     custom.__class__ = Custom
     assert raw_encoder(custom) is None
+
+
+@pytest.mark.parametrize(("which", "template"), [("default", None), ("default", "qwen3"), ("gemma", "qwen3")])
+def test_chat_prompts_on_the_fast_path_are_transformers_ids(tokenizer, which, template):
+    """The model's own template, and Qwen3's (think blocks, tools) on the default model's and Gemma's
+    tokenizers (the converted Gemma folder has no template of its own)."""
+    tok = load_tokenizer(str(resolve_model("default"))) if which == "default" else _gemma_tokenizer()
+    if template == "qwen3":
+        from tests.real_templates import real_template
+
+        tok.chat_template = real_template("Qwen-Qwen3-0.6B")
+    texts = list(_texts(seed=2, n=24))
+    system = {"role": "system", "content": "Be brief."}
+    chats = [[{"role": "user", "content": t or "hi"}] for t in texts[:8]]
+    chats += [[system, {"role": "user", "content": t}] for t in texts[:4]]
+    chats += [
+        [{"role": "user", "content": a}, {"role": "assistant", "content": b}, {"role": "user", "content": c}]
+        for a, b, c in zip(texts[8:14], texts[14:20], texts[20:26], strict=False)
+    ]
+    kwargs = [{}, {"enable_thinking": False}] if template == "qwen3" else [{}]
+    for chat in chats:
+        for kw in kwargs:
+            want = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, **kw)["input_ids"]
+            assert apply_chat_template(tok, chat, **kw) == list(want), (chat, kw)
+    # an option of the encoding itself keeps transformers' path, and is honoured
+    cut = tok.apply_chat_template(chats[0], add_generation_prompt=True, truncation=True, max_length=3)
+    assert apply_chat_template(tok, chats[0], truncation=True, max_length=3) == list(cut["input_ids"])
