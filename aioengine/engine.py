@@ -199,7 +199,10 @@ class AsyncEngine(EmbedMixin):
             if not prompt:
                 raise InvalidRequestError("The prompt cannot be empty.", param=param)
             assert self._encode is not None
-            return prompt, list(self._encode(prompt))
+            try:
+                return prompt, list(self._encode(prompt))
+            except TypeError as e:  # the tokenizers library's answer to text with no UTF-8 (a lone surrogate)
+                raise InvalidRequestError(f"The prompt cannot be tokenized: {e}", param=param) from None
         if isinstance(prompt, list | tuple):
             prompt_ids = list(prompt)
             self._check_prompt_length(len(prompt_ids), param)  # before scanning millions of ids on the loop

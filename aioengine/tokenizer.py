@@ -94,14 +94,12 @@ def apply_chat_template(
             text = tokenizer.apply_chat_template(
                 messages, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs
             )
-        else:
-            ids = tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=True, **kwargs
-            )
-    except Exception as e:  # jinja errors from user content: the request is bad, the engine is fine
+            return encode(text, False)
+        ids = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=True, **kwargs
+        )
+    except Exception as e:  # jinja errors, or text with no UTF-8, from user content: the request is bad
         raise InvalidRequestError(f"could not apply the chat template: {e}", param="messages") from e
-    if encode is not None:
-        return encode(text, False)
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
     return list(ids)

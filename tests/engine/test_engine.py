@@ -108,6 +108,8 @@ def test_bad_input_raises_typed_errors_before_scheduling(tiny_llama):
                 lambda: engine.generate(None, SamplingParams()),
                 lambda: engine.chat([], SamplingParams()),
                 lambda: engine.chat([{"content": "no role"}], SamplingParams()),
+                lambda: engine.generate("a\ud800b", SamplingParams()),  # a lone surrogate: no UTF-8
+                lambda: engine.chat([{"role": "user", "content": "a\ud800b"}], SamplingParams()),
                 lambda: SamplingParams(temperature=-1),
                 lambda: SamplingParams(top_p=0),
                 lambda: SamplingParams(max_tokens=0),
