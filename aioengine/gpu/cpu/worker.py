@@ -28,10 +28,11 @@ class CpuWorker:
         import torch
 
         # Compute yields to the event loop: this thread and the OpenMP threads it spawns (they inherit it) run
-        # at a lower priority, so when both want a core the loop wins and answers at once (503s, tokens). At +10
-        # rather than +5 the loop's bursts held fewer streams' tokens back (docs/benchmarks.md, issue 23).
+        # at a lower priority, so when both want a core the loop wins and answers at once (503s, tokens).
+        # At +10 rather than +5 the loop's bursts held fewer streams' tokens back (docs/benchmarks.md).
         with contextlib.suppress(OSError, AttributeError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + _NICE)
+            nice = os.getpriority(os.PRIO_PROCESS, 0) + _NICE
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
         torch.set_num_threads(num_threads)
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
