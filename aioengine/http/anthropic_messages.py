@@ -424,20 +424,18 @@ async def stream_message(
         await blocks.close()
         assert last is not None
         stop_reason, stop_sequence = _stop(last, finish)
-        await sse.send_event(
+        await sse.done_named(
             {
                 "type": "message_delta",
                 "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
                 "usage": {"output_tokens": tally.completion_tokens},
-            }
+            },
+            {"type": "message_stop"},
         )
-        await sse.send_event({"type": "message_stop"})
-        await sse.resp.write_eof()
 
     async def write_error(sse: SSEWriter, err: APIError) -> None:
         kind = _ERROR_TYPES.get(err.status, "api_error")
-        await sse.send_event({"type": "error", "error": {"type": kind, "message": err.message}})
-        await sse.resp.write_eof()
+        await sse.done_named({"type": "error", "error": {"type": kind, "message": err.message}})
 
     return await guarded_sse(request, engine, [handle], adm.request_id, write, write_error)
 

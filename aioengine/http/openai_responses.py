@@ -168,12 +168,10 @@ async def stream_response(
             )
             await sse.send_event(builder.event("response.output_item.done", output_index=index, item=item))
         kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
-        await sse.send_event(builder.event(kind, response=final))
-        await sse.resp.write_eof()
+        await sse.done_named(builder.event(kind, response=final))
 
     async def write_error(sse: SSEWriter, err: APIError) -> None:
-        await sse.send_event(builder.event("error", code=err.code, message=err.message, param=None))
-        await sse.resp.write_eof()
+        await sse.done_named(builder.event("error", code=err.code, message=err.message, param=None))
 
     return await guarded_sse(request, engine, [handle], request_id, write, write_error)
 

@@ -95,17 +95,28 @@ class SSEWriter:
     def __init__(self, resp: web.StreamResponse) -> None:
         self.resp = resp
 
+    @staticmethod
+    def _data(obj: JSON) -> bytes:
+        return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+    @staticmethod
+    def _named(obj: JSON) -> bytes:
+        return b"event: " + obj["type"].encode() + b"\ndata: " + orjson.dumps(obj) + b"\n\n"
+
     async def send(self, obj: JSON) -> None:
-        await self.resp.write(b"data: " + orjson.dumps(obj) + b"\n\n")
+        await self.resp.write(self._data(obj))
 
     async def send_event(self, obj: JSON) -> None:
-        """A named event (`event: <type>`), as the Responses API streams them."""
-        await self.resp.write(b"event: " + obj["type"].encode() + b"\ndata: " + orjson.dumps(obj) + b"\n\n")
+        """A named event (`event: <type>`), as the Responses and Anthropic APIs stream them."""
+        await self.resp.write(self._named(obj))
 
     async def done(self, *last: JSON) -> None:
         """``last`` events, [DONE] and the end of the body in one write: a stream's end is one syscall."""
-        events = b"".join(b"data: " + orjson.dumps(obj) + b"\n\n" for obj in last)
-        await self.resp.write_eof(events + b"data: [DONE]\n\n")
+        await self.resp.write_eof(b"".join(map(self._data, last)) + b"data: [DONE]\n\n")
+
+    async def done_named(self, *last: JSON) -> None:
+        """``last`` named events and the end of the body in one write (those APIs send no [DONE])."""
+        await self.resp.write_eof(b"".join(map(self._named, last)))
 
 
 async def guarded_sse(
