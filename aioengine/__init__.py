@@ -1,12 +1,14 @@
 """aioengine: an LLM inference engine whose serving path runs in one asyncio event loop."""
 
+import importlib.metadata
+
 from aioengine.config import EngineArgs
 from aioengine.engine import AsyncEngine, GenerateHandle
 from aioengine.errors import AioEngineError, EngineDeadError, EngineNotStartedError, InvalidRequestError
 from aioengine.outputs import CompletionOutput, RequestOutput
 from aioengine.sampling_params import SamplingParams
 
-__version__ = "0.1.0"
+__version__ = importlib.metadata.version("aioengine")
 __all__ = [
     "AioEngineError",
     "AsyncEngine",

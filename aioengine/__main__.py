@@ -1,6 +1,6 @@
 """`python -m aioengine ...`: the same command line as the `aioengine` script."""
 
-from aioengine.cli import main
+from aioengine.cli.commands import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -7,8 +7,95 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from aioengine.pooling import POOLING_TYPES
-from aioengine.sched.spec_decode import SpeculativeConfig
+POOLING_TYPES = ("last", "mean", "cls")  # embeddings: which hidden states embed() pools
+DEFAULT_POOLING = "last"  # vLLM's default for a decoder-only model
+
+# Speculative decoding: vLLM's `speculative_config` keys.
+SPEC_METHODS = ("ngram", "draft_model")
+_SPEC_KEYS = {
+    "method",
+    "num_speculative_tokens",
+    "prompt_lookup_max",
+    "prompt_lookup_min",
+    "disable_by_batch_size",
+    "model",
+}
+
+
+_DEFAULT_LOOKUP = (2, 4)  # prompt_lookup_min, prompt_lookup_max
+
+
+@dataclass(slots=True, frozen=True)
+class SpeculativeConfig:
+    """``disable_by_batch_size``: no speculation while more requests than this run (a verified draft costs
+    a batch-1 step almost nothing, a large batch a full share of compute)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_max: int = _DEFAULT_LOOKUP[1]
+    prompt_lookup_min: int = _DEFAULT_LOOKUP[0]
+    disable_by_batch_size: int = 2
+    model: str | None = None  # the draft model's checkpoint (method "draft_model")
+
+    @property
+    def uses_draft_model(self) -> bool:
+        return self.method == "draft_model"
+
+    @staticmethod
+    def from_dict(raw: dict[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:
+        """vLLM's dict (or a SpeculativeConfig, or None); a bad key or value raises ValueError naming it."""
+        if raw is None or isinstance(raw, SpeculativeConfig):
+            return raw
+        if not isinstance(raw, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {type(raw).__name__}")
+        unknown = sorted(set(raw) - _SPEC_KEYS)
+        if unknown:
+            raise ValueError(
+                f"speculative_config has unknown key {unknown[0]!r}; "
+                f"known keys: {', '.join(sorted(_SPEC_KEYS))}"
+            )
+        # vLLM infers the method from a given model when none is named
+        method = raw.get("method", "draft_model" if raw.get("model") is not None else "ngram")
+        if method not in SPEC_METHODS:
+            methods = ", ".join(SPEC_METHODS)
+            raise ValueError(f"speculative_config method must be one of {methods}, got {method!r}")
+        model = raw.get("model")
+        if method == "draft_model":
+            if not isinstance(model, str) or not model:
+                raise ValueError("speculative_config method 'draft_model' needs 'model': the draft's path")
+            lookup = sorted({"prompt_lookup_max", "prompt_lookup_min"} & set(raw))
+            if lookup:
+                raise ValueError(
+                    f"speculative_config {lookup[0]} applies to method 'ngram', not 'draft_model'"
+                )
+        elif model is not None:
+            raise ValueError(f"speculative_config method {method!r} takes no 'model'")
+        ints = {}
+        for key in (
+            "num_speculative_tokens",
+            "prompt_lookup_max",
+            "prompt_lookup_min",
+            "disable_by_batch_size",
+        ):
+            if key in raw:
+                value = raw[key]
+                if type(value) is not int or value < 1:
+                    raise ValueError(f"speculative_config {key} must be an integer >= 1, got {value!r}")
+                ints[key] = value
+        if "prompt_lookup_max" in ints and "prompt_lookup_min" not in ints:
+            ints["prompt_lookup_min"] = min(ints["prompt_lookup_max"], _DEFAULT_LOOKUP[0])
+        if "prompt_lookup_min" in ints and "prompt_lookup_max" not in ints:
+            ints["prompt_lookup_max"] = max(ints["prompt_lookup_min"], _DEFAULT_LOOKUP[1])
+        config = SpeculativeConfig(method=method, model=model, **ints)
+        if config.num_speculative_tokens > 16:
+            raise ValueError("speculative_config num_speculative_tokens must be at most 16")
+        if config.prompt_lookup_min > config.prompt_lookup_max:
+            raise ValueError(
+                f"speculative_config prompt_lookup_min ({config.prompt_lookup_min}) must not exceed "
+                f"prompt_lookup_max ({config.prompt_lookup_max})"
+            )
+        return config
+
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +169,7 @@ class EngineArgs:
     # Largest decode batch a CUDA graph is captured for (default: the tour's 512; bigger batches run eagerly).
     max_cudagraph_capture_size: int | None = None
     quantization: str | None = None  # CPU only: int8 | int4 weight-only (aioengine/gpu/cpu/quant.py)
-    # embed()'s pooling: last | mean | cls (aioengine/pooling.py); default: the checkpoint's
+    # embed()'s pooling: last | mean | cls (aioengine/model/pooling.py); default: the checkpoint's
     # sentence-transformers config, else last
     pooling: str | None = None
     step_timeout_s: float = 300.0  # watchdog: a step running longer marks the engine dead

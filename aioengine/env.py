@@ -1,13 +1,15 @@
-"""Every environment variable aioengine reads, in one place (kernel choices are EngineArgs, never variables).
+"""Every environment variable aioengine reads or sets, in one place (kernel choices are EngineArgs).
 
-Two kinds are written elsewhere, on purpose: ``model_files`` and ``tokenizer`` set HF_HUB_OFFLINE /
-TRANSFORMERS_OFFLINE around transformers' loaders, so that nothing reaches for the network.
+The only ones written are HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE, around transformers' loaders
+(``hf_offline``), so that nothing reaches for the network.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -30,3 +32,32 @@ def c_compiler() -> str | None:
 def api_key() -> str | None:
     """`aioengine serve`'s key when --api-key is not given: $AIOENGINE_API_KEY."""
     return os.environ.get("AIOENGINE_API_KEY") or None
+
+
+def torchrun_master() -> tuple[str, str] | None:
+    """torchrun's MASTER_ADDR and MASTER_PORT, when both are set (a TP group's TCP store)."""
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    return (addr, port) if addr and port else None
+
+
+def torchrun_master_given() -> bool:
+    """Whether MASTER_ADDR is set: the user placed the TP group's store themselves."""
+    return "MASTER_ADDR" in os.environ
+
+
+_OFFLINE = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+
+
+@contextlib.contextmanager
+def hf_offline() -> Iterator[None]:
+    """transformers and huggingface_hub kept off the network while a loader runs; restored afterwards."""
+    saved = {k: os.environ.get(k) for k in _OFFLINE}
+    os.environ.update(dict.fromkeys(_OFFLINE, "1"))
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

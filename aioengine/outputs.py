@@ -1,4 +1,4 @@
-"""RequestOutput and CompletionOutput: what generate() yields to users."""
+"""What generate() yields to users (RequestOutput, CompletionOutput) and what embed() returns."""
 
 from __future__ import annotations
 
@@ -53,3 +53,29 @@ class RequestOutput:
     @property
     def num_generated_tokens(self) -> int:
         return sum(len(o.token_ids) for o in self.outputs)
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    embedding: list[float]  # unit length (over the kept dimensions)
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    """What embed() returns for one input (vLLM's EmbeddingRequestOutput)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+    num_cached_tokens: int = 0
+    metrics: dict = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class RankStats:
+    """One tensor-parallel rank's steps and the seconds its worker spent in them (rank 0 on one device)."""
+
+    rank: int
+    calls: float
+    busy_s: float

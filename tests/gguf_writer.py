@@ -17,8 +17,8 @@ from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize, quantize
 
-from aioengine.gguf_file import read_header
-from aioengine.model_files import default_gguf_path
+from aioengine.model.files import default_gguf_path
+from aioengine.model.gguf_file import read_header
 
 TOKENIZER_ARRAYS = frozenset({"tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type"})
 TINY_VOCAB = 2048  # the special tokens, the 256 bytes and the first merges

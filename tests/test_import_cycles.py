@@ -1,4 +1,4 @@
-"""No import cycles inside the aioengine package.
+"""No import cycles inside the aioengine package, and imports point one way down its layers.
 
 Every `import` / `from ... import` statement in every module counts, wherever it is: at module level, inside
 a function (a lazy import is still a dependency), and under `if TYPE_CHECKING:` (the strict choice: a cycle
@@ -135,3 +135,62 @@ def test_no_import_cycles():
     graph = import_graph()
     found = cycles(graph)
     assert not found, "import cycles:\n" + "\n".join(" -> ".join(_example_cycle(graph, c)) for c in found)
+
+
+# Imports point one way, down this list; a package may import its own modules and anything lower. Leaf types
+# (the public data types, errors and env) are importable from anywhere and import only each other.
+LAYERS: dict[str, int] = {
+    "aioengine": 7,  # the package root re-exports the public API
+    "aioengine.__main__": 7,
+    "aioengine.cli": 6,
+    "aioengine.http": 5,
+    "aioengine.engine": 4,
+    "aioengine.executor": 3,
+    "aioengine.sched": 2,
+    "aioengine.structured": 2,
+    "aioengine.gpu": 2,
+    "aioengine.model": 2,
+    "aioengine.kernels": 1,
+}
+LEAVES = {f"aioengine.{m}" for m in ("config", "sampling_params", "outputs", "errors", "env")}
+
+
+def _layer_of(module: str) -> tuple[str, int]:
+    if module in LEAVES:
+        return module, 0
+    parts = module.split(".")
+    unit = ".".join(parts[:2])
+    assert unit in LAYERS, f"{module} is in no layer: add its package to LAYERS, or make it a leaf type"
+    return unit, LAYERS[unit]
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    bad = []
+    for mod, targets in sorted(graph.items()):
+        unit, rank = _layer_of(mod)
+        for t in sorted(targets):
+            t_unit, t_rank = _layer_of(t)
+            if t_unit == unit:
+                continue
+            if rank == 0 and t_rank != 0:
+                bad.append(f"{mod} -> {t} (a leaf type imports only leaf types)")
+            elif t_rank > rank:
+                bad.append(f"{mod} -> {t} (layer {rank} imports layer {t_rank})")
+    return bad
+
+
+def test_imports_point_down_the_layers():
+    assert upward_imports(import_graph()) == []
+
+
+def test_an_upward_import_is_caught():
+    """The layer check is live: a scheduler module that imports the engine, or a leaf that imports sched."""
+    graph = {m: set(t) for m, t in import_graph().items()}
+    graph["aioengine.sched.scheduler"].add("aioengine.engine.async_engine")
+    graph["aioengine.config"].add("aioengine.sched.request")
+    graph["aioengine.http.server"].add("aioengine")
+    found = upward_imports(graph)
+    assert "aioengine.sched.scheduler -> aioengine.engine.async_engine (layer 2 imports layer 4)" in found
+    assert "aioengine.config -> aioengine.sched.request (a leaf type imports only leaf types)" in found
+    assert "aioengine.http.server -> aioengine (layer 5 imports layer 7)" in found
+    assert len(found) == 3

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
+from aioengine import env
 from aioengine.config import EngineArgs
 from aioengine.executor.base import Executor, RankStats, RankWorker, UniProcExecutor
 
@@ -20,7 +20,7 @@ async def make_executor(args: EngineArgs, backend: Backend) -> Executor:
         return UniProcExecutor(backend.make_worker(), RankWorker(backend))
     from aioengine.gpu.parallel import resolve_init_method
 
-    given = args.distributed_init_method is not None or "MASTER_ADDR" in os.environ
+    given = args.distributed_init_method is not None or env.torchrun_master_given()
     init_method = resolve_init_method(args.distributed_init_method) if given else None
     if args.distributed_executor_backend == "ray":
         from aioengine.executor.ray_executor import RayExecutor

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from aioengine.config import EngineArgs
-from aioengine.engine_client import RankStats
 from aioengine.errors import EngineDeadError
+from aioengine.outputs import RankStats
 from aioengine.sched.output import ModelRunnerOutput
 
 if TYPE_CHECKING:  # importing these imports torch

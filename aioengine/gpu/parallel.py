@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import datetime
-import os
 import pickle
 import socket
 import time
@@ -24,6 +23,8 @@ from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
+
+from aioengine import env
 
 
 class TensorParallelError(ValueError):
@@ -159,9 +160,9 @@ def free_port() -> int:
 def resolve_init_method(init_method: str | None) -> str:
     """``tcp://host:port`` as given, or from torchrun's MASTER_ADDR/MASTER_PORT, or a free local port."""
     if init_method in (None, "env://"):
-        addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-        if addr and port:
-            return f"tcp://{addr}:{port}"
+        master = env.torchrun_master()
+        if master:
+            return f"tcp://{master[0]}:{master[1]}"
         if init_method == "env://":
             raise TensorParallelError("distributed_init_method env:// needs MASTER_ADDR and MASTER_PORT")
         return f"tcp://127.0.0.1:{free_port()}"

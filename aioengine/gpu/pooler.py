@@ -2,7 +2,7 @@
 
 The model's forward gives every scheduled token's final (normed) hidden state; a request's prompt may come
 in several chunks, so mean pooling keeps a running float32 sum and CLS pooling the first token's state
-until the chunk that completes the prompt (aioengine/pooling.py has the types).
+until the chunk that completes the prompt (aioengine/model/pooling.py has the types).
 """
 
 from __future__ import annotations

@@ -18,14 +18,14 @@ from typing import Any, Generic, TypeVar
 import orjson
 from aiohttp import web
 
-from aioengine.engine_client import EngineClient, PrecompiledGrammar, RequestHandle
+from aioengine.engine.client import EngineClient, PrecompiledGrammar, RequestHandle
 from aioengine.errors import AioEngineError, InvalidRequestError
 from aioengine.http.context import CONFIG, ENGINE, STATE, check_model
 from aioengine.http.fields import APIError, RequestLimits, api_error, bad, parse_json_body
 from aioengine.http.protocol import ChatRequest, CompletionRequest, parse_chat_request
 from aioengine.http.reasoning import closed_in_prompt
 from aioengine.http.request_fields import REQUEST_ID_PATTERN
-from aioengine.tokenizer import apply_chat_template
+from aioengine.model.tokenizer import apply_chat_template
 
 logger = logging.getLogger("aioengine.http")
 

@@ -17,7 +17,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from aioengine.engine_client import EngineClient, RequestHandle
+from aioengine.engine.client import EngineClient, RequestHandle
 from aioengine.http import admission
 from aioengine.http.admission import Admitted
 from aioengine.http.context import CONFIG, ENGINE, check_model, json_response
@@ -27,8 +27,8 @@ from aioengine.http.reasoning import ReasoningParser
 from aioengine.http.reasoning import split as split_reasoning
 from aioengine.http.streaming import JSON, SSEWriter, Tally, guarded_sse, merged
 from aioengine.http.tools import StreamParser, extract
+from aioengine.model.tokenizer import apply_chat_template
 from aioengine.outputs import CompletionOutput
-from aioengine.tokenizer import apply_chat_template
 
 # Anthropic's error types by HTTP status (https://docs.anthropic.com/en/api/errors).
 _ERROR_TYPES = {

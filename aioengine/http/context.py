@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import orjson
 from aiohttp import web
 
-from aioengine.engine_client import EngineClient
+from aioengine.engine.client import EngineClient
 from aioengine.http.cors import CorsConfig
 from aioengine.http.fields import APIError, RequestLimits
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from aioengine.engine_client import EngineClient
+from aioengine.engine.client import EngineClient
 from aioengine.outputs import Logprob
 
 _FLOOR = -9999.0  # -inf is not JSON; vLLM clamps the same way

@@ -15,7 +15,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 
-from aioengine.engine_client import EngineClient, RequestInfo
+from aioengine.engine.client import EngineClient, RequestInfo
 from aioengine.outputs import RequestOutput
 from aioengine.sched.output import EngineCoreOutput, SchedulerStats
 

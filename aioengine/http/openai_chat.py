@@ -8,7 +8,7 @@ from typing import Any
 
 from aiohttp import web
 
-from aioengine.engine_client import EngineClient, RequestHandle
+from aioengine.engine.client import EngineClient, RequestHandle
 from aioengine.http import admission
 from aioengine.http.admission import Admitted
 from aioengine.http.context import CONFIG, ENGINE, json_response

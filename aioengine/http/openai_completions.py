@@ -8,7 +8,7 @@ import time
 
 from aiohttp import web
 
-from aioengine.engine_client import EngineClient, RequestHandle
+from aioengine.engine.client import EngineClient, RequestHandle
 from aioengine.http import admission
 from aioengine.http.admission import Admitted
 from aioengine.http.context import ENGINE, json_response

@@ -17,7 +17,7 @@ from typing import Any
 
 from aiohttp import web
 
-from aioengine.engine_client import EngineClient, RequestHandle
+from aioengine.engine.client import EngineClient, RequestHandle
 from aioengine.http import admission
 from aioengine.http.context import CONFIG, ENGINE, json_response
 from aioengine.http.fields import APIError, Fields, SchemaContext, bad, not_supported

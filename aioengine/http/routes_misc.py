@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 from pathlib import Path
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-import aioengine
 from aioengine.http.admission import read_json
 from aioengine.http.context import (
     CONFIG,
@@ -23,7 +23,7 @@ from aioengine.http.fields import APIError, bad
 from aioengine.http.openapi import openapi_spec
 from aioengine.http.protocol import parse_detokenize_request, parse_tokenize_request
 from aioengine.http.streaming import JSON
-from aioengine.tokenizer import apply_chat_template
+from aioengine.model.tokenizer import apply_chat_template
 
 STATIC_DIR = Path(__file__).with_name("static")
 
@@ -93,7 +93,7 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def version(request: web.Request) -> web.Response:
-    return json_response({"version": aioengine.__version__})
+    return json_response({"version": importlib.metadata.version("aioengine")})
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -108,7 +108,9 @@ async def openapi(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
     vocab = engine.vocab_size or len(engine.tokenizer)
     return json_response(
-        openapi_spec(aioengine.__version__, request.app[CONFIG].limits, vocab, engine.allow_priority)
+        openapi_spec(
+            importlib.metadata.version("aioengine"), request.app[CONFIG].limits, vocab, engine.allow_priority
+        )
     )
 
 

@@ -12,7 +12,7 @@ import signal
 import time
 from collections.abc import Callable
 
-from aioengine.engine_client import EngineClient
+from aioengine.engine.client import EngineClient
 from aioengine.http.metrics import StatsLogger
 from aioengine.http.server import STATE, ServerConfig, bound_port, build_app, start_server
 

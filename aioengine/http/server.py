@@ -21,8 +21,8 @@ from typing import Any
 from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
 
-from aioengine import gc_freeze
-from aioengine.engine_client import EngineClient, RequestInfo
+from aioengine.engine import gc_freeze
+from aioengine.engine.client import EngineClient, RequestInfo
 from aioengine.errors import AioEngineError
 from aioengine.http import anthropic_messages, cors, openai_embeddings, routes_misc
 from aioengine.http.context import (

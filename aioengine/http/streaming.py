@@ -12,7 +12,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from aioengine.engine_client import EngineClient, RequestHandle
+from aioengine.engine.client import EngineClient, RequestHandle
 from aioengine.errors import AioEngineError
 from aioengine.http.fields import APIError, api_error, error_dict
 from aioengine.http.protocol import ChatRequest, CompletionRequest

@@ -15,7 +15,7 @@ from contextlib import aclosing, suppress
 import orjson
 from aiohttp import WSCloseCode, WSMsgType, web
 
-from aioengine.engine_client import RequestHandle
+from aioengine.engine.client import RequestHandle
 from aioengine.errors import AioEngineError
 from aioengine.http import admission
 from aioengine.http.admission import Admitted

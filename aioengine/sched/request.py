@@ -54,7 +54,7 @@ class Request:
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     cache_salt: str | None = None
-    # An embedding request (aioengine/pooling.py's types): prefill-only, finished by the runner's pooled
+    # An embedding request (aioengine/model/pooling.py's types): prefill-only, finished by the runner's pooled
     # vector instead of a sampled token.
     pooling: str | None = None
 

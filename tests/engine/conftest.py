@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers
 
-from aioengine.model_files import resolve_model
+from aioengine.model.files import resolve_model
 
 SMALL = dict(
     hidden_size=64,

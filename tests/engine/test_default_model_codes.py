@@ -12,7 +12,7 @@ import torch
 from aioengine import AsyncEngine, EngineArgs, SamplingParams
 from aioengine.gpu.cpu.q8_linear import Q8Linear
 from aioengine.kernels.cpu import q8
-from aioengine.model_files import resolve_model
+from aioengine.model.files import resolve_model
 from tests.engine.greedy_ref import NEW_TOKENS, assert_equal_up_to_ties, hf_greedy
 
 pytestmark = pytest.mark.skipif(not q8.available(), reason="the block-code kernels need AVX512-VNNI")

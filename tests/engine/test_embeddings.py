@@ -167,7 +167,7 @@ def test_bad_input_and_aborts_are_typed_errors(tiny_llama):
 def test_pooling_comes_from_a_sentence_transformers_config(tmp_path):
     import json
 
-    from aioengine.pooling import PoolingConfigError, pooling_of_checkpoint, resolve_pooling
+    from aioengine.model.pooling import PoolingConfigError, pooling_of_checkpoint, resolve_pooling
 
     assert pooling_of_checkpoint(tmp_path) is None and resolve_pooling(None, str(tmp_path)) == "last"
     module = {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}

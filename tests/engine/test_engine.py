@@ -15,7 +15,7 @@ from aioengine import (
     InvalidRequestError,
     SamplingParams,
 )
-from aioengine.tokenizer import IncrementalDetokenizer
+from aioengine.model.tokenizer import IncrementalDetokenizer
 
 
 def tiny_args(path, **kw) -> EngineArgs:
@@ -307,7 +307,7 @@ def test_handle_abort_and_stats_count_every_scheduled_token(tiny_llama):
 
 
 def test_chat_template_flag_replaces_the_tokenizers(tiny_llama, tmp_path):
-    from aioengine.tokenizer import read_chat_template
+    from aioengine.model.tokenizer import read_chat_template
 
     template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant]"
     path = tmp_path / "template.jinja"
@@ -367,7 +367,7 @@ def test_generation_config_supplies_default_sampling_parameters(tiny_llama, tmp_
 def test_a_prefix_cache_hit_gives_the_same_bits_in_bfloat16():
     """The same prompts twice on the default model in bf16: the second run reads the first's cached blocks and
     recomputes only the tail (for the 33-token prompt, its last token alone), yet every logprob is equal."""
-    from aioengine.tokenizer import load_tokenizer
+    from aioengine.model.tokenizer import load_tokenizer
 
     async def main():
         async with AsyncEngine(EngineArgs(model="default", dtype="bfloat16", max_model_len=512)) as eng:

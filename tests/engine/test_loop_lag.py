@@ -5,7 +5,7 @@ import asyncio
 import pytest
 
 from aioengine import AsyncEngine, EngineArgs, SamplingParams
-from aioengine.bench.loop_lag import LoopLagProbe
+from aioengine.cli.bench.loop_lag import LoopLagProbe
 from tests.timing import StepClock
 
 pytestmark = pytest.mark.serial  # it measures timing or load: it runs alone

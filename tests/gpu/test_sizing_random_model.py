@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from aioengine import AsyncEngine, EngineArgs, SamplingParams
-from aioengine.bench import main as bench_main
+from aioengine.cli.bench import main as bench_main
 from aioengine.errors import InvalidRequestError
 from aioengine.gpu.cuda.memory import MemoryProfile, kv_cache_blocks, warmup_lengths
 from aioengine.gpu.loader import kv_cache_bytes_per_block

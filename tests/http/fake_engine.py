@@ -7,7 +7,7 @@ import asyncio
 from collections.abc import AsyncGenerator, Generator, Mapping
 from typing import Any
 
-from aioengine.engine_client import (
+from aioengine.engine.client import (
     EngineClient,
     EngineStats,
     PrecompiledGrammar,
@@ -17,8 +17,7 @@ from aioengine.engine_client import (
     StatListener,
 )
 from aioengine.errors import EngineDeadError
-from aioengine.outputs import CompletionOutput, RequestOutput
-from aioengine.pooling import EmbeddingOutput, EmbeddingRequestOutput
+from aioengine.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from aioengine.sampling_params import SamplingParams
 
 

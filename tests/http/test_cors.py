@@ -81,7 +81,7 @@ def test_the_preflight_is_answered_before_auth_and_only_for_allowed_origins(http
 def test_the_flags_take_vllms_json_lists_or_commas():
     import argparse
 
-    from aioengine.cli import parse_origin_list
+    from aioengine.cli.commands import parse_origin_list
 
     assert parse_origin_list('["http://a:1", "https://b"]') == ["http://a:1", "https://b"]
     assert parse_origin_list("http://a:1, https://b") == ["http://a:1", "https://b"]

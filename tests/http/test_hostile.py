@@ -19,7 +19,7 @@ import orjson
 import pytest
 
 import aioengine.http.server as server_module
-from aioengine.bench.loop_lag import LoopLagProbe
+from aioengine.cli.bench.loop_lag import LoopLagProbe
 from aioengine.http.protocol import APIError, RequestLimits, parse_chat_request, parse_completion_request
 from tests.http.conftest import API_KEY, IDLE_STEPS, Http
 from tests.timing import HANG_S, median_s
@@ -249,7 +249,7 @@ def test_limits_are_configurable():
 def test_request_limit_flag():
     import argparse
 
-    from aioengine.cli import parse_request_limit
+    from aioengine.cli.commands import parse_request_limit
 
     assert parse_request_limit("max_n=16") == ("max_n", 16)
     for text in ("max_n=0", "max_n=x", "nope=3", "max_n"):

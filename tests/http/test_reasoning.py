@@ -204,7 +204,7 @@ def test_a_thinking_budget_ends_the_reasoning_over_chat_and_messages(server):
     forced </think>, and an answer follows."""
     from transformers import AutoTokenizer
 
-    from aioengine.model_files import resolve_model
+    from aioengine.model.files import resolve_model
 
     tok = AutoTokenizer.from_pretrained(resolve_model("default"))
     oai = openai.OpenAI(base_url=server.url("reasoning-r1") + "/v1", api_key="x", max_retries=0, timeout=60)

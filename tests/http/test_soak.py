@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from aioengine.bench.loop_lag import LoopLagProbe
+from aioengine.cli.bench.loop_lag import LoopLagProbe
 from tests.http.soak import SoakReport, soak
 from tests.timing import StepClock
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from aioengine.errors import InvalidRequestError
-from aioengine.model_files import resolve_model
+from aioengine.model.files import resolve_model
 from aioengine.sampling_params import StructuredOutputsParams
 from aioengine.structured.manager import StructuredOutputManager
 

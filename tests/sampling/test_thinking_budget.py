@@ -11,7 +11,7 @@ import pytest
 
 from aioengine import AsyncEngine, EngineArgs, SamplingParams
 from aioengine.errors import InvalidRequestError
-from aioengine.model_files import resolve_model
+from aioengine.model.files import resolve_model
 from aioengine.sampling_params import StructuredOutputsParams
 from aioengine.structured.manager import StructuredOutputManager
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import pytest
 
+from aioengine.config import SpeculativeConfig
 from aioengine.sampling_params import SamplingParams
 from aioengine.sched.output import ModelRunnerOutput
 from aioengine.sched.request import Request
 from aioengine.sched.scheduler import Scheduler, SchedulerConfig
-from aioengine.sched.spec_decode import SpeculativeConfig, propose_ngram
+from aioengine.sched.spec_decode import propose_ngram
 
 SPEC = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=3, prompt_lookup_min=1)
 LOOP = [1, 2, 3, 4, 5, 6, 7, 8]

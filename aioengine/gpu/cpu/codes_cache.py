@@ -25,7 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from aioengine.gpu.cpu.block_codes import KINDS, BlockCodes, float32_matrices, read_block_codes
-from aioengine.model_files import MARKER
+from aioengine.model.files import MARKER
 
 logger = logging.getLogger(__name__)
 

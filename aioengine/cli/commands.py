@@ -1,0 +1,239 @@
+"""The `aioengine` command line: `serve` (engine + HTTP server in one uvloop loop), `bench`, `chat`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import sys
+from typing import Any
+
+from aioengine import env
+from aioengine.cli.common import (
+    add_engine_args,
+    engine_args_from,
+    parse_bytes,
+    run_in_loop,
+)
+
+logger = logging.getLogger("aioengine.serve")
+
+
+def parse_origin_list(text: str) -> list[str]:
+    """vLLM's form, a JSON list of strings, or a comma-separated list."""
+    import json
+
+    text = text.strip()
+    if text.startswith("["):
+        try:
+            items = json.loads(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"not a JSON list: {e}") from None
+        if not isinstance(items, list) or not all(isinstance(x, str) for x in items):
+            raise argparse.ArgumentTypeError("expected a JSON list of strings")
+        return items
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def parse_request_limit(text: str) -> tuple[str, int]:
+    """'max_n=16' -> ("max_n", 16): one field of aioengine.http.protocol.RequestLimits."""
+    from aioengine.http.protocol import RequestLimits
+
+    name, _, value = text.partition("=")
+    names = [f.name for f in dataclasses.fields(RequestLimits)]
+    if name not in names or not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"expected NAME=N with N >= 1 and NAME one of {', '.join(names)}")
+    return name, int(value)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="aioengine", description="An LLM inference engine in one event loop."
+    )
+    sub = parser.add_subparsers(dest="command", metavar="{serve,bench,chat}")
+    serve = sub.add_parser(
+        "serve",
+        help="serve the OpenAI-compatible API, websocket and chat page",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    serve.add_argument("model_tag", nargs="?", metavar="MODEL", help="same as --model")
+    srv = serve.add_argument_group("server")
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    srv.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
+    srv.add_argument(
+        "--api-key",
+        default=None,  # read from the env later: --help must not print it
+        help="require 'Authorization: Bearer KEY' on /v1 routes (default: env AIOENGINE_API_KEY)",
+    )
+    srv.add_argument(
+        "--max-num-queued-reqs",
+        type=int,
+        default=None,
+        help="answer 503 + Retry-After while this many requests wait in the engine",
+    )
+    srv.add_argument(
+        "--max-request-bytes",
+        type=parse_bytes,
+        default=4 << 20,
+        help="largest request body or websocket message (413 beyond)",
+    )
+    srv.add_argument(
+        "--request-limit",
+        type=parse_request_limit,
+        action="append",
+        default=[],
+        metavar="NAME=N",
+        help="override one per-request cap (docs/api.md), e.g. max_n=16; repeatable",
+    )
+    for flag, default, what in (
+        (
+            "--allowed-origins",
+            "[]",
+            "origins whose pages may call the API (CORS), e.g. '[\"http://localhost:3000\"]'",
+        ),
+        ("--allowed-methods", '["*"]', "CORS: the methods those pages may use"),
+        ("--allowed-headers", '["*"]', "CORS: the request headers those pages may send"),
+    ):
+        srv.add_argument(
+            flag, type=parse_origin_list, default=parse_origin_list(default), help=f"{what} (JSON list)"
+        )
+    srv.add_argument(
+        "--reasoning-parser",
+        choices=["qwen3", "deepseek_r1"],
+        default=None,
+        help="split <think> text out of the answer: reasoning_content in chat, thinking blocks in messages",
+    )
+    srv.add_argument(
+        "--structured-outputs-in-reasoning",
+        action="store_true",
+        help="with --reasoning-parser: structured outputs constrain the think block too (by default only the "
+        "answer after it, as vLLM)",
+    )
+    srv.add_argument("--allow-credentials", action="store_true", help="CORS: allow cookies and credentials")
+    srv.add_argument("--log-requests", action="store_true", help="log every request and the access log")
+    srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
+    srv.add_argument("--disable-log-stats", action="store_true", help="no periodic stats line")
+    srv.add_argument("--stats-interval", type=float, default=10.0, help="seconds between stats lines")
+    srv.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=5.0,
+        help="on SIGINT/SIGTERM, seconds in-flight requests may take to finish before abort",
+    )
+    add_engine_args(serve)
+    serve.set_defaults(func=cmd_serve)
+    sub.add_parser("bench", help="benchmarks (aioengine bench --help)", add_help=False)
+    chat = sub.add_parser("chat", help="chat with a running server in the terminal (over its websocket)")
+    chat.add_argument("--url", default="http://127.0.0.1:8000")
+    chat.add_argument("--api-key", default=None, help="default: env AIOENGINE_API_KEY")
+    chat.add_argument("--temperature", type=float, default=0.7)
+    chat.add_argument("--max-tokens", type=int, default=512)
+    chat.add_argument("--system", default=None, help="a system prompt")
+    chat.set_defaults(func=cmd_chat)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "bench":  # bench owns its own flags
+        return cmd_bench(argv[1:])
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    return args.func(args)
+
+
+def cmd_bench(argv: list[str]) -> int:
+    try:
+        from aioengine.cli.bench import main as bench_main
+    except ImportError as e:
+        print(f"aioengine bench is not available in this installation ({e}).", file=sys.stderr)
+        return 2
+    rc = bench_main(argv)
+    return rc if isinstance(rc, int) else 0
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        stream=sys.stderr,
+        format="%(levelname)s %(asctime)s [%(name)s] %(message)s",
+        datefmt="%m-%d %H:%M:%S",
+    )
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    configure_logging(args.log_level)
+    try:
+        engine_args = engine_args_from(args)
+        engine_args.validate()
+    except ValueError as e:
+        print(f"aioengine serve: {e}", file=sys.stderr)
+        return 2
+    from aioengine.http.cors import CorsConfig
+    from aioengine.http.protocol import RequestLimits
+    from aioengine.http.server import ServerConfig
+
+    config = ServerConfig(
+        api_key=args.api_key or env.api_key(),
+        max_num_queued_reqs=args.max_num_queued_reqs,
+        client_max_size=args.max_request_bytes,
+        served_model_names=args.served_model_name or [],
+        log_requests=args.log_requests,
+        limits=dataclasses.replace(RequestLimits(), **dict(args.request_limit)),
+        reasoning_parser=args.reasoning_parser,
+        structured_outputs_in_reasoning=args.structured_outputs_in_reasoning,
+        cors=CorsConfig(
+            tuple(args.allowed_origins),
+            tuple(args.allowed_methods),
+            tuple(args.allowed_headers),
+            args.allow_credentials,
+        ),
+    )
+    return run_in_loop(_serve_main(args, engine_args, config))
+
+
+async def _serve_main(args: argparse.Namespace, engine_args: Any, config: Any) -> int:
+    from aioengine.engine.async_engine import AsyncEngine
+    from aioengine.http.serve import install_signal_handlers, serve_engine
+
+    stop = asyncio.Event()
+    install_signal_handlers(stop)
+    engine = AsyncEngine(engine_args)
+    start = asyncio.create_task(engine.start())
+    stopped = asyncio.create_task(stop.wait())
+    await asyncio.wait((start, stopped), return_when=asyncio.FIRST_COMPLETED)
+    if not start.done():  # a signal while the model loads
+        start.cancel()
+        await asyncio.gather(start, return_exceptions=True)
+        await engine.shutdown()
+        return 0
+    stopped.cancel()
+    error = start.exception()
+    if error is not None:
+        if isinstance(error, ValueError):  # a bad model path or file, a bad config: its message says it
+            print(f"aioengine serve: {error}", file=sys.stderr)
+        else:
+            logger.error("the engine failed to start", exc_info=error)
+        await engine.shutdown()
+        return 1
+    return await serve_engine(
+        engine,
+        config,
+        args.host,
+        args.port,
+        stop,
+        stats_interval=None if args.disable_log_stats else args.stats_interval,
+        shutdown_timeout=args.shutdown_timeout,
+        access_log=args.log_requests,
+    )
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from aioengine.http.chat_client import chat_repl
+
+    api_key = args.api_key or env.api_key()
+    return run_in_loop(chat_repl(args.url, api_key, args.temperature, args.max_tokens, args.system))

@@ -1,0 +1,547 @@
+"""AsyncEngine: the step coroutine (batch queue of 2, one awaited wait per step) and generate/abort/chat."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from aioengine.config import EngineArgs
+from aioengine.engine import gc_freeze, startup
+from aioengine.engine.client import EngineStats, PrecompiledGrammar, RequestListener, StatListener
+from aioengine.engine.embedding import EmbedMixin
+from aioengine.engine.handle import GenerateHandle, RequestState
+from aioengine.engine.output_processor import OutputProcessor
+from aioengine.errors import EngineDeadError, EngineNotStartedError, InvalidRequestError
+from aioengine.model.pooling import PoolingConfigError, resolve_pooling
+from aioengine.model.tokenizer import IncrementalDetokenizer, apply_chat_template, raw_encoder
+from aioengine.outputs import CompletionOutput, RankStats
+from aioengine.sampling_params import SamplingParams
+from aioengine.sched.output import ModelRunnerOutput, NewRequestData
+from aioengine.sched.request import Request, RequestStatus
+from aioengine.sched.scheduler import Scheduler
+
+if TYPE_CHECKING:  # importing these imports torch: start() does, lazily
+    from aioengine.executor import Executor
+    from aioengine.gpu.backend import Backend
+    from aioengine.gpu.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncEngine(EmbedMixin):
+    def __init__(self, args: EngineArgs | None = None, **kwargs: Any) -> None:
+        self.args = args if args is not None else EngineArgs(**kwargs)
+        self.args.validate()
+        self.tokenizer: Any = None
+        self._encode: Callable[..., list[int]] | None = None  # the tokenizer's encode, or its fast path
+        self.runner: ModelRunner | None = None
+        self.backend: Backend | None = None  # picked in start() (importing it imports torch)
+        self.scheduler: Scheduler | None = None
+        self.model_path: str | None = None
+        self.model_name = self.args.served_model_name or self.args.model
+        self.max_model_len = 0
+        self.default_sampling_params: dict = {}  # from the generation config (EngineArgs.generation_config)
+        self.vocab_size = 0
+        self.eos_token_id: int | None = None
+        self.kv_capacity_tokens = 0
+        self._executor: Executor | None = None
+        self._outputs = OutputProcessor()  # stop 12, and the live requests
+        self._states = self._outputs.states
+        self._children = self._outputs.children
+        self._batch_queue: collections.deque = collections.deque()
+        # Seconds the loop spent per phase of the step coroutine, summed ("steps": how many were awaited).
+        self.host_s: collections.defaultdict[str, float] = collections.defaultdict(float)
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._dead: EngineDeadError | None = None
+        self._stopping = False
+        self._structured: Any = None  # StructuredOutputManager, built on a thread during start()
+        self._structured_build: concurrent.futures.Future | None = None
+        self.pooling: str | None = None  # embed()'s, set by start()
+        self._pooling_error = "the engine is not started"
+        self.stat_listeners: list[StatListener] = []
+        self.request_listeners: list[RequestListener] = self._outputs.request_listeners
+        self._stopped = asyncio.Event()  # set once the step loop has ended: dead or shut down
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    async def start(self) -> AsyncEngine:
+        """Resolve the config, load model and tokenizer, size the KV cache, capture (startup.py); then run
+        the steps."""
+        if self._task is not None:
+            return self
+        t0 = time.perf_counter()
+        s = await startup.start(self.args, _new_structured_output_manager)
+        self.backend, self._executor, self.runner, self.scheduler = (
+            s.backend,
+            s.executor,
+            s.runner,
+            s.scheduler,
+        )
+        s.executor.on_death(self._rank_died)
+        self.tokenizer = self._outputs.tokenizer = s.tokenizer
+        self._encode = raw_encoder(s.tokenizer) or s.tokenizer.encode
+        self.model_path, self.model_name = s.model_path, s.model_name
+        self.max_model_len = s.config.max_model_len
+        self.vocab_size, self.eos_token_id = s.vocab_size, s.eos_token_id
+        self.default_sampling_params = s.default_sampling_params
+        self.kv_capacity_tokens = s.kv_capacity_tokens
+        self.embedding_size = int(s.runner.hf_config.hidden_size)
+        try:  # embed()'s pooling, for every request; a checkpoint's unknown one fails embed() only
+            self.pooling = resolve_pooling(self.args.pooling, self.model_path)
+        except PoolingConfigError as e:
+            self.pooling, self._pooling_error = None, str(e)
+        self._structured_build = s.structured_build
+        # What start-up built (torch, transformers, the model's modules) lives as long as the engine:
+        # out of the collector's reach, a full collection no longer walks it while requests wait
+        # (vLLM does the same).
+        _freeze_startup_objects()
+        s.backend.engine_started()
+        self._task = asyncio.create_task(self._run(), name="aioengine-step-loop")
+        config = s.config
+        logger.info(
+            "engine started in %.1f s: model=%s device=%s dtype=%s max_model_len=%d kv_blocks=%d "
+            "(%d tokens) max_num_batched_tokens=%d max_num_seqs=%d",
+            time.perf_counter() - t0,
+            self.model_path,
+            config.device,
+            config.dtype,
+            config.max_model_len,
+            s.num_blocks,
+            self.kv_capacity_tokens,
+            config.max_num_batched_tokens,
+            config.max_num_seqs,
+        )
+        return self
+
+    def _device(self) -> tuple[Backend, Executor, ModelRunner]:
+        """The backend, the executor and rank 0's runner (all there once start() has loaded the model)."""
+        backend, executor, runner = self.backend, self._executor, self.runner
+        assert backend is not None and executor is not None and runner is not None, (
+            "the engine is not started"
+        )
+        return backend, executor, runner
+
+    async def __aenter__(self) -> AsyncEngine:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.shutdown()
+
+    async def shutdown(self) -> None:
+        """Abort what is in flight, stop the step loop and the worker."""
+        for state in list(self._states.values()):
+            self._abort_state(state)
+        if self._task is not None:
+            self._stopping = True
+            self._wakeup.set()
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+            self._task = None
+            _unfreeze_startup_objects()
+        self._stopped.set()
+        if self._executor is not None:
+            executor, self._executor = self._executor, None
+            await asyncio.get_running_loop().run_in_executor(None, executor.shutdown)
+
+    @property
+    def is_running(self) -> bool:
+        return self._task is not None and self._dead is None
+
+    @property
+    def dead_error(self) -> EngineDeadError | None:
+        return self._dead
+
+    @property
+    def stopped(self) -> asyncio.Event:
+        """Set once the engine has died or shut down (what `aioengine serve` waits on)."""
+        return self._stopped
+
+    @property
+    def allow_priority(self) -> bool:
+        """Whether requests may set a priority (--scheduling-policy priority)."""
+        return self.args.scheduling_policy == "priority"
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        if s is None:
+            return EngineStats(0, 0, 0.0, len(self._states))
+        return EngineStats(len(s.running), len(s.waiting), s.kv_cache_manager.usage, len(self._states))
+
+    # ---- requests -----------------------------------------------------------------------------
+    def generate(
+        self,
+        prompt: str | list[int],
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        *,
+        grammar: PrecompiledGrammar | None = None,
+    ) -> GenerateHandle:
+        """Start a request; raises InvalidRequestError (bad input) or EngineDeadError at once."""
+        self._check_alive()
+        params = sampling_params or SamplingParams(**self.default_sampling_params)
+        prompt_text, prompt_ids = self._prompt_ids(prompt)
+        return self._add(prompt_text, prompt_ids, params, request_id, priority, cache_salt, grammar)
+
+    def _prompt_ids(self, prompt: object, param: str = "prompt") -> tuple[str | None, list[int]]:
+        """(the prompt's text if it is one, its token ids), or InvalidRequestError."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("The prompt cannot be empty.", param=param)
+            assert self._encode is not None
+            try:
+                return prompt, list(self._encode(prompt))
+            except TypeError as e:  # the tokenizers library's answer to text with no UTF-8 (a lone surrogate)
+                raise InvalidRequestError(f"The prompt cannot be tokenized: {e}", param=param) from None
+        if isinstance(prompt, list | tuple):
+            prompt_ids = list(prompt)
+            self._check_prompt_length(len(prompt_ids), param)  # before scanning millions of ids on the loop
+            if not all(type(t) is int and 0 <= t < self.vocab_size for t in prompt_ids):
+                raise InvalidRequestError(
+                    f"prompt token ids must be integers in [0, {self.vocab_size}).", param=param
+                )
+            return None, prompt_ids
+        raise InvalidRequestError("prompt must be a string or a list of token ids.", param=param)
+
+    def chat(
+        self,
+        messages: list[dict],
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        chat_template_kwargs: dict | None = None,
+        *,
+        grammar: PrecompiledGrammar | None = None,
+    ) -> GenerateHandle:
+        self._check_alive()
+        ids = apply_chat_template(self.tokenizer, messages, **(chat_template_kwargs or {}))
+        params = sampling_params or SamplingParams(**self.default_sampling_params)
+        return self._add(None, ids, params, request_id, priority, None, grammar)
+
+    async def precompile(self, params: SamplingParams) -> PrecompiledGrammar | None:
+        """Compile ``params``' grammar on a thread, for ``generate(..., grammar=)``: a large JSON schema
+        compiles for seconds, which would stall every stream if done on the loop inside generate.
+        Raises InvalidRequestError as generate would; None when ``params`` has no grammar."""
+        spec = params.structured_outputs
+        if spec is None:
+            return None
+        manager = self._structured_output_manager()
+        compiling = asyncio.get_running_loop().run_in_executor(None, manager.compile, spec)
+        limit = self.args.grammar_compile_timeout_s
+        done, _ = await asyncio.wait((compiling,), timeout=limit)
+        if not done:  # the thread cannot be stopped: it finishes on its own, and its result is dropped
+            compiling.add_done_callback(lambda f: f.cancelled() or f.exception())
+            raise InvalidRequestError(
+                f"The structured output's grammar did not compile within {limit:g} s "
+                "(grammar_compile_timeout_s); simplify the schema.",
+                param="structured_outputs",
+            )
+        return PrecompiledGrammar(spec, compiling.result())
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise self._dead
+        if self._task is None:
+            raise EngineNotStartedError("call `await engine.start()` (or use `async with`) first")
+
+    def _add(
+        self,
+        prompt: str | None,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None,
+        priority: int,
+        cache_salt: str | None,
+        grammar: PrecompiledGrammar | None = None,
+        pooling: str | None = None,
+    ) -> GenerateHandle:
+        num_prompt = len(prompt_ids)
+        self._check_prompt_length(num_prompt)
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            max_tokens = self.max_model_len - num_prompt
+        elif num_prompt + max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{num_prompt + max_tokens} tokens ({num_prompt} in the messages, {max_tokens} in the "
+                f"completion). Please reduce the length of the messages or completion.",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        if num_prompt + max_tokens > self.kv_capacity_tokens:
+            raise InvalidRequestError(
+                f"The request needs up to {num_prompt + max_tokens} tokens of KV cache, more than the whole "
+                f"cache holds ({self.kv_capacity_tokens} tokens).",
+                param="max_tokens",
+            )
+        if params.max_tokens is None:
+            params = replace(params, max_tokens=max_tokens)
+        if params.bad_words:
+            params = replace(params, bad_words_token_ids=params.bad_words_to_token_ids(self.tokenizer))
+        params.verify_vocab(self.vocab_size)
+        compiled_grammar = None
+        if (
+            grammar is not None and grammar.spec is params.structured_outputs
+        ):  # precompile()'s, for these params
+            compiled_grammar = grammar.compiled
+        elif params.structured_outputs is not None:  # compiled (or found in the cache) now: errors raise here
+            compiled_grammar = self._structured_output_manager().compile(params.structured_outputs)
+        rid = request_id if request_id is not None else f"req-{uuid.uuid4().hex}"
+        if rid in self._states:
+            raise InvalidRequestError(f"request id {rid!r} is already in use", param="request_id")
+        n = params.n
+        child_ids = [rid] if n == 1 else [f"{i}_{rid}" for i in range(n)]
+        state = RequestState(
+            rid,
+            prompt,
+            prompt_ids,
+            params,
+            child_ids,
+            [
+                IncrementalDetokenizer(
+                    self.tokenizer,
+                    prompt_ids,
+                    params.stop,
+                    params.include_stop_str_in_output,
+                    params.skip_special_tokens,
+                )
+                for _ in range(n)
+            ],
+            asyncio.Queue(),
+            [False] * n,
+        )
+        self._states[rid] = state
+        assert self.scheduler is not None
+        for i, cid in enumerate(child_ids):
+            child_params = params
+            if n > 1 and params.seed is not None:
+                child_params = replace(params, seed=params.seed + i)
+            self._children[cid] = (state, i)
+            request = Request(
+                cid, prompt_ids, child_params, self.eos_token_id, priority, state.arrival_time, cache_salt
+            )
+            request.pooling = pooling
+            if compiled_grammar is not None:
+                request.structured_output = self._structured.new_grammar(compiled_grammar)
+            if params.thinking_token_budget is not None:  # to the scheduler a grammar, around the own one
+                request.structured_output = self._structured_output_manager().thinking_budget(
+                    params.thinking_token_budget, params.reasoning_parser, request.structured_output
+                )
+            self.scheduler.add_request(request)
+        if params.timeout_s is not None:  # a no-op once the request has finished
+            asyncio.get_running_loop().call_later(params.timeout_s, self._abort_state, state, "timeout")
+        self._wakeup.set()
+        return GenerateHandle(self, state)
+
+    def _check_prompt_length(self, num_prompt: int, param: str = "prompt") -> None:
+        if num_prompt == 0:
+            raise InvalidRequestError("The prompt cannot be empty.", param=param)
+        if num_prompt >= self.max_model_len:
+            raise InvalidRequestError(
+                f"The prompt is {num_prompt} tokens long, which is not shorter than this model's maximum "
+                f"context length of {self.max_model_len} tokens.",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+    def _structured_output_manager(self) -> Any:
+        if self._structured is None:
+            build = self._structured_build
+            try:  # done before start() returned
+                manager = build.result() if build is not None else None
+            except Exception:  # e.g. xgrammar missing: build again here, so the request gets the error
+                manager = None
+            self._structured = manager or _new_structured_output_manager(
+                self.tokenizer, self.vocab_size, self.eos_token_id
+            )
+            assert self.scheduler is not None
+            self.scheduler.structured_output_manager = self._structured
+        return self._structured
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a request; its stream ends with finish_reason 'abort'. False when it is not running."""
+        state = self._states.get(request_id)
+        if state is None:
+            return False
+        self._abort_state(state)
+        return True
+
+    def _abort_state(self, state: RequestState, reason: str = "abort") -> None:
+        """End ``state`` now with finish_reason ``reason`` (abort, or timeout past its deadline); the
+        scheduler frees its KV blocks."""
+        if state.finished:
+            return
+        live = [cid for cid, done in zip(state.child_ids, state.child_done, strict=True) if not done]
+        if self.scheduler is not None and self._dead is None:
+            self.scheduler.finish_requests(live, RequestStatus.FINISHED_ABORTED)
+        completions = [CompletionOutput(state.child_ids.index(cid), "", [], reason) for cid in live]
+        for cid in live:
+            self._children.pop(cid, None)
+        state.child_done = [True] * len(state.child_ids)
+        self._outputs.finish(state, completions)
+
+    # ---- the step coroutine -------------------------------------------------------------------
+    async def _run(self) -> None:
+        self._stopped.clear()  # started (again)
+        scheduler = self.scheduler
+        assert scheduler is not None
+        try:
+            while not self._stopping:
+                if not scheduler.has_requests() and not self._batch_queue:
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+                    continue
+                if not await self._step():
+                    await asyncio.sleep(0)  # let the loop serve others between two planned steps
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:
+            self._die(e)
+        finally:
+            self._stopped.set()
+
+    async def _step(self) -> bool:
+        """Plan and enqueue step k; then, once the queue is full, await step k-1 and emit its tokens.
+
+        Returns whether it awaited the device.
+        """
+        scheduler = self.scheduler
+        assert scheduler is not None
+        _, executor, _ = self._device()
+        scheduled = False
+        deferred = None
+        host = self.host_s
+        if scheduler.has_requests():
+            t0 = time.perf_counter()
+            so = scheduler.schedule()  # stops 2-3
+            host["schedule"] += time.perf_counter() - t0
+            if so.scheduled_new_reqs:
+                self._mark_scheduled(so.scheduled_new_reqs)
+            if so.total_num_scheduled_tokens or so.finished_req_ids or so.preempted_req_ids:
+                exec_fut = executor.collective_rpc("execute_model", so)  # stops 4-7 (on every rank)
+                scheduled = so.total_num_scheduled_tokens > 0
+                if so.pending_structured_output_tokens and self._batch_queue:
+                    # Stop 8: a structured request still has a token in flight and its bitmask needs it:
+                    # sample once the previous step is processed (below). Without grammars, never.
+                    deferred = (exec_fut, so)
+                else:
+                    # Stop 8: the grammar bitmask (None without grammars), filled here while the forward runs.
+                    bitmask = scheduler.get_grammar_bitmask(so)
+                    sample_fut = executor.collective_rpc("sample_tokens", bitmask)  # stop 9
+                    self._batch_queue.appendleft((exec_fut, sample_fut, so))
+        if not self._batch_queue:
+            return False
+        if deferred is None and len(self._batch_queue) < 2 and scheduled and scheduler.has_requests():
+            return False  # plan step k+1 before waiting for step k
+        exec_fut, sample_fut, so = self._batch_queue.pop()
+        result = await self._await_step(sample_fut)  # stop 10: the only wait for the device
+        if exec_fut.exception() is not None:
+            raise exec_fut.exception()
+        t0 = time.perf_counter()
+        outputs = scheduler.update_from_output(so, result)  # stop 11
+        t1 = time.perf_counter()
+        self._outputs.process(outputs, scheduler)  # stop 12: straight to each request's stream
+        host["update"] += t1 - t0
+        host["outputs"] += time.perf_counter() - t1
+        host["steps"] += 1
+        if deferred is not None:  # its grammars now know every token: bitmask, then sample (stops 8-9)
+            exec_fut, so = deferred
+            sample_fut = executor.collective_rpc("sample_tokens", scheduler.get_grammar_bitmask(so))
+            self._batch_queue.appendleft((exec_fut, sample_fut, so))
+        if self.stat_listeners:
+            stats = scheduler.make_stats()
+            for listener in self.stat_listeners:
+                listener(stats, outputs)
+        return True
+
+    def _mark_scheduled(self, new_reqs: list[NewRequestData]) -> None:
+        """The first-scheduled time of requests planned for the first time (not resumed after preemption)."""
+        now = time.monotonic()
+        for nr in new_reqs:
+            entry = self._children.get(nr.req_id)
+            if entry is not None and entry[0].first_scheduled_time is None:
+                entry[0].first_scheduled_time = now
+
+    async def _await_step(self, fut: concurrent.futures.Future) -> ModelRunnerOutput:
+        """The step's output, as rank 0's worker awaits it (CUDA: an event behind the device-to-host
+        copy, without blocking the loop), under the watchdog; a rank's death ends it at once."""
+        executor = self._executor
+        assert executor is not None
+        output = asyncio.ensure_future(executor.output(fut))
+        # Retrieved even when this wait is cancelled (a rank's death cancels the step loop).
+        output.add_done_callback(lambda f: f.cancelled() or f.exception())
+        # asyncio.wait, not wait_for: wait_for can swallow a cancellation that races the result (3.11).
+        done, _ = await asyncio.wait((output,), timeout=self.args.step_timeout_s)
+        if not done:
+            output.cancel()
+            raise EngineDeadError(
+                f"a step ran longer than the watchdog limit of {self.args.step_timeout_s} s"
+            )
+        return output.result()
+
+    def run_on_worker(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
+        """Run ``fn(*args)`` on rank 0's worker, after the steps already submitted (e.g. runner stats)."""
+        executor = self._executor
+        assert executor is not None, "the engine is not started"
+        return asyncio.wrap_future(executor.submit(fn, *args))
+
+    def rank_stats(self) -> list[RankStats]:
+        """Each tensor-parallel rank's steps and busy seconds (one entry on one device)."""
+        return self._executor.rank_stats() if self._executor is not None else []
+
+    def comm_stats(self) -> dict[str, float]:
+        """Rank 0's tensor-parallel communication so far (``Executor.comm_stats``; empty on one device)."""
+        return self._executor.comm_stats() if self._executor is not None else {}
+
+    def _rank_died(self, err: EngineDeadError) -> None:
+        """A tensor-parallel rank died: every request ends with ``err`` now, busy or idle."""
+        if self._dead is None:
+            self._die(err)
+        if self._task is not None:
+            self._task.cancel()
+
+    def _die(self, exc: BaseException) -> None:
+        logger.error("engine step failed; the engine is dead", exc_info=exc)
+        err = exc if isinstance(exc, EngineDeadError) else EngineDeadError(f"engine step failed: {exc!r}")
+        if err is not exc:
+            err.__cause__ = exc
+        self._dead = err
+        if self._executor is not None:
+            self._executor.kill()  # the other ranks go with the engine (a hung one would never return)
+        for state in list(self._states.values()):
+            state.finished = True
+            state.queue.put_nowait(err)
+        self._states.clear()
+        self._children.clear()
+        self._batch_queue.clear()
+
+    # ---- introspection (tests, metrics, the server) ---------------------------------------------
+    def num_unfinished_requests(self) -> int:
+        return len(self._states)
+
+    def kv_cache_usage(self) -> float:
+        return self.scheduler.kv_cache_manager.usage if self.scheduler else 0.0
+
+
+def _freeze_startup_objects() -> None:
+    gc_freeze.freeze()  # one holder per started engine (aioengine/engine/gc_freeze.py)
+
+
+def _unfreeze_startup_objects() -> None:
+    gc_freeze.unfreeze()
+
+
+def _new_structured_output_manager(tokenizer: Any, vocab_size: int, eos_token_id: int | None) -> Any:
+    from aioengine.structured import StructuredOutputManager
+
+    return StructuredOutputManager(tokenizer, vocab_size, eos_token_id)

@@ -1,0 +1,230 @@
+"""How an AsyncEngine starts, step by named step: resolve the checkpoint, the config and device defaults, load
+the model and tokenizer, size the KV cache, allocate it and capture the fast paths, then the scheduler."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from aioengine.config import EngineArgs, EngineConfig, resolve_max_model_len
+from aioengine.model.checkpoint import RANDOM_PREFIX, generation_defaults, load_engine_tokenizer, read_config
+from aioengine.sampling_params import SamplingParams
+from aioengine.sched.kv_cache_spec import capacity_tokens
+from aioengine.sched.scheduler import Scheduler, SchedulerConfig
+
+if TYPE_CHECKING:  # importing these imports torch: start() does, lazily
+    from aioengine.executor import Executor
+    from aioengine.gpu.backend import Backend
+    from aioengine.gpu.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Started:
+    """What start-up built; the engine holds it for its lifetime."""
+
+    backend: Backend
+    executor: Executor  # rank 0's worker, and the other ranks under tensor parallelism
+    runner: ModelRunner
+    tokenizer: Any
+    model_path: str
+    model_name: str
+    config: EngineConfig
+    vocab_size: int
+    eos_token_id: int | None
+    default_sampling_params: dict
+    num_blocks: int
+    kv_capacity_tokens: int
+    scheduler: Scheduler
+    structured_build: concurrent.futures.Future  # the StructuredOutputManager, built on a thread
+
+
+async def start(args: EngineArgs, new_structured_manager: Callable[[Any, int, int | None], Any]) -> Started:
+    """Every start-up step in order; the executor (its worker, its ranks) is shut down again when one fails.
+
+    ``new_structured_manager(tokenizer, vocab_size, eos_token_id)`` builds xgrammar's tables (on a thread).
+    """
+    from aioengine.executor import make_executor
+    from aioengine.gpu.backends import make_backend
+
+    backend = make_backend(args)  # the one choice of device (the CPU's kernels build now)
+    model_path, model_name = await resolve_model(args)
+    cfg_probe = await asyncio.get_running_loop().run_in_executor(None, read_config, model_path)
+    config = resolve_config(args, backend, cfg_probe)
+    executor = await make_executor(args, backend)  # TP > 1: the other ranks start and join here
+    try:
+        runner, tokenizer = await load(args, executor, config, model_path, cfg_probe)
+        eos = cfg_probe["eos_token_id"]
+        if eos is None:
+            eos = tokenizer.eos_token_id
+        defaults = generation_defaults(args.generation_config, cfg_probe["generation_config"])
+        SamplingParams(**defaults)  # a bad value in the file stops the start, not each request
+        if defaults:
+            logger.info("default sampling parameters from the generation config: %s", defaults)
+        # xgrammar's tokenizer tables (CPU-heavy, GIL released) build on a thread while the KV cache is set
+        # up; the engine waits for them before its first step: built after it, they took the cores from it.
+        builder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="aioengine-grammar")
+        structured_build = builder.submit(new_structured_manager, tokenizer, cfg_probe["vocab_size"], eos)
+        builder.shutdown(wait=False)
+        num_blocks = await size_kv_cache(args, backend, executor, runner, config)
+        capacity, scheduler = await initialize_kv_cache(args, executor, runner, config, num_blocks)
+        with contextlib.suppress(Exception):  # a failure (no xgrammar) is raised per structured request
+            await asyncio.wrap_future(structured_build)
+    except BaseException:
+        await asyncio.get_running_loop().run_in_executor(None, executor.shutdown)
+        raise
+    return Started(
+        backend,
+        executor,
+        runner,
+        tokenizer,
+        model_path,
+        model_name,
+        config,
+        cfg_probe["vocab_size"],
+        eos,
+        defaults,
+        num_blocks,
+        capacity,
+        scheduler,
+        structured_build,
+    )
+
+
+async def resolve_model(args: EngineArgs) -> tuple[str, str]:
+    """The checkpoint's path (the default model is converted once) and the name it is served under."""
+    from aioengine.model.files import resolve_model as resolve
+
+    loop = asyncio.get_running_loop()
+    if args.model.startswith(RANDOM_PREFIX):  # random weights of a known shape: no files
+        path = args.model
+    else:
+        path = str(await loop.run_in_executor(None, resolve, args.model))
+    name = args.served_model_name or (args.model if args.model == "default" else args.model.rstrip("/"))
+    # transformers' lazy module is not safe to import from two threads at once: import it once here,
+    # before the tokenizer thread and the model loader race for it.
+    await loop.run_in_executor(None, _import_heavy_modules)
+    return path, name
+
+
+def resolve_config(args: EngineArgs, backend: Backend, cfg_probe: dict[str, Any]) -> EngineConfig:
+    """EngineArgs, the checkpoint's limits and the backend's defaults -> the engine's sizes."""
+    return EngineConfig(
+        device=backend.name,
+        dtype=args.dtype if args.dtype != "auto" else backend.default_dtype(),
+        max_model_len=resolve_max_model_len(args.max_model_len, cfg_probe["max_position_embeddings"]),
+        max_num_seqs=args.max_num_seqs or backend.default_max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens or backend.default_max_num_batched_tokens,
+    )
+
+
+async def load(
+    args: EngineArgs,
+    executor: Executor,
+    config: EngineConfig,
+    model_path: str,
+    cfg_probe: dict[str, Any],
+) -> tuple[ModelRunner, Any]:
+    """The model on every rank, and the tokenizer loaded beside it on a thread."""
+    import torch
+
+    from aioengine.model.files import ModelNotFoundError
+
+    spec = args.speculative()
+    draft_path = None
+    if spec is not None and spec.model is not None:  # a name, a GGUF or a folder, as the model's
+        try:
+            draft = await resolve_model(dataclasses.replace(args, model=spec.model, served_model_name=None))
+        except ModelNotFoundError as e:
+            raise ModelNotFoundError(f"speculative_config model: {e}") from None
+        draft_path = draft[0]
+    loop = asyncio.get_running_loop()
+    tokenizer_fut = loop.run_in_executor(
+        None, load_engine_tokenizer, args, model_path, cfg_probe["vocab_size"]
+    )
+    runner = await asyncio.wrap_future(
+        executor.collective_rpc(
+            "load",
+            model_path,
+            getattr(torch, config.dtype),
+            config.max_num_seqs,
+            config.max_model_len,
+            args.block_size,
+            args.seed,
+            args.quantization,
+            draft_path,
+        )
+    )
+    return runner, await tokenizer_fut
+
+
+async def size_kv_cache(
+    args: EngineArgs, backend: Backend, executor: Executor, runner: ModelRunner, config: EngineConfig
+) -> int:
+    """KV blocks: ``num_kv_blocks``, else what the backend's budget holds, never more than every sequence
+    at full length needs."""
+    if args.num_kv_blocks is not None:
+        num_blocks = args.num_kv_blocks
+    else:
+        fits = await asyncio.wrap_future(
+            executor.submit(  # rank 0's budget: every rank holds the same share of the heads, or more
+                backend.num_kv_blocks, runner, args, config.max_num_batched_tokens, config.max_num_seqs
+            )
+        )
+        per_seq = -(-config.max_model_len // args.block_size) * len(runner.kv_cache_groups)
+        num_blocks = min(fits, config.max_num_seqs * per_seq + 1)
+    if num_blocks < 2:
+        raise ValueError(f"the KV cache budget fits {num_blocks} blocks; at least 2 are needed")
+    return num_blocks
+
+
+async def initialize_kv_cache(
+    args: EngineArgs,
+    executor: Executor,
+    runner: ModelRunner,
+    config: EngineConfig,
+    num_blocks: int,
+) -> tuple[int, Scheduler]:
+    """Allocate the cache and the backend's fast paths over it (CUDA graphs are captured here); then the
+    scheduler that hands its blocks out. Returns the tokens the cache holds, and the scheduler."""
+    await asyncio.wrap_future(executor.collective_rpc("initialize_kv_cache", num_blocks))
+    await asyncio.wrap_future(
+        executor.collective_rpc("build_fast_paths", args, config.max_num_batched_tokens)
+    )
+    capacity = capacity_tokens(
+        runner.kv_cache_groups,
+        num_blocks - 1,
+        args.block_size,
+        config.max_num_batched_tokens,
+        config.max_model_len,
+    )
+    scheduler = Scheduler(
+        SchedulerConfig(
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=config.max_model_len,
+            num_blocks=num_blocks,
+            block_size=args.block_size,
+            enable_prefix_caching=args.enable_prefix_caching,
+            long_prefill_token_threshold=args.long_prefill_token_threshold,
+            target_itl_ms=args.target_itl_ms or 0.0,
+            target_itl_ratio=args.target_itl_ratio or 0.0,
+            policy=args.scheduling_policy,
+            kv_cache_groups=runner.kv_cache_groups,
+            speculative=args.speculative(),
+        )
+    )
+    return capacity, scheduler
+
+
+def _import_heavy_modules() -> None:
+    from transformers import AutoConfig, AutoTokenizer  # noqa: F401  (resolves the lazy attributes)
+
+    import aioengine.gpu.model_runner  # noqa: F401  (torch, the models, the loader)
