@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+# The names a user may give --device (gpu/backends.py resolves "auto"); not a device check.
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
 POOLING_TYPES = ("last", "mean", "cls")  # embeddings: which hidden states embed() pools
 DEFAULT_POOLING = "last"  # vLLM's default for a decoder-only model
 
@@ -186,13 +188,6 @@ class EngineArgs:
     distributed_init_method: str | None = None
     kernels: KernelConfig = field(default_factory=KernelConfig)
 
-    def resolved_device(self) -> str:
-        if self.device != "auto":
-            return self.device
-        import torch
-
-        return "cuda" if torch.cuda.is_available() else "cpu"
-
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
@@ -212,8 +207,8 @@ class EngineArgs:
             )
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"unsupported dtype {self.dtype!r}")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if self.device not in DEVICE_CHOICES:
+            raise ValueError(f"device must be {', '.join(DEVICE_CHOICES)}, got {self.device!r}")
         if self.quantization not in (None, "int8", "int4"):
             raise ValueError(f"quantization must be int8 or int4, got {self.quantization!r}")
         if self.target_itl_ms is not None and not self.target_itl_ms > 0:
@@ -262,24 +257,6 @@ def resolve_max_model_len(requested: int | None, max_position_embeddings: int) -
             max_position_embeddings,
         )
     return max_model_len
-
-
-def cpu_has_fast_bf16() -> bool:
-    """avx512_bf16 or AMX: bf16 matmuls run several times faster than float32 on this CPU."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def resolve_dtype_name(dtype: str, device: str) -> str:
-    if dtype != "auto":
-        return dtype
-    if device == "cpu":
-        return "bfloat16" if cpu_has_fast_bf16() else "float32"
-    return "bfloat16"
 
 
 def default_num_threads() -> int:

@@ -10,7 +10,7 @@ import re
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from aioengine.config import CPU_LINEAR_CHOICES, POOLING_TYPES, EngineArgs, KernelConfig
+from aioengine.config import CPU_LINEAR_CHOICES, DEVICE_CHOICES, POOLING_TYPES, EngineArgs, KernelConfig
 
 # Help for the EngineArgs fields; a field added to EngineArgs later still gets a flag (with generic help).
 _ENGINE_HELP = {
@@ -64,7 +64,7 @@ _ENGINE_HELP = {
 }
 _CHOICES = {
     "dtype": ["auto", "float32", "bfloat16", "float16"],
-    "device": ["auto", "cpu", "cuda"],
+    "device": list(DEVICE_CHOICES),
     "scheduling_policy": ["fcfs", "priority"],
     "quantization": ["int8", "int4"],
     "pooling": list(POOLING_TYPES),

@@ -156,9 +156,7 @@ class TensorParallelExecutor(Executor):
 
         self.worker = worker = backend.make_worker()
         size = self.tensor_parallel_size
-        joined = worker.submit(
-            TPGroup, init_method, 0, size, backend.device, timeout_s, "tp", control, shm_bytes
-        )
+        joined = worker.submit(TPGroup, init_method, 0, size, backend, timeout_s, "tp", control, shm_bytes)
         group = await self.watch.race(asyncio.wrap_future(joined))
         backend.ops.tp = group
         return group

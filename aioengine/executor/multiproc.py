@@ -53,14 +53,7 @@ class MultiprocExecutor(TensorParallelExecutor):
     async def start(cls, args: EngineArgs, backend: Backend, init_method: str) -> MultiprocExecutor:
         """Spawn ranks 1..N-1, then join the group as rank 0 on rank 0's worker thread."""
         size = args.tensor_parallel_size
-        if backend.device.type == "cuda":
-            import torch
-
-            if torch.cuda.device_count() < size:
-                raise ValueError(
-                    f"tensor_parallel_size {size} needs {size} GPUs on this node; "
-                    f"{torch.cuda.device_count()} are visible"
-                )
+        backend.check_tensor_parallel_size(size)
         ring = RingWriter(num_readers=size - 1)
         procs: list[subprocess.Popen] = []
         self: MultiprocExecutor | None = None

@@ -58,7 +58,7 @@ def serve(
         cfg.init_method,
         cfg.rank,
         cfg.size,
-        backend.device,
+        backend,
         cfg.timeout_s,
         "tp",
         not one_node,

@@ -68,8 +68,7 @@ class RayExecutor(TensorParallelExecutor):
         try:
             if not ray.is_initialized():
                 await loop.run_in_executor(None, lambda: ray.init(ignore_reinit_error=True))
-            gpu = backend.device.type == "cuda"
-            bundle = {"GPU": 1.0, "CPU": 1.0} if gpu else {"CPU": 1.0}
+            bundle = dict(backend.ray_bundle)
             self.placement_group = ray.util.placement_group(
                 [dict(bundle) for _ in range(size)], strategy="PACK"
             )
@@ -83,11 +82,11 @@ class RayExecutor(TensorParallelExecutor):
                 )
                 options: dict[str, Any] = {
                     "scheduling_strategy": strategy,
-                    "num_cpus": 1,
+                    "num_cpus": bundle.get("CPU", 1.0),
                     "max_concurrency": 2,
                 }
-                if gpu:
-                    options["num_gpus"] = 1
+                if "GPU" in bundle:
+                    options["num_gpus"] = bundle["GPU"]
                 self.actors.append(actor_cls.options(**options).remote())
             if init_method is None:
                 from aioengine.gpu.parallel import free_port

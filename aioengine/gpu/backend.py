@@ -8,6 +8,7 @@ CPU's one-call decode stack, CUDA graphs) and how a step's inputs reach the devi
 from __future__ import annotations
 
 import concurrent.futures
+import datetime
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -134,6 +135,25 @@ class Backend(ABC):
     timeline: Any = (
         None  # CUDA: a GpuTimeline of events around each step (the bench reports the GPU's idle time)
     )
+    # Device questions asked outside the step: what one tensor-parallel rank reserves in a Ray placement
+    # group, the dtype a peer engine (transformers) runs at here, and the matmul size that fills the device.
+    ray_bundle: tuple[tuple[str, float], ...] = (("CPU", 1.0),)
+    peer_dtype: str = "float32"
+    roofline_matmul_n: int = 2048
+
+    def check_tensor_parallel_size(self, size: int) -> None:  # noqa: B027 (a hook: the CPU has no limit)
+        """Raise ValueError when this node cannot hold ``size`` ranks of this device."""
+
+    @abstractmethod
+    def make_process_group(self, store: Any, rank: int, size: int, timeout: datetime.timedelta) -> Any:
+        """The process group the model's all-reduces run in (gloo on CPU, NCCL on CUDA)."""
+
+    def make_shm_allreduce(self, store: Any, rank: int, size: int, slot_bytes: int, timeout_s: float) -> Any:
+        """A same-node shared-memory all-reduce where the device has one (the CPU's), else None."""
+        return None
+
+    def synchronize(self) -> None:  # noqa: B027 (a hook: CPU work is done when the op returns)
+        """Wait for the device's queued work (benchmarks time matmuls with it)."""
 
     @abstractmethod
     def default_dtype(self) -> str:

@@ -18,13 +18,16 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
 
 from aioengine import env
+
+if TYPE_CHECKING:
+    from aioengine.gpu.backend import Backend
 
 
 class TensorParallelError(ValueError):
@@ -176,14 +179,14 @@ def resolve_init_method(init_method: str | None) -> str:
 
 class TPGroup:
     """One rank's membership of a tensor-parallel group: its own process group (never torch's default
-    group, so two engines in one process keep theirs apart), gloo on CPU and NCCL on CUDA."""
+    group, so two engines in one process keep theirs apart), of the kind the backend makes."""
 
     def __init__(
         self,
         init_method: str,
         rank: int,
         size: int,
-        device: torch.device,
+        backend: Backend,
         timeout_s: float,
         name: str = "tp",
         control: bool = False,
@@ -194,19 +197,14 @@ class TPGroup:
         parsed = urlparse(init_method)
         assert parsed.hostname is not None and parsed.port is not None, init_method
         timeout = datetime.timedelta(seconds=timeout_s)
-        self.rank, self.size, self.device = rank, size, device
+        self.rank, self.size, self.device = rank, size, backend.device
         self.all_reduce_s, self.all_reduce_calls = 0.0, 0  # this rank's, waits for the others included
         # Rank 0 hosts the store; the others connect to it (and wait for it, up to the timeout).
         self.store = dist.TCPStore(
             parsed.hostname, parsed.port, size, is_master=rank == 0, timeout=timeout, wait_for_workers=True
         )
         prefixed = dist.PrefixStore(name, self.store)
-        if device.type == "cuda":
-            options: Any = dist.ProcessGroupNCCL.Options()
-            options._timeout = timeout
-            self.pg: Any = dist.ProcessGroupNCCL(prefixed, rank, size, options)
-        else:
-            self.pg = dist.ProcessGroupGloo(prefixed, rank, size, timeout)
+        self.pg: Any = backend.make_process_group(prefixed, rank, size, timeout)
         # Calls from rank 0 (the Ray executor's transport) travel in a gloo group of their own: a rank's
         # receiving thread must never interleave its ops with the model's all-reduces. It waits through
         # idle hours, so it has no practical timeout.
@@ -215,11 +213,11 @@ class TPGroup:
             if control
             else None
         )
-        self.shm: Any = None
-        if shm_slot_bytes and device.type == "cpu":
-            from aioengine.gpu.cpu.shm_allreduce import ShmAllReduce
-
-            self.shm = ShmAllReduce(prefixed, rank, size, shm_slot_bytes, timeout_s)
+        self.shm: Any = (
+            backend.make_shm_allreduce(prefixed, rank, size, shm_slot_bytes, timeout_s)
+            if shm_slot_bytes
+            else None
+        )
         # A first all-reduce now: NCCL creates its communicator here, not inside a CUDA graph capture;
         # every rank has mapped the shared memory once it returns.
         self.barrier()

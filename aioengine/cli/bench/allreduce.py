@@ -18,12 +18,16 @@ def _rank(
 ) -> None:
     import torch
 
+    from aioengine.config import EngineArgs, KernelConfig
     from aioengine.executor.multiproc import SHM_ALLREDUCE_SLOT_BYTES
+    from aioengine.gpu.backends import make_backend
     from aioengine.gpu.parallel import TPGroup
 
     torch.set_num_threads(1)
     shm = SHM_ALLREDUCE_SLOT_BYTES if transport == "shm" else 0
-    group = TPGroup(init, rank, size, torch.device("cpu"), 60, "bench", False, shm)
+    # A CPU backend without its C kernels: only its process group and shared-memory all-reduce are used.
+    backend = make_backend(EngineArgs(device="cpu", kernels=KernelConfig(cpu_kernels=False)))
+    group = TPGroup(init, rank, size, backend, 60, "bench", False, shm)
     out = {}
     for n in tokens:
         x = torch.randn(n, hidden)

@@ -121,10 +121,13 @@ def main(argv: list[str]) -> dict:
     )
     ap.add_argument("--output-json")
     args = ap.parse_args(argv)
-    import torch
+    from aioengine.config import EngineArgs, KernelConfig
+    from aioengine.gpu.backends import make_backend, resolve_device
 
-    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+    device = resolve_device(args.device)
+    # The backend answers which dtype a peer runs at here; its own kernels are not needed.
+    backend = make_backend(EngineArgs(device=device, kernels=KernelConfig(cpu_kernels=False)))
+    dtype = args.dtype if args.dtype != "auto" else backend.peer_dtype
     model = load_peer_model(args.model, device, dtype)
     if args.model.startswith("random:"):
         from aioengine.model.tokenizer import NullTokenizer

@@ -3,29 +3,32 @@
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from aioengine.gpu.backend import Backend
 
 
 def matmul_gflops(
     dtype_name: str,
+    backend: Backend,
     num_threads: int | None = None,
     n: int | None = None,
     iters: int = 5,
     repeats: int = 5,
-    device: str = "cpu",
 ) -> float:
-    """The best of ``repeats`` timings of ``iters`` n x n matmuls on ``device``: a roofline is the machine's
-    peak, and one timing on a shared machine can come out far low, which would inflate every fraction of
-    it. ``n``: 2048 on CPU, 8192 on a GPU (big enough to fill it)."""
+    """The best of ``repeats`` timings of ``iters`` n x n matmuls on the backend's device: a roofline is the
+    machine's peak, and one timing on a shared machine can come out far low, which would inflate every
+    fraction of it. ``n``: the backend's size that fills the device."""
     import torch
 
     if num_threads:
         torch.set_num_threads(num_threads)
-    cuda = device == "cuda"
-    n = n or (8192 if cuda else 2048)
+    n = n or backend.roofline_matmul_n
     dtype = getattr(torch, dtype_name)
-    a = torch.randn(n, n, dtype=dtype, device=device)
-    b = torch.randn(n, n, dtype=dtype, device=device)
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    a = torch.randn(n, n, dtype=dtype, device=backend.device)
+    b = torch.randn(n, n, dtype=dtype, device=backend.device)
+    sync = backend.synchronize
     for _ in range(2):
         a @ b
     sync()

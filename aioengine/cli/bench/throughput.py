@@ -50,7 +50,7 @@ async def run_throughput(args) -> dict:
         # The roofline before the run and after it, the better kept: a busy spell on a shared machine that
         # halves one measurement would double the fraction of it. Both run on the worker, the process's
         # only OpenMP master: a pool of this thread's makes libgomp throttle the kernels' threads.
-        roofline = functools.partial(matmul_gflops, dtype_name, device=device)
+        roofline = functools.partial(matmul_gflops, dtype_name, engine.backend)
         gflops_runs = [await engine.run_on_worker(roofline)]
         profiler = await HostProfiler.start(engine) if profile_path else None
         t0 = time.perf_counter()

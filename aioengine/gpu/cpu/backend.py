@@ -5,6 +5,7 @@ Every choice comes from the engine's ``KernelConfig``, so two engines in one pro
 
 from __future__ import annotations
 
+import datetime
 import functools
 import threading
 from collections.abc import Callable
@@ -12,12 +13,14 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from aioengine.config import EngineArgs, KernelConfig, cpu_has_fast_bf16
+from aioengine.config import EngineArgs, KernelConfig
 from aioengine.gpu.backend import Backend, Ops, RunnerParts
 from aioengine.gpu.cpu.codes_cache import checkpoint_codes
 from aioengine.gpu.cpu.decode_stack import CpuDecodeStack
+from aioengine.gpu.cpu.isa import cpu_has_fast_bf16
 from aioengine.gpu.cpu.linear import pack_linears
 from aioengine.gpu.cpu.openmp import release_thread_pool
 from aioengine.gpu.cpu.q8_head import attach_q8_head
@@ -238,6 +241,14 @@ class CpuBackend(Backend):
 
     def default_dtype(self) -> str:
         return "bfloat16" if cpu_has_fast_bf16() else "float32"
+
+    def make_process_group(self, store: Any, rank: int, size: int, timeout: datetime.timedelta) -> Any:
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+    def make_shm_allreduce(self, store: Any, rank: int, size: int, slot_bytes: int, timeout_s: float) -> Any:
+        from aioengine.gpu.cpu.shm_allreduce import ShmAllReduce
+
+        return ShmAllReduce(store, rank, size, slot_bytes, timeout_s)
 
     def engine_started(self) -> None:
         # torch work on the starting thread (loading, a caller's own) left it an OpenMP pool that would

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import functools
 import logging
 from collections.abc import Callable
@@ -9,6 +10,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from aioengine.config import EngineArgs, KernelConfig
@@ -89,8 +91,27 @@ class CudaBackend(Backend):
         self._copy_stream: torch.cuda.Stream | None = None  # sampled tokens go to pinned memory on it
         self.host_functions = HostFunctions()  # wake the loop when a copy is done (or poll, once one is lost)
 
+    ray_bundle = (("GPU", 1.0), ("CPU", 1.0))
+    peer_dtype = "bfloat16"
+    roofline_matmul_n = 8192  # big enough to fill the GPU
+
     def default_dtype(self) -> str:
         return "bfloat16"
+
+    def check_tensor_parallel_size(self, size: int) -> None:
+        visible = torch.cuda.device_count()
+        if visible < size:
+            raise ValueError(
+                f"tensor_parallel_size {size} needs {size} GPUs on this node; {visible} are visible"
+            )
+
+    def make_process_group(self, store: Any, rank: int, size: int, timeout: datetime.timedelta) -> Any:
+        options: Any = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, options)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
 
     def make_worker(self) -> CudaWorker:
         return CudaWorker(self.device.index or 0)

@@ -251,7 +251,9 @@ def test_the_roofline_takes_the_best_of_its_timings(monkeypatch):
 
     ticks = iter([0.0, 1.0, 1.0, 1.5, 1.5, 5.5, 5.5, 6.0])  # repeats of 1.0 s, 0.5 s, 4.0 s and 0.5 s
     monkeypatch.setattr(roofline.time, "perf_counter", lambda: next(ticks))
-    gflops = roofline.matmul_gflops("float32", n=8, iters=3, repeats=4)
+    from aioengine.gpu.cpu.backend import CpuBackend
+
+    gflops = roofline.matmul_gflops("float32", CpuBackend(), n=8, iters=3, repeats=4)
     assert gflops == pytest.approx(2 * 8**3 * 3 / 0.5 / 1e9)
 
 
