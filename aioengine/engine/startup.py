@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from aioengine.config import EngineArgs, EngineConfig, resolve_max_model_len
-from aioengine.model.checkpoint import RANDOM_PREFIX, generation_defaults, load_engine_tokenizer, read_config
+from aioengine.model.checkpoint import generation_defaults, load_engine_tokenizer
+from aioengine.model.source import ModelSource, resolve_source
 from aioengine.sampling_params import SamplingParams
 from aioengine.sched.kv_cache_spec import capacity_tokens
 from aioengine.sched.scheduler import Scheduler, SchedulerConfig
@@ -55,8 +56,8 @@ async def start(args: EngineArgs, new_structured_manager: Callable[[Any, int, in
     from aioengine.gpu.backends import make_backend
 
     backend = make_backend(args)  # the one choice of device (the CPU's kernels build now)
-    model_path, model_name = await resolve_model(args)
-    cfg_probe = await asyncio.get_running_loop().run_in_executor(None, read_config, model_path)
+    source = await resolve_model(args)
+    model_path, model_name, cfg_probe = source.path, source.name, source.config
     config = resolve_config(args, backend, cfg_probe)
     executor = await make_executor(args, backend)  # TP > 1: the other ranks start and join here
     try:
@@ -98,20 +99,14 @@ async def start(args: EngineArgs, new_structured_manager: Callable[[Any, int, in
     )
 
 
-async def resolve_model(args: EngineArgs) -> tuple[str, str]:
-    """The checkpoint's path (the default model is converted once) and the name it is served under."""
-    from aioengine.model.files import resolve_model as resolve
-
+async def resolve_model(args: EngineArgs) -> ModelSource:
+    """The checkpoint (the default model is converted once), the name it is served under, its config."""
     loop = asyncio.get_running_loop()
-    if args.model.startswith(RANDOM_PREFIX):  # random weights of a known shape: no files
-        path = args.model
-    else:
-        path = str(await loop.run_in_executor(None, resolve, args.model))
-    name = args.served_model_name or (args.model if args.model == "default" else args.model.rstrip("/"))
+    source = await loop.run_in_executor(None, resolve_source, args)
     # transformers' lazy module is not safe to import from two threads at once: import it once here,
     # before the tokenizer thread and the model loader race for it.
     await loop.run_in_executor(None, _import_heavy_modules)
-    return path, name
+    return source
 
 
 def resolve_config(args: EngineArgs, backend: Backend, cfg_probe: dict[str, Any]) -> EngineConfig:
