@@ -3,7 +3,7 @@
 # set, two rounds. usage: LLAMA_SERVER=path/to/llama-server scripts/llamacpp_spec_peer.sh [RESULTS_DIR]
 set -u
 cd "$(dirname "$0")/.."
-GGUF=${GGUF:-$(python -c "from aioengine import model_files; print(model_files.default_gguf_path())")}
+GGUF=${GGUF:-$(python -c "from aioengine.model.files import default_gguf_path; print(default_gguf_path())")}
 LS=${LLAMA_SERVER:?set LLAMA_SERVER to a llama-server binary}
 out=${1:-peer-results}; mkdir -p "$out"
 bench() { python -m aioengine.cli.bench serve --base-url http://127.0.0.1:$1 --served-model $2 --tokenizer default --dataset grounded \
