@@ -20,13 +20,11 @@ from aiohttp import web
 from aioengine.engine.client import EngineClient, RequestHandle
 from aioengine.http import admission
 from aioengine.http.admission import Admitted
+from aioengine.http.chat_output import ChatOutputParser, Content, Reasoning, ToolCall, parse_whole
 from aioengine.http.context import CONFIG, ENGINE, check_model, json_response
 from aioengine.http.fields import APIError, bad, not_supported
 from aioengine.http.protocol import ChatRequest, parse_chat_request
-from aioengine.http.reasoning import ReasoningParser
-from aioengine.http.reasoning import split as split_reasoning
 from aioengine.http.streaming import JSON, SSEWriter, Tally, guarded_sse, merged
-from aioengine.http.tools import StreamParser, extract
 from aioengine.model.tokenizer import apply_chat_template
 from aioengine.outputs import CompletionOutput
 
@@ -303,25 +301,19 @@ def _message_id(request_id: str) -> str:
 
 def _blocks_of(
     adm: Admitted[ChatRequest], c: CompletionOutput, reasoning_parser: str | None
-) -> tuple[list[JSON], str | None]:
-    """A finished completion's content blocks (thinking first, when a parser found any), and its chat
-    finish_reason (tool_calls when it called)."""
-    req, text, finish = adm.req, c.text, c.finish_reason
-    thought = None
-    if reasoning_parser is not None:
-        thought, text = split_reasoning(reasoning_parser, text)
-    calls: list[dict] = []
-    if req.tools is not None and req.tools.choice != "none":
-        content, calls, finish = extract(req.tools, text, c.finish_reason)
-        text = content or ""
-    blocks: list[JSON] = (
-        [] if thought is None else [{"type": "thinking", "thinking": thought, "signature": ""}]
-    )
-    if text or not calls:
+) -> tuple[list[JSON], str | None, bool]:
+    """A finished completion's content blocks (thinking first, when a parser found any), its chat
+    finish_reason, and whether it called a tool."""
+    parsed = parse_whole(reasoning_parser, adm.req.tools, c.text, c.finish_reason)
+    blocks: list[JSON] = []
+    if parsed.reasoning is not None:
+        blocks.append({"type": "thinking", "thinking": parsed.reasoning, "signature": ""})
+    text = parsed.content or ""
+    if text or not parsed.tool_calls:
         blocks.append({"type": "text", "text": text})
-    for call in calls:
+    for call in parsed.tool_calls:
         blocks.append(_tool_use(call))
-    return blocks, finish
+    return blocks, parsed.finish_reason, parsed.called
 
 
 def _tool_use(call: dict) -> JSON:
@@ -336,8 +328,11 @@ def _tool_id(call_id: str) -> str:
     return "toolu_" + call_id.removeprefix("chatcmpl-tool-")
 
 
-def _stop(c: CompletionOutput, finish: str | None) -> tuple[str | None, str | None]:
-    """(stop_reason, stop_sequence)."""
+def _stop(c: CompletionOutput, finish: str | None, called: bool) -> tuple[str | None, str | None]:
+    """(stop_reason, stop_sequence). A reply that holds a tool call stops for "tool_use", as Anthropic's API
+    says whatever forced the call (tool_choice auto, any or a named tool), unless it was cut short."""
+    if called and finish != "length":
+        return "tool_use", None
     if finish == "stop" and isinstance(c.stop_reason, str):
         return "stop_sequence", c.stop_reason
     return _STOP_REASONS.get(finish or "stop", "end_turn"), None
@@ -356,8 +351,8 @@ def _usage(tally: Tally) -> JSON:
 def message(
     adm: Admitted[ChatRequest], c: CompletionOutput, tally: Tally, reasoning_parser: str | None = None
 ) -> JSON:
-    blocks, finish = _blocks_of(adm, c, reasoning_parser)
-    stop_reason, stop_sequence = _stop(c, finish)
+    blocks, finish, called = _blocks_of(adm, c, reasoning_parser)
+    stop_reason, stop_sequence = _stop(c, finish, called)
     return {
         "id": _message_id(adm.request_id),
         "type": "message",
@@ -378,9 +373,7 @@ async def stream_message(
     reasoning_parser: str | None = None,
 ) -> web.StreamResponse:
     tally = Tally([0], [0])
-    thinker = ReasoningParser(reasoning_parser) if reasoning_parser is not None else None
-    tools = adm.req.tools if adm.req.tools is not None and adm.req.tools.choice != "none" else None
-    parser = StreamParser(tools) if tools is not None else None
+    parser = ChatOutputParser(reasoning_parser, adm.req.tools)
     start: JSON = {
         "id": _message_id(adm.request_id),
         "type": "message",
@@ -394,7 +387,7 @@ async def stream_message(
     async def write(sse: SSEWriter) -> None:
         blocks = _BlockStream(sse)
         first = True
-        finish, last = None, None
+        last = None
         async with aclosing(merged([handle])) as deltas:
             async for i, out in deltas:
                 tally.add(i, out)
@@ -405,25 +398,19 @@ async def stream_message(
                     await sse.send_event({"type": "ping"})
                     first = False
                 c = last = out.outputs[0]
-                finish = c.finish_reason or finish
-                text = c.text
-                if thinker is not None:  # <think> text streams as a thinking block, first
-                    thought, text = thinker.feed(c.text, final=c.finish_reason is not None)
-                    await blocks.thinking(thought)
-                if parser is None:
-                    await blocks.text(text)
-                    continue
-                delta = parser.delta(text) or {}
+                events = parser.feed(c.text)
                 if c.finish_reason:
-                    rest, finish = parser.finish(c.finish_reason)
-                    for key, value in (rest or {}).items():
-                        delta[key] = delta.get(key, "") + value if key == "content" else value
-                await blocks.text(delta.get("content") or "")
-                for call in delta.get("tool_calls") or []:
-                    await blocks.tool_call(call)
+                    events += parser.finish(c.finish_reason)
+                for e in events:  # <think> text streams as a thinking block, first
+                    if isinstance(e, Reasoning):
+                        await blocks.thinking(e.text)
+                    elif isinstance(e, Content):
+                        await blocks.text(e.text)
+                    else:
+                        await blocks.tool_call(e)
         await blocks.close()
         assert last is not None
-        stop_reason, stop_sequence = _stop(last, finish)
+        stop_reason, stop_sequence = _stop(last, parser.finish_reason, parser.called)
         await sse.done_named(
             {
                 "type": "message_delta",
@@ -482,18 +469,12 @@ class _BlockStream:
             }
         )
 
-    async def tool_call(self, call: dict) -> None:
-        """A chat tool-call delta: one with an id opens a tool_use block; its arguments stream as JSON."""
-        fn = call.get("function") or {}
-        if call.get("id") is not None:
-            block: JSON = {
-                "type": "tool_use",
-                "id": _tool_id(call["id"]),
-                "name": fn.get("name"),
-                "input": {},
-            }
-            await self._start(block, f"call-{call.get('index', 0)}")
-        args = fn.get("arguments")
+    async def tool_call(self, call: ToolCall) -> None:
+        """A tool-call event: one with an id opens a tool_use block; its arguments stream as JSON."""
+        if call.id is not None:
+            block: JSON = {"type": "tool_use", "id": _tool_id(call.id), "name": call.name, "input": {}}
+            await self._start(block, f"call-{call.index}")
+        args = call.arguments
         if args:
             delta = {"type": "input_json_delta", "partial_json": args}
             await self.sse.send_event({"type": "content_block_delta", "index": self.index, "delta": delta})

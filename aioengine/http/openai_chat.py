@@ -11,13 +11,11 @@ from aiohttp import web
 from aioengine.engine.client import EngineClient, RequestHandle
 from aioengine.http import admission
 from aioengine.http.admission import Admitted
+from aioengine.http.chat_output import ChatOutputParser, chat_delta, parse_whole
 from aioengine.http.context import CONFIG, ENGINE, json_response
 from aioengine.http.logprobs import chat_logprobs, prompt_logprobs_json
 from aioengine.http.protocol import ChatRequest, parse_chat_request
-from aioengine.http.reasoning import ReasoningParser
-from aioengine.http.reasoning import split as split_reasoning
 from aioengine.http.streaming import JSON, Tally, stream_choices
-from aioengine.http.tools import StreamParser, extract
 from aioengine.outputs import CompletionOutput, RequestOutput
 
 
@@ -41,17 +39,13 @@ def chat_completion(
     req, k = adm.req, adm.req.params.logprobs
     choices = []
     for c in out.outputs:
-        text, thought = c.text, None
-        if reasoning_parser is not None:
-            thought, text = split_reasoning(reasoning_parser, c.text)
-        message: dict[str, Any] = {"role": "assistant", "content": text}
-        if thought is not None:
-            message["reasoning_content"] = thought
-        finish_reason = c.finish_reason
-        if req.tools is not None and req.tools.choice != "none":
-            message["content"], calls, finish_reason = extract(req.tools, text, c.finish_reason)
-            if calls:
-                message["tool_calls"] = calls
+        parsed = parse_whole(reasoning_parser, req.tools, c.text, c.finish_reason)
+        message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+        if parsed.reasoning is not None:
+            message["reasoning_content"] = parsed.reasoning
+        if parsed.tool_calls:
+            message["tool_calls"] = parsed.tool_calls
+        finish_reason = parsed.finish_reason
         choices.append(
             {
                 "index": c.index,
@@ -88,30 +82,19 @@ async def stream_chat(
         "created": int(time.time()),
         "model": adm.model,
     }
-    tools = req.tools if req.tools is not None and req.tools.choice != "none" else None
-    parsers: dict[int, StreamParser] = {}
-    thinkers: dict[int, ReasoningParser] = {}
+    parsers: dict[int, ChatOutputParser] = {}
 
     def choice(_i: int, c: CompletionOutput, _out: RequestOutput) -> JSON | None:
-        text, thought = c.text, ""
-        if reasoning_parser is not None:  # <think> text goes out as reasoning_content, apart
-            thinker = thinkers.setdefault(c.index, ReasoningParser(reasoning_parser))
-            thought, text = thinker.feed(c.text, final=c.finish_reason is not None)
-        delta: JSON = {"content": text} if text else {}
-        finish_reason = c.finish_reason
-        if tools is not None:  # the text may be (part of) a tool call: the parser decides what goes out
-            parser = parsers.setdefault(c.index, StreamParser(tools))
-            delta = parser.delta(text) or {}
-            if c.finish_reason:
-                last, finish_reason = parser.finish(c.finish_reason)
-                for key, value in (last or {}).items():
-                    delta[key] = delta.get(key, "") + value if key == "content" else value
-            elif not delta and not thought and (k is None or not c.token_ids):
-                return None
-        if thought:
-            delta = {"reasoning_content": thought, **delta}
-        elif not delta and not finish_reason and (k is None or not c.token_ids):
-            return None  # the reasoning parser holds a piece that may be a tag
+        # <think> text goes out as reasoning_content, apart; the rest may be (part of) a tool call
+        parser = parsers.setdefault(c.index, ChatOutputParser(reasoning_parser, req.tools))
+        events = parser.feed(c.text)
+        finish_reason = None
+        if c.finish_reason:
+            events += parser.finish(c.finish_reason)
+            finish_reason = parser.finish_reason
+        delta = chat_delta(events)
+        if not delta and not finish_reason and (k is None or not c.token_ids):
+            return None  # a parser holds a piece that may still be a tag
         d = {
             "index": c.index,
             "delta": delta,

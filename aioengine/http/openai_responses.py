@@ -19,11 +19,10 @@ from aiohttp import web
 
 from aioengine.engine.client import EngineClient, RequestHandle
 from aioengine.http import admission
+from aioengine.http.chat_output import ChatOutputParser, Content, Reasoning, parse_whole
 from aioengine.http.context import CONFIG, ENGINE, json_response
 from aioengine.http.fields import APIError, Fields, SchemaContext, bad, not_supported
 from aioengine.http.messages import content_text
-from aioengine.http.reasoning import ReasoningParser
-from aioengine.http.reasoning import split as split_reasoning
 from aioengine.http.request_fields import (
     INPUT,
     RESPONSE,
@@ -33,7 +32,6 @@ from aioengine.http.request_fields import (
     TEXT_FORMAT,
 )
 from aioengine.http.streaming import JSON, SSEWriter, Tally, guarded_sse, merged
-from aioengine.http.tools import StreamParser, ToolSpec, extract
 
 
 async def responses(request: web.Request) -> web.StreamResponse:
@@ -43,20 +41,15 @@ async def responses(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
     parser = request.app[CONFIG].reasoning_parser
     if adm.req.stream:
-        thinker = ReasoningParser(parser) if parser is not None else None
-        tools = adm.req.tools if adm.req.tools is not None and adm.req.tools.choice != "none" else None
-        return await stream_response(request, engine, handle, adm.request_id, builder, thinker, tools)
+        output = ChatOutputParser(parser, adm.req.tools)
+        return await stream_response(request, engine, handle, adm.request_id, builder, output)
     out = await handle
     c = out.outputs[0]
-    text, finish = c.text, c.finish_reason
-    if parser is not None:  # the think block becomes a reasoning item before the message
-        builder.reasoning, text = split_reasoning(parser, c.text)
-    tools = adm.req.tools
-    if tools is not None and tools.choice != "none":  # calls become function_call items after it
-        content, builder.calls, finish = extract(tools, text, finish)
-        text = content or ""
+    # the think block becomes a reasoning item before the message; calls become function_call items after it
+    parsed = parse_whole(parser, adm.req.tools, c.text, c.finish_reason)
+    builder.reasoning, builder.calls = parsed.reasoning, parsed.tool_calls
     return json_response(
-        builder.response("completed", text, finish, Tally.of([out]).usage()),
+        builder.response("completed", parsed.content or "", parsed.finish_reason, Tally.of([out]).usage()),
         headers={"X-Request-Id": adm.request_id},
     )
 
@@ -67,8 +60,7 @@ async def stream_response(
     handle: RequestHandle,
     request_id: str,
     builder: ResponseBuilder,
-    thinker: ReasoningParser | None = None,
-    tools: ToolSpec | None = None,
+    output: ChatOutputParser,
 ) -> web.StreamResponse:
     """The Responses API's events: created; with a reasoning parser, the reasoning item and its text deltas
     first; the message item and its text part opening, one text delta per engine delta, then the closing
@@ -99,42 +91,36 @@ async def stream_response(
 
         await sse.send_event(builder.event("response.created", response=builder.response("in_progress")))
         await sse.send_event(builder.event("response.in_progress", response=builder.response("in_progress")))
-        calls_parser = StreamParser(tools) if tools is not None else None
-        if thinker is None and calls_parser is None:
+        if output.thinker is None and output.calls is None:
             await open_message()
         async with aclosing(merged([handle])) as deltas:
             async for i, out in deltas:
                 tally.add(i, out)
                 c = out.outputs[0]
-                finish = c.finish_reason or finish
-                piece, reasoning = c.text, ""
-                if thinker is not None:
-                    reasoning, piece = thinker.feed(c.text, final=c.finish_reason is not None)
-                    if thinker.reasoned and builder.reasoning is None:  # a think block opened
-                        builder.reasoning = ""
-                        item = builder.reasoning_item("in_progress")
-                        await sse.send_event(
-                            builder.event("response.output_item.added", output_index=0, item=item)
-                        )
+                events = output.feed(c.text)
+                if c.finish_reason is not None:
+                    events += output.finish(c.finish_reason)
+                    finish = output.finish_reason
+                if output.reasoned and builder.reasoning is None:  # a think block opened
+                    builder.reasoning = ""
+                    item = builder.reasoning_item("in_progress")
+                    await sse.send_event(
+                        builder.event("response.output_item.added", output_index=0, item=item)
+                    )
+                reasoning = "".join(e.text for e in events if isinstance(e, Reasoning))
                 if reasoning:
                     thought += reasoning
                     await sse.send_event(
                         builder.reasoning_event("response.reasoning_text.delta", delta=reasoning)
                     )
-                if calls_parser is not None:  # the text may be (part of) a call: the parser decides
-                    delta = calls_parser.delta(piece) or {}
-                    if c.finish_reason is not None:
-                        rest, finish = calls_parser.finish(finish)
-                        for key, value in (rest or {}).items():
-                            delta[key] = (delta.get(key) or ("" if key == "content" else [])) + value
-                    builder.add_call_deltas(delta.get("tool_calls") or [])
-                    piece = delta.get("content") or ""
+                piece = "".join(e.text for e in events if isinstance(e, Content))
                 if piece:
                     await open_message()
                     text += piece
                     await sse.send_event(
                         builder.text_event("response.output_text.delta", delta=piece, logprobs=[])
                     )
+        builder.calls = output.tool_calls
         if text or not builder.calls:
             await open_message()
         if opened:
@@ -379,17 +365,6 @@ class ResponseBuilder:
             "role": "assistant",
             "content": content,
         }
-
-    def add_call_deltas(self, deltas: list[dict]) -> None:
-        """Chat's streamed tool-call deltas: one with an id starts a call, the others extend its arguments."""
-        for d in deltas:
-            fn = d.get("function") or {}
-            if d.get("id") is not None:
-                self.calls.append(
-                    {"id": d["id"], "type": "function", "function": {"name": fn.get("name"), "arguments": ""}}
-                )
-            if self.calls:
-                self.calls[-1]["function"]["arguments"] += fn.get("arguments") or ""
 
     def call_item(self, call: dict) -> JSON:
         fn = call["function"]

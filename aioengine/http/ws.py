@@ -19,6 +19,7 @@ from aioengine.engine.client import RequestHandle
 from aioengine.errors import AioEngineError
 from aioengine.http import admission
 from aioengine.http.admission import Admitted
+from aioengine.http.chat_output import ChatOutputParser, Reasoning
 from aioengine.http.context import CONFIG, ENGINE, STATE
 from aioengine.http.fields import APIError, api_error, bad, parse_json_body
 from aioengine.http.logprobs import chat_logprobs
@@ -29,9 +30,7 @@ from aioengine.http.protocol import (
     parse_chat_request,
     parse_completion_request,
 )
-from aioengine.http.reasoning import ReasoningParser
 from aioengine.http.streaming import JSON, Tally, abort_all, merged
-from aioengine.http.tools import extract
 
 MAX_ACTIVE_PER_SOCKET = 64
 _KINDS = ("chat", "completion")
@@ -148,15 +147,12 @@ class _Session:
         n = req.params.n
         tally = Tally([0] * len(handles), [0] * len(handles))
         finish: dict[int, JSON] = {}
-        tools = (
-            req.tools
-            if isinstance(req, ChatRequest) and req.tools is not None and req.tools.choice != "none"
-            else None
-        )
-        texts: dict[int, str] = {}  # with tools: each choice's text, parsed into calls when it finishes
-        # --reasoning-parser: a chat's <think> text goes out apart, as each delta's "reasoning"
-        reasoning = self.app[CONFIG].reasoning_parser if isinstance(req, ChatRequest) else None
-        thinkers: dict[int, ReasoningParser] = {}
+        chat = isinstance(req, ChatRequest)
+        tools = req.tools if isinstance(req, ChatRequest) else None
+        # --reasoning-parser: a chat's <think> text goes out apart, as each delta's "reasoning"; with tools,
+        # the answer's text still streams, and its calls come parsed in "done"
+        reasoning = self.app[CONFIG].reasoning_parser if chat else None
+        parsers: dict[int, ChatOutputParser] = {}
         try:
             await self.send({"type": "start", "id": gen_id, "request_id": adm.request_id, "model": adm.model})
             async with aclosing(merged(handles)) as deltas:
@@ -169,10 +165,13 @@ class _Session:
                     tally.add(i, out)
                     for c in out.outputs:
                         index = i * n + c.index
-                        text, thought = c.text, ""
-                        if reasoning is not None:
-                            thinker = thinkers.setdefault(index, ReasoningParser(reasoning))
-                            thought, text = thinker.feed(c.text, final=c.finish_reason is not None)
+                        parser = parsers.setdefault(index, ChatOutputParser(reasoning, tools))
+                        events = parser.feed(c.text)
+                        text = parser.answer_delta
+                        if c.finish_reason is not None:
+                            events += parser.finish(c.finish_reason)
+                            text += parser.answer_delta
+                        thought = "".join(e.text for e in events if isinstance(e, Reasoning))
                         if text or thought or c.token_ids:
                             delta = {
                                 "type": "delta",
@@ -188,19 +187,16 @@ class _Session:
                                     self.engine, c.token_ids, c.logprobs, req.params.logprobs
                                 )["content"]
                             await self.send(delta)
-                        if tools is not None:
-                            texts[index] = texts.get(index, "") + text
                         if c.finish_reason is not None:
                             finish[index] = {
                                 "index": index,
                                 "finish_reason": c.finish_reason,
                                 "stop_reason": c.stop_reason,
                             }
-                            if tools is not None:
-                                content, calls, finish[index]["finish_reason"] = extract(
-                                    tools, texts.get(index, ""), c.finish_reason
-                                )
-                                finish[index].update(content=content, tool_calls=calls)
+                            if parser.calls is not None:
+                                parsed = parser.result()
+                                finish[index]["finish_reason"] = parsed.finish_reason
+                                finish[index].update(content=parsed.content, tool_calls=parsed.tool_calls)
             await self.send(
                 {
                     "type": "done",
