@@ -9,7 +9,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -224,9 +224,15 @@ class AsyncEngine(EmbedMixin):
         grammar: PrecompiledGrammar | None = None,
     ) -> GenerateHandle:
         self._check_alive()
-        ids = apply_chat_template(self.tokenizer, messages, **(chat_template_kwargs or {}))
+        ids = self.render_chat(messages, chat_template_kwargs)
         params = sampling_params or SamplingParams(**self.default_sampling_params)
         return self._add(None, ids, params, request_id, priority, None, grammar)
+
+    def render_chat(
+        self, messages: list[dict], chat_template_kwargs: Mapping[str, Any] | None = None
+    ) -> list[int]:
+        """The chat's prompt ids, rendered by the model's template: chat() and every server route use this."""
+        return apply_chat_template(self.tokenizer, messages, **(chat_template_kwargs or {}))
 
     async def precompile(self, params: SamplingParams) -> PrecompiledGrammar | None:
         """Compile ``params``' grammar on a thread, for ``generate(..., grammar=)``: a large JSON schema

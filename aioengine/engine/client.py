@@ -111,6 +111,13 @@ class EngineClient(Protocol):
     @property
     def allow_priority(self) -> bool: ...  # requests may set `priority` (--scheduling-policy priority)
 
+    def render_chat(
+        self, messages: list[dict], chat_template_kwargs: Mapping[str, Any] | None = None
+    ) -> list[int]:
+        """The prompt token ids of a chat, rendered by the model's template (the one place that renders it);
+        raises InvalidRequestError for messages the template refuses."""
+        ...
+
     # ---- requests ------------------------------------------------------------------------------------
     def generate(
         self,

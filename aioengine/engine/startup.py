@@ -139,7 +139,7 @@ async def load(
             draft = await resolve_model(dataclasses.replace(args, model=spec.model, served_model_name=None))
         except ModelNotFoundError as e:
             raise ModelNotFoundError(f"speculative_config model: {e}") from None
-        draft_path = draft[0]
+        draft_path = draft.path
     loop = asyncio.get_running_loop()
     tokenizer_fut = loop.run_in_executor(
         None, load_engine_tokenizer, args, model_path, cfg_probe["vocab_size"]

@@ -86,6 +86,8 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
 class RotaryEmbedding(nn.Module):
     """Rotary embedding with a ``[max_position, head_dim]`` cos|sin cache built once."""
 
+    cos_sin_cache: torch.Tensor  # a buffer, registered in __init__
+
     def __init__(
         self,
         head_dim: int,
@@ -110,6 +112,7 @@ class RotaryEmbedding(nn.Module):
                 base ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim)
             )
             if rope_type == "llama3":
+                assert rope_scaling is not None  # its rope_type said llama3
                 inv_freq = _llama3_inv_freq(inv_freq, rope_scaling)
             elif rope_type != "default":
                 raise NotImplementedError(

@@ -48,7 +48,11 @@ def iterate_weights(
                     continue
                 part = f.get_slice(name)
                 shape = tuple(part.get_shape())
-                yield name, shard_reader(name, shape, lambda i, p=part: p[i] if i else p[:], shard, head_dim)
+
+                def read(i: tuple[slice, ...] | None, p: Any = part) -> torch.Tensor:
+                    return p[i] if i else p[:]
+
+                yield name, shard_reader(name, shape, read, shard, head_dim)
 
 
 def load_model(

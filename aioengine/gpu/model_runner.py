@@ -10,7 +10,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -106,7 +106,7 @@ class ModelRunner:
         self.num_steps = 0
         # Seconds this (worker) thread spent per phase, summed over steps: building inputs, launching (or
         # computing, on CPU) the forward, and sampling. The bench reports them per step.
-        self.host_s: collections.Counter[str] = collections.Counter()
+        self.host_s = cast("dict[str, float]", collections.Counter())  # (Counter's stubs: int counts only)
 
     def num_parameters(self) -> int:
         """The checkpoint's parameter count (a tied head counted once, as in the checkpoint)."""
@@ -301,6 +301,7 @@ class ModelRunner:
         return out
 
     def _sample_tokens(self, grammar_output: GrammarOutput | None) -> Any:
+        assert self._pending is not None  # sample_tokens looked
         batch, hidden = self._pending
         self._pending = None
         states = self.states
@@ -309,6 +310,7 @@ class ModelRunner:
         if self.pooler.live:
             prompt_lens = states.prefill_len[batch.rows]
             cu, seq_lens = batch.query_start_loc_cpu, batch.seq_lens_cpu
+            assert cu is not None and seq_lens is not None
             pooled = self.pooler.step(batch.req_ids, cu, seq_lens, prompt_lens, hidden)
             out.pooler_output = pooled or None
         if (states.num_prompt_logprobs[batch.rows] >= 0).any():

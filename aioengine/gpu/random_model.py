@@ -55,7 +55,7 @@ SHAPES: dict[str, dict[str, Any]] = {
 
 
 def is_random_model(name: str | None) -> bool:
-    return bool(name) and name.startswith(RANDOM_PREFIX)
+    return bool(name and name.startswith(RANDOM_PREFIX))
 
 
 def random_config(name: str) -> Any:
@@ -110,7 +110,7 @@ def build_random_hf_model(name: str, dtype: torch.dtype, device: Any, seed: int 
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(config)
+            model: Any = LlamaForCausalLM(config)  # transformers types its to() as unbound
     finally:
         torch.set_default_dtype(default_dtype)
     randomize_(model, seed)

@@ -231,6 +231,7 @@ class Sampler:
         if md.penalties is not None:
             apply_penalties(logits, md.penalties)
         if check_first:
+            assert md.grammar is not None  # check_first needs a grammar
             sampled = self._greedy_under_grammar(logits, *md.grammar)
         else:
             sampled = self._sample(logits, md)
@@ -238,6 +239,7 @@ class Sampler:
             sampled = torch.where(torch.isneginf(logits).all(-1), -1, sampled)
         out = SamplerOutput(sampled)
         if raw_logprobs is not None:
+            assert md.max_num_logprobs is not None  # raw_logprobs is computed only then
             out.logprobs = gather_logprobs(raw_logprobs, sampled, md.max_num_logprobs)
         return out
 

@@ -185,6 +185,7 @@ class RequestStates:
             shape = (self.max_num_reqs, self.vocab_size)
             self.output_counts = torch.zeros(shape, dtype=torch.int32, device=self.device)
             self.prompt_mask = torch.zeros(shape, dtype=torch.bool, device=self.device)
+        assert self.prompt_mask is not None  # made together with output_counts
         return self.output_counts, self.prompt_mask
 
     def _output_hist(self) -> torch.Tensor:

@@ -25,7 +25,6 @@ from aioengine.http.fields import APIError, RequestLimits, api_error, bad, parse
 from aioengine.http.protocol import ChatRequest, CompletionRequest, parse_chat_request
 from aioengine.http.reasoning import closed_in_prompt
 from aioengine.http.request_fields import REQUEST_ID_PATTERN
-from aioengine.model.tokenizer import apply_chat_template
 
 logger = logging.getLogger("aioengine.http")
 
@@ -136,10 +135,10 @@ async def prepare(engine: EngineClient, req: ChatRequest | CompletionRequest) ->
             size += len(orjson.dumps(req.tools.tools))
         if size > OFFLOAD_CHARS:
             req.prompt_ids = await asyncio.to_thread(
-                apply_chat_template, engine.tokenizer, req.messages, **req.chat_template_kwargs
+                engine.render_chat, req.messages, req.chat_template_kwargs
             )
         elif so is not None and so.reasoning is not None:  # the prompt decides where the constraint starts
-            req.prompt_ids = apply_chat_template(engine.tokenizer, req.messages, **req.chat_template_kwargs)
+            req.prompt_ids = engine.render_chat(req.messages, req.chat_template_kwargs)
         if so is not None and so.reasoning is not None and req.prompt_ids is not None:
             tail = engine.tokenizer.decode(req.prompt_ids[-_PROMPT_TAIL:])
             if closed_in_prompt(tail):  # the template closed the block itself: constrain all, as vLLM does

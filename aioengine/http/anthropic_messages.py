@@ -25,7 +25,6 @@ from aioengine.http.context import CONFIG, ENGINE, check_model, json_response
 from aioengine.http.fields import APIError, bad, not_supported
 from aioengine.http.protocol import ChatRequest, parse_chat_request
 from aioengine.http.streaming import JSON, SSEWriter, Tally, guarded_sse, merged
-from aioengine.model.tokenizer import apply_chat_template
 from aioengine.outputs import CompletionOutput
 
 # Anthropic's error types by HTTP status (https://docs.anthropic.com/en/api/errors).
@@ -291,7 +290,7 @@ async def count_tokens(request: web.Request) -> web.Response:
         body, engine.allow_priority, request.app[CONFIG].limits, engine.default_sampling_params
     )
     check_model(request.app, req.model)
-    ids = apply_chat_template(engine.tokenizer, req.messages, **req.chat_template_kwargs)
+    ids = engine.render_chat(req.messages, req.chat_template_kwargs)
     return json_response({"input_tokens": len(ids)})
 
 

@@ -23,7 +23,6 @@ from aioengine.http.fields import APIError, bad
 from aioengine.http.openapi import openapi_spec
 from aioengine.http.protocol import parse_detokenize_request, parse_tokenize_request
 from aioengine.http.streaming import JSON
-from aioengine.model.tokenizer import apply_chat_template
 
 STATIC_DIR = Path(__file__).with_name("static")
 
@@ -60,7 +59,7 @@ async def tokenize(request: web.Request) -> web.Response:
     if req.prompt is not None:
         ids = list(tok.encode(req.prompt, add_special_tokens=req.add_special_tokens))
     else:
-        ids = apply_chat_template(tok, req.messages or [], **req.chat_template_kwargs)
+        ids = engine.render_chat(req.messages or [], req.chat_template_kwargs)
     return json_response(
         {
             "count": len(ids),

@@ -15,6 +15,7 @@ import functools
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -94,6 +95,7 @@ def store_kv(
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
     views = _views(kv_cache)
     if views.key_slots is not None:
+        assert views.value_slots is not None  # made with key_slots
         views.key_slots.index_copy_(0, slot_mapping, key)
         views.value_slots.index_copy_(0, slot_mapping, value)
     else:  # a head-major cache (the CPU's layout): slots are not one flat dimension
@@ -131,7 +133,7 @@ def _views(kv_cache: torch.Tensor) -> _CacheViews:
         k, v = kv_cache.unbind(0)
         h, d = kv_cache.shape[-2], kv_cache.shape[-1]
         flat = k.is_contiguous()  # token-major; the CPU's head-major cache is a transposed view
-        views = kv_cache._aioengine_views = _CacheViews(
+        views = cast(Any, kv_cache)._aioengine_views = _CacheViews(
             k, v, k.view(-1, h, d) if flat else None, v.view(-1, h, d) if flat else None
         )
     return views
@@ -241,10 +243,12 @@ def _decode_attention(
         positions = torch.arange(num_blocks * block_size, device=query.device)
         group.mask = (positions < seq_lens[:, None])[:, None, None, :]
     views = _views(kv_cache)
+    assert group.block_ids is not None  # planned with the mask
     if group.key is None or group.key.dtype != kv_cache.dtype:
         # Workspace views for every layer: each layer gathers into them before it reads them (a prefill
         # gathering in between may move the workspace; these views then keep the old buffer alive).
         group.key, group.value = _gather_buffers(views, group.block_ids.shape[0])
+    assert group.value is not None  # gathered with the key
     torch.index_select(views.key_blocks, 0, group.block_ids, out=group.key)
     torch.index_select(views.value_blocks, 0, group.block_ids, out=group.value)
     key, value = (
@@ -274,6 +278,7 @@ def _decodes(
         return _decode_attention(query, kv_cache, meta, groups[0], scale)
     output = torch.empty_like(query)
     for g in groups:
+        assert g.indices is not None  # several groups: each names its requests
         output.index_copy_(
             0, g.indices, _decode_attention(query.index_select(0, g.indices), kv_cache, meta, g, scale)
         )

@@ -31,8 +31,9 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any, cast
 
 import numpy as np
 
@@ -204,11 +205,17 @@ def _gguf_metadata_read_once() -> Iterator[None]:
         with _read_once_lock:
             _read_once_users -= 1
             if _read_once_users == 0:
-                gguf_utils.load_gguf_checkpoint = gguf_utils.load_gguf_checkpoint.__wrapped__
+                gguf_utils.load_gguf_checkpoint = cast(Any, gguf_utils.load_gguf_checkpoint).__wrapped__
                 _read_once_parsed.clear()
 
 
-def _read_once(original, path, return_tensors=False, *args, **kwargs):  # type: ignore[no-untyped-def]
+def _read_once(
+    original: Callable[..., Any],
+    path: str | os.PathLike[str],
+    return_tensors: bool = False,
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
     if return_tensors or args or kwargs:
         return original(path, return_tensors, *args, **kwargs)
     st = os.stat(path)
@@ -269,7 +276,7 @@ def _convert_checked(header: GGUFHeader, out: Path) -> None:
         _patch_tokenizer_config(out / "tokenizer_config.json", tokenizer, config)
 
 
-def _tidy_config(config) -> None:
+def _tidy_config(config: Any) -> None:
     """Fix what the GGUF metadata gives transformers imprecisely."""
     # GGUF stores epsilon as float32: 1e-5 comes back as 9.999999747378752e-06.
     eps = getattr(config, "rms_norm_eps", None)
@@ -289,7 +296,7 @@ def _shortest_float32(x: float) -> float:
     return x
 
 
-def _rope_theta(config) -> float | None:
+def _rope_theta(config: Any) -> float | None:
     theta = getattr(config, "rope_theta", None)
     if theta is None:
         params = getattr(config, "rope_parameters", None) or {}
@@ -297,7 +304,7 @@ def _rope_theta(config) -> float | None:
     return float(theta) if theta is not None else None
 
 
-def _patch_config_json(path: Path, config) -> None:
+def _patch_config_json(path: Path, config: Any) -> None:
     """Keep config.json readable by older transformers and by plain-JSON readers."""
     data = json.loads(path.read_text())
     theta = _rope_theta(config)
@@ -309,7 +316,7 @@ def _patch_config_json(path: Path, config) -> None:
     _write_file(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
-def _patch_tokenizer_config(path: Path, tokenizer, config) -> None:
+def _patch_tokenizer_config(path: Path, tokenizer: Any, config: Any) -> None:
     """Drop load-time kwargs that leak into the saved file; keep the template where old readers look."""
     data = json.loads(path.read_text()) if path.is_file() else {}
     for key in ("is_local", "local_files_only", "gguf_file", "_commit_hash", "name_or_path"):

@@ -166,6 +166,7 @@ class StructuredOutputManager:
         if kind == "regex":
             return xgr.Grammar.from_regex(p.regex)
         if kind == "choice":
+            assert p.choice is not None  # kinds() names "choice" only when it is set
             alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in p.choice)
             return xgr.Grammar.from_ebnf(f"root ::= {alternatives}")
         return xgr.Grammar.from_ebnf(p.grammar)

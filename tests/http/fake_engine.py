@@ -132,6 +132,12 @@ class FakeEngine:
     ) -> RequestHandle:
         return self.generate("", sampling_params, request_id, priority)
 
+    def render_chat(
+        self, messages: list[dict], chat_template_kwargs: Mapping[str, Any] | None = None
+    ) -> list[int]:
+        """No template here: each message's text, one token per character."""
+        return self.tokenizer.encode("".join(str(m.get("content", "")) for m in messages))
+
     async def precompile(self, params: SamplingParams) -> PrecompiledGrammar | None:
         return None  # no grammars here
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 
 _MODES = ("throughput", "latency", "serve", "hf-peer", "allreduce", "scheduler", "structured")
 
@@ -16,6 +17,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     mode, rest = argv[0], argv[1:]
+    run: Callable[[list[str]], object]  # each mode's entry point (some return their result)
     if mode == "throughput":
         from aioengine.cli.bench.throughput import main as run
     elif mode == "latency":

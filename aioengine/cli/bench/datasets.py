@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import random
 from dataclasses import dataclass
+from typing import Any
 
 _TEXT = "The history of computing is a story of abstraction layers. "
 
@@ -14,11 +16,11 @@ class BenchRequest:
     output_len: int
 
 
-def _vocab_ids(tokenizer, n: int, rng: random.Random) -> list[int]:
+def _vocab_ids(tokenizer: Any, n: int, rng: random.Random) -> list[int]:
     # Random ids from the ordinary (non-special) part of the vocabulary.
     special = set(getattr(tokenizer, "all_special_ids", []) or [])
     top = len(tokenizer)
-    out = []
+    out: list[int] = []
     while len(out) < n:
         t = rng.randrange(100, top)
         if t not in special:
@@ -26,7 +28,7 @@ def _vocab_ids(tokenizer, n: int, rng: random.Random) -> list[int]:
     return out
 
 
-def shared_workload(tokenizer, num_prompts: int, output_len: int, seed: int = 0) -> list[BenchRequest]:
+def shared_workload(tokenizer: Any, num_prompts: int, output_len: int, seed: int = 0) -> list[BenchRequest]:
     """The workload of ../shared/bench/hf_peer.py: prompts of 64-256 tokens cut from a fixed text."""
     ids = tokenizer(_TEXT * 200)["input_ids"]
     rng = random.Random(seed)
@@ -37,7 +39,7 @@ def shared_workload(tokenizer, num_prompts: int, output_len: int, seed: int = 0)
 
 
 def random_workload(
-    tokenizer, num_prompts: int, input_len: int, output_len: int, range_ratio: float = 0.0, seed: int = 0
+    tokenizer: Any, num_prompts: int, input_len: int, output_len: int, range_ratio: float = 0.0, seed: int = 0
 ) -> list[BenchRequest]:
     """vLLM's `random` dataset: lengths uniform in [len*(1-r), len*(1+r)]."""
     rng = random.Random(seed)
@@ -52,7 +54,7 @@ def random_workload(
 
 
 def sharegpt_workload(
-    tokenizer,
+    tokenizer: Any,
     num_prompts: int,
     seed: int = 0,
     input_mean: int = 220,
@@ -74,7 +76,7 @@ def sharegpt_workload(
 
 
 def prefix_repetition_workload(
-    tokenizer,
+    tokenizer: Any,
     num_prompts: int,
     prefix_len: int,
     suffix_len: int,
@@ -110,11 +112,11 @@ _GROUNDED_TASKS = (
 )
 
 
-def grounded_workload(tokenizer, num_prompts: int, output_len: int, seed: int = 0) -> list[BenchRequest]:
+def grounded_workload(tokenizer: Any, num_prompts: int, output_len: int, seed: int = 0) -> list[BenchRequest]:
     """Chat requests whose answer copies spans of their input (repeat, copy, rewrite a passage of prose and
     code): the input-grounded case where n-gram drafts from the prompt hold."""
     rng = random.Random(seed)
-    out = []
+    out: list[BenchRequest] = []
     for _ in range(num_prompts):
         passage = " ".join(rng.sample(_GROUNDED_SENTENCES, rng.randint(3, 6)))
         messages = [{"role": "user", "content": f"{rng.choice(_GROUNDED_TASKS)}\n\n{passage}"}]
@@ -125,7 +127,7 @@ def grounded_workload(tokenizer, num_prompts: int, output_len: int, seed: int = 
     return out
 
 
-def add_dataset_args(ap) -> None:
+def add_dataset_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--dataset",
         choices=["shared", "random", "sharegpt", "prefix-repetition", "grounded"],
@@ -143,7 +145,7 @@ def add_dataset_args(ap) -> None:
     ap.add_argument("--dataset-seed", type=int, default=0)
 
 
-def build_dataset(args, tokenizer) -> list[BenchRequest]:
+def build_dataset(args: argparse.Namespace, tokenizer: Any) -> list[BenchRequest]:
     if args.dataset == "shared":
         return shared_workload(tokenizer, args.num_prompts, args.output_len, args.dataset_seed)
     if args.dataset == "random":

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import Any
 
 from aioengine.cli.bench.datasets import BenchRequest, add_dataset_args, build_dataset
 from aioengine.cli.bench.report import write_json
 
 
 def run_continuous_batching(
-    model, requests: list[BenchRequest], time_limit_s: float | None = None
+    model: Any, requests: list[BenchRequest], time_limit_s: float | None = None
 ) -> tuple[float, list, int]:
     """(seconds from the first submission to the last result, finished GenerationOutputs in order, output
     tokens). With ``time_limit_s`` the requests stream (each new token is seen) and the run stops at the
@@ -26,7 +27,7 @@ def run_continuous_batching(
     gc = GenerationConfig(
         max_new_tokens=max(r.output_len for r in requests), do_sample=False, eos_token_id=None, pad_token_id=0
     )
-    results: dict[str, object] = {}
+    results: dict[str, Any] = {}  # transformers' GenerationOutputs
     made: dict[str, int] = {}  # streaming: tokens so far per request
     streaming = time_limit_s is not None
     with model.continuous_batching_context_manager(generation_config=gc, block=True, timeout=5) as manager:
@@ -67,7 +68,7 @@ def run_continuous_batching(
     )
 
 
-def run_generate_batch(model, requests: list[BenchRequest]) -> tuple[float, list]:
+def run_generate_batch(model: Any, requests: list[BenchRequest]) -> tuple[float, list]:
     """Fallback for a transformers without per-request ``add_request``: ``generate_batch`` with one
     ``max_new_tokens`` for all (the mean output length, so the token count stays comparable)."""
     from transformers import GenerationConfig
@@ -93,7 +94,7 @@ def latency_stats(outputs: list) -> dict:
     }
 
 
-def load_peer_model(name: str, device: str, dtype_name: str):
+def load_peer_model(name: str, device: str, dtype_name: str) -> Any:
     import torch
 
     dtype = getattr(torch, dtype_name)
@@ -105,7 +106,8 @@ def load_peer_model(name: str, device: str, dtype_name: str):
 
     from aioengine.model.files import resolve_model
 
-    return AutoModelForCausalLM.from_pretrained(str(resolve_model(name)), dtype=dtype).to(device).eval()
+    model: Any = AutoModelForCausalLM.from_pretrained(str(resolve_model(name)), dtype=dtype)
+    return model.to(device).eval()  # (Any: transformers types its to() as unbound)
 
 
 def main(argv: list[str]) -> dict:

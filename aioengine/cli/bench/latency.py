@@ -13,7 +13,7 @@ from aioengine.engine.async_engine import AsyncEngine
 from aioengine.sampling_params import SamplingParams
 
 
-async def run_latency(args) -> dict:
+async def run_latency(args: argparse.Namespace) -> dict:
     engine = AsyncEngine(engine_args_from(args))
     await engine.start()
     try:

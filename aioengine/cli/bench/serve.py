@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import aiohttp
 import orjson
 
-from aioengine.cli.bench.datasets import add_dataset_args, build_dataset
+from aioengine.cli.bench.datasets import BenchRequest, add_dataset_args, build_dataset
 from aioengine.cli.bench.proc_cpu import CpuSnapshot, ProcCpuError, cpu_split
 from aioengine.cli.bench.report import write_json
 from aioengine.cli.common import run_in_loop
@@ -95,7 +95,7 @@ def _stats(values: list[float]) -> dict:
     return {"mean": statistics.fmean(s), "p50": pct(0.5), "p90": pct(0.9), "p99": pct(0.99)}
 
 
-async def run_serve(args) -> dict:
+async def run_serve(args: argparse.Namespace) -> dict:
     from aioengine.model.files import resolve_model
     from aioengine.model.tokenizer import load_tokenizer
 
@@ -114,7 +114,7 @@ async def run_serve(args) -> dict:
         sem = asyncio.Semaphore(args.max_concurrency or len(requests) or 1)
         rng = random.Random(args.seed)
 
-        async def limited(req) -> RequestResult:
+        async def limited(req: BenchRequest) -> RequestResult:
             payload = {
                 "model": model,
                 "prompt": tokenizer.decode(req.prompt_token_ids),

@@ -12,6 +12,7 @@ import asyncio
 import json
 import statistics
 import time
+from typing import Any
 
 from aioengine.config import EngineArgs
 from aioengine.engine import AsyncEngine
@@ -34,7 +35,8 @@ TOPICS = ["a chef", "a pilot", "a painter", "a student", "a farmer", "a doctor",
 async def _run(engine: AsyncEngine, params: list[SamplingParams]) -> tuple[float, list[int], list[float]]:
     async def one(i: int, p: SamplingParams) -> tuple[int, float]:
         msgs = [{"role": "user", "content": f"Describe {TOPICS[i % len(TOPICS)]} (person {i}) as JSON."}]
-        first = last = None
+        first: float | None = None
+        last: float | None = None
         n = 0
         async for delta in engine.chat(msgs, p):
             now = time.perf_counter()
@@ -43,7 +45,10 @@ async def _run(engine: AsyncEngine, params: list[SamplingParams]) -> tuple[float
                 first = now
             n += k
             last = now
-        tpot = (last - first) / (n - 1) if n > 1 else 0.0
+        tpot = 0.0
+        if n > 1:
+            assert first is not None and last is not None  # set by the tokens counted in n
+            tpot = (last - first) / (n - 1)
         return n, tpot
 
     t0 = time.perf_counter()
@@ -57,7 +62,7 @@ async def main(args: argparse.Namespace) -> dict:
     async with AsyncEngine(eargs) as engine:
         so = StructuredOutputsParams(json=SCHEMA)
 
-        def params(i: int, **kw) -> SamplingParams:
+        def params(i: int, **kw: Any) -> SamplingParams:
             return SamplingParams(temperature=args.temperature, seed=i, **kw)
 
         # warm up (and compile the grammar once: the cache serves every later request)

@@ -9,18 +9,20 @@ import functools
 import io
 import pstats
 import time
+from collections.abc import Iterable
 
 from tqdm import tqdm
 
-from aioengine.cli.bench.datasets import add_dataset_args, build_dataset
+from aioengine.cli.bench.datasets import BenchRequest, add_dataset_args, build_dataset
 from aioengine.cli.bench.report import write_json
 from aioengine.cli.bench.roofline import matmul_gflops, roofline_tokens_per_s
 from aioengine.cli.common import add_engine_args, engine_args_from, run_in_loop
 from aioengine.engine.async_engine import AsyncEngine
+from aioengine.outputs import RequestOutput
 from aioengine.sampling_params import SamplingParams
 
 
-async def run_throughput(args) -> dict:
+async def run_throughput(args: argparse.Namespace) -> dict:
     engine = AsyncEngine(engine_args_from(args))
     t_start = time.perf_counter()
     await engine.start()
@@ -29,13 +31,14 @@ async def run_throughput(args) -> dict:
         requests = build_dataset(args, engine.tokenizer)
         bar = tqdm(total=len(requests), desc="requests", disable=args.no_progress)
 
-        async def one(req):
+        async def one(req: BenchRequest) -> RequestOutput:
             params = SamplingParams(temperature=0, max_tokens=req.output_len, ignore_eos=args.ignore_eos)
             out = await engine.generate(req.prompt_token_ids, params)
             out.metrics["finish_time"] = time.monotonic()
             bar.update(1)
             return out
 
+        assert engine.runner is not None and engine.backend is not None  # set by start()
         runner = engine.runner
         timeline = engine.backend.timeline  # CUDA: events around each step
         if timeline is not None:
@@ -57,6 +60,7 @@ async def run_throughput(args) -> dict:
         outs = await asyncio.gather(*(one(r) for r in requests))
         elapsed = time.perf_counter() - t0
         if profiler is not None:
+            assert profile_path is not None  # the profiler runs only with a path
             await profiler.stop(profile_path)
         bar.close()
         gpu = (await engine.run_on_worker(timeline.stats)).as_dict() if timeline is not None else {}
@@ -140,6 +144,7 @@ class HostProfiler:
     async def start(cls, engine: AsyncEngine) -> HostProfiler:
         self = cls(engine)
         self.loop_prof.enable()
+        assert self.worker_prof is not None  # made by __init__
         try:
             await engine.run_on_worker(self.worker_prof.enable)
         except (ValueError, RuntimeError):  # 3.12+: the loop's profiler already covers this thread
@@ -170,7 +175,7 @@ def host_ms_per_step(loop_s: dict[str, float], worker_s: dict[str, float]) -> di
     return {k: 1e3 * v / steps for k, v in sorted(phases.items())}
 
 
-def latency_stats(outs) -> dict:
+def latency_stats(outs: Iterable[RequestOutput]) -> dict:
     """Mean TTFT (arrival to first token) and TPOT (first to last token, per later token), in ms."""
     ttft, tpot = [], []
     for o in outs:

@@ -181,8 +181,12 @@ def read_block_codes(
         part = matrices.get(name)
         if part is None:
             return None
-        rows = part.get_shape()
-        found = block_codes(lambda r0, r1, part=part: part[r0:r1], *rows, kinds=kinds, affine=affine)
+        n, k = part.get_shape()
+
+        def read(r0: int, r1: int, part: Any = part) -> torch.Tensor:
+            return part[r0:r1]
+
+        found = block_codes(read, n, k, kinds=kinds, affine=affine)
         if found is None or (parts and found.codes.shape[1:] != parts[0].codes.shape[1:]):
             return None
         if parts and (found.block != parts[0].block or (found.mins is None) != (parts[0].mins is None)):

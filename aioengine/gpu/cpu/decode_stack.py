@@ -129,7 +129,7 @@ class CpuDecodeStack:
     ) -> None:
         """``mixed``: take steps with prompt chunks too (where the Python path's attention would run them
         through the packed prefill kernel)."""
-        decoder = model.model
+        decoder: Any = model.model  # a LlamaModel or Gemma3Model: its layers are read by attribute
         self.mixed = mixed
         self.watch = SleepWatch()
         first = decoder.layers[0]
@@ -201,7 +201,7 @@ class CpuDecodeStack:
         backend runs prompt chunks through the packed prefill kernel (then so does the stack)."""
         if not kv_caches:
             return None
-        decoder = getattr(model, "model", None)
+        decoder: Any = getattr(model, "model", None)
         if not getattr(decoder, "layers", None) or kv_caches[0].dtype != torch.bfloat16:
             return None
         first = decoder.layers[0]
@@ -281,8 +281,10 @@ class CpuDecodeStack:
         for name, t in scratch.items():
             setattr(a, name, t.data_ptr())
         a.num_threads = torch.get_num_threads()
+        lib = cpu_kernels.load()
+        assert lib is not None  # build() found the C kernels
         status = self.watch.run(  # hundreds of parallel regions in one call: where throttling shows
-            cpu_kernels.load().decode_stack_bf16,
+            lib.decode_stack_bf16,
             ctypes.addressof(self.layers),
             len(self.layers),
             ctypes.addressof(a),

@@ -41,7 +41,8 @@ def q8_0_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None
     largest ``|w|`` is 127 times its scale, as the Q8_0 quantizer sets it. Else None."""
     if weight.dtype != torch.float32 or weight.dim() != 2:
         return None
-    found = block_codes(lambda r0, r1: weight[r0:r1], *weight.shape, kinds=[Q8_0])
+    n, k = weight.shape
+    found = block_codes(lambda r0, r1: weight[r0:r1], n, k, kinds=[Q8_0])
     return None if found is None else (found.codes, found.scales)
 
 
@@ -78,7 +79,7 @@ class Q8Head(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if self.fallback is not None and flat.shape[0] > self.max_rows:
+        if self.fallback is not None and self.max_rows is not None and flat.shape[0] > self.max_rows:
             return self.fallback(x)
         y = q8.qgemv_f32(self._rows(flat), self.packed, self.scales, limbs=self.limbs)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
@@ -87,7 +88,7 @@ class Q8Head(nn.Module):
         """Each row's argmax of ``forward(x)`` (first maximum; NaN wins) without writing the logits; None
         where the fallback runs and cannot pick it itself."""
         flat = x.reshape(-1, self.in_features)
-        if self.fallback is not None and flat.shape[0] > self.max_rows:
+        if self.fallback is not None and self.max_rows is not None and flat.shape[0] > self.max_rows:
             argmax = getattr(self.fallback, "argmax", None)
             return argmax(x) if argmax is not None else None
         return q8.qgemv_f32(self._rows(flat), self.packed, self.scales, argmax=True, limbs=self.limbs)

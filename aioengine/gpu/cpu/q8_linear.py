@@ -20,6 +20,7 @@ result.
 from __future__ import annotations
 
 import logging
+from typing import Any, TypeGuard, cast
 
 import torch
 from torch import nn
@@ -138,7 +139,7 @@ def module_bytes(linear: Q8Linear) -> int:
     return linear.packed.numel() + linear.scales.numel() * 4 + extra
 
 
-def _takes(gemm: object) -> bool:
+def _takes(gemm: object) -> TypeGuard[PackedLinear | TransposedLinear]:
     """A linear whose codes the kernels can stand in for: packed bf16 (cpu_gemm.c's layout) or float32."""
     if isinstance(gemm, PackedLinear):
         return gemm.c_gemm and gemm.dtype == torch.bfloat16
@@ -166,6 +167,6 @@ def attach_q8_linears(model: nn.Module, codes: CheckpointCodes) -> int:
             done += 1
             nbytes += module_bytes(getattr(module, attr))
     if done:
-        model.coded_steps = steps  # the backend marks each step
+        cast(Any, model).coded_steps = steps  # the backend marks each step
         logger.info("%d decoder linears on their GGUF block codes for few rows (%d MB)", done, nbytes >> 20)
     return done

@@ -61,6 +61,9 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class QuantizedLinear(nn.Module):
     """``y = x W^T + b`` for a quantized ``W``: the packed kernel for a few rows, a GEMM for many."""
 
+    packed: torch.Tensor  # buffers, registered in __init__
+    scales_zeros: torch.Tensor
+
     def __init__(
         self,
         weight: torch.Tensor,

@@ -24,8 +24,8 @@ import ctypes
 import itertools
 import logging
 import threading
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Generator
+from typing import Any, cast
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +56,7 @@ class HostSignal:
             self._done = True
             loop, fut = self._loop, self._fut
         if fut is not None:
+            assert loop is not None  # set together with fut, under the lock
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits any more
                 loop.call_soon_threadsafe(_set_done, fut)
 
@@ -73,6 +74,7 @@ class HostSignal:
             return
         seen_complete = False
         grace_s = self._owner.grace_s if self._owner is not None else HOST_FN_GRACE_S
+        handle: asyncio.TimerHandle
 
         def look() -> None:
             nonlocal handle, seen_complete
@@ -113,7 +115,7 @@ def _on_host_func(user_data: int | None) -> None:
 
 
 _host_fn = _HOST_FN_TYPE(_on_host_func)  # module-lifetime: CUDA may call it at any time
-HOST_FN_ADDRESS: int = ctypes.cast(_host_fn, ctypes.c_void_p).value
+HOST_FN_ADDRESS: int = cast(int, ctypes.cast(_host_fn, ctypes.c_void_p).value)  # never NULL
 
 
 class _HostFuncLauncher:
@@ -207,7 +209,7 @@ class AsyncOutput:
         self.signal = signal
         self._finish = finish  # builds the output from the pinned host tensors, once they are filled
 
-    def __await__(self):
+    def __await__(self) -> Generator[Any, None, Any]:
         return self._resolve().__await__()
 
     async def _resolve(self) -> Any:

@@ -8,7 +8,7 @@ GeGLU (gelu, tanh approximation), embeddings scaled by sqrt(hidden), attention s
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -76,9 +76,8 @@ def layer_types_of(config: Any) -> list[str]:
     types = getattr(config, "layer_types", None)
     if types is not None:
         return list(types)
-    pattern = int(
-        getattr(config, "sliding_window_pattern", None) or getattr(config, "_sliding_window_pattern", 6)
-    )
+    every: Any = getattr(config, "sliding_window_pattern", None)  # a config value: not typed
+    pattern = int(every or getattr(config, "_sliding_window_pattern", 6))
     return [
         "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
         for i in range(config.num_hidden_layers)
@@ -190,6 +189,8 @@ class Gemma3Model(LlamaModel):
 class Gemma3ForCausalLM(LlamaForCausalLM):
     """Gemma 3's text model; the head is the (tied) embedding, its logits soft-capped where set."""
 
+    model: Gemma3Model
+
     def __init__(
         self, config: Any, dtype: torch.dtype = torch.float32, device: Any = "cpu", ops: Ops = REFERENCE_OPS
     ) -> None:
@@ -218,4 +219,4 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             return
         model.ropes = model.make_ropes(max_model_len, table.dtype, table.device, self.ops)
         for layer, t in zip(model.layers, model.layer_types, strict=True):
-            layer.self_attn.rotary_emb = model.ropes[t]
+            cast(LlamaAttention, layer.self_attn).rotary_emb = model.ropes[t]

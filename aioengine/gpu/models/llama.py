@@ -8,7 +8,7 @@ Qwen2/Qwen3 reuse these classes with the switches in ``LlamaForCausalLM``'s clas
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -64,13 +64,14 @@ class LlamaAttention(nn.Module):
         self.scaling = self.head_dim**-0.5
         hidden = config.hidden_size
         self.qkv_proj = _linear(hidden, self.q_size + 2 * self.kv_size, qkv_bias, dtype, device)
-        self.qkv_proj.shard_offsets = {
+        cast(Any, self.qkv_proj).shard_offsets = {
             "q_proj": (0, self.q_size),
             "k_proj": (self.q_size, self.kv_size),
             "v_proj": (self.q_size + self.kv_size, self.kv_size),
         }
         self.o_proj = _linear(self.q_size, hidden, o_bias, dtype, device)
-        self.q_norm = self.k_norm = None
+        self.q_norm: nn.Module | None = None
+        self.k_norm: nn.Module | None = None
         if qk_norm:  # Qwen3: per-head RMSNorm on q and k before RoPE
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device, ops)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device, ops)
@@ -90,6 +91,7 @@ class LlamaAttention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
+            assert self.k_norm is not None  # set together with q_norm
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)
         meta = meta.for_group(self.kv_group)
@@ -112,7 +114,7 @@ class LlamaMLP(nn.Module):
         inter = config.intermediate_size
         bias = bool(getattr(config, "mlp_bias", False))
         self.gate_up_proj = _linear(config.hidden_size, 2 * inter, bias, dtype, device)
-        self.gate_up_proj.shard_offsets = {"gate_proj": (0, inter), "up_proj": (inter, inter)}
+        cast(Any, self.gate_up_proj).shard_offsets = {"gate_proj": (0, inter), "up_proj": (inter, inter)}
         self.down_proj = _linear(inter, config.hidden_size, bias, dtype, device)
         self.act_fn = act_fn
         self.ops = ops
@@ -187,7 +189,7 @@ class LlamaModel(nn.Module):
             )
             for w, (g, _) in zip(windows, slots, strict=True)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, ops)
+        self.norm: nn.Module = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, ops)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
@@ -265,14 +267,14 @@ class LlamaForCausalLM(nn.Module):
         past the trained context RoPE extrapolates, as transformers computes it, instead of reading
         past the table's end."""
         layers = self.model.layers
-        table = layers[0].self_attn.rotary_emb.cos_sin_cache if len(layers) else None
+        table = cast(LlamaAttention, layers[0].self_attn).rotary_emb.cos_sin_cache if len(layers) else None
         if table is None or table.shape[0] >= max_model_len:
             return
         rope = get_rope(
             head_dim_of(self.config), max_model_len, self.config, table.dtype, table.device, self.ops
         )
         for layer in layers:
-            layer.self_attn.rotary_emb = rope
+            cast(LlamaAttention, layer.self_attn).rotary_emb = rope
 
     def compute_greedy(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         """The greedy token of each row (int64 ``[N]``) straight from the head's GEMM, where it can pick it

@@ -19,7 +19,9 @@ import os
 import subprocess
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -210,6 +212,7 @@ _ELEMENTWISE = {
     "argmax_bf16": [_P, _I64, _I64, _I64, _P, _I],
     "store_kv_cpu": [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I, _I, _I, _I64, _I64, _I64, _I, _I64],
 }
+_PREFILL_ARGS: list[type[ctypes._SimpleCData[Any]]]  # declared: mypy infers type[_CData], too wide
 _PREFILL_ARGS = [_P, _I64, _P, _P, _P, _I, _I, _P, _I, _I, _I, _I, _F, _I, _I64, _I64, _I64, _I]
 
 
@@ -272,6 +275,7 @@ def gemma_rms_norm(
     new_residual = residual if x is None else torch.empty((rows, hidden), dtype=residual.dtype)
     weight = weight.contiguous()
     assert weight.dtype == residual.dtype == torch.bfloat16 and (x is None or x.dtype == residual.dtype)
+    assert _lib is not None  # loaded: the callers check first
     _lib.gemma_rms_norm_bf16(
         0 if x is None else x.data_ptr(),
         0 if x is None else x.stride(0),
@@ -326,6 +330,7 @@ GEMM_BF16, GEMM_F32, GEMM_ACT_MUL, GEMM_ARGMAX = 0, 1, 2, 3
 def packed_gemm_weight_elems(n: int, k: int) -> int:
     """The bf16 elements of an ``[n, k]`` weight in gemm's panel layout."""
     assert gemm_available(), "cpu_gemm.c is not built for this CPU"
+    assert _lib is not None  # loaded: the callers check first
     return _lib.packed_gemm_weight_elems(n, k)
 
 
@@ -341,11 +346,15 @@ def pack_gemm_weight(
     weight = weight.detach().contiguous()
     packed = torch.empty(numel, dtype=torch.bfloat16) if out is None else out
     assert packed.dtype == torch.bfloat16 and packed.shape == (numel,) and packed.is_contiguous()
+    assert _lib is not None  # loaded: the callers check first
     _lib.pack_gemm_weight_bf16(weight.data_ptr(), n, k, gated, packed.data_ptr(), torch.get_num_threads())
     return packed
 
 
-_ACTIVATIONS = {"silu": F.silu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh")}
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu_tanh": functools.partial(F.gelu, approximate="tanh"),
+}
 GATED_ACTIVATIONS = tuple(_ACTIVATIONS)  # what GEMM_ACT_MUL's epilogue can apply to the gate
 
 
@@ -372,6 +381,7 @@ def gemm(
     rounded as torch rounds; with GEMM_ARGMAX int64 ``[M]``: ``argmax`` of the float32 row, as torch picks it
     (first maximum; NaN wins)."""
     m, k = x.shape
+    assert _lib is not None  # loaded: the callers check first
     assert (
         x.dtype == torch.bfloat16
         and x.stride(1) == 1
@@ -431,6 +441,7 @@ def qgemv_int8(
     assert x.dtype == torch.float32 and x.stride(1) == 1 and q.dtype == torch.int8 and q.is_contiguous()
     assert scale.dtype == torch.float32 and scale.is_contiguous() and q.shape[1] == k
     y = torch.empty((m, n), dtype=torch.float32)
+    assert _lib is not None  # loaded: the callers check first
     _lib.qgemv_int8_f32(
         x.data_ptr(),
         x.stride(0),
@@ -452,6 +463,7 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     included) without widening the rows to float32."""
     rows, cols = x.shape
     out = torch.empty(rows, dtype=torch.int64)
+    assert _lib is not None  # loaded: the callers check first
     _lib.argmax_bf16(x.data_ptr(), x.stride(0), rows, cols, out.data_ptr(), torch.get_num_threads())
     return out
 
@@ -479,6 +491,7 @@ def store_kv(
         if slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()
         else slot_mapping.to(torch.int64).contiguous()
     )
+    assert _lib is not None  # loaded: the callers check first
     _lib.store_kv_cpu(
         key.data_ptr(),
         key.stride(0),
@@ -575,7 +588,9 @@ def prefill_attention(
         else blocks.to(torch.int32).contiguous()
     )
     out = torch.empty((q_len, num_heads, head_dim), dtype=query.dtype)
-    status = load().prefill_attention_bf16(
+    lib = load()
+    assert lib is not None
+    status = lib.prefill_attention_bf16(
         query.data_ptr(),
         query.stride(0),
         *cache_pointers(kv_cache),

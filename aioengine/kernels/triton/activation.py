@@ -14,7 +14,7 @@ from aioengine.kernels.triton.utils import cast_to, interpreted
 
 
 @triton.jit
-def _silu_and_mul_kernel(out_ptr, x_ptr, stride_x, d, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
+def _silu_and_mul_kernel(out_ptr, x_ptr, stride_x, d, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):  # type: ignore[no-untyped-def]  # @triton.jit reads annotations as arg types
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d

@@ -29,7 +29,7 @@ from aioengine.kernels.triton.utils import cast_to, interpreted
 
 
 @triton.jit
-def _find_request(query_start_loc_ptr, num_reqs, q_block, BLOCK_Q: tl.constexpr):
+def _find_request(query_start_loc_ptr, num_reqs, q_block, BLOCK_Q: tl.constexpr):  # type: ignore[no-untyped-def]  # @triton.jit reads annotations as arg types
     """The request ``i`` whose q blocks start at ``query_start_loc[i] // BLOCK_Q + i <= q_block``
     (largest such ``i``). The starts grow by at least ``cdiv(q_len, BLOCK_Q)`` per request."""
     lo = 0
@@ -45,7 +45,7 @@ def _find_request(query_start_loc_ptr, num_reqs, q_block, BLOCK_Q: tl.constexpr)
 
 
 @triton.jit
-def _paged_attention_kernel(
+def _paged_attention_kernel(  # type: ignore[no-untyped-def]  # @triton.jit reads annotations as arg types
     out_ptr,
     query_ptr,
     key_cache_ptr,

@@ -18,7 +18,7 @@ from aioengine.kernels.triton.utils import cast_to, interpreted
 
 
 @triton.jit
-def _store_kv_kernel(
+def _store_kv_kernel(  # type: ignore[no-untyped-def]  # @triton.jit reads annotations as arg types
     key_ptr,
     value_ptr,
     key_cache_ptr,

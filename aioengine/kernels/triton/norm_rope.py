@@ -20,7 +20,7 @@ from aioengine.kernels.triton.utils import cast_to, interpreted
 
 
 @triton.jit
-def _rms_norm_kernel(
+def _rms_norm_kernel(  # type: ignore[no-untyped-def]  # @triton.jit reads annotations as arg types
     out_ptr,
     residual_out_ptr,
     x_ptr,
@@ -109,7 +109,7 @@ def rms_norm_triton(
 
 
 @triton.jit
-def _rotate_heads(
+def _rotate_heads(  # type: ignore[no-untyped-def]  # @triton.jit reads annotations as arg types
     x_ptr,
     out_ptr,
     token,
@@ -148,7 +148,7 @@ def _rotate_heads(
 
 
 @triton.jit
-def _rope_kernel(
+def _rope_kernel(  # type: ignore[no-untyped-def]  # @triton.jit reads annotations as arg types
     q_ptr,
     k_ptr,
     q_out_ptr,

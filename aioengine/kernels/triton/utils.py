@@ -12,13 +12,13 @@ import triton
 import triton.language as tl
 
 
-def interpreted(kernel) -> bool:
+def interpreted(kernel: object) -> bool:
     """Whether ``kernel`` was decorated under ``TRITON_INTERPRET=1`` (runs on CPU tensors)."""
     return type(kernel).__name__ == "InterpretedFunction"
 
 
 @triton.jit
-def cast_to(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
+def cast_to(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):  # type: ignore[no-untyped-def]  # @triton.jit reads annotations as arg types
     """``x.to(dtype)`` with round-to-nearest-even, the GPU's rounding, under the interpreter too."""
     if INTERPRET and dtype == tl.bfloat16:
         # Round the fp32 bits to the nearest even bf16 by hand; the truncating cast is then exact.
