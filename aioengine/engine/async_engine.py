@@ -429,41 +429,49 @@ class AsyncEngine(EmbedMixin):
         host = self.host_s
         if scheduler.has_requests():
             t0 = time.perf_counter()
-            so = scheduler.schedule()  # stops 2-3
+            scheduler_output = scheduler.schedule()  # stops 2-3
             host["schedule"] += time.perf_counter() - t0
-            if so.scheduled_new_reqs:
-                self._mark_scheduled(so.scheduled_new_reqs)
-            if so.total_num_scheduled_tokens or so.finished_req_ids or so.preempted_req_ids:
-                exec_fut = executor.collective_rpc("execute_model", so)  # stops 4-7 (on every rank)
-                scheduled = so.total_num_scheduled_tokens > 0
-                if so.pending_structured_output_tokens and self._batch_queue:
+            if scheduler_output.scheduled_new_reqs:
+                self._mark_scheduled(scheduler_output.scheduled_new_reqs)
+            if (
+                scheduler_output.total_num_scheduled_tokens
+                or scheduler_output.finished_req_ids
+                or scheduler_output.preempted_req_ids
+            ):
+                exec_fut = executor.collective_rpc(
+                    "execute_model", scheduler_output
+                )  # stops 4-7 (on every rank)
+                scheduled = scheduler_output.total_num_scheduled_tokens > 0
+                if scheduler_output.pending_structured_output_tokens and self._batch_queue:
                     # Stop 8: a structured request still has a token in flight and its bitmask needs it:
                     # sample once the previous step is processed (below). Without grammars, never.
-                    deferred = (exec_fut, so)
+                    deferred = (exec_fut, scheduler_output)
                 else:
                     # Stop 8: the grammar bitmask (None without grammars), filled here while the forward runs.
-                    bitmask = scheduler.get_grammar_bitmask(so)
+                    bitmask = scheduler.get_grammar_bitmask(scheduler_output)
                     sample_fut = executor.collective_rpc("sample_tokens", bitmask)  # stop 9
-                    self._batch_queue.appendleft((exec_fut, sample_fut, so))
+                    self._batch_queue.appendleft((exec_fut, sample_fut, scheduler_output))
         if not self._batch_queue:
             return False
         if deferred is None and len(self._batch_queue) < 2 and scheduled and scheduler.has_requests():
             return False  # plan step k+1 before waiting for step k
-        exec_fut, sample_fut, so = self._batch_queue.pop()
+        exec_fut, sample_fut, scheduler_output = self._batch_queue.pop()
         result = await self._await_step(sample_fut)  # stop 10: the only wait for the device
         if exec_fut.exception() is not None:
             raise exec_fut.exception()
         t0 = time.perf_counter()
-        outputs = scheduler.update_from_output(so, result)  # stop 11
+        outputs = scheduler.update_from_output(scheduler_output, result)  # stop 11
         t1 = time.perf_counter()
         self._outputs.process(outputs, scheduler)  # stop 12: straight to each request's stream
         host["update"] += t1 - t0
         host["outputs"] += time.perf_counter() - t1
         host["steps"] += 1
         if deferred is not None:  # its grammars now know every token: bitmask, then sample (stops 8-9)
-            exec_fut, so = deferred
-            sample_fut = executor.collective_rpc("sample_tokens", scheduler.get_grammar_bitmask(so))
-            self._batch_queue.appendleft((exec_fut, sample_fut, so))
+            exec_fut, scheduler_output = deferred
+            sample_fut = executor.collective_rpc(
+                "sample_tokens", scheduler.get_grammar_bitmask(scheduler_output)
+            )
+            self._batch_queue.appendleft((exec_fut, sample_fut, scheduler_output))
         if self.stat_listeners:
             stats = scheduler.make_stats()
             for listener in self.stat_listeners:

@@ -66,10 +66,10 @@ class RankWorker:
     def build_fast_paths(self, args: Any, max_num_batched_tokens: int) -> None:
         self.backend.build_fast_paths(self._runner(), args, max_num_batched_tokens)
 
-    def execute_model(self, so: Any) -> Any:
+    def execute_model(self, scheduler_output: Any) -> Any:
         t0 = time.perf_counter()
         try:
-            return self._runner().execute_model(so)
+            return self._runner().execute_model(scheduler_output)
         finally:
             self.busy_s += time.perf_counter() - t0
 

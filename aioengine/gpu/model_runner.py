@@ -130,38 +130,38 @@ class ModelRunner:
             self.drafter.initialize_kv_cache(num_blocks, self.block_size)
 
     # ---- stop 5: update states ----------------------------------------------------------------
-    def _update_states(self, so: SchedulerOutput) -> None:
+    def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         states = self.states
-        for rid in so.finished_req_ids:
+        for rid in scheduler_output.finished_req_ids:
             states.remove(rid)
             self.pooler.remove(rid)
-        for rid in so.preempted_req_ids:
+        for rid in scheduler_output.preempted_req_ids:
             states.remove(rid)
             self.pooler.remove(rid)
-        for data in so.scheduled_new_reqs:
+        for data in scheduler_output.scheduled_new_reqs:
             states.add(data)
             if data.pooling is not None:
                 self.pooler.add(data.req_id, data.pooling)
-        cached = so.scheduled_cached_reqs
+        cached = scheduler_output.scheduled_cached_reqs
         for rid, block_ids in zip(cached.req_ids, cached.new_block_ids, strict=True):
             if block_ids:
                 states.append_blocks(states.row_of[rid], block_ids)
 
     # ---- stop 6: the flat batch ---------------------------------------------------------------
-    def _prepare_inputs(self, so: SchedulerOutput) -> InputBatch:
+    def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> InputBatch:
         states = self.states
         self.staging.begin_step()
-        computed = {d.req_id: d.num_computed_tokens for d in so.scheduled_new_reqs}
-        cached = so.scheduled_cached_reqs
+        computed = {d.req_id: d.num_computed_tokens for d in scheduler_output.scheduled_new_reqs}
+        cached = scheduler_output.scheduled_cached_reqs
         computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
-        ids = list(so.num_scheduled_tokens)
-        n = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=len(ids))
+        ids = list(scheduler_output.num_scheduled_tokens)
+        n = np.fromiter(scheduler_output.num_scheduled_tokens.values(), dtype=np.int64, count=len(ids))
         rows = np.fromiter((states.row_of[r] for r in ids), dtype=np.int64, count=len(ids))
         start = np.fromiter((computed[r] for r in ids), dtype=np.int64, count=len(ids))
         # Decodes first: one token past the prompt. A one-token prompt chunk (a prefix-cache hit recomputing
         # the last prompt token) is a prefill: prompt tokens share one attention path, whatever the chunking.
         prefill_len = states.prefill_len[rows]
-        spec = so.scheduled_spec_decode_tokens
+        spec = scheduler_output.scheduled_spec_decode_tokens
         spec_n = np.fromiter((len(spec.get(r, ())) for r in ids), dtype=np.int64, count=len(ids))
         # A verified request's tokens attend as decodes, one row each (below): it goes with the decodes.
         is_decode = ((n == 1) | (spec_n > 0)) & (start >= prefill_len)
@@ -259,20 +259,20 @@ class ModelRunner:
             draft_ids=draft_ids,
             query_start_loc_cpu=cu_list,
             seq_lens_cpu=seq_lens_list,
-            num_drafts_to_propose=so.num_drafts_to_propose,
+            num_drafts_to_propose=scheduler_output.num_drafts_to_propose,
         )
 
     # ---- stops 5-7: execute_model enqueues the forward ----------------------------------------
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> None:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
         if self.fault_hook is not None:
-            self.fault_hook("execute_model", so)
-        self._update_states(so)
+            self.fault_hook("execute_model", scheduler_output)
+        self._update_states(scheduler_output)
         self._pending = None
-        if so.total_num_scheduled_tokens == 0:
+        if scheduler_output.total_num_scheduled_tokens == 0:
             return
         t0 = time.perf_counter()
-        batch = self._prepare_inputs(so)
+        batch = self._prepare_inputs(scheduler_output)
         t1 = time.perf_counter()
         hidden = self.backend.forward(self, batch.input_ids, batch.positions, batch.attn_metadata)
         if self.drafter is not None:

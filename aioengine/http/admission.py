@@ -102,9 +102,11 @@ async def admit_body(
     req = parse(body, engine.allow_priority, cfg.limits, engine.default_sampling_params)
     if isinstance(req, ChatRequest):
         req.params.reasoning_parser = cfg.reasoning_parser  # the think block's rules, for a thinking budget
-        so = req.params.structured_outputs
-        if so is not None and not cfg.structured_outputs_in_reasoning:
-            so.reasoning = cfg.reasoning_parser  # the constraint starts after the think block, as vLLM's
+        structured = req.params.structured_outputs
+        if structured is not None and not cfg.structured_outputs_in_reasoning:
+            structured.reasoning = (
+                cfg.reasoning_parser
+            )  # the constraint starts after the think block, as vLLM's
     model = check_model(app, req.model)
     rid = request_id(given_id or req.request_id, id_prefix)
     grammar = await prepare(engine, req)
@@ -128,7 +130,7 @@ async def prepare(engine: EngineClient, req: ChatRequest | CompletionRequest) ->
     OFFLOAD_CHARS characters into ``req.prompt_ids``. A chat whose answer alone is constrained is rendered
     first in any case: where its template already closed the think block, the constraint covers it all."""
     grammar = None
-    so = req.params.structured_outputs
+    structured = req.params.structured_outputs
     if isinstance(req, ChatRequest):
         size = sum(len(m["content"]) for m in req.messages)
         if req.tools is not None:  # the template renders them too (Qwen's writes each as JSON)
@@ -137,13 +139,15 @@ async def prepare(engine: EngineClient, req: ChatRequest | CompletionRequest) ->
             req.prompt_ids = await asyncio.to_thread(
                 engine.render_chat, req.messages, req.chat_template_kwargs
             )
-        elif so is not None and so.reasoning is not None:  # the prompt decides where the constraint starts
+        elif (
+            structured is not None and structured.reasoning is not None
+        ):  # the prompt decides where the constraint starts
             req.prompt_ids = engine.render_chat(req.messages, req.chat_template_kwargs)
-        if so is not None and so.reasoning is not None and req.prompt_ids is not None:
+        if structured is not None and structured.reasoning is not None and req.prompt_ids is not None:
             tail = engine.tokenizer.decode(req.prompt_ids[-_PROMPT_TAIL:])
             if closed_in_prompt(tail):  # the template closed the block itself: constrain all, as vLLM does
-                so.reasoning = None
-    if so is not None:
+                structured.reasoning = None
+    if structured is not None:
         try:
             grammar = await engine.precompile(req.params)
         except InvalidRequestError as e:

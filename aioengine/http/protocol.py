@@ -109,20 +109,20 @@ def _structured_outputs(f: Fields) -> StructuredOutputsParams | None:
     rf = f.data.get("response_format")
     if rf is not None:
         RESPONSE_FORMAT.check(rf, "response_format", SchemaContext(f.limits))
-    so = f.get("structured_outputs", dict)
+    structured = f.get("structured_outputs", dict)
     kind = None if rf is None else rf["type"]
     if kind not in (None, "text"):
-        if so is not None:
+        if structured is not None:
             raise bad("Use response_format or structured_outputs, not both.", "structured_outputs")
         if kind == "json_object":
             return StructuredOutputsParams(json_object=True)
         assert rf is not None
         return StructuredOutputsParams(json=rf["json_schema"]["schema"])
-    if so is None:
+    if structured is None:
         return None
-    Fields(so, STRUCTURED_OUTPUTS, "structured_outputs.")
+    Fields(structured, STRUCTURED_OUTPUTS, "structured_outputs.")
     try:
-        return StructuredOutputsParams(**so)
+        return StructuredOutputsParams(**structured)
     except TypeError as e:
         raise bad(f"Invalid structured_outputs: {e}", "structured_outputs") from None
 
@@ -196,12 +196,12 @@ def _common(
     defaults: Mapping[str, float],
 ) -> GenerationRequest:
     stream = f.bool("stream", False)
-    so = f.get("stream_options", dict)
+    stream_options = f.get("stream_options", dict)
     include_usage = continuous = False
-    if so is not None:
+    if stream_options is not None:
         if not stream:
             raise bad("Stream options can only be defined when `stream=True`.", "stream_options")
-        sf = Fields(so, STREAM_OPTIONS, "stream_options.")
+        sf = Fields(stream_options, STREAM_OPTIONS, "stream_options.")
         include_usage = sf.bool("include_usage", False)
         continuous = sf.bool("continuous_usage_stats", False)
     priority = f.int("priority", 0)

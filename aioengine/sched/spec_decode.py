@@ -11,7 +11,7 @@ from aioengine.sampling_params import SamplingParams
 from aioengine.sched.output import SchedulerStats
 from aioengine.sched.request import Request
 
-# A verified step costs a decode about 1.2-1.4x on a CPU (docs/benchmarks.md): a request whose drafts keep
+# A verified step costs more than a decode on a CPU (docs/benchmarks.md): a request whose drafts keep
 # failing stops proposing for a while, then tries again.
 _EMA = 0.25  # weight of the newest verdict
 POOR_ACCEPTANCE = 0.3  # accepted drafts per verified step, smoothed, below which proposals pause

@@ -320,12 +320,3 @@ def test_serve_subprocess_sigterm_exits_0():
     assert rc == 0, out
     assert "Avg prompt throughput" in out and "Running:" in out
     assert "received SIGTERM" in out and "shut down" in out
-
-
-def test_chat_command_streams_a_reply(server, monkeypatch, capsys):
-    from aioengine.http import chat_client
-
-    lines = iter(["What is the capital of France?", ""])
-    monkeypatch.setattr(chat_client, "_prompt", lambda: next(lines))
-    assert cli.main(["chat", "--url", server.url(), "--temperature", "0", "--max-tokens", "16"]) == 0
-    assert "Paris" in capsys.readouterr().out

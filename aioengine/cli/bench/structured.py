@@ -60,17 +60,18 @@ async def _run(engine: AsyncEngine, params: list[SamplingParams]) -> tuple[float
 async def main(args: argparse.Namespace) -> dict:
     eargs = EngineArgs(model=args.model, max_model_len=1024, max_num_batched_tokens=2048, max_num_seqs=args.n)
     async with AsyncEngine(eargs) as engine:
-        so = StructuredOutputsParams(json=SCHEMA)
+        structured = StructuredOutputsParams(json=SCHEMA)
 
         def params(i: int, **kw: Any) -> SamplingParams:
             return SamplingParams(temperature=args.temperature, seed=i, **kw)
 
         # warm up (and compile the grammar once: the cache serves every later request)
-        await _run(engine, [params(i, max_tokens=8, structured_outputs=so) for i in range(4)])
+        await _run(engine, [params(i, max_tokens=8, structured_outputs=structured) for i in range(4)])
         rows = []
         for _ in range(args.rounds):
             wall_s, counts, tpot_s = await _run(
-                engine, [params(i, max_tokens=args.max_tokens, structured_outputs=so) for i in range(args.n)]
+                engine,
+                [params(i, max_tokens=args.max_tokens, structured_outputs=structured) for i in range(args.n)],
             )
             wall_u, counts_u, tpot_u = await _run(
                 engine, [params(i, max_tokens=c, ignore_eos=True) for i, c in enumerate(counts)]

@@ -1,6 +1,6 @@
 """A converted GGUF's block codes, searched once and kept beside it, so later starts read them back.
 
-Finding the codes reads every float32 decoder weight and checks each block (1-2 s for the default model at
+Finding the codes reads every float32 decoder weight and checks each block (seconds for the default model, at
 every start). A converted checkpoint in aioengine's cache never changes once its marker is written, so what
 the search found there (codes, or that a tensor has none) is stored in one safetensors file in the entry.
 The file's name carries a version: a search that finds more or other codes gets a new name. A missing,
