@@ -30,9 +30,9 @@ run_side() {  # $1 side, $2 round: three benches, JSON under $out
     local side=$1 round=$2 tree="$trees/$1"
     local tag="$out/$side-$round"
     (cd "$tree" && PYTHONPATH="$tree" python -c "import aioengine; assert aioengine.__file__.startswith('$tree')")
-    (cd "$tree" && PYTHONPATH="$tree" python -m aioengine.cli.bench throughput --num-prompts "$prompts" --output-len "$outlen" \
+    (cd "$tree" && PYTHONPATH="$tree" python -m aioengine bench throughput --num-prompts "$prompts" --output-len "$outlen" \
         --no-progress --output-json "$tag-throughput.json" >/dev/null)
-    (cd "$tree" && PYTHONPATH="$tree" python -m aioengine.cli.bench latency --batch-size 1 \
+    (cd "$tree" && PYTHONPATH="$tree" python -m aioengine bench latency --batch-size 1 \
         --output-len "$outlen" --output-json "$tag-latency.json" >/dev/null)
     (cd "$tree" && PYTHONPATH="$tree" exec python -m aioengine serve --port $port --disable-log-stats \
         >"$tag-server.log" 2>&1) &
@@ -41,7 +41,7 @@ run_side() {  # $1 side, $2 round: three benches, JSON under $out
         curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
         sleep 0.5
     done
-    (cd "$tree" && PYTHONPATH="$tree" python -m aioengine.cli.bench serve --base-url "http://127.0.0.1:$port" \
+    (cd "$tree" && PYTHONPATH="$tree" python -m aioengine bench serve --base-url "http://127.0.0.1:$port" \
         --max-concurrency 16 --num-prompts "$prompts" --output-len "$outlen" --temperature 0 --ignore-eos \
         --save-result "$tag-serve.json" >/dev/null)
     kill -INT $pid
