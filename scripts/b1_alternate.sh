@@ -27,7 +27,7 @@ fi
 wait_up 8141 && wait_up 8142 || { kill $lpid $apid; exit 1; }
 for r in $(seq 1 "$rounds"); do
   for side in $sides; do
-    python -m aioengine.cli.bench serve --base-url http://127.0.0.1:${side#*:} --tokenizer "$FOLDER" --temperature 0 \
+    python -m aioengine bench serve --base-url http://127.0.0.1:${side#*:} --tokenizer "$FOLDER" --temperature 0 \
       --ignore-eos --num-prompts 4 --output-len 64 --max-concurrency 1 > "$out/${side%:*}-$r.txt" 2>&1
   done
 done

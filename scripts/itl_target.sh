@@ -16,7 +16,7 @@ for r in $(seq 1 "$rounds"); do
       python -m aioengine serve --port 8150 --disable-log-stats "${args[@]}" > "$out/server-c$c-$tag-$r.log" 2>&1 &
       pid=$!; wait_up 8150
       n=$(( c > 16 ? 4 * c : 64 ))
-      python -m aioengine.cli.bench serve --base-url http://127.0.0.1:8150 --max-concurrency $c --num-prompts $n \
+      python -m aioengine bench serve --base-url http://127.0.0.1:8150 --max-concurrency $c --num-prompts $n \
         --output-len 64 --temperature 0 --save-result "$out/c$c-$tag-$r.json" --save-detailed \
         > "$out/c$c-$tag-$r.txt" 2>&1
       kill $pid; wait $pid 2>/dev/null

@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 GGUF=${GGUF:-$(python -c "from aioengine.model.files import default_gguf_path; print(default_gguf_path())")}
 LS=${LLAMA_SERVER:?set LLAMA_SERVER to a llama-server binary}
 out=${1:-peer-results}; mkdir -p "$out"
-bench() { python -m aioengine.cli.bench serve --base-url http://127.0.0.1:$1 --served-model $2 --tokenizer default --dataset grounded \
+bench() { python -m aioengine bench serve --base-url http://127.0.0.1:$1 --served-model $2 --tokenizer default --dataset grounded \
   --num-prompts 4 --output-len 96 --temperature 0 --ignore-eos --max-concurrency 1 --save-result $out/$3.json > $out/$3.txt 2>&1; }
 wait_up() { for _ in $(seq 1 120); do curl -sf http://127.0.0.1:$1/v1/models >/dev/null && return 0; sleep 1; done; return 1; }
 run_llama() {  # $1 tag, rest: extra args

@@ -4,7 +4,7 @@ Every `import` / `from ... import` statement in every module counts, wherever it
 a function (a lazy import is still a dependency), and under `if TYPE_CHECKING:` (the strict choice: a cycle
 that only type checking sees is still two modules that each need the other's names; break it with a small
 Protocol instead). What does not count: the implicit import of a module's parent packages (importing
-`aioengine.http.server` runs `aioengine/__init__.py`, which every module would otherwise cycle through).
+`aioengine.http.app` runs `aioengine/__init__.py`, which every module would otherwise cycle through).
 
 `from pkg import name` is an edge to `pkg.name` when that is a module, else to `pkg` (its __init__).
 """
@@ -188,9 +188,9 @@ def test_an_upward_import_is_caught():
     graph = {m: set(t) for m, t in import_graph().items()}
     graph["aioengine.sched.scheduler"].add("aioengine.engine.async_engine")
     graph["aioengine.config"].add("aioengine.sched.request")
-    graph["aioengine.http.server"].add("aioengine")
+    graph["aioengine.http.app"].add("aioengine")
     found = upward_imports(graph)
     assert "aioengine.sched.scheduler -> aioengine.engine.async_engine (layer 2 imports layer 4)" in found
     assert "aioengine.config -> aioengine.sched.request (a leaf type imports only leaf types)" in found
-    assert "aioengine.http.server -> aioengine (layer 5 imports layer 7)" in found
+    assert "aioengine.http.app -> aioengine (layer 5 imports layer 7)" in found
     assert len(found) == 3

@@ -37,8 +37,8 @@ def parse_origin_list(text: str) -> list[str]:
 
 
 def parse_request_limit(text: str) -> tuple[str, int]:
-    """'max_n=16' -> ("max_n", 16): one field of aioengine.http.protocol.RequestLimits."""
-    from aioengine.http.protocol import RequestLimits
+    """'max_n=16' -> ("max_n", 16): one field of aioengine.http.parsing.RequestLimits."""
+    from aioengine.http.schema import RequestLimits
 
     name, _, value = text.partition("=")
     names = [f.name for f in dataclasses.fields(RequestLimits)]
@@ -173,9 +173,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"aioengine serve: {e}", file=sys.stderr)
         return 2
+    from aioengine.http.app import ServerConfig
     from aioengine.http.cors import CorsConfig
-    from aioengine.http.protocol import RequestLimits
-    from aioengine.http.server import ServerConfig
+    from aioengine.http.schema import RequestLimits
 
     config = ServerConfig(
         api_key=args.api_key or env.api_key(),
@@ -198,7 +198,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 async def _serve_main(args: argparse.Namespace, engine_args: Any, config: Any) -> int:
     from aioengine.engine.async_engine import AsyncEngine
-    from aioengine.http.serve import install_signal_handlers, serve_engine
+    from aioengine.http.run import install_signal_handlers, serve_engine
 
     stop = asyncio.Event()
     install_signal_handlers(stop)
@@ -233,7 +233,7 @@ async def _serve_main(args: argparse.Namespace, engine_args: Any, config: Any) -
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from aioengine.http.chat_client import chat_repl
+    from aioengine.cli.chat import chat_repl
 
     api_key = args.api_key or env.api_key()
     return run_in_loop(chat_repl(args.url, api_key, args.temperature, args.max_tokens, args.system))

@@ -11,18 +11,24 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, overload
 
 from aioengine.config import EngineArgs
 from aioengine.engine import gc_freeze, startup
 from aioengine.engine.client import EngineStats, PrecompiledGrammar, RequestListener, StatListener
-from aioengine.engine.embedding import EmbedMixin
+from aioengine.engine.embedding import (
+    EmbedInput,
+    EmbedInputs,
+    check_dimensions,
+    embedding_output,
+    split_inputs,
+)
 from aioengine.engine.handle import GenerateHandle, RequestState
 from aioengine.engine.output_processor import OutputProcessor
 from aioengine.errors import EngineDeadError, EngineNotStartedError, InvalidRequestError
 from aioengine.model.pooling import PoolingConfigError, resolve_pooling
 from aioengine.model.tokenizer import IncrementalDetokenizer, apply_chat_template, raw_encoder
-from aioengine.outputs import CompletionOutput, RankStats
+from aioengine.outputs import EmbeddingRequestOutput, RankStats
 from aioengine.sampling_params import SamplingParams
 from aioengine.sched.output import ModelRunnerOutput, NewRequestData
 from aioengine.sched.request import Request, RequestStatus
@@ -36,7 +42,7 @@ if TYPE_CHECKING:  # importing these imports torch: start() does, lazily
 logger = logging.getLogger(__name__)
 
 
-class AsyncEngine(EmbedMixin):
+class AsyncEngine:
     def __init__(self, args: EngineArgs | None = None, **kwargs: Any) -> None:
         self.args = args if args is not None else EngineArgs(**kwargs)
         self.args.validate()
@@ -54,8 +60,6 @@ class AsyncEngine(EmbedMixin):
         self.kv_capacity_tokens = 0
         self._executor: Executor | None = None
         self._outputs = OutputProcessor()  # stop 12, and the live requests
-        self._states = self._outputs.states
-        self._children = self._outputs.children
         self._batch_queue: collections.deque = collections.deque()
         # Seconds the loop spent per phase of the step coroutine, summed ("steps": how many were awaited).
         self.host_s: collections.defaultdict[str, float] = collections.defaultdict(float)
@@ -137,7 +141,7 @@ class AsyncEngine(EmbedMixin):
 
     async def shutdown(self) -> None:
         """Abort what is in flight, stop the step loop and the worker."""
-        for state in list(self._states.values()):
+        for state in self._outputs.live():
             self._abort_state(state)
         if self._task is not None:
             self._stopping = True
@@ -173,8 +177,8 @@ class AsyncEngine(EmbedMixin):
     def stats(self) -> EngineStats:
         s = self.scheduler
         if s is None:
-            return EngineStats(0, 0, 0.0, len(self._states))
-        return EngineStats(len(s.running), len(s.waiting), s.kv_cache_manager.usage, len(self._states))
+            return EngineStats(0, 0, 0.0, len(self._outputs))
+        return EngineStats(len(s.running), len(s.waiting), s.kv_cache_manager.usage, len(self._outputs))
 
     # ---- requests -----------------------------------------------------------------------------
     def generate(
@@ -233,6 +237,58 @@ class AsyncEngine(EmbedMixin):
     ) -> list[int]:
         """The chat's prompt ids, rendered by the model's template: chat() and every server route use this."""
         return apply_chat_template(self.tokenizer, messages, **(chat_template_kwargs or {}))
+
+    @overload
+    async def embed(
+        self,
+        input: str | list[int],
+        *,
+        dimensions: int | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> EmbeddingRequestOutput: ...
+
+    @overload
+    async def embed(
+        self,
+        input: EmbedInputs,
+        *,
+        dimensions: int | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> list[EmbeddingRequestOutput]: ...
+
+    async def embed(
+        self,
+        input: EmbedInput,
+        *,
+        dimensions: int | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> EmbeddingRequestOutput | list[EmbeddingRequestOutput]:
+        """Embed a string or token ids (one output), or a list of either (a list, in order): the model's
+        final hidden states pooled (``self.pooling``) and normalized, then cut to ``dimensions`` and
+        renormalized if given. Prefill-only work in the same steps as generation. Raises
+        InvalidRequestError, EngineDeadError, or RequestAbortedError when aborted before its vector."""
+        self._check_alive()
+        if self.pooling is None:
+            raise InvalidRequestError(self._pooling_error, param="model")
+        prompts, single = split_inputs(input)
+        check_dimensions(dimensions, self.embedding_size)
+        params = SamplingParams(max_tokens=1)  # nothing is sampled: it sizes the admission checks
+        handles: list[GenerateHandle] = []
+        try:
+            for i, p in enumerate(prompts):
+                text, ids = self._prompt_ids(p, "input")
+                rid = request_id if single or request_id is None else f"{request_id}-{i}"
+                handles.append(self._add(text, ids, params, rid, priority, None, pooling=self.pooling))
+        except BaseException:
+            for h in handles:
+                h.abort()
+            raise
+        outs = await asyncio.gather(*handles)
+        results = [embedding_output(o, h.embedding, dimensions) for h, o in zip(handles, outs, strict=True)]
+        return results[0] if single else results
 
     async def precompile(self, params: SamplingParams) -> PrecompiledGrammar | None:
         """Compile ``params``' grammar on a thread, for ``generate(..., grammar=)``: a large JSON schema
@@ -303,7 +359,7 @@ class AsyncEngine(EmbedMixin):
         elif params.structured_outputs is not None:  # compiled (or found in the cache) now: errors raise here
             compiled_grammar = self._structured_output_manager().compile(params.structured_outputs)
         rid = request_id if request_id is not None else f"req-{uuid.uuid4().hex}"
-        if rid in self._states:
+        if self._outputs.get(rid) is not None:
             raise InvalidRequestError(f"request id {rid!r} is already in use", param="request_id")
         n = params.n
         child_ids = [rid] if n == 1 else [f"{i}_{rid}" for i in range(n)]
@@ -326,13 +382,12 @@ class AsyncEngine(EmbedMixin):
             asyncio.Queue(),
             [False] * n,
         )
-        self._states[rid] = state
+        self._outputs.add(state)
         assert self.scheduler is not None
         for i, cid in enumerate(child_ids):
             child_params = params
             if n > 1 and params.seed is not None:
                 child_params = replace(params, seed=params.seed + i)
-            self._children[cid] = (state, i)
             request = Request(
                 cid, prompt_ids, child_params, self.eos_token_id, priority, state.arrival_time, cache_salt
             )
@@ -376,7 +431,7 @@ class AsyncEngine(EmbedMixin):
 
     async def abort(self, request_id: str) -> bool:
         """Abort a request; its stream ends with finish_reason 'abort'. False when it is not running."""
-        state = self._states.get(request_id)
+        state = self._outputs.get(request_id)
         if state is None:
             return False
         self._abort_state(state)
@@ -385,16 +440,10 @@ class AsyncEngine(EmbedMixin):
     def _abort_state(self, state: RequestState, reason: str = "abort") -> None:
         """End ``state`` now with finish_reason ``reason`` (abort, or timeout past its deadline); the
         scheduler frees its KV blocks."""
-        if state.finished:
-            return
-        live = [cid for cid, done in zip(state.child_ids, state.child_done, strict=True) if not done]
-        if self.scheduler is not None and self._dead is None:
+        live = self._outputs.unfinished(state)
+        if live and self.scheduler is not None and self._dead is None:
             self.scheduler.finish_requests(live, RequestStatus.FINISHED_ABORTED)
-        completions = [CompletionOutput(state.child_ids.index(cid), "", [], reason) for cid in live]
-        for cid in live:
-            self._children.pop(cid, None)
-        state.child_done = [True] * len(state.child_ids)
-        self._outputs.finish(state, completions)
+        self._outputs.abort(state, reason)
 
     # ---- the step coroutine -------------------------------------------------------------------
     async def _run(self) -> None:
@@ -482,9 +531,9 @@ class AsyncEngine(EmbedMixin):
         """The first-scheduled time of requests planned for the first time (not resumed after preemption)."""
         now = time.monotonic()
         for nr in new_reqs:
-            entry = self._children.get(nr.req_id)
-            if entry is not None and entry[0].first_scheduled_time is None:
-                entry[0].first_scheduled_time = now
+            state = self._outputs.child(nr.req_id)
+            if state is not None and state.first_scheduled_time is None:
+                state.first_scheduled_time = now
 
     async def _await_step(self, fut: concurrent.futures.Future) -> ModelRunnerOutput:
         """The step's output, as rank 0's worker awaits it (CUDA: an event behind the device-to-host
@@ -532,16 +581,12 @@ class AsyncEngine(EmbedMixin):
         self._dead = err
         if self._executor is not None:
             self._executor.kill()  # the other ranks go with the engine (a hung one would never return)
-        for state in list(self._states.values()):
-            state.finished = True
-            state.queue.put_nowait(err)
-        self._states.clear()
-        self._children.clear()
+        self._outputs.fail_all(err)
         self._batch_queue.clear()
 
     # ---- introspection (tests, metrics, the server) ---------------------------------------------
     def num_unfinished_requests(self) -> int:
-        return len(self._states)
+        return len(self._outputs)
 
     def kv_cache_usage(self) -> float:
         return self.scheduler.kv_cache_manager.usage if self.scheduler else 0.0

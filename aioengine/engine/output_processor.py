@@ -28,6 +28,53 @@ class OutputProcessor:
         self.request_listeners: list[RequestListener] = []
         self._token_text: dict[int, str] = {}  # decoded single tokens, for logprobs
 
+    # ---- the live-request registry: only these methods change it --------------------------------------
+    def add(self, state: RequestState) -> None:
+        """Register a new request and its completions (child ids); the id must be free."""
+        assert state.request_id not in self.states, state.request_id
+        self.states[state.request_id] = state
+        for i, cid in enumerate(state.child_ids):
+            self.children[cid] = (state, i)
+
+    def get(self, request_id: str) -> RequestState | None:
+        return self.states.get(request_id)
+
+    def child(self, child_id: str) -> RequestState | None:
+        entry = self.children.get(child_id)
+        return None if entry is None else entry[0]
+
+    def live(self) -> list[RequestState]:
+        return list(self.states.values())
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+    @staticmethod
+    def unfinished(state: RequestState) -> list[str]:
+        """The ids of ``state``'s completions still running."""
+        if state.finished:
+            return []
+        return [cid for cid, done in zip(state.child_ids, state.child_done, strict=True) if not done]
+
+    def abort(self, state: RequestState, reason: str) -> None:
+        """End ``state``'s unfinished completions now with finish_reason ``reason``."""
+        if state.finished:
+            return
+        live = self.unfinished(state)
+        completions = [CompletionOutput(state.child_ids.index(cid), "", [], reason) for cid in live]
+        for cid in live:
+            self.children.pop(cid, None)
+        state.child_done = [True] * len(state.child_ids)
+        self.finish(state, completions)
+
+    def fail_all(self, err: BaseException) -> None:
+        """The engine died: every live request's stream raises ``err``, and the registry empties."""
+        for state in self.states.values():
+            state.finished = True
+            state.queue.put_nowait(err)
+        self.states.clear()
+        self.children.clear()
+
     def finish(self, state: RequestState, completions: list[CompletionOutput]) -> None:
         """The last output of ``state``: it leaves the live requests."""
         state.finished = True

@@ -21,10 +21,11 @@ from aiohttp import web
 from aioengine.engine.client import EngineClient, PrecompiledGrammar, RequestHandle
 from aioengine.errors import AioEngineError, InvalidRequestError
 from aioengine.http.context import CONFIG, ENGINE, STATE, check_model
-from aioengine.http.fields import APIError, RequestLimits, api_error, bad, parse_json_body
-from aioengine.http.protocol import ChatRequest, CompletionRequest, parse_chat_request
+from aioengine.http.errors import APIError, api_error, bad
+from aioengine.http.parsing import ChatRequest, CompletionRequest, parse_chat_request
 from aioengine.http.reasoning import closed_in_prompt
-from aioengine.http.request_fields import REQUEST_ID_PATTERN
+from aioengine.http.request_tables import REQUEST_ID_PATTERN
+from aioengine.http.schema import RequestLimits, parse_json_body
 
 logger = logging.getLogger("aioengine.http")
 

@@ -13,7 +13,8 @@ from aiohttp import web
 
 from aioengine.engine.client import EngineClient
 from aioengine.http.cors import CorsConfig
-from aioengine.http.fields import APIError, RequestLimits
+from aioengine.http.errors import APIError
+from aioengine.http.schema import RequestLimits
 
 if TYPE_CHECKING:  # metrics.py imports prometheus_client; only its type is named here
     from aioengine.http.metrics import EngineMetrics

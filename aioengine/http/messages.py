@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from aioengine.http.fields import DEFAULT_LIMITS, Fields, RequestLimits, SchemaContext
+from aioengine.http.schema import DEFAULT_LIMITS, Fields, RequestLimits, SchemaContext
 from aioengine.http.shapes import Array, Either, Map, Obj, Refused, Tagged, Unsupported, Value
 from aioengine.http.tools import TOOL_CALLS, template_tool_calls
 

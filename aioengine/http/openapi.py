@@ -11,8 +11,7 @@ from __future__ import annotations
 from functools import cache
 
 from aioengine.http.context import STATIC_FILES
-from aioengine.http.fields import DEFAULT_LIMITS, JSON, RequestLimits, SchemaContext, object_schema
-from aioengine.http.request_fields import (
+from aioengine.http.request_tables import (
     CHAT,
     CHAT_REQUIRED,
     COMPLETION,
@@ -26,6 +25,7 @@ from aioengine.http.request_fields import (
     TOKENIZE_MESSAGES,
     TOKENIZE_PROMPT,
 )
+from aioengine.http.schema import DEFAULT_LIMITS, JSON, RequestLimits, SchemaContext, object_schema
 
 _STR, _INT = {"type": "string"}, {"type": "integer"}
 
@@ -66,7 +66,7 @@ def _schemas(limits: RequestLimits, vocab_size: int, priority: bool) -> JSON:
 
 
 def _messages_schema(limits: RequestLimits, required: tuple[str, ...]) -> JSON:
-    """Anthropic's Messages body, as aioengine/http/anthropic_messages.py reads it."""
+    """Anthropic's Messages body, as aioengine/http/anthropic/messages.py reads it."""
     text = {
         "type": "object",
         "properties": {"type": {"const": "text"}, "text": _STR},

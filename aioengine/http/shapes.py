@@ -12,17 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from aioengine.http.fields import (
-    _JSON_TYPES,
-    _TYPE_NAMES,
-    JSON,
-    Bound,
-    SchemaContext,
-    _at_most,
-    _json_type,
-    bad,
-    not_supported,
-)
+from aioengine.http.errors import bad, not_supported
+from aioengine.http.schema import _JSON_TYPES, _TYPE_NAMES, JSON, Bound, SchemaContext, _at_most, _json_type
 
 
 def _resolve(b: Bound, ctx: SchemaContext) -> float | None:

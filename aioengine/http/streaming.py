@@ -14,8 +14,8 @@ from aiohttp import web
 
 from aioengine.engine.client import EngineClient, RequestHandle
 from aioengine.errors import AioEngineError
-from aioengine.http.fields import APIError, api_error, error_dict
-from aioengine.http.protocol import ChatRequest, CompletionRequest
+from aioengine.http.errors import APIError, api_error, error_dict
+from aioengine.http.parsing import ChatRequest, CompletionRequest
 from aioengine.outputs import CompletionOutput, RequestOutput
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

@@ -22,7 +22,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from aioengine.http.fields import APIError, SchemaContext
+from aioengine.http.errors import APIError
+from aioengine.http.schema import SchemaContext
 from aioengine.http.shapes import Array, Either, Obj, Tagged, Value
 
 MAX_TOOLS = 128

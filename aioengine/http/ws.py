@@ -21,15 +21,16 @@ from aioengine.http import admission
 from aioengine.http.admission import Admitted
 from aioengine.http.chat_output import ChatOutputParser, Reasoning
 from aioengine.http.context import CONFIG, ENGINE, STATE
-from aioengine.http.fields import APIError, api_error, bad, parse_json_body
+from aioengine.http.errors import APIError, api_error, bad
 from aioengine.http.logprobs import chat_logprobs
-from aioengine.http.openai_completions import prompt_text
-from aioengine.http.protocol import (
+from aioengine.http.openai.completions import prompt_text
+from aioengine.http.parsing import (
     ChatRequest,
     CompletionRequest,
     parse_chat_request,
     parse_completion_request,
 )
+from aioengine.http.schema import parse_json_body
 from aioengine.http.streaming import JSON, Tally, abort_all, merged
 
 MAX_ACTIVE_PER_SOCKET = 64

@@ -18,8 +18,8 @@ import pytest
 from aioengine import EngineArgs
 from aioengine.cli import commands as cli
 from aioengine.config import KernelConfig
-from aioengine.http.serve import serve_engine
-from aioengine.http.server import ServerConfig, bound_port, build_app, start_server
+from aioengine.http.app import ServerConfig, bound_port, build_app, start_server
+from aioengine.http.run import serve_engine
 from tests.http.fake_engine import FakeEngine
 
 GRACE_S = (

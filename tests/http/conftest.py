@@ -19,8 +19,8 @@ import orjson
 import pytest
 
 from aioengine import AsyncEngine, EngineArgs
+from aioengine.http.app import bound_port, build_app, start_server
 from aioengine.http.cors import CorsConfig
-from aioengine.http.server import bound_port, build_app, start_server
 from tests.timing import HANG_S
 
 CORS_ORIGIN = "http://localhost:8765"  # a page's origin: tests/http/test_cors.py serves one there

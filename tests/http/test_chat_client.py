@@ -6,7 +6,7 @@ from aioengine.cli import commands as cli
 
 
 def test_chat_command_streams_a_reply(server, monkeypatch, capsys):
-    from aioengine.http import chat_client
+    from aioengine.cli import chat as chat_client
 
     lines = iter(["What is the capital of France?", ""])
     monkeypatch.setattr(chat_client, "_prompt", lambda: next(lines))

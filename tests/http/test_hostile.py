@@ -18,9 +18,11 @@ import aiohttp
 import orjson
 import pytest
 
-import aioengine.http.server as server_module
+import aioengine.http.app as server_module
 from aioengine.cli.bench.loop_lag import LoopLagProbe
-from aioengine.http.protocol import APIError, RequestLimits, parse_chat_request, parse_completion_request
+from aioengine.http.errors import APIError
+from aioengine.http.parsing import parse_chat_request, parse_completion_request
+from aioengine.http.schema import RequestLimits
 from tests.http.conftest import API_KEY, IDLE_STEPS, Http
 from tests.timing import HANG_S, median_s
 

@@ -96,8 +96,8 @@ def test_counters_move_after_traffic(http, server):
 
 
 def test_stats_line(server):
+    from aioengine.http.app import STATE
     from aioengine.http.metrics import StatsLogger
-    from aioengine.http.server import STATE
 
     app = server.runners["main"].app
     logger = server.call(lambda: StatsLogger(app[STATE].metrics))

@@ -10,7 +10,7 @@ import aiohttp
 import orjson
 import pytest
 
-from aioengine.http.server import bound_port, build_app, start_server
+from aioengine.http.app import bound_port, build_app, start_server
 from tests.http.fake_engine import FakeEngine, FakeTokenizer
 
 

@@ -13,7 +13,7 @@ import pytest
 import transformers
 
 from aioengine import AsyncEngine, EngineArgs
-from aioengine.http.server import bound_port, build_app, start_server
+from aioengine.http.app import bound_port, build_app, start_server
 from tests.engine.conftest import make_tiny_checkpoint
 from tests.http.conftest import LiveServer
 from tests.real_templates import real_template

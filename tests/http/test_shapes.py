@@ -8,9 +8,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from aioengine.http.fields import APIError, RequestLimits, SchemaContext
+from aioengine.http.errors import APIError
 from aioengine.http.messages import MESSAGES, TEMPLATE_KWARGS
-from aioengine.http.request_fields import (
+from aioengine.http.request_tables import (
     ALLOWED_TOKEN_IDS,
     BAD_WORDS,
     INPUT,
@@ -23,6 +23,7 @@ from aioengine.http.request_fields import (
     TEXT_FORMAT,
     TOKENS,
 )
+from aioengine.http.schema import RequestLimits, SchemaContext
 from aioengine.http.shapes import (
     Array,
     Either,

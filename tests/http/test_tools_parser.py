@@ -9,7 +9,8 @@ import random
 import jsonschema
 import pytest
 
-from aioengine.http.fields import APIError, SchemaContext
+from aioengine.http.errors import APIError
+from aioengine.http.schema import SchemaContext
 from aioengine.http.tools import (
     TOOL_CALLS,
     StreamParser,

@@ -13,7 +13,7 @@ from aioengine.http import admission
 from aioengine.http.admission import Admitted
 from aioengine.http.context import ENGINE, json_response
 from aioengine.http.logprobs import CompletionLogprobs, LegacyLogprobs, prompt_logprobs_json
-from aioengine.http.protocol import CompletionRequest, parse_completion_request
+from aioengine.http.parsing import CompletionRequest, parse_completion_request
 from aioengine.http.streaming import JSON, Tally, stream_choices
 from aioengine.outputs import CompletionOutput, PromptLogprobs, RequestOutput
 

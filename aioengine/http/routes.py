@@ -19,9 +19,9 @@ from aioengine.http.context import (
     json_response,
     model_names,
 )
-from aioengine.http.fields import APIError, bad
+from aioengine.http.errors import APIError, bad
 from aioengine.http.openapi import openapi_spec
-from aioengine.http.protocol import parse_detokenize_request, parse_tokenize_request
+from aioengine.http.parsing import parse_detokenize_request, parse_tokenize_request
 from aioengine.http.streaming import JSON
 
 STATIC_DIR = Path(__file__).with_name("static")

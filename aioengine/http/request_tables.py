@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from aioengine.http.fields import JSON, Spec, Table, object_schema
 from aioengine.http.messages import MESSAGES, TEMPLATE_KWARGS
+from aioengine.http.schema import JSON, Spec, Table, object_schema
 from aioengine.http.shapes import Array, Either, ListOf, Map, Obj, Shape, Tagged, TokenId, Value
 from aioengine.http.tools import TOOL_CHOICE, TOOLS
 from aioengine.sampling_params import BOUNDS

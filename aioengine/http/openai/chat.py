@@ -14,7 +14,7 @@ from aioengine.http.admission import Admitted
 from aioengine.http.chat_output import ChatOutputParser, chat_delta, parse_whole
 from aioengine.http.context import CONFIG, ENGINE, json_response
 from aioengine.http.logprobs import chat_logprobs, prompt_logprobs_json
-from aioengine.http.protocol import ChatRequest, parse_chat_request
+from aioengine.http.parsing import ChatRequest, parse_chat_request
 from aioengine.http.streaming import JSON, Tally, stream_choices
 from aioengine.outputs import CompletionOutput, RequestOutput
 

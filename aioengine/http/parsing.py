@@ -12,22 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aioengine.errors import InvalidRequestError
-from aioengine.http.fields import (
-    DEFAULT_LIMITS,
-    JSON,
-    APIError,
-    Fields,
-    RequestLimits,
-    SchemaContext,
-    _ints,
-    api_error,
-    bad,
-    error_dict,
-    not_supported,
-    parse_json_body,
-)
-from aioengine.http.messages import RESERVED_TEMPLATE_KWARGS, parse_messages, template_kwargs
-from aioengine.http.request_fields import (
+from aioengine.http.errors import api_error, bad, not_supported
+from aioengine.http.messages import parse_messages, template_kwargs
+from aioengine.http.request_tables import (
     ALLOWED_TOKEN_IDS,
     BAD_WORDS,
     CHAT,
@@ -45,29 +32,26 @@ from aioengine.http.request_fields import (
     TOKENIZE,
     TOKENS,
 )
+from aioengine.http.schema import (
+    DEFAULT_LIMITS,
+    JSON,
+    Fields,
+    RequestLimits,
+    SchemaContext,
+    _ints,
+)
 from aioengine.http.shapes import Shape
 from aioengine.http.tools import ToolError, ToolSpec, parse_tools
 from aioengine.sampling_params import SamplingParams, StructuredOutputsParams
 
 # Re-exported: the routes import the wire basics from here.
 __all__ = [
-    "DEFAULT_LIMITS",
-    "RESERVED_TEMPLATE_KWARGS",
-    "APIError",
     "ChatRequest",
     "CompletionRequest",
-    "Fields",
     "GenerationRequest",
-    "RequestLimits",
-    "api_error",
-    "bad",
-    "error_dict",
-    "not_supported",
     "parse_chat_request",
     "parse_completion_request",
     "parse_detokenize_request",
-    "parse_json_body",
-    "parse_messages",
     "parse_prompt",
     "parse_tokenize_request",
 ]

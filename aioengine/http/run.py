@@ -13,8 +13,8 @@ import time
 from collections.abc import Callable
 
 from aioengine.engine.client import EngineClient
+from aioengine.http.app import STATE, ServerConfig, bound_port, build_app, start_server
 from aioengine.http.metrics import StatsLogger
-from aioengine.http.server import STATE, ServerConfig, bound_port, build_app, start_server
 
 logger = logging.getLogger("aioengine.serve")
 

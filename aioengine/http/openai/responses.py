@@ -21,9 +21,9 @@ from aioengine.engine.client import EngineClient, RequestHandle
 from aioengine.http import admission
 from aioengine.http.chat_output import ChatOutputParser, Content, Reasoning, parse_whole
 from aioengine.http.context import CONFIG, ENGINE, json_response
-from aioengine.http.fields import APIError, Fields, SchemaContext, bad, not_supported
+from aioengine.http.errors import APIError, bad, not_supported
 from aioengine.http.messages import content_text
-from aioengine.http.request_fields import (
+from aioengine.http.request_tables import (
     INPUT,
     RESPONSE,
     RESPONSE_REASONING,
@@ -31,6 +31,7 @@ from aioengine.http.request_fields import (
     RESPONSE_TOOL,
     TEXT_FORMAT,
 )
+from aioengine.http.schema import Fields, SchemaContext
 from aioengine.http.streaming import JSON, SSEWriter, Tally, guarded_sse, merged
 
 

@@ -13,9 +13,10 @@ from aiohttp import web
 from aioengine.errors import AioEngineError
 from aioengine.http import admission
 from aioengine.http.context import CONFIG, ENGINE, check_model, json_response
-from aioengine.http.fields import Fields, RequestLimits, api_error, bad
-from aioengine.http.protocol import parse_prompt
-from aioengine.http.request_fields import EMBEDDING
+from aioengine.http.errors import api_error, bad
+from aioengine.http.parsing import parse_prompt
+from aioengine.http.request_tables import EMBEDDING
+from aioengine.http.schema import Fields, RequestLimits
 from aioengine.http.streaming import JSON
 
 

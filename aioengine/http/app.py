@@ -4,9 +4,9 @@ The app runs in the engine's event loop: a request coroutine awaits its own engi
 no second process and no IPC hop. Serve it with `start_server`, which turns on handler cancellation so
 that a client that disconnects aborts its request at once.
 
-Each route family has one module: openai_chat, openai_completions, openai_responses, anthropic_messages
-(generation, through admission.py), ws (the websocket), routes_misc (models, tokenize, health, metrics...);
-cors.py answers preflights, reasoning.py splits <think> text for the generation routes.
+Each API family has its package: openai/ (chat, completions, responses, embeddings) and anthropic/
+(messages), generation going through admission.py and chat_output.py; ws.py is the websocket, routes.py the
+rest (models, tokenize, health, metrics, the page); cors.py answers preflights.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from aiohttp.abc import AbstractAccessLogger
 from aioengine.engine import gc_freeze
 from aioengine.engine.client import EngineClient, RequestInfo
 from aioengine.errors import AioEngineError
-from aioengine.http import anthropic_messages, cors, openai_embeddings, routes_misc
+from aioengine.http import cors, routes
+from aioengine.http.anthropic import messages as anthropic_messages
 from aioengine.http.context import (
     CONFIG,
     DEFAULT_MAX_BODY,
@@ -35,11 +36,12 @@ from aioengine.http.context import (
     error_response,
     model_names,
 )
-from aioengine.http.fields import APIError, api_error
+from aioengine.http.errors import APIError, api_error
 from aioengine.http.metrics import EngineMetrics
-from aioengine.http.openai_chat import chat_completions
-from aioengine.http.openai_completions import completions
-from aioengine.http.openai_responses import responses
+from aioengine.http.openai import embeddings as openai_embeddings
+from aioengine.http.openai.chat import chat_completions
+from aioengine.http.openai.completions import completions
+from aioengine.http.openai.responses import responses
 from aioengine.http.ws import websocket_handler
 from aioengine.outputs import RequestOutput
 
@@ -83,17 +85,17 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None, **kwargs
     r.add_post("/v1/messages", anthropic_messages.messages)
     r.add_post("/v1/messages/count_tokens", anthropic_messages.count_tokens)
     r.add_post("/v1/embeddings", openai_embeddings.embeddings)
-    r.add_get("/v1/models", routes_misc.list_models)
-    r.add_get("/v1/models/{model:.+}", routes_misc.get_model)
+    r.add_get("/v1/models", routes.list_models)
+    r.add_get("/v1/models/{model:.+}", routes.get_model)
     r.add_get("/v1/ws", websocket_handler)
-    r.add_post("/tokenize", routes_misc.tokenize)
-    r.add_post("/detokenize", routes_misc.detokenize)
-    r.add_get("/health", routes_misc.health)
-    r.add_get("/version", routes_misc.version)
-    r.add_get("/metrics", routes_misc.metrics)
-    r.add_get("/openapi.json", routes_misc.openapi)
-    r.add_get("/", routes_misc.index)
-    r.add_get("/static/{name}", routes_misc.static_file)
+    r.add_post("/tokenize", routes.tokenize)
+    r.add_post("/detokenize", routes.detokenize)
+    r.add_get("/health", routes.health)
+    r.add_get("/version", routes.version)
+    r.add_get("/metrics", routes.metrics)
+    r.add_get("/openapi.json", routes.openapi)
+    r.add_get("/", routes.index)
+    r.add_get("/static/{name}", routes.static_file)
     return app
 
 

@@ -22,8 +22,8 @@ from aioengine.http import admission
 from aioengine.http.admission import Admitted
 from aioengine.http.chat_output import ChatOutputParser, Content, Reasoning, ToolCall, parse_whole
 from aioengine.http.context import CONFIG, ENGINE, check_model, json_response
-from aioengine.http.fields import APIError, bad, not_supported
-from aioengine.http.protocol import ChatRequest, parse_chat_request
+from aioengine.http.errors import APIError, bad, not_supported
+from aioengine.http.parsing import ChatRequest, parse_chat_request
 from aioengine.http.streaming import JSON, SSEWriter, Tally, guarded_sse, merged
 from aioengine.outputs import CompletionOutput
 

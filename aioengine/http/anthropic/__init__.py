@@ -1,0 +1,1 @@
+"""Anthropic's API family: the Messages API over the chat path."""

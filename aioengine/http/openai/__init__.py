@@ -1,0 +1,1 @@
+"""OpenAI's API family: chat completions, completions, the Responses API and embeddings."""
