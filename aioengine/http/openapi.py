@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from functools import cache
 
+from aioengine.http.anthropic.messages import COUNT_TOKENS_REQUEST, MESSAGES_REQUEST
 from aioengine.http.context import STATIC_FILES
 from aioengine.http.request_tables import (
     CHAT,
@@ -59,83 +60,9 @@ def _schemas(limits: RequestLimits, vocab_size: int, priority: bool) -> JSON:
         },
         "DetokenizeRequest": object_schema(DETOKENIZE, ctx, ("tokens",)),
         "EmbeddingRequest": object_schema(EMBEDDING, ctx, EMBEDDING_REQUIRED),
-        "MessagesRequest": _messages_schema(limits, ("max_tokens", "messages")),
-        "MessagesCountTokensRequest": _messages_schema(limits, ("messages",)),
+        "MessagesRequest": MESSAGES_REQUEST.schema(ctx),
+        "MessagesCountTokensRequest": COUNT_TOKENS_REQUEST.schema(ctx),
         "Error": error,
-    }
-
-
-def _messages_schema(limits: RequestLimits, required: tuple[str, ...]) -> JSON:
-    """Anthropic's Messages body, as aioengine/http/anthropic/messages.py reads it."""
-    text = {
-        "type": "object",
-        "properties": {"type": {"const": "text"}, "text": _STR},
-        "required": ["type", "text"],
-    }
-    block = {
-        "oneOf": [
-            text,
-            {
-                "type": "object",
-                "properties": {
-                    "type": {"const": "tool_use"},
-                    "id": _STR,
-                    "name": _STR,
-                    "input": {"type": "object"},
-                },
-                "required": ["type", "id", "name", "input"],
-            },
-            {
-                "type": "object",
-                "properties": {
-                    "type": {"const": "tool_result"},
-                    "tool_use_id": _STR,
-                    "content": {"anyOf": [_STR, {"type": "array", "items": text}]},
-                    "is_error": {"type": "boolean"},
-                },
-                "required": ["type", "tool_use_id"],
-            },
-        ]
-    }
-    message = {
-        "type": "object",
-        "properties": {
-            "role": {"enum": ["user", "assistant"]},
-            "content": {"anyOf": [_STR, {"type": "array", "items": block}]},
-        },
-        "required": ["role", "content"],
-    }
-    tool = {
-        "type": "object",
-        "properties": {"name": _STR, "description": _STR, "input_schema": {"type": "object"}},
-        "required": ["name", "input_schema"],
-    }
-    choice = {
-        "type": "object",
-        "properties": {
-            "type": {"enum": ["auto", "any", "tool", "none"]},
-            "name": _STR,
-            "disable_parallel_tool_use": {"type": "boolean"},
-        },
-        "required": ["type"],
-    }
-    return {
-        "type": "object",
-        "properties": {
-            "model": _STR,
-            "max_tokens": {"type": "integer", "minimum": 1},
-            "messages": {"type": "array", "items": message, "minItems": 1, "maxItems": limits.max_messages},
-            "system": {"anyOf": [_STR, {"type": "array", "items": text}]},
-            "tools": {"type": "array", "items": tool},
-            "tool_choice": choice,
-            "stop_sequences": {"type": "array", "items": _STR},
-            "temperature": {"type": "number", "minimum": 0},
-            "top_p": {"type": "number", "minimum": 0, "maximum": 1},
-            "top_k": {"type": "integer", "minimum": 0},
-            "stream": {"type": "boolean"},
-            "metadata": {"type": "object", "properties": {"user_id": _STR}},
-        },
-        "required": list(required),
     }
 
 

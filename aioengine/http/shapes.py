@@ -16,6 +16,11 @@ from aioengine.http.errors import bad, not_supported
 from aioengine.http.schema import _JSON_TYPES, _TYPE_NAMES, JSON, Bound, SchemaContext, _at_most, _json_type
 
 
+def _at(path: str, name: str) -> str:
+    """A field's path inside ``path`` (the top level has none)."""
+    return f"{path}.{name}" if path else name
+
+
 def _resolve(b: Bound, ctx: SchemaContext) -> float | None:
     return b(ctx.limits) if callable(b) else b
 
@@ -140,14 +145,14 @@ class Obj(Shape):
         if not self.open:
             for key in value:
                 if key not in self.fields:
-                    raise bad(f"Unrecognized request argument supplied: {path}.{key}", f"{path}.{key}")
+                    raise bad(f"Unrecognized request argument supplied: {_at(path, key)}", _at(path, key))
         for name in self.required:
             if value.get(name) is None:
-                raise bad(f"{path}.{name} is required.", f"{path}.{name}")
+                raise bad(f"{_at(path, name)} is required.", _at(path, name))
         for name, shape in self.fields.items():
             v = value.get(name)
             if v is not None:
-                shape.check(v, f"{path}.{name}", ctx)
+                shape.check(v, _at(path, name), ctx)
 
     def schema(self, ctx: SchemaContext) -> JSON:
         props = {}
@@ -253,14 +258,14 @@ class Tagged(Shape):
         if tag is None:
             tag = self.default
         if tag is None:
-            raise bad(f"{path}.{self.key} is required.", f"{path}.{self.key}")
+            raise bad(f"{_at(path, self.key)} is required.", _at(path, self.key))
         case = self.cases.get(tag) if isinstance(tag, str) else None
         if case is None:
             if self.unsupported is not None and isinstance(tag, str):
-                raise not_supported(f"{path}.{self.key}", self.unsupported.format(repr(tag)))
+                raise not_supported(_at(path, self.key), self.unsupported.format(repr(tag)))
             raise bad(
-                f"{path}.{self.key} must be one of {', '.join(self.cases)}; got {tag!r}.",
-                f"{path}.{self.key}",
+                f"{_at(path, self.key)} must be one of {', '.join(self.cases)}; got {tag!r}.",
+                _at(path, self.key),
             )
         case.check(value, path, ctx)
 
@@ -342,10 +347,10 @@ class Map(Shape):
             _at_most(value, int(hi), path, "entries")
         for key, item in value.items():
             if key in self.reserved:
-                raise bad(f"{path} may not set {key!r}.", f"{path}.{key}")
+                raise bad(f"{path} may not set {key!r}.", _at(path, key))
             if self.key_pattern is not None and not re.fullmatch(self.key_pattern[0], key):
-                raise bad(f"{path} keys must be {self.key_pattern[1]}, got {key!r}.", f"{path}.{key}")
-            self.values.check(item, f"{path}.{key}", ctx)
+                raise bad(f"{path} keys must be {self.key_pattern[1]}, got {key!r}.", _at(path, key))
+            self.values.check(item, _at(path, key), ctx)
 
     def schema(self, ctx: SchemaContext) -> JSON:
         out: JSON = {"type": "object", "additionalProperties": self.values.schema(ctx)}

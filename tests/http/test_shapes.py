@@ -8,6 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from aioengine.http.anthropic.messages import COUNT_TOKENS_REQUEST, MESSAGES_REQUEST
 from aioengine.http.errors import APIError
 from aioengine.http.messages import MESSAGES, TEMPLATE_KWARGS
 from aioengine.http.request_tables import (
@@ -69,6 +70,9 @@ SHAPES = {
     "logit_bias": LOGIT_BIAS,
     "metadata": METADATA,
     "chat_template_kwargs": TEMPLATE_KWARGS,
+    # Anthropic's Messages body, whole: its one declaration checks requests and states /openapi.json's schema
+    "anthropic_messages": MESSAGES_REQUEST,
+    "anthropic_count_tokens": COUNT_TOKENS_REQUEST,
 }
 
 

@@ -22,8 +22,10 @@ from aioengine.http import admission
 from aioengine.http.admission import Admitted
 from aioengine.http.chat_output import ChatOutputParser, Content, Reasoning, ToolCall, parse_whole
 from aioengine.http.context import CONFIG, ENGINE, check_model, json_response
-from aioengine.http.errors import APIError, bad, not_supported
+from aioengine.http.errors import APIError, bad
 from aioengine.http.parsing import ChatRequest, parse_chat_request
+from aioengine.http.schema import SchemaContext
+from aioengine.http.shapes import Array, Either, Obj, Shape, Tagged, Unsupported, Value
 from aioengine.http.streaming import JSON, SSEWriter, Tally, guarded_sse, merged
 from aioengine.outputs import CompletionOutput
 
@@ -60,12 +62,86 @@ _VLLM_EXTRAS = (
     "timeout_s",
     "thinking_token_budget",
 )
-# Fields of a Messages body that have no chat equivalent here.
-_REFUSED = {
-    "container": "Containers",
-    "mcp_servers": "MCP servers",
-    "service_tier": None,
+# ---- the request's shape: declared once, checked before it is read, and stated in /openapi.json ------------
+_STR = Value(str)
+_TEXT = Obj({"type": _STR, "text": _STR}, ("text",), open=True)
+_TEXT_BLOCKS = Array(Tagged("type", {"text": _TEXT}, unsupported="Blocks of type {} here"), what="blocks")
+_BLOCK = Tagged(
+    "type",
+    {
+        "text": _TEXT,
+        "tool_use": Obj(
+            {"type": _STR, "id": _STR, "name": _STR, "input": Value(dict)}, ("id", "name"), open=True
+        ),
+        "tool_result": Obj(
+            {
+                "type": _STR,
+                "tool_use_id": _STR,
+                "content": Either((_STR, _TEXT_BLOCKS), "a string or an array of text blocks"),
+                "is_error": Value(bool),
+            },
+            ("tool_use_id",),
+            open=True,
+        ),
+        "thinking": Obj({"type": _STR}, open=True),  # earlier reasoning: dropped, as the templates do
+        "redacted_thinking": Obj({"type": _STR}, open=True),
+    },
+    unsupported="Content blocks of type {}",
+)
+_CONTENT = Either((_STR, Array(_BLOCK, what="content blocks")), "a string or an array of content blocks")
+_TURN = Obj({"role": _STR, "content": _CONTENT}, ("content",), open=True)
+_PARALLEL = Value(bool)
+_TOOL_CHOICE = Tagged(
+    "type",
+    {
+        "auto": Obj({"type": _STR, "disable_parallel_tool_use": _PARALLEL}),
+        "any": Obj({"type": _STR, "disable_parallel_tool_use": _PARALLEL}),
+        "tool": Obj({"type": _STR, "name": _STR, "disable_parallel_tool_use": _PARALLEL}, ("name",)),
+        "none": Obj({"type": _STR}),
+    },
+)
+_TOOL = Tagged(
+    "type",
+    {
+        "custom": Obj(
+            {"type": _STR, "name": _STR, "description": _STR, "input_schema": Value(dict)},
+            ("name", "input_schema"),
+            open=True,
+        )
+    },
+    unsupported="Server tools ({})",
+    default="custom",
+)
+_THINKING = Tagged(
+    "type",
+    {
+        "enabled": Obj({"type": _STR, "budget_tokens": Value(int)}, ("budget_tokens",), open=True),
+        "disabled": Obj({"type": _STR}, open=True),
+    },
+)
+# The body. vLLM's sampling extras pass through to the chat parser, which checks them (and any other key).
+_FIELDS: dict[str, Shape] = {
+    "model": _STR,
+    "max_tokens": Value(int, description="at least 1; prompt + max_tokens must fit max_model_len"),
+    "messages": Array(
+        Tagged("role", {"user": _TURN, "assistant": _TURN}), 1, lambda limits: limits.max_messages, "messages"
+    ),
+    "system": Either((_STR, _TEXT_BLOCKS), "a string or an array of text blocks"),
+    "tools": Array(_TOOL, what="tools"),
+    "tool_choice": _TOOL_CHOICE,
+    "stop_sequences": Array(_STR, what="stop sequences"),
+    "temperature": Value(float),
+    "top_p": Value(float),
+    "top_k": Value(int),
+    "stream": Value(bool),
+    "thinking": _THINKING,
+    "metadata": Obj({"user_id": _STR}, open=True),
+    "container": Unsupported("Containers"),
+    "mcp_servers": Unsupported("MCP servers"),
+    "service_tier": Unsupported("service_tier"),
 }
+MESSAGES_REQUEST = Obj(_FIELDS, ("max_tokens", "messages"), open=True)
+COUNT_TOKENS_REQUEST = Obj(_FIELDS, ("messages",), open=True)
 
 
 def is_messages_path(path: str) -> bool:
@@ -81,99 +157,48 @@ def anthropic_error(err: APIError) -> web.Response:
     )
 
 
-# ---- the request ----------------------------------------------------------------------------------------
-def _blocks(content: Any, where: str) -> list[dict]:
-    if isinstance(content, str):
-        return [{"type": "text", "text": content}]
-    if not isinstance(content, list):
-        raise bad(f"{where} must be a string or an array of content blocks.", where)
-    for i, block in enumerate(content):
-        if not isinstance(block, dict) or not isinstance(block.get("type"), str):
-            raise bad(f"{where}.{i} must be a content block object with a type.", where)
-    return content
+# ---- the request, checked, as a chat body ------------------------------------------------------------------
+def _blocks(content: str | list[dict]) -> list[dict]:
+    return [{"type": "text", "text": content}] if isinstance(content, str) else content
 
 
-def _text_of(block: dict, where: str) -> str:
-    text = block.get("text")
-    if not isinstance(text, str):
-        raise bad(f"{where}.text must be a string.", where)
-    return text
-
-
-def _tool_result_text(content: Any, where: str) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    parts = []
-    for i, block in enumerate(_blocks(content, where)):
-        if block["type"] != "text":
-            raise not_supported(f"{where}.{i}", f"tool_result content of type {block['type']!r}")
-        parts.append(_text_of(block, f"{where}.{i}"))
-    return "\n".join(parts)
+def _joined_text(content: str | list[dict] | None) -> str:
+    return "\n".join(b["text"] for b in _blocks(content or []))
 
 
 def _messages(data: JSON) -> list[dict]:
     """Anthropic's system and messages as chat messages (tool_use -> tool_calls, tool_result -> tool)."""
     out: list[dict] = []
-    system = data.get("system")
-    if system is not None:
-        if isinstance(system, str):
-            text = system
-        else:
-            blocks = _blocks(system, "system")
-            if any(b["type"] != "text" for b in blocks):
-                raise bad("system blocks must be of type text.", "system")
-            text = "\n".join(_text_of(b, "system") for b in blocks)
-        out.append({"role": "system", "content": text})
-    raw = data.get("messages")
-    if raw is None:
-        raise bad("messages: Field required", "messages")
-    if not isinstance(raw, list) or not raw:
-        raise bad("messages must be a non-empty array.", "messages")
-    for i, m in enumerate(raw):
-        where = f"messages.{i}"
-        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
-            raise bad(f"{where}.role must be 'user' or 'assistant'.", "messages")
-        if "content" not in m:
-            raise bad(f"{where}.content: Field required", "messages")
+    if data.get("system") is not None:
+        out.append({"role": "system", "content": _joined_text(data["system"])})
+    for i, m in enumerate(data["messages"]):
         texts: list[str] = []
         calls: list[dict] = []
-        for j, block in enumerate(_blocks(m["content"], f"{where}.content")):
-            kind, at = block["type"], f"{where}.content.{j}"
+        for j, block in enumerate(_blocks(m["content"])):
+            kind, at = block["type"], f"messages[{i}].content[{j}]"
             if kind == "text":
-                texts.append(_text_of(block, at))
+                texts.append(block["text"])
             elif kind == "tool_use" and m["role"] == "assistant":
-                name, tool_id = block.get("name"), block.get("id")
-                if not isinstance(name, str) or not isinstance(tool_id, str):
-                    raise bad(f"{at}: tool_use needs a string id and name.", "messages")
-                args = block.get("input", {})
-                if not isinstance(args, dict):
-                    raise bad(f"{at}.input must be an object.", "messages")
+                args = json.dumps(block.get("input") or {})
                 calls.append(
                     {
-                        "id": tool_id,
+                        "id": block["id"],
                         "type": "function",
-                        "function": {"name": name, "arguments": json.dumps(args)},
+                        "function": {"name": block["name"], "arguments": args},
                     }
                 )
             elif kind == "tool_result" and m["role"] == "user":
-                tool_id = block.get("tool_use_id")
-                if not isinstance(tool_id, str):
-                    raise bad(f"{at}.tool_use_id must be a string.", "messages")
-                text = _tool_result_text(block.get("content"), f"{at}.content")
-                if block.get("is_error"):
-                    text = f"Error: {text}"
-                out.append({"role": "tool", "tool_call_id": tool_id, "content": text})
-            elif kind in ("thinking", "redacted_thinking") and m["role"] == "assistant":
-                continue  # earlier reasoning: the templates drop it from past turns too
-            elif kind in ("tool_use", "tool_result"):
-                raise bad(
-                    f"{at}: {kind} blocks belong to {'assistant' if kind == 'tool_use' else 'user'} turns.",
-                    "messages",
+                text = _joined_text(block.get("content"))
+                out.append(
+                    {
+                        "role": "tool",
+                        "tool_call_id": block["tool_use_id"],
+                        "content": f"Error: {text}" if block.get("is_error") else text,
+                    }
                 )
-            else:
-                raise not_supported(at, f"Content blocks of type {kind!r}")
+            elif kind in ("tool_use", "tool_result"):
+                turn = "assistant" if kind == "tool_use" else "user"
+                raise bad(f"{at}: {kind} blocks belong to {turn} turns.", at)
         if texts or calls or m["role"] == "assistant":
             msg: dict[str, Any] = {"role": m["role"], "content": "\n".join(texts)}
             if calls:
@@ -184,78 +209,48 @@ def _messages(data: JSON) -> list[dict]:
 
 def _tools(data: JSON) -> tuple[list[dict] | None, Any, bool | None]:
     """Anthropic's tools and tool_choice as chat's (tools, tool_choice, parallel_tool_calls)."""
-    tools = data.get("tools")
     chat_tools = None
-    if tools is not None:
-        if not isinstance(tools, list):
-            raise bad("tools must be an array.", "tools")
+    if data.get("tools") is not None:
         chat_tools = []
-        for i, t in enumerate(tools):
-            if not isinstance(t, dict) or not isinstance(t.get("name"), str):
-                raise bad(f"tools.{i} must be an object with a string name.", "tools")
-            if t.get("type") not in (None, "custom"):
-                raise not_supported(f"tools.{i}", f"Server tools ({t['type']!r})")
-            schema = t.get("input_schema")
-            if not isinstance(schema, dict):
-                raise bad(f"tools.{i}.input_schema: Field required (a JSON schema object)", "tools")
-            fn: dict[str, Any] = {"name": t["name"], "parameters": schema}
+        for t in data["tools"]:
+            fn: dict[str, Any] = {"name": t["name"], "parameters": t["input_schema"]}
             if t.get("description") is not None:
                 fn["description"] = t["description"]
             chat_tools.append({"type": "function", "function": fn})
     choice = data.get("tool_choice")
     if choice is None:
         return chat_tools, None, None
-    if not isinstance(choice, dict) or choice.get("type") not in ("auto", "any", "tool", "none"):
-        raise bad("tool_choice must be an object of type auto, any, tool or none.", "tool_choice")
-    parallel = (
-        None if choice.get("disable_parallel_tool_use") is None else not choice["disable_parallel_tool_use"]
-    )
-    kind = choice["type"]
-    if kind == "tool":
-        if not isinstance(choice.get("name"), str):
-            raise bad("tool_choice of type tool needs the tool's name.", "tool_choice")
+    no_parallel = choice.get("disable_parallel_tool_use")
+    parallel = None if no_parallel is None else not no_parallel
+    if choice["type"] == "tool":
         return chat_tools, {"type": "function", "function": {"name": choice["name"]}}, parallel
-    return chat_tools, {"auto": "auto", "any": "required", "none": "none"}[kind], parallel
+    return chat_tools, {"auto": "auto", "any": "required", "none": "none"}[choice["type"]], parallel
 
 
-def to_chat_body(data: JSON) -> JSON:
-    """A Messages body as a /v1/chat/completions body (checked again by the chat parser)."""
+def to_chat_body(data: Any, shape: Obj = MESSAGES_REQUEST) -> JSON:
+    """A Messages body, checked against its shape, as a /v1/chat/completions body (which the chat parser
+    checks again: sampling values, limits, the extras)."""
     if not isinstance(data, dict):
         raise bad("The request body must be a JSON object.")
-    for key, what in _REFUSED.items():
-        if key in data:
-            raise not_supported(key, what)
-    if "max_tokens" not in data:
-        raise bad("max_tokens: Field required", "max_tokens")
-    body: JSON = {"messages": _messages(data), "max_tokens": data["max_tokens"]}
-    for key in ("model", "temperature", "top_p", "top_k", "stream", *_VLLM_EXTRAS):
+    shape.check(data, "", SchemaContext())
+    body: JSON = {"messages": _messages(data)}
+    for key in ("max_tokens", "model", "temperature", "top_p", "top_k", "stream", *_VLLM_EXTRAS):
         if key in data:
             body[key] = data[key]
-    stops = data.get("stop_sequences")
-    if stops is not None:
-        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-            raise bad("stop_sequences must be an array of strings.", "stop_sequences")
-        body["stop"] = stops
+    if data.get("stop_sequences") is not None:
+        body["stop"] = data["stop_sequences"]
     thinking = data.get("thinking")
-    if (
-        thinking is not None
-    ):  # extended thinking: its budget caps the think block (a server's parser finds it)
-        kind = thinking.get("type") if isinstance(thinking, dict) else None
-        if kind not in ("enabled", "disabled"):
-            raise bad("thinking must be an object of type enabled or disabled.", "thinking")
-        if kind == "enabled":
-            budget = thinking.get("budget_tokens")
-            if type(budget) is not int or budget < 1:
-                raise bad("thinking.budget_tokens: a positive integer is required.", "thinking.budget_tokens")
-            if type(data["max_tokens"]) is int and budget >= data["max_tokens"]:
-                raise bad("thinking.budget_tokens must be less than max_tokens.", "thinking.budget_tokens")
-            body["thinking_token_budget"] = budget
+    if thinking is not None and thinking["type"] == "enabled":
+        # extended thinking: its budget caps the think block (a server's parser finds it)
+        budget = thinking["budget_tokens"]
+        if budget < 1:
+            raise bad("thinking.budget_tokens: a positive integer is required.", "thinking.budget_tokens")
+        if type(data.get("max_tokens")) is int and budget >= data["max_tokens"]:
+            raise bad("thinking.budget_tokens must be less than max_tokens.", "thinking.budget_tokens")
+        body["thinking_token_budget"] = budget
     metadata = data.get("metadata")
-    if metadata is not None:
-        if not isinstance(metadata, dict):
-            raise bad("metadata must be an object.", "metadata")
-        if metadata.get("user_id") is not None:
-            body["user"] = metadata["user_id"]
+    if metadata is not None and metadata.get("user_id") is not None:
+        body["user"] = metadata["user_id"]
     tools, choice, parallel = _tools(data)
     if tools is not None:
         body["tools"] = tools
@@ -283,7 +278,8 @@ async def messages(request: web.Request) -> web.StreamResponse:
 async def count_tokens(request: web.Request) -> web.Response:
     """The prompt's token count as /v1/messages would template it: ``{"input_tokens": N}``."""
     data = await admission.read_json(request)
-    body = to_chat_body({**data, "max_tokens": 1} if isinstance(data, dict) else data)
+    body = to_chat_body(data, COUNT_TOKENS_REQUEST)
+    body["max_tokens"] = 1
     body.pop("stream", None)
     engine = request.app[ENGINE]
     req = parse_chat_request(
