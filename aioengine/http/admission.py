@@ -22,7 +22,7 @@ from aioengine.engine.client import EngineClient, PrecompiledGrammar, RequestHan
 from aioengine.errors import AioEngineError, InvalidRequestError
 from aioengine.http.context import CONFIG, ENGINE, STATE, check_model
 from aioengine.http.errors import APIError, api_error, bad
-from aioengine.http.parsing import ChatRequest, CompletionRequest, parse_chat_request
+from aioengine.http.parsing import ChatRequest, CompletionRequest
 from aioengine.http.reasoning import closed_in_prompt
 from aioengine.http.request_tables import REQUEST_ID_PATTERN
 from aioengine.http.schema import RequestLimits, parse_json_body
@@ -82,14 +82,17 @@ async def admit_request(request: web.Request, parse: Parser[R], id_prefix: str) 
 
 
 async def admit_translated(
-    request: web.Request, translate: Callable[[dict[str, Any]], dict[str, Any]], id_prefix: str
+    request: web.Request,
+    translate: Callable[[dict[str, Any]], dict[str, Any]],
+    parse: Parser[ChatRequest],
+    id_prefix: str,
 ) -> tuple[dict[str, Any], Admitted[ChatRequest]]:
-    """Another API's body (Responses, Messages), admitted as the chat request ``translate`` makes of it;
-    returns the body too, for the route's own reply."""
+    """Another API's body (Responses, Messages), admitted as the chat request ``translate`` makes of it and
+    ``parse`` (the chat route's parser) reads; returns the body too, for the route's own reply."""
     check_capacity(request.app)
     data = await read_json(request)
     adm = await admit_body(
-        request.app, translate(data), parse_chat_request, request.headers.get("X-Request-Id"), id_prefix
+        request.app, translate(data), parse, request.headers.get("X-Request-Id"), id_prefix
     )
     return data, adm
 

@@ -12,20 +12,11 @@ from functools import cache
 
 from aioengine.http.anthropic.messages import COUNT_TOKENS_REQUEST, MESSAGES_REQUEST
 from aioengine.http.context import STATIC_FILES
-from aioengine.http.request_tables import (
-    CHAT,
-    CHAT_REQUIRED,
-    COMPLETION,
-    COMPLETION_REQUIRED,
-    DETOKENIZE,
-    EMBEDDING,
-    EMBEDDING_REQUIRED,
-    RESPONSE,
-    RESPONSE_REQUIRED,
-    TOKENIZE,
-    TOKENIZE_MESSAGES,
-    TOKENIZE_PROMPT,
-)
+from aioengine.http.openai.chat import CHAT, CHAT_REQUIRED
+from aioengine.http.openai.completions import COMPLETION, COMPLETION_REQUIRED
+from aioengine.http.openai.embeddings import EMBEDDING, EMBEDDING_REQUIRED
+from aioengine.http.openai.responses import RESPONSE, RESPONSE_REQUIRED
+from aioengine.http.request_tables import DETOKENIZE, TOKENIZE, TOKENIZE_MESSAGES, TOKENIZE_PROMPT
 from aioengine.http.schema import DEFAULT_LIMITS, JSON, RequestLimits, SchemaContext, object_schema
 
 _STR, _INT = {"type": "string"}, {"type": "integer"}

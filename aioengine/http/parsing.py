@@ -1,8 +1,9 @@
-"""OpenAI request parsing: chat, completion and tokenize bodies -> typed requests with SamplingParams.
+"""Request parsing the generation routes share: the typed requests, the sampling fields -> SamplingParams,
+prompts; and the /tokenize and /detokenize bodies. Each family's own parser (openai/chat.py's
+parse_chat_request, openai/completions.py's parse_completion_request) builds on these.
 
-Every field a client may send is either used, validated and rejected when it asks for something the
-engine cannot do yet, or refused as unknown: nothing is ignored silently. Which fields there are, and
-their types, bounds and choices, is the tables of request_fields.py (/openapi.json states the same ones).
+Every field a client may send is either used, validated and rejected when it asks for something the engine
+cannot do yet, or refused as unknown: nothing is ignored silently.
 """
 
 from __future__ import annotations
@@ -12,17 +13,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aioengine.errors import InvalidRequestError
-from aioengine.http.errors import api_error, bad, not_supported
+from aioengine.http.errors import api_error, bad
 from aioengine.http.messages import parse_messages, template_kwargs
 from aioengine.http.request_tables import (
     ALLOWED_TOKEN_IDS,
     BAD_WORDS,
-    CHAT,
-    COMPLETION,
-    COMPLETION_MAX_TOKENS,
     DETOKENIZE,
     LOGIT_BIAS,
-    METADATA,
     PROMPT,
     RESPONSE_FORMAT,
     STOP,
@@ -41,7 +38,7 @@ from aioengine.http.schema import (
     _ints,
 )
 from aioengine.http.shapes import Shape
-from aioengine.http.tools import ToolError, ToolSpec, parse_tools
+from aioengine.http.tools import ToolSpec
 from aioengine.sampling_params import SamplingParams, StructuredOutputsParams
 
 # Re-exported: the routes import the wire basics from here.
@@ -49,8 +46,6 @@ __all__ = [
     "ChatRequest",
     "CompletionRequest",
     "GenerationRequest",
-    "parse_chat_request",
-    "parse_completion_request",
     "parse_detokenize_request",
     "parse_prompt",
     "parse_tokenize_request",
@@ -124,14 +119,14 @@ def _sampling_params(
         STOP.check(stop, "stop", SchemaContext(limits))
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     ctx = SchemaContext(limits)
-    raw_stop_ids = _shaped(f, "stop_token_ids", STOP_TOKEN_IDS, ctx)
+    raw_stop_ids = shaped(f, "stop_token_ids", STOP_TOKEN_IDS, ctx)
     stop_token_ids = (_ints(raw_stop_ids) or []) if raw_stop_ids is not None else []
-    bias = _shaped(f, "logit_bias", LOGIT_BIAS, ctx)
+    bias = shaped(f, "logit_bias", LOGIT_BIAS, ctx)
     bad_words = f.data.get("bad_words")
     if bad_words is not None:
         BAD_WORDS.check(bad_words, "bad_words", SchemaContext(limits))
         bad_words = [bad_words] if isinstance(bad_words, str) else bad_words
-    allowed = _shaped(f, "allowed_token_ids", ALLOWED_TOKEN_IDS, ctx)
+    allowed = shaped(f, "allowed_token_ids", ALLOWED_TOKEN_IDS, ctx)
     if allowed is not None:
         allowed = _ints(allowed)
     try:
@@ -171,7 +166,7 @@ def _top_k(f: Fields, default: int) -> int:
     return 0 if top_k == -1 else top_k  # -1 is vLLM's (and OpenAI clients') "off", as 0 is
 
 
-def _common(
+def common_fields(
     f: Fields,
     max_tokens: int | None,
     logprobs: int | None,
@@ -210,119 +205,6 @@ def _common(
     )
 
 
-def parse_chat_request(
-    data: JSON,
-    allow_priority: bool = False,
-    limits: RequestLimits = DEFAULT_LIMITS,
-    defaults: Mapping[str, float] | None = None,
-) -> ChatRequest:
-    f = Fields(data, CHAT, limits=limits)
-    if "messages" not in data:
-        raise bad("messages is required.", "messages")
-    messages = parse_messages(data["messages"], limits)
-    max_tokens = f.int("max_completion_tokens")
-    if max_tokens is None:
-        max_tokens = f.int("max_tokens")
-    else:
-        f.int("max_tokens")  # still type-checked
-    want_logprobs = f.bool("logprobs", False)
-    top_logprobs = f.int("top_logprobs")
-    if top_logprobs and not want_logprobs:
-        raise bad("top_logprobs requires logprobs to be true.", "top_logprobs")
-    try:
-        tools = parse_tools(f.data.get("tools"), f.data.get("tool_choice"), f.bool("parallel_tool_calls"))
-    except ToolError as e:
-        raise bad(e.message, e.param) from None
-    if f.bool("store", False):
-        raise not_supported("store", "Storing completions (store=true)")
-    _shaped(f, "metadata", METADATA, SchemaContext(limits))  # tags for stored completions: nothing is stored
-    effort = f.str("reasoning_effort")
-    tier = f.str("service_tier")
-    if tier is not None and tier not in (CHAT["service_tier"].enum or ()):
-        raise not_supported("service_tier")
-    kwargs = template_kwargs(f)
-    if effort is not None:
-        kwargs["reasoning_effort"] = effort  # for templates that read it (vLLM passes it the same way)
-    for name in ("add_generation_prompt", "continue_final_message"):
-        value = f.bool(name)
-        if value is not None:
-            kwargs[name] = value
-    if kwargs.get("continue_final_message") and kwargs.get("add_generation_prompt", True):
-        if "add_generation_prompt" in kwargs:
-            raise bad(
-                "continue_final_message and add_generation_prompt cannot both be true.",
-                "continue_final_message",
-            )
-        kwargs["add_generation_prompt"] = False
-    if kwargs.get("continue_final_message") and messages[-1]["role"] != "assistant":
-        raise bad("continue_final_message needs the last message to be from the assistant.", "messages")
-    logprobs = (top_logprobs or 0) if want_logprobs else None
-    g = _common(f, max_tokens, logprobs, allow_priority, limits, defaults or {})
-    req = ChatRequest(
-        g.model,
-        g.params,
-        g.stream,
-        g.include_usage,
-        g.continuous_usage_stats,
-        g.request_id,
-        g.priority,
-        g.user,
-        g.want_prompt_logprobs,
-        messages=messages,
-        chat_template_kwargs=kwargs,
-        tools=tools,
-    )
-    if tools is not None:
-        kwargs["tools"] = tools.tools  # the template describes them to the model (vLLM passes them too)
-        forced = tools.structured_outputs()
-        if forced is not None:
-            if req.params.structured_outputs is not None:
-                raise bad(
-                    "tool_choice 'required' or a named function cannot be combined with response_format "
-                    "or structured_outputs.",
-                    "tool_choice",
-                )
-            req.params.structured_outputs = StructuredOutputsParams(**forced)
-    return req
-
-
-def parse_completion_request(
-    data: JSON,
-    allow_priority: bool = False,
-    limits: RequestLimits = DEFAULT_LIMITS,
-    defaults: Mapping[str, float] | None = None,
-) -> CompletionRequest:
-    f = Fields(data, COMPLETION, limits=limits)
-    prompts = parse_prompt(data.get("prompt"), limits)
-    logprobs = f.int("logprobs")
-    echo = f.bool("echo", False)
-    if f.str("suffix"):
-        raise not_supported("suffix")
-    g = _common(
-        f, f.int("max_tokens", COMPLETION_MAX_TOKENS), logprobs, allow_priority, limits, defaults or {}
-    )
-    if echo and logprobs is not None and g.params.prompt_logprobs is None:  # the echoed prompt's own
-        g.params.prompt_logprobs = logprobs
-    best_of = f.int("best_of")
-    if best_of is not None and best_of != g.params.n:
-        raise not_supported("best_of", "best_of other than n")
-    if len(prompts) * g.params.n > limits.max_prompts:
-        raise bad(f"A request may ask for at most {limits.max_prompts} completions (prompts x n).", "prompt")
-    return CompletionRequest(
-        g.model,
-        g.params,
-        g.stream,
-        g.include_usage,
-        g.continuous_usage_stats,
-        g.request_id,
-        g.priority,
-        g.user,
-        g.want_prompt_logprobs,
-        prompts=prompts,
-        echo=echo,
-    )
-
-
 def parse_prompt(
     prompt: object, limits: RequestLimits = DEFAULT_LIMITS, name: str = "prompt"
 ) -> list[str | list[int]]:
@@ -341,7 +223,7 @@ def parse_prompt(
     return [_ints(prompt) or []]
 
 
-def _shaped(f: Fields, name: str, shape: Shape, ctx: SchemaContext) -> Any:
+def shaped(f: Fields, name: str, shape: Shape, ctx: SchemaContext) -> Any:
     """The field's value checked against its shape (None when absent or null)."""
     value = f.data.get(name)
     if value is not None:
@@ -383,7 +265,7 @@ def parse_tokenize_request(data: JSON, limits: RequestLimits = DEFAULT_LIMITS) -
 
 def parse_detokenize_request(data: JSON, vocab_size: int) -> tuple[str | None, list[int]]:
     f = Fields(data, DETOKENIZE)
-    raw = _shaped(f, "tokens", TOKENS, SchemaContext(vocab_size=vocab_size))
+    raw = shaped(f, "tokens", TOKENS, SchemaContext(vocab_size=vocab_size))
     if raw is None:
         raise bad("tokens is required.", "tokens")
     return f.str("model"), _ints(raw) or []

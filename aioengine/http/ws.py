@@ -23,13 +23,9 @@ from aioengine.http.chat_output import ChatOutputParser, Reasoning
 from aioengine.http.context import CONFIG, ENGINE, STATE
 from aioengine.http.errors import APIError, api_error, bad
 from aioengine.http.logprobs import chat_logprobs
-from aioengine.http.openai.completions import prompt_text
-from aioengine.http.parsing import (
-    ChatRequest,
-    CompletionRequest,
-    parse_chat_request,
-    parse_completion_request,
-)
+from aioengine.http.openai.chat import parse_chat_request
+from aioengine.http.openai.completions import parse_completion_request, prompt_text
+from aioengine.http.parsing import ChatRequest, CompletionRequest
 from aioengine.http.schema import parse_json_body
 from aioengine.http.streaming import JSON, Tally, abort_all, merged
 

@@ -333,7 +333,8 @@ def test_generation_config_supplies_default_sampling_parameters(tiny_llama, tmp_
     import json
     import shutil
 
-    from aioengine.http.parsing import parse_chat_request, parse_completion_request
+    from aioengine.http.openai.chat import parse_chat_request
+    from aioengine.http.openai.completions import parse_completion_request
 
     model = tmp_path / "model"
     shutil.copytree(tiny_llama[0], model)

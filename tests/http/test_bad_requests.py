@@ -243,7 +243,8 @@ def test_good_request_after_bad_ones(http, server):
 
 
 def test_speculative_false_opts_the_request_out_of_drafts():
-    from aioengine.http.parsing import parse_chat_request, parse_completion_request
+    from aioengine.http.openai.chat import parse_chat_request
+    from aioengine.http.openai.completions import parse_completion_request
 
     assert parse_completion_request({"prompt": "a", "speculative": False}).params.speculative is False
     chat_request = parse_chat_request({"messages": [{"role": "user", "content": "hi"}]})

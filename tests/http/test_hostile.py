@@ -21,7 +21,8 @@ import pytest
 import aioengine.http.app as server_module
 from aioengine.cli.bench.loop_lag import LoopLagProbe
 from aioengine.http.errors import APIError
-from aioengine.http.parsing import parse_chat_request, parse_completion_request
+from aioengine.http.openai.chat import parse_chat_request
+from aioengine.http.openai.completions import parse_completion_request
 from aioengine.http.schema import RequestLimits
 from tests.http.conftest import API_KEY, IDLE_STEPS, Http
 from tests.timing import HANG_S, median_s

@@ -11,17 +11,16 @@ from hypothesis import strategies as st
 from aioengine.http.anthropic.messages import COUNT_TOKENS_REQUEST, MESSAGES_REQUEST
 from aioengine.http.errors import APIError
 from aioengine.http.messages import MESSAGES, TEMPLATE_KWARGS
+from aioengine.http.openai.responses import INPUT, TEXT_FORMAT
 from aioengine.http.request_tables import (
     ALLOWED_TOKEN_IDS,
     BAD_WORDS,
-    INPUT,
     LOGIT_BIAS,
     METADATA,
     PROMPT,
     RESPONSE_FORMAT,
     STOP,
     STOP_TOKEN_IDS,
-    TEXT_FORMAT,
     TOKENS,
 )
 from aioengine.http.schema import RequestLimits, SchemaContext

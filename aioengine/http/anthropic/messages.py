@@ -23,7 +23,8 @@ from aioengine.http.admission import Admitted
 from aioengine.http.chat_output import ChatOutputParser, Content, Reasoning, ToolCall, parse_whole
 from aioengine.http.context import CONFIG, ENGINE, check_model, json_response
 from aioengine.http.errors import APIError, bad
-from aioengine.http.parsing import ChatRequest, parse_chat_request
+from aioengine.http.openai.chat import parse_chat_request
+from aioengine.http.parsing import ChatRequest
 from aioengine.http.schema import SchemaContext
 from aioengine.http.shapes import Array, Either, Obj, Shape, Tagged, Unsupported, Value
 from aioengine.http.streaming import JSON, SSEWriter, Tally, guarded_sse, merged
@@ -263,7 +264,7 @@ def to_chat_body(data: Any, shape: Obj = MESSAGES_REQUEST) -> JSON:
 
 # ---- the routes -----------------------------------------------------------------------------------------
 async def messages(request: web.Request) -> web.StreamResponse:
-    _, adm = await admission.admit_translated(request, to_chat_body, "msg")
+    _, adm = await admission.admit_translated(request, to_chat_body, parse_chat_request, "msg")
     handle = admission.start_chat(request.app, adm, f"messages, {len(adm.req.messages)} messages")
     engine = request.app[ENGINE]
     reasoning = request.app[CONFIG].reasoning_parser

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Mapping
 
 from aiohttp import web
 
@@ -12,8 +13,11 @@ from aioengine.engine.client import EngineClient, RequestHandle
 from aioengine.http import admission
 from aioengine.http.admission import Admitted
 from aioengine.http.context import ENGINE, json_response
+from aioengine.http.errors import bad, not_supported
 from aioengine.http.logprobs import CompletionLogprobs, LegacyLogprobs, prompt_logprobs_json
-from aioengine.http.parsing import CompletionRequest, parse_completion_request
+from aioengine.http.parsing import CompletionRequest, common_fields, parse_prompt
+from aioengine.http.request_tables import MAX_TOKENS_NOTE, PROMPT, SAMPLING, sampled
+from aioengine.http.schema import DEFAULT_LIMITS, Fields, RequestLimits, Spec, Table
 from aioengine.http.streaming import JSON, Tally, stream_choices
 from aioengine.outputs import CompletionOutput, PromptLogprobs, RequestOutput
 
@@ -117,3 +121,62 @@ async def stream_completions(
 
 def _joined(a: LegacyLogprobs | None, b: LegacyLogprobs) -> LegacyLogprobs:
     return b if a is None else {key: a[key] + b[key] for key in a}
+
+
+# ---- the request: its fields (/openapi.json states them) and its parser --------------------------------
+COMPLETION_MAX_TOKENS = 16  # /v1/completions' default max_tokens (OpenAI's)
+
+
+COMPLETION: Table = {
+    **SAMPLING,
+    "prompt": Spec(None, schema=PROMPT.schema),
+    "max_tokens": sampled(
+        int, "max_tokens", schema={"default": COMPLETION_MAX_TOKENS}, description=MAX_TOKENS_NOTE
+    ),
+    "echo": Spec(bool),
+    "best_of": Spec(int, lo=1, description="only equal to n"),
+    "suffix": Spec(str, schema={"maxLength": 0}),  # not supported: only empty
+    "logprobs": sampled(
+        int, "logprobs", later=False, description="with echo, the prompt tokens get logprobs too"
+    ),
+}
+
+
+COMPLETION_REQUIRED = ("prompt",)
+
+
+def parse_completion_request(
+    data: JSON,
+    allow_priority: bool = False,
+    limits: RequestLimits = DEFAULT_LIMITS,
+    defaults: Mapping[str, float] | None = None,
+) -> CompletionRequest:
+    f = Fields(data, COMPLETION, limits=limits)
+    prompts = parse_prompt(data.get("prompt"), limits)
+    logprobs = f.int("logprobs")
+    echo = f.bool("echo", False)
+    if f.str("suffix"):
+        raise not_supported("suffix")
+    g = common_fields(
+        f, f.int("max_tokens", COMPLETION_MAX_TOKENS), logprobs, allow_priority, limits, defaults or {}
+    )
+    if echo and logprobs is not None and g.params.prompt_logprobs is None:  # the echoed prompt's own
+        g.params.prompt_logprobs = logprobs
+    best_of = f.int("best_of")
+    if best_of is not None and best_of != g.params.n:
+        raise not_supported("best_of", "best_of other than n")
+    if len(prompts) * g.params.n > limits.max_prompts:
+        raise bad(f"A request may ask for at most {limits.max_prompts} completions (prompts x n).", "prompt")
+    return CompletionRequest(
+        g.model,
+        g.params,
+        g.stream,
+        g.include_usage,
+        g.continuous_usage_stats,
+        g.request_id,
+        g.priority,
+        g.user,
+        g.want_prompt_logprobs,
+        prompts=prompts,
+        echo=echo,
+    )

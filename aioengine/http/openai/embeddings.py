@@ -15,8 +15,8 @@ from aioengine.http import admission
 from aioengine.http.context import CONFIG, ENGINE, check_model, json_response
 from aioengine.http.errors import api_error, bad
 from aioengine.http.parsing import parse_prompt
-from aioengine.http.request_tables import EMBEDDING
-from aioengine.http.schema import Fields, RequestLimits
+from aioengine.http.request_tables import PROMPT, SAMPLING
+from aioengine.http.schema import Fields, RequestLimits, Spec, Table
 from aioengine.http.streaming import JSON
 
 
@@ -90,3 +90,18 @@ async def embeddings(request: web.Request) -> web.Response:
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
     }
     return json_response(body, headers={"X-Request-Id": rid})
+
+
+# ---- the request's fields (/openapi.json states them) ----------------------------------------------------
+EMBEDDING: Table = {
+    "model": Spec(str),
+    "input": Spec(None, schema=lambda ctx: {**PROMPT.schema(ctx), "description": "at most max_prompts"}),
+    "encoding_format": Spec(str, enum=("float", "base64")),
+    "dimensions": Spec(int, lo=1, description="cut the unit vector to its first dimensions, renormalized"),
+    "user": SAMPLING["user"],
+    "request_id": SAMPLING["request_id"],
+    "priority": SAMPLING["priority"],
+}
+
+
+EMBEDDING_REQUIRED = ("input",)

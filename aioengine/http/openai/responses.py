@@ -23,20 +23,24 @@ from aioengine.http.chat_output import ChatOutputParser, Content, Reasoning, par
 from aioengine.http.context import CONFIG, ENGINE, json_response
 from aioengine.http.errors import APIError, bad, not_supported
 from aioengine.http.messages import content_text
+from aioengine.http.openai.chat import CHAT, parse_chat_request
 from aioengine.http.request_tables import (
-    INPUT,
-    RESPONSE,
-    RESPONSE_REASONING,
-    RESPONSE_TEXT,
-    RESPONSE_TOOL,
-    TEXT_FORMAT,
+    JSON_SCHEMA_FIELDS,
+    MAX_TOKENS_NOTE,
+    REASONING_EFFORTS,
+    SAMPLING,
+    STR_SCHEMA,
+    TEXT_VALUE,
+    metadata_spec,
+    sampled,
 )
-from aioengine.http.schema import Fields, SchemaContext
+from aioengine.http.schema import Fields, SchemaContext, Spec, Table, object_schema
+from aioengine.http.shapes import Array, Either, Obj, Tagged, Value
 from aioengine.http.streaming import JSON, SSEWriter, Tally, guarded_sse, merged
 
 
 async def responses(request: web.Request) -> web.StreamResponse:
-    data, adm = await admission.admit_translated(request, to_chat_body, "resp")
+    data, adm = await admission.admit_translated(request, to_chat_body, parse_chat_request, "resp")
     handle = admission.start_chat(request.app, adm, f"response, {len(adm.req.messages)} messages")
     builder = ResponseBuilder(data, adm.request_id, adm.model)
     engine = request.app[ENGINE]
@@ -413,3 +417,153 @@ class ResponseBuilder:
         return self.event(
             kind, item_id=self.item_id, output_index=self.message_index, content_index=0, **fields
         )
+
+
+# ---- the request's fields (/openapi.json states them) ----------------------------------------------------
+# Parts echoed back from an earlier output carry annotations and logprobs: any other keys are fine.
+_INPUT_PART = Obj({"type": TEXT_VALUE, "text": TEXT_VALUE}, ("text",), open=True)
+
+
+# The Responses API's function tool (flat: name and parameters beside the type).
+RESPONSE_TOOL = Obj(
+    {
+        "type": Value(str, enum=("function",)),
+        "name": TEXT_VALUE,
+        "description": TEXT_VALUE,
+        "parameters": Value(dict),
+        "strict": Value(bool),
+    },
+    ("type", "name"),
+)
+
+
+_CALL_ITEM = Obj(
+    {
+        "type": TEXT_VALUE,
+        "call_id": TEXT_VALUE,
+        "name": TEXT_VALUE,
+        "arguments": TEXT_VALUE,
+        "id": TEXT_VALUE,
+        "status": TEXT_VALUE,
+    },
+    ("call_id", "name", "arguments"),
+)
+
+
+_CALL_OUTPUT_ITEM = Obj(
+    {
+        "type": TEXT_VALUE,
+        "call_id": TEXT_VALUE,
+        "output": TEXT_VALUE,
+        "id": TEXT_VALUE,
+        "status": TEXT_VALUE,
+    },
+    ("call_id", "output"),
+)
+
+
+INPUT = Either(
+    (
+        TEXT_VALUE,
+        Array(
+            Tagged(
+                "type",
+                {
+                    "message": Obj(
+                        {
+                            "type": TEXT_VALUE,
+                            "role": Value(str, enum=("user", "assistant", "system", "developer")),
+                            "content": Either(
+                                (
+                                    TEXT_VALUE,
+                                    Array(
+                                        Tagged(
+                                            "type",
+                                            {k: _INPUT_PART for k in ("input_text", "output_text", "text")},
+                                            "Content parts of type {}",
+                                        )
+                                    ),
+                                ),
+                                "a string or an array of content parts",
+                            ),
+                            "id": TEXT_VALUE,
+                            "status": TEXT_VALUE,
+                        },
+                        ("role", "content"),
+                    ),
+                    "function_call": _CALL_ITEM,
+                    "function_call_output": _CALL_OUTPUT_ITEM,
+                },
+                "Input items of type {}",
+                default="message",
+            ),
+            min_items=1,
+            max_items=lambda limits: limits.max_messages,
+            what="items",
+        ),
+    ),
+    "a string or a non-empty array of message items",
+)
+
+
+TEXT_FORMAT = Tagged(
+    "type",
+    {
+        "text": Obj({"type": TEXT_VALUE}),
+        "json_object": Obj({"type": TEXT_VALUE}),
+        "json_schema": Obj({"type": TEXT_VALUE, **JSON_SCHEMA_FIELDS}, ("schema",)),
+    },
+)
+
+
+RESPONSE_TEXT: Table = {"format": Spec(None, schema=TEXT_FORMAT.schema), "verbosity": Spec(str)}
+
+
+RESPONSE_REASONING: Table = {
+    "effort": Spec(str, enum=REASONING_EFFORTS, checked_later=True),  # as the chat request's reasoning_effort
+    "summary": Spec(None),
+    "generate_summary": Spec(None),
+}
+
+
+RESPONSE: Table = {  # openai_responses.to_chat_body turns it into a CHAT body
+    "model": Spec(str),
+    "input": Spec(None, schema=INPUT.schema),
+    "instructions": Spec(str),
+    "max_output_tokens": sampled(int, "max_tokens", description=MAX_TOKENS_NOTE),
+    "temperature": SAMPLING["temperature"],
+    "top_p": SAMPLING["top_p"],
+    "stream": Spec(bool),
+    "text": Spec(dict, schema=lambda ctx: object_schema(RESPONSE_TEXT, ctx)),
+    "reasoning": Spec(dict, schema=lambda ctx: object_schema(RESPONSE_REASONING, ctx)),
+    "user": Spec(str),
+    "metadata": metadata_spec(),
+    "store": Spec(bool, description="accepted; nothing is stored"),
+    "tools": Spec(
+        list, schema=lambda ctx: {"items": RESPONSE_TOOL.schema(ctx), "description": "function tools"}
+    ),
+    "tool_choice": Spec(
+        None,
+        schema={
+            "anyOf": [
+                {"enum": ["none", "auto", "required"]},
+                {"type": "object", "properties": {"type": {"const": "function"}, "name": STR_SCHEMA}},
+            ]
+        },
+    ),
+    "parallel_tool_calls": Spec(bool),
+    "truncation": Spec(str, enum=("disabled", "auto")),
+    "include": Spec(list, schema={"maxItems": 0, "description": "not supported"}),
+    "previous_response_id": Spec(
+        None, schema={"const": False, "description": "not supported: nothing is stored"}
+    ),
+    "background": Spec(bool, schema={"const": False, "description": "not supported"}),
+    "service_tier": CHAT["service_tier"],
+    "top_logprobs": Spec(int, schema={"const": 0, "description": "not supported here"}),
+    "structured_outputs": SAMPLING["structured_outputs"],  # vLLM's, as on the chat route
+    "safety_identifier": Spec(str),
+    "prompt_cache_key": Spec(str),
+}
+
+
+RESPONSE_REQUIRED = ("input",)
