@@ -102,6 +102,9 @@ class SpeculativeConfig:
 logger = logging.getLogger(__name__)
 
 CPU_LINEAR_CHOICES = ("auto", "onednn", "torch")
+# The CPU kernels' ISA levels, lowest first per architecture (kernels/cpu/isa.py says what each needs).
+CPU_ISA_LEVELS = ("avx2", "avx512", "avx512-bf16", "neon")
+CPU_ISA_CHOICES = ("auto", *CPU_ISA_LEVELS)
 
 
 @dataclass(slots=True)
@@ -109,6 +112,9 @@ class KernelConfig:
     """Which kernels a backend uses, per engine: two engines in one process can differ (tests, A/B runs)."""
 
     cpu_kernels: bool = True  # build and use the C kernels at all (False: torch ops, oneDNN linears)
+    # The ISA level the C kernels are built for, and whose defaults (dtype) apply: "auto" is the highest this
+    # CPU runs; a lower one (avx2 on an AVX512 machine) builds and runs exactly that level's library.
+    cpu_isa: str = "auto"
     cpu_elementwise: bool = True  # residual add + RMSNorm and rotary as one C pass each (bf16, float32)
     cpu_attention: bool = True  # C decode attention and KV store
     cpu_prefill_attention: bool = True  # bf16 prompt chunks through cpu_prefill_attention.c
@@ -130,6 +136,8 @@ class KernelConfig:
             raise ValueError(
                 f"cpu_linear must be one of {', '.join(CPU_LINEAR_CHOICES)}, got {self.cpu_linear!r}"
             )
+        if self.cpu_isa not in CPU_ISA_CHOICES:
+            raise ValueError(f"cpu_isa must be one of {', '.join(CPU_ISA_CHOICES)}, got {self.cpu_isa!r}")
         if self.cuda_graph_capture_timeout_s < 0:
             raise ValueError("cuda_graph_capture_timeout_s must be >= 0")
 
@@ -146,8 +154,8 @@ class EngineArgs:
     # Where default sampling parameters come from (vLLM's --generation-config): "auto" = the model's
     # generation_config.json, "vllm" = none (OpenAI's defaults), or a directory holding such a file.
     generation_config: str = "auto"
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: bfloat16 on CUDA and on CPUs with
-    # avx512_bf16/AMX, else float32)
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: bfloat16 on CUDA and at the CPU
+    # kernels' avx512-bf16 level, else float32)
     device: str = "auto"  # auto | cpu | cuda
     seed: int = 0
     max_model_len: int | None = None  # default: the model's max_position_embeddings

@@ -10,7 +10,14 @@ import re
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from aioengine.config import CPU_LINEAR_CHOICES, DEVICE_CHOICES, POOLING_TYPES, EngineArgs, KernelConfig
+from aioengine.config import (
+    CPU_ISA_CHOICES,
+    CPU_LINEAR_CHOICES,
+    DEVICE_CHOICES,
+    POOLING_TYPES,
+    EngineArgs,
+    KernelConfig,
+)
 
 # Help for the EngineArgs fields; a field added to EngineArgs later still gets a flag (with generic help).
 _ENGINE_HELP = {
@@ -51,15 +58,17 @@ _ENGINE_HELP = {
     "pooling": "embeddings' pooling (default: the checkpoint's sentence-transformers config, else last)",
     # KernelConfig
     "cpu_kernels": "build and use the CPU's C kernels (off: torch ops, oneDNN linears)",
+    "cpu_isa": "CPU: the ISA level the C kernels are built for and whose defaults apply "
+    "(auto: the highest this CPU runs; a lower one runs exactly that level's library)",
     "cpu_elementwise": "CPU: residual add + RMSNorm and rotary as one C pass each (bf16, float32)",
     "cpu_attention": "CPU: C decode attention and KV store",
     "cpu_prefill_attention": "CPU: bf16 prompt chunks through the packed prefill kernel",
     "cpu_linear": "CPU bf16 linears: auto (cpu_gemm.c where built, else oneDNN), onednn, "
     "or torch (plain weights)",
     "cpu_decode_stack": "CPU: a step of decodes only runs every layer in one C call",
-    "cpu_q8_head": "CPU: a GGUF's Q8_0 LM head runs on its own int8 codes for a few rows (AVX512-VNNI)",
+    "cpu_q8_head": "CPU: a GGUF's Q8_0 LM head runs on its own int8 codes for a few rows",
     "cpu_q8_linears": "CPU: a model's decoder linears run on a GGUF's Q8_0/Q5_0/Q4_0/Q6_K/Q4_1/Q4_K codes "
-    "for a few rows (AVX512-VNNI)",
+    "for a few rows",
     "cuda_graph_capture_timeout_s": "seconds CUDA graph capture may take (sizes not reached run eagerly)",
 }
 _CHOICES = {
@@ -69,6 +78,7 @@ _CHOICES = {
     "quantization": ["int8", "int4"],
     "pooling": list(POOLING_TYPES),
     "cpu_linear": list(CPU_LINEAR_CHOICES),
+    "cpu_isa": list(CPU_ISA_CHOICES),
 }
 _BYTES = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 

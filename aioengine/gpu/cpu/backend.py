@@ -20,7 +20,6 @@ from aioengine.config import EngineArgs, KernelConfig
 from aioengine.gpu.backend import Backend, Ops, RunnerParts
 from aioengine.gpu.cpu.codes_cache import checkpoint_codes
 from aioengine.gpu.cpu.decode_stack import CpuDecodeStack
-from aioengine.gpu.cpu.isa import cpu_has_fast_bf16
 from aioengine.gpu.cpu.linear import pack_linears
 from aioengine.gpu.cpu.openmp import release_thread_pool
 from aioengine.gpu.cpu.q8_head import attach_q8_head
@@ -29,7 +28,7 @@ from aioengine.gpu.cpu.quant import quantize_model
 from aioengine.gpu.cpu.worker import CpuWorker
 from aioengine.gpu.loader import kv_cache_shape
 from aioengine.kernels import reference
-from aioengine.kernels.cpu import clib
+from aioengine.kernels.cpu import clib, isa
 from aioengine.kernels.metadata import AttentionMetadata
 from aioengine.sched.output import ModelRunnerOutput
 
@@ -236,11 +235,19 @@ class CpuBackend(Backend):
         self.num_threads = num_threads
         self.ops = CpuOps(self.kernels)
         self.decode_stack: CpuDecodeStack | None = None
+        # The ISA level, chosen once: its defaults apply even without the C kernels. ValueError for a level
+        # this CPU cannot run, or (a process runs one library) another than the one already loaded.
+        requested = self.kernels.cpu_isa
+        loaded = clib.loaded_level()
+        self.cpu_isa = loaded if requested == "auto" and loaded else isa.resolve_level(requested)
         if self.kernels.cpu_kernels:  # gcc builds the C kernels (seconds when cold) while the model loads
-            threading.Thread(target=clib.load, name="aioengine-cpu-kernels", daemon=True).start()
+            clib.check_level(requested)
+            threading.Thread(
+                target=clib.load, args=(requested,), name="aioengine-cpu-kernels", daemon=True
+            ).start()
 
     def default_dtype(self) -> str:
-        return "bfloat16" if cpu_has_fast_bf16() else "float32"
+        return "bfloat16" if isa.level_has_fast_bf16(self.cpu_isa) else "float32"
 
     def make_process_group(self, store: Any, rank: int, size: int, timeout: datetime.timedelta) -> Any:
         return dist.ProcessGroupGloo(store, rank, size, timeout)
@@ -278,7 +285,7 @@ class CpuBackend(Backend):
                 if k.cpu_q8_linears:
                     attach_q8_linears(model, codes)
         if self.kernels.cpu_kernels:
-            clib.load()  # built now (seconds), not inside the first step
+            clib.load(self.kernels.cpu_isa)  # built now (seconds), not inside the first step
 
     def allocate_kv_caches(
         self,

@@ -1,12 +1,15 @@
 """The CPU's C kernels (cpu_decode_attention.c, cpu_prefill_attention.c, cpu_elementwise.c, cpu_gemm.c,
-cpu_decode_stack.c, cpu_qgemv.c, cpu_q8.c): built once per machine with the C compiler into one library,
-loaded with ctypes, and called on the worker thread (ctypes releases the GIL).
+cpu_decode_stack.c, cpu_qgemv.c, cpu_q8.c, cpu_q4_bf16.c): built once per machine and ISA level with the C
+compiler into one library, loaded with ctypes, and called on the worker thread (ctypes releases the GIL).
 
-Built with -march=native into the cache directory's ``kernels/`` (``aioengine.env.cache_dir``) under a
-name that hashes the sources, the compiler and the CPU flags; the CPU backend starts the build on a thread
-when it is made. It links libgomp, which resolves to the copy torch has already loaded, so the kernel and
-torch's ops share one OpenMP thread pool. Without a compiler the torch path runs instead (and a backend
-told ``KernelConfig.cpu_kernels=False`` never loads it).
+The level (kernels/cpu/isa.py) is chosen once per process, by the first backend that loads it: its flags are
+only ever ones this CPU has, and the library states the level it was compiled for, which the loader checks.
+Built into the cache directory's ``kernels/`` (``aioengine.env.cache_dir``) under a name that hashes the
+sources, the compiler, the level and its flags; the CPU backend starts the build on a thread when it is made.
+It links libgomp, which resolves to the copy torch has already loaded, so the kernel and torch's ops share one
+OpenMP thread pool; a compiler without OpenMP builds single-threaded kernels. No compiler, a compiler too old
+for the level's flags, or a failed build: one warning, and the torch path runs instead (a backend told
+``KernelConfig.cpu_kernels=False`` never loads it).
 """
 
 from __future__ import annotations
@@ -28,10 +31,11 @@ import torch
 import torch.nn.functional as F
 
 from aioengine import env
+from aioengine.kernels.cpu import isa
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [
+SOURCES = [
     Path(__file__).with_name(n)
     for n in (
         "cpu_decode_attention.c",
@@ -42,16 +46,23 @@ _SOURCES = [
         "cpu_qgemv.c",
         "cpu_q8.c",
         "cpu_q4_bf16.c",
+        "cpu_isa.c",
     )
 ]
 # Included by the sources: part of the build's hash.
-_HEADERS = [Path(__file__).with_name(n) for n in ("cpu_bf16.h", "cpu_avx512.h", "cpu_kernels.h")]
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]  # compile only
+HEADERS = [
+    Path(__file__).with_name(n)
+    for n in ("cpu_bf16.h", "cpu_avx512.h", "cpu_kernels.h", "cpu_omp.h", "cpu_q8_dot.h")
+]
+FLAGS = ["-O3", "-ffast-math", "-fPIC", "-std=c11"]  # compile only; the level's target flags are added
 # Linked without -ffast-math: with it, gcc < 13 adds crtfastmath.o even to a shared library, whose
 # constructor turns on flush-to-zero for the thread that loads it (a process-wide change of float results).
-_LINK_FLAGS = ["-shared", "-fopenmp"]
+_LINK_FLAGS = ["-shared"]
+# aioengine_isa_level()'s answers (cpu_isa.c)
+_LEVEL_CODES = {1: "avx2", 2: "avx512", 3: "avx512-bf16", 4: "neon"}
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
+_level: str | None = None  # the level loaded, or tried (with _failed)
 _failed = False
 _FUNCS = {torch.float32: "decode_attention_f32", torch.bfloat16: "decode_attention_bf16"}
 
@@ -60,20 +71,15 @@ def _cache_dir() -> Path:
     return env.cache_dir() / "kernels"
 
 
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return ""
+def _run(cmd: list[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=120)
 
 
-def _tune_flags(compiler: str) -> list[str]:
-    """``-mtune=sapphirerapids`` where the compiler's native tuning is for an AMD core without AVX-512
-    (znver1-3) on a CPU that has it: gcc 12 does not know Zen 4/5 and tunes them as Zen 3. Tuned for a core
-    with AVX-512, the same kernels (same bits) ran the offline bench faster on a Zen 5."""
-    if "avx512f" not in _cpu_flags().split():
-        return []
+def _tune_flags(compiler: str, level: str) -> list[str]:
+    """Tuning for this CPU (never new instructions: -mtune only). ``-mtune=sapphirerapids`` where the
+    compiler's native tuning is for an AMD core without AVX-512 (znver1-3) at an AVX-512 level: gcc 12 does
+    not know Zen 4/5 and tunes them as Zen 3. Tuned for a core with AVX-512, the same kernels (same bits) ran
+    the offline bench faster on a Zen 5."""
     try:
         target = subprocess.run(
             [compiler, "-march=native", "-Q", "--help=target"], capture_output=True, text=True, timeout=30
@@ -81,60 +87,101 @@ def _tune_flags(compiler: str) -> list[str]:
     except (OSError, subprocess.SubprocessError):
         return []
     tune = next((line.split()[-1] for line in target.splitlines() if line.strip().startswith("-mtune=")), "")
-    return ["-mtune=sapphirerapids"] if tune in ("znver1", "znver2", "znver3") else []
+    if level.startswith("avx512") and tune in ("znver1", "znver2", "znver3"):
+        return ["-mtune=sapphirerapids"]
+    return ["-mtune=native"] if tune else []
 
 
-def _build(compiler: str) -> Path:
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    flags = [*_FLAGS, *_tune_flags(compiler)]
+@functools.cache
+def openmp_flags(compiler: str) -> tuple[str, ...]:
+    """``("-fopenmp",)`` where ``compiler`` builds and links an OpenMP library, else none."""
+    with tempfile.TemporaryDirectory() as work:
+        src = Path(work) / "probe.c"
+        src.write_text("#include <omp.h>\nint probe(void) { return omp_get_max_threads(); }\n")
+        try:
+            _run([compiler, "-fopenmp", "-fPIC", "-shared", str(src), "-o", str(Path(work) / "probe.so")])
+        except (OSError, subprocess.SubprocessError):
+            logger.info("%s has no OpenMP: the CPU kernels run on one thread", compiler)
+            return ()
+    return ("-fopenmp",)
+
+
+def build(
+    compiler: str,
+    level: str,
+    out_dir: Path,
+    cpu_flags: frozenset[str] | None = None,
+    extra: tuple[Path, ...] = (),
+    executable: bool = False,
+    openmp: bool = True,
+) -> Path:
+    """Compile the kernels for ``level`` (with the optional extensions ``cpu_flags`` has, by default this
+    CPU's) into ``out_dir``: a shared library, or with ``executable`` a static program of the kernels and the
+    ``extra`` sources (a cross-built test harness). A library already built from the same inputs is reused."""
+    version = _run([compiler, "--version"]).stdout
+    native = cpu_flags is None and not executable
+    omp = list(openmp_flags(compiler)) if openmp else []
+    flags = [
+        *FLAGS,
+        *omp,
+        *isa.compile_flags(level, cpu_flags),
+        *(_tune_flags(compiler, level) if native else []),
+    ]
+    link = ["-static", *omp] if executable else [*_LINK_FLAGS, *omp]
+    sources = [*SOURCES, *extra]
     key = hashlib.sha256(
-        "\0".join(
-            [*(p.read_text() for p in _SOURCES + _HEADERS), version, _cpu_flags(), *flags, *_LINK_FLAGS]
-        ).encode()
+        "\0".join([*(p.read_text() for p in sources + HEADERS), version, level, *flags, *link]).encode()
     ).hexdigest()
-    target = _cache_dir() / f"cpu_kernels-{key[:16]}.so"
+    target = out_dir / (f"cpu_kernels-{level}-{key[:16]}" + ("" if executable else ".so"))
     if target.exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as work:
-        objects = [str(Path(work) / f"{src.stem}.o") for src in _SOURCES]
-        for src, obj in zip(_SOURCES, objects, strict=True):
-            subprocess.run(
-                [compiler, *flags, "-c", str(src), "-o", obj],
-                capture_output=True,
-                text=True,
-                check=True,
-                timeout=120,
-            )
-        tmp = str(Path(work) / "lib.so")
-        subprocess.run(
-            [compiler, *_LINK_FLAGS, *objects, "-o", tmp, "-lm"],
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=120,
-        )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out_dir) as work:
+        objects = [str(Path(work) / f"{src.stem}.o") for src in sources]
+        for src, obj in zip(sources, objects, strict=True):
+            _run([compiler, *flags, f"-I{Path(__file__).parent}", "-c", str(src), "-o", obj])
+        tmp = str(Path(work) / "out")
+        _run([compiler, *link, *objects, "-o", tmp, "-lm"])
         os.replace(tmp, target)  # atomic: a concurrent builder finds a whole file or none
     return target
 
 
-def load() -> ctypes.CDLL | None:
-    """The kernel library, building it on first use; None when it cannot be built here."""
-    global _lib, _failed
+def loaded_level() -> str | None:
+    """The ISA level of the library this process loaded (None: none loaded)."""
+    return _level if _lib is not None else None
+
+
+def load(cpu_isa: str | None = None) -> ctypes.CDLL | None:
+    """The kernel library, building it on first use; None when it cannot be built or run here.
+    ``cpu_isa`` (a KernelConfig.cpu_isa) picks the level on the process's first load; a later call naming
+    another level raises ValueError (one library a process: the first backend chose it)."""
+    global _lib, _failed, _level
     if _lib is not None or _failed:
+        check_level(cpu_isa)
         return _lib
     with _lock:
         if _lib is not None or _failed:
+            check_level(cpu_isa)
             return _lib
+        level = isa.resolve_level(cpu_isa or "auto")  # ValueError for a level this CPU cannot run
+        _level = level
         compiler = env.c_compiler()
         try:
+            if level is None:
+                raise OSError(f"no kernel ISA level runs on this CPU ({isa.machine()})")
             if compiler is None:
                 raise FileNotFoundError("no C compiler (gcc or cc) on PATH")
-            lib = ctypes.CDLL(str(_build(compiler)))
+            lib = ctypes.CDLL(str(build(compiler, level, _cache_dir())))
+            lib.aioengine_isa_level.restype = ctypes.c_int
+            built = _LEVEL_CODES.get(lib.aioengine_isa_level())
+            if built != level:  # a compiler that ignored the level's flags: never run it as that level
+                raise OSError(f"the library built for {level} reports {built}")
         except (OSError, subprocess.SubprocessError) as e:
-            detail = getattr(e, "stderr", "") or ""
+            detail = (getattr(e, "stderr", "") or "").strip().splitlines()
             logger.warning(
-                "CPU decode-attention kernel unavailable (%s %s); using the torch path", e, detail[-500:]
+                "CPU C kernels unavailable (%s%s); using the torch path",
+                e,
+                f": {detail[-1]}" if detail else "",
             )
             _failed = True
             return None
@@ -199,7 +246,22 @@ def load() -> ctypes.CDLL | None:
         lib.gemm_bf16.restype = ctypes.c_int
         lib.gemm_bf16.argtypes = [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I, _P, _I]
         _lib = lib
+        logger.info("CPU C kernels: the %s level", level)
         return lib
+
+
+def check_level(cpu_isa: str | None) -> None:
+    """ValueError where this process already loaded (or failed to build) another level than ``cpu_isa``
+    names; "auto" and None take whatever it runs."""
+    if cpu_isa is None or cpu_isa == "auto" or (_lib is None and not _failed):
+        return
+    want = isa.resolve_level(cpu_isa)
+    if want != _level:
+        raise ValueError(
+            f"cpu_isa={cpu_isa!r}: this process already chose the CPU kernels' level "
+            f"({_level or 'none'}{'' if _lib is not None else ', whose build failed: the torch path'}); "
+            "one level runs a process"
+        )
 
 
 _P, _I64, _F, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int

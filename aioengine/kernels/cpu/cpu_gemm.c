@@ -66,7 +66,7 @@ void pack_gemm_weight_bf16(const uint16_t *w, int64_t n, int64_t k, int gated, u
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-#include <omp.h>
+#include "cpu_omp.h"
 
 #include "cpu_avx512.h"
 

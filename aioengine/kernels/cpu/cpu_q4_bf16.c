@@ -18,7 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include <omp.h>
+#include "cpu_omp.h"
 
 #include "cpu_bf16.h"
 #include "cpu_kernels.h"

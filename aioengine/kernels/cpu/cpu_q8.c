@@ -20,19 +20,17 @@
  * path at 0.75 bytes a weight: q4_pack keeps a chunk's 64 codes in 32 bytes, the low nibbles its packed
  * positions 0-31 and the high ones 32-63, so one mask and one shift give the u of the 8-bit layout (the codes
  * unsigned already: no 128 to take off), and the offsets add m times each lane's sum of the cut x (per lane,
- * beside the dots: one more FMA a chunk). Where the CPU has AVX512-BF16, bf16 rows against affine codes take
- * cpu_q4_bf16.c's bf16 dots instead, with x uncut and the codes in its own layout (q4t_pack). */
+ * beside the dots: one more FMA a chunk). The dots themselves, per ISA level, are cpu_q8_dot.h's. Where the
+ * CPU has AVX512-BF16, bf16 rows against affine codes take cpu_q4_bf16.c's bf16 dots instead, with x uncut and
+ * the codes in its own layout (q4t_pack). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <omp.h>
+#include "cpu_omp.h"
 
 #include "cpu_bf16.h"
 #include "cpu_kernels.h"
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
 
 static const float q8_xq_max[4] = {0.0f, 0.0f, 32639.0f, 8355711.0f}; /* 127 (256 + 1), 127 (65536 + 256 + 1) */
 
@@ -103,105 +101,7 @@ static void q8_cut_row(const float *x, int64_t k, int64_t per, int limbs, q8_row
         }
 }
 
-#if defined(__AVX512F__) && defined(__AVX512VNNI__)
-int qgemv_q8_vectorized(void) { return 1; }
-#define Q8_MAXR 4
-#ifndef Q8_PF
-#define Q8_PF 8
-#endif
-/* one chunk of one row against one output's codes: its 16 lane sums, as float32 in units of xq */
-static inline __attribute__((always_inline)) __m512 q8_lanes(__m512i u, __m512i b2, __m512i b1, __m512i b0,
-                                                             __m512i corr_hi, __m512i corr_lo, const int limbs) {
-    const __m512i lo = _mm512_add_epi32(_mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u, b1), 8),
-                                        _mm512_dpbusd_epi32(corr_lo, u, b0));
-    if (limbs == 2) return _mm512_cvtepi32_ps(lo);
-    const __m512i hi = _mm512_dpbusd_epi32(corr_hi, u, b2);
-    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_set1_ps(65536.0f), _mm512_cvtepi32_ps(lo));
-}
-
-/* a chunk's 2 or 4 block scales, repeated across the 16 lanes as the lanes take turns among the blocks */
-static inline __attribute__((always_inline)) __m512 q8_scales(const float *s, const int per) {
-    if (per == 2) return _mm512_castpd_ps(_mm512_set1_pd(*(const double *)s));
-    return _mm512_broadcast_f32x4(_mm_loadu_ps(s));
-}
-
-/* a chunk's 64 four-bit codes (32 bytes from q4_pack) as the 8-bit layout's 64 bytes */
-static inline __attribute__((always_inline)) __m512i q4_unpack(const uint8_t *p) {
-    const __m256i v = _mm256_loadu_si256((const __m256i *)p), nib = _mm256_set1_epi8(15);
-    const __m256i lo = _mm256_and_si256(v, nib), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
-    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-}
-
-/* nib: a and b are q4_pack'ed (k / 2 bytes a row, codes unsigned: no correction), with offsets ma and mb */
-static inline __attribute__((always_inline)) void q8dot2(const q8_row *rows, const uint8_t *a, const uint8_t *b,
-                                                          const float *sa, const float *sb, const float *ma,
-                                                          const float *mb, const int M, int64_t k, const int limbs,
-                                                          const int per, const int nib, float *out) {
-    __m512 acc_a[Q8_MAXR], acc_b[Q8_MAXR];
-    for (int r = 0; r < M; r++) acc_a[r] = acc_b[r] = _mm512_setzero_ps();
-    const int64_t row_bytes = nib ? k / 2 : k;
-    for (int64_t c = 0; c < k; c += 64) {
-        /* the pair Q8_PF pairs ahead (rows a + 2 Q8_PF k on): the hardware prefetcher alone leaves DRAM idle */
-        const uint8_t *ahead = a + 2 * Q8_PF * row_bytes + (nib ? c : 2 * c);
-        _mm_prefetch((const char *)ahead, _MM_HINT_T1);
-        if (!nib) _mm_prefetch((const char *)(ahead + 64), _MM_HINT_T1);
-        const __m512i ua = nib ? q4_unpack(a + c / 2) : _mm512_loadu_si512(a + c);
-        const __m512i ub = nib ? q4_unpack(b + c / 2) : _mm512_loadu_si512(b + c);
-        const __m512 da = q8_scales(sa + c / 64 * per, per), db = q8_scales(sb + c / 64 * per, per);
-        const __m512 oa = nib ? q8_scales(ma + c / 64 * per, per) : _mm512_setzero_ps();
-        const __m512 ob = nib ? q8_scales(mb + c / 64 * per, per) : _mm512_setzero_ps();
-        for (int r = 0; r < M; r++) {
-            const q8_row *w = rows + r;
-            if (nib) {
-                const __m512 xs = _mm512_loadu_ps(w->xsum + c / 4);
-                acc_a[r] = _mm512_fmadd_ps(oa, xs, acc_a[r]), acc_b[r] = _mm512_fmadd_ps(ob, xs, acc_b[r]);
-            }
-            const __m512i b2 = limbs == 3 ? _mm512_loadu_si512(w->b2 + c) : _mm512_setzero_si512();
-            const __m512i ch = limbs == 3 && !nib ? _mm512_loadu_si512(w->corr_hi + c / 4) : _mm512_setzero_si512();
-            const __m512i b1 = _mm512_loadu_si512(w->b1 + c), b0 = _mm512_loadu_si512(w->b0 + c);
-            const __m512i cl = nib ? _mm512_setzero_si512() : _mm512_loadu_si512(w->corr_lo + c / 4);
-            const __m512 sx = _mm512_loadu_ps(w->sx + c / 4);
-            acc_a[r] = _mm512_fmadd_ps(q8_lanes(ua, b2, b1, b0, ch, cl, limbs), _mm512_mul_ps(da, sx), acc_a[r]);
-            acc_b[r] = _mm512_fmadd_ps(q8_lanes(ub, b2, b1, b0, ch, cl, limbs), _mm512_mul_ps(db, sx), acc_b[r]);
-        }
-    }
-    for (int r = 0; r < M; r++) {
-        out[2 * r] = _mm512_reduce_add_ps(acc_a[r]);
-        out[2 * r + 1] = _mm512_reduce_add_ps(acc_b[r]);
-    }
-}
-#else
-int qgemv_q8_vectorized(void) { return 0; } /* the scalar path below: correct, but slower than bf16's GEMM */
-#define Q8_MAXR 4
-/* the code at packed position p of the row (the 8-bit layout's order) */
-static inline int64_t q8_code(const uint8_t *row, int64_t p, int nib) {
-    if (!nib) return (int64_t)row[p] - 128;
-    const int64_t c = p / 64 * 64, i = p % 64;
-    return i < 32 ? row[c / 2 + i] & 15 : row[c / 2 + i - 32] >> 4;
-}
-
-static inline void q8dot2(const q8_row *rows, const uint8_t *a, const uint8_t *b, const float *sa, const float *sb,
-                          const float *ma, const float *mb, const int M, int64_t k, const int limbs, const int per,
-                          const int nib, float *out) {
-    (void)limbs; /* the digits of 2 limbs leave b2 0 */
-    for (int r = 0; r < M; r++) {
-        float ta = 0.0f, tb = 0.0f;
-        for (int64_t c = 0; c < k; c += 4) {
-            const q8_row *w = rows + r;
-            int64_t da = 0, db = 0;
-            for (int i = 0; i < 4; i++) {
-                const int64_t xq = 65536 * w->b2[c + i] + 256 * w->b1[c + i] + w->b0[c + i];
-                da += q8_code(a, c + i, nib) * xq, db += q8_code(b, c + i, nib) * xq;
-            }
-            const int64_t s = (c / 4) % per + per * (c / 64); /* the lane's block */
-            ta += (float)da * sa[s] * w->sx[c / 4];
-            tb += (float)db * sb[s] * w->sx[c / 4];
-            if (nib) ta += ma[s] * w->xsum[c / 4], tb += mb[s] * w->xsum[c / 4];
-        }
-        out[2 * r] = ta, out[2 * r + 1] = tb;
-    }
-}
-#endif
+#include "cpu_q8_dot.h" /* q8dot2 per ISA level, and qgemv_q8_vectorized */
 
 static void q8dot2_any(const q8_row *rows, const uint8_t *a, const uint8_t *b, const float *sa, const float *sb,
                        const float *ma, const float *mb, int m, int64_t k, int limbs, int per, int nib, float *out) {

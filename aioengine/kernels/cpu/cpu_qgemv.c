@@ -8,7 +8,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <omp.h>
+#include "cpu_omp.h"
 
 #include "cpu_kernels.h"
 #ifdef __AVX512F__

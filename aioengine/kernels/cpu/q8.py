@@ -11,7 +11,8 @@ BLOCKS = (16, 32)  # the block sizes the kernels take: Q6_K's, and Q8_0/Q5_0/Q4_
 
 
 def available() -> bool:
-    """Whether the kernels run vectorized here (AVX512-VNNI): elsewhere they are correct but slow."""
+    """Whether the kernels run vectorized at the loaded level (AVX512-VNNI, AVX2 or NEON; cpu_q8_dot.h):
+    elsewhere they are correct but slow."""
     lib = clib.load()
     return lib is not None and bool(lib.qgemv_q8_vectorized())
 

@@ -7,17 +7,20 @@ import torch.nn.functional as F
 
 from aioengine.gpu.cpu.linear import PackedLinear
 from aioengine.kernels.cpu import clib as cpu_kernels
+from aioengine.kernels.cpu import isa
 
 needs_gemm = pytest.mark.skipif(
     not cpu_kernels.gemm_available(), reason="needs the AVX512-BF16 build of the C kernels"
 )
 
 
-def test_the_gemm_is_built_where_the_cpu_has_avx512_bf16():
-    """So that a broken build cannot pass as skips on such a machine (this one and CI's)."""
-    if "avx512_bf16" not in cpu_kernels._cpu_flags().split():
-        return  # nothing to build here; the rest of the file skips
-    assert cpu_kernels.load() is not None and cpu_kernels.gemm_available()
+def test_the_gemm_is_built_exactly_at_the_avx512_bf16_level():
+    """So that a broken build cannot pass as skips on such a machine (this one and CI's), and the AVX2 and
+    AVX-512 builds keep oneDNN's linears."""
+    if cpu_kernels.load() is None:
+        assert not isa.runnable_levels() or cpu_kernels.env.c_compiler() is None
+        return  # nothing built here; the rest of the file skips
+    assert cpu_kernels.gemm_available() == (cpu_kernels.loaded_level() == "avx512-bf16")
 
 
 # (rows, out_features, in_features): row tails 1-5 of a 6-row block, a 240-row chunk boundary, column
