@@ -122,10 +122,11 @@ class KernelConfig:
     # takes oneDNN's layout, "torch" keeps plain weights for F.linear.
     cpu_linear: str = "auto"
     cpu_decode_stack: bool = True  # a step of decodes only runs every layer in one C call
-    # A GGUF's Q8_0 LM head runs on its own codes for a few rows (gpu/cpu/q8_head.py) where VNNI is built.
+    # A GGUF's Q8_0 LM head runs on its own codes for a few rows (gpu/cpu/q8_head.py) where the level
+    # vectorizes them.
     cpu_q8_head: bool = True
     # A model's decoder linears run on a GGUF's block codes (symmetric types, and Q4_1's and Q4_K's 4-bit
-    # ones with offsets) for a few rows (gpu/cpu/q8_linear.py) where VNNI is built.
+    # ones with offsets) for a few rows (gpu/cpu/q8_linear.py) where the level vectorizes them.
     cpu_q8_linears: bool = True
     # Tensor-parallel CPU ranks of one node all-reduce through shared memory (False: through gloo).
     cpu_shm_allreduce: bool = True

@@ -15,7 +15,7 @@ from aioengine.kernels.cpu import q8
 from aioengine.model.files import resolve_model
 from tests.engine.greedy_ref import NEW_TOKENS, assert_equal_up_to_ties, hf_greedy
 
-pytestmark = pytest.mark.skipif(not q8.available(), reason="the block-code kernels need AVX512-VNNI")
+pytestmark = pytest.mark.skipif(not q8.available(), reason="the block-code kernels are not vectorized here")
 
 TEXTS = (
     "The river rises every spring when the snow in the mountains begins to melt.",

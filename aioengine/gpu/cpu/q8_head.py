@@ -4,7 +4,7 @@ GGUF files keep the token embedding (the tied head) in Q8_0 in the common quant 
 scale per 32 inputs. A converted checkpoint holds those weights dequantized to float32, where
 ``code * scale`` is exact, so the codes come back exactly. At a vocabulary of 262k (Gemma 3) the head is
 most of a decode step's weight bytes: its codes read 1.125 bytes a weight instead of bf16's 2 or float32's
-4, through cpu_q8.c's VNNI kernel (``q8.qgemv_f32``). The weight stays exact; the activations are
+4, through cpu_q8.c's integer dots (``q8.qgemv_f32``). The weight stays exact; the activations are
 rounded once, per 4 inputs: to 3 bytes for a float32 model (about float32's own rounding), to 2 for a bf16
 one (finer than the bf16 value in all but spans of more than 2^8 within 4 inputs).
 

@@ -114,38 +114,38 @@ def test_the_loaded_library_is_a_level_this_cpu_runs():
     assert {_NEEDS[f] for f in isa.compile_flags(level) if f in _NEEDS} <= isa.cpu_flags()
 
 
-@needs_kernels
-@pytest.mark.parametrize("level", ["avx2", "avx512", "avx512-bf16"])
-def test_the_kernel_tests_pass_at_each_level_this_machine_runs(level, pytestconfig):
-    """The same kernel tests, each against the torch reference, against exactly that level's library (in a
-    process of its own: a process runs one level). The level this process loaded ran them already."""
+def _pytest_at_level(level: str, pytestconfig, paths: list[str], deselect: str) -> None:
+    """Run ``paths`` against exactly ``level``'s library, in a process of its own (a process runs one level).
+    The level this process loaded ran them already, in the suite itself."""
     if level not in isa.runnable_levels():
         pytest.skip(f"this CPU does not run {level}")
     assert not pytestconfig.getoption("--cpu-isa"), "a run for one level never starts the others"
     if level == clib.loaded_level():
         pytest.skip(f"{level} is this process's own level: the suite ran these tests against it")
-    here = Path(__file__).parent
+    root = Path(__file__).parents[3]
     run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            str(here),
-            "--cpu-isa",
-            level,
-            "-k",
-            "not test_the_kernel_tests_pass_at_each_level",
-            "-x",
-            "-n",
-            "0",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=here.parents[2],
-    )
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *paths, "--cpu-isa", level,
+         "-k", f"not {deselect}", "-x", "-n", "0"],
+        capture_output=True, text=True, timeout=600, cwd=root,
+    )  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     assert " passed" in run.stdout
+
+
+LEVELS = ["avx2", "avx512", "avx512-bf16"]
+
+
+@needs_kernels
+@pytest.mark.parametrize("level", LEVELS)
+def test_the_kernel_tests_pass_at_each_level_this_machine_runs(level, pytestconfig):
+    """The same kernel tests, each against the torch reference."""
+    _pytest_at_level(level, pytestconfig, ["tests/kernels/cpu"], "at_each_level")
+
+
+@needs_kernels
+@pytest.mark.parametrize("level", LEVELS)
+def test_greedy_parity_with_transformers_at_each_level_this_machine_runs(level, pytestconfig):
+    """The parity configs (chunked, prefix hits, preemption; each architecture) and the default model through
+    its Q4_1 codes: greedy tokens equal transformers' at every level."""
+    paths = ["tests/engine/test_parity.py", "tests/engine/test_default_model_codes.py"]
+    _pytest_at_level(level, pytestconfig, paths, "at_each_level")

@@ -36,7 +36,7 @@ def _q8_0_reference(
     return xd @ w.t(), bound
 
 
-@pytest.mark.skipif(not q8.available(), reason="qgemv_q8_0 is vectorized for AVX512-VNNI only")
+@pytest.mark.skipif(not q8.available(), reason="cpu_q8.c is not vectorized at this level")
 @pytest.mark.parametrize("rows", [1, 3, 4, 6, 9])
 @pytest.mark.parametrize(("n", "k"), [(48, 64), (33, 576), (1001, 640)])
 @pytest.mark.parametrize("limbs", [2, 3])
@@ -53,7 +53,7 @@ def test_q8_0_gemv_is_within_its_one_rounding_of_the_exact_weights(rows, n, k, l
     assert (got - want).abs().mean() < (bf16 - want).abs().mean() / 20
 
 
-@pytest.mark.skipif(not q8.available(), reason="qgemv_q8_0 is vectorized for AVX512-VNNI only")
+@pytest.mark.skipif(not q8.available(), reason="cpu_q8.c is not vectorized at this level")
 def test_q8_0_gemv_reads_strided_rows_and_ties_its_argmax_to_torchs():
     x, q, scale = _q8_0_case(5, 4099, 128, 3)
     q[4000] = q[17]  # equal maxima in different threads' ranges: the first wins
@@ -73,7 +73,7 @@ def test_q8_0_gemv_reads_strided_rows_and_ties_its_argmax_to_torchs():
     assert got[2] == 0
 
 
-@pytest.mark.skipif(not q8.available(), reason="qgemv_q8_0 is vectorized for AVX512-VNNI only")
+@pytest.mark.skipif(not q8.available(), reason="cpu_q8.c is not vectorized at this level")
 def test_q8_0_argmax_takes_the_first_maximum_across_threads_and_the_first_nan():
     n, k = 6000, 64
     q = torch.zeros(n, k, dtype=torch.int8)
@@ -102,7 +102,7 @@ def _blocks_case(
     return x, q, scale, w
 
 
-@pytest.mark.skipif(not q8.available(), reason="cpu_q8.c is vectorized for AVX512-VNNI only")
+@pytest.mark.skipif(not q8.available(), reason="cpu_q8.c is not vectorized at this level")
 @pytest.mark.parametrize("block", q8.BLOCKS)
 @pytest.mark.parametrize("rows", [1, 2, 4, 5])
 @pytest.mark.parametrize(("n", "k"), [(64, 64), (37, 640), (300, 1024)])
@@ -123,7 +123,7 @@ def test_bf16_gemv_is_within_its_roundings_of_the_exact_weights(block, rows, n, 
     assert ((got - want).abs() <= bound).all(), float(((got - want).abs() / bound).max())
 
 
-@pytest.mark.skipif(not q8.available(), reason="cpu_q8.c is vectorized for AVX512-VNNI only")
+@pytest.mark.skipif(not q8.available(), reason="cpu_q8.c is not vectorized at this level")
 @pytest.mark.parametrize("activation", ["gelu_tanh", "silu"])
 @pytest.mark.parametrize("block", q8.BLOCKS)
 def test_bf16_gemv_act_mul_is_torchs_act_of_its_own_gate_times_up(activation, block):
@@ -142,7 +142,7 @@ def _silu(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(x)
 
 
-@pytest.mark.skipif(not q8.available(), reason="cpu_q8.c is vectorized for AVX512-VNNI only")
+@pytest.mark.skipif(not q8.available(), reason="cpu_q8.c is not vectorized at this level")
 @pytest.mark.parametrize("block", q8.BLOCKS)
 @pytest.mark.parametrize("rows", [1, 4, 7])
 def test_f32_gemv_takes_blocks_of_16_and_a_bias(block, rows):
@@ -172,7 +172,7 @@ def _affine_case(
     return x, q, scale, mins, w
 
 
-@pytest.mark.skipif(not q8.available(), reason="cpu_q8.c is vectorized for AVX512-VNNI only")
+@pytest.mark.skipif(not q8.available(), reason="cpu_q8.c is not vectorized at this level")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rows", [1, 2, 4, 5])
 @pytest.mark.parametrize(("n", "k"), [(64, 64), (37, 640), (300, 1024)])
@@ -232,7 +232,7 @@ def test_affine_4bit_bf16_dots_take_x_as_it_is(rows, n, k):
         assert torch.equal(alone[0], got[r])
 
 
-@pytest.mark.skipif(not q8.available(), reason="cpu_q8.c is vectorized for AVX512-VNNI only")
+@pytest.mark.skipif(not q8.available(), reason="cpu_q8.c is not vectorized at this level")
 def test_affine_4bit_act_mul_is_torchs_act_of_its_own_gate_times_up():
     x, gate_up, scale, mins, _ = _affine_case(2, 2 * 64, 576, 5)
     x = x.bfloat16()
