@@ -11,6 +11,9 @@ numbers, rounded to the model dtype) for large ones. Both paths compute with the
 int4 is asymmetric round-to-nearest per group of 32 inputs, ``w = (q - 8) * scale + zero`` with
 ``q`` in 0..15 (GGUF's Q4_1 and the default model's source format: it re-quantizes losslessly).
 int8 is symmetric per output channel, ``w = q * scale`` with ``q`` in -127..127.
+float32 activations take the C kernels for a few rows where the ISA level vectorizes them: int4 as affine
+4-bit block codes (``q * scale + (zero - 8 scale)``, cpu_q8.c, as a GGUF's Q4_1), int8 through cpu_qgemv.c.
+torch's int4 kernel is fast only with AVX-512; on an AVX2 core it ran 3x slower than the unquantized model.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from aioengine.gpu.cpu.linear import PackedLinear, c_gemm_enabled, packing_enabled
-from aioengine.kernels.cpu import clib
+from aioengine.kernels.cpu import clib, q8
 
 logger = logging.getLogger(__name__)
 
@@ -82,13 +85,22 @@ class QuantizedLinear(nn.Module):
         self.method = method
         self.out_features, self.in_features = weight.shape
         self.max_rows_quantized = max_rows_quantized
+        c_rows = dtype == torch.float32 and c_kernels and clib.load() is not None
+        # int4 on the affine block-code kernel: codes, scale and offset per 32 (None: torch's int4 kernel)
+        self.codes4: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         if method == "int4":
             q, scale, zero = quantize_int4(weight)
             dequantized = dequantize_int4(q, scale, zero)
-            self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(q, 1), persistent=False)
-            # The kernel's layout: [K / group, N, (scale, zero)], in the activations' dtype.
-            scales_zeros = torch.stack((scale.t(), zero.t()), dim=-1).contiguous().to(dtype)
-            self.register_buffer("scales_zeros", scales_zeros, persistent=False)
+            if c_rows and q8.available() and self.in_features % 64 == 0:
+                self.codes4 = (q8.pack4(q.to(torch.uint8).contiguous()), scale, zero - 8 * scale)
+                self.register_buffer("packed", self.codes4[0], persistent=False)
+                self.register_buffer("scales_zeros", scale, persistent=False)
+            else:
+                packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
+                self.register_buffer("packed", packed, persistent=False)
+                # The kernel's layout: [K / group, N, (scale, zero)], in the activations' dtype.
+                scales_zeros = torch.stack((scale.t(), zero.t()), dim=-1).contiguous().to(dtype)
+                self.register_buffer("scales_zeros", scales_zeros, persistent=False)
         else:
             q, scale = quantize_int8(weight)
             dequantized = q.float() * scale[:, None]
@@ -96,7 +108,7 @@ class QuantizedLinear(nn.Module):
             self.register_buffer("scales_zeros", scale.to(dtype), persistent=False)
         self.weight = nn.Parameter(dequantized.to(dtype), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
-        self.c_gemv = method == "int8" and dtype == torch.float32 and c_kernels and clib.load() is not None
+        self.c_gemv = method == "int8" and c_rows
         # Large batches: the same dequantized values, prepacked for oneDNN when bf16 (same bits, faster).
         self.gemm = None
         if linear != "torch" and packing_enabled(self.weight):
@@ -106,6 +118,10 @@ class QuantizedLinear(nn.Module):
         flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # the runner's batches are 2-D
         if flat.shape[0] > self.max_rows_quantized:
             return self.gemm(x) if self.gemm is not None else F.linear(x, self.weight, self.bias)
+        if self.codes4 is not None and flat.stride(-1) == 1 and flat.dtype == torch.float32:
+            codes, scale, mins = self.codes4
+            y = q8.qgemv_f32(flat, codes, scale, 32, self.bias, limbs=3, mins=mins)
+            return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
         if self.c_gemv and flat.stride(-1) == 1:
             y = clib.qgemv_int8(flat, self.packed, self.scales_zeros, self.bias)
             return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)

@@ -11,8 +11,10 @@
 #include "cpu_omp.h"
 
 #include "cpu_kernels.h"
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+#include <arm_neon.h>
 #endif
 #define MAXR 8
 /* y rows 0..M-1 for outputs j and j+1: each int8 chunk is widened once and used by every row. M is a
@@ -36,6 +38,37 @@ static inline __attribute__((always_inline)) void qdot2(const float *x, int64_t 
         out[2 * r] = _mm512_reduce_add_ps(acc_a[r]);
         out[2 * r + 1] = _mm512_reduce_add_ps(acc_b[r]);
     }
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 acc_a[MAXR], acc_b[MAXR];
+    for (int r = 0; r < M; r++) acc_a[r] = acc_b[r] = _mm256_setzero_ps();
+    for (; i + 8 <= k; i += 8) {
+        __m256 wa = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(a + i))));
+        __m256 wb = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + i))));
+        for (int r = 0; r < M; r++) {
+            __m256 xv = _mm256_loadu_ps(x + r * ldx + i);
+            acc_a[r] = _mm256_fmadd_ps(xv, wa, acc_a[r]);
+            acc_b[r] = _mm256_fmadd_ps(xv, wb, acc_b[r]);
+        }
+    }
+    for (int r = 0; r < M; r++) {
+        float lanes[16];
+        _mm256_storeu_ps(lanes, acc_a[r]), _mm256_storeu_ps(lanes + 8, acc_b[r]);
+        out[2 * r] = out[2 * r + 1] = 0.0f;
+        for (int l = 0; l < 8; l++) out[2 * r] += lanes[l], out[2 * r + 1] += lanes[8 + l];
+    }
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+    float32x4_t acc_a[MAXR], acc_b[MAXR];
+    for (int r = 0; r < M; r++) acc_a[r] = acc_b[r] = vdupq_n_f32(0.0f);
+    for (; i + 4 <= k; i += 4) {
+        int8_t wa8[8] = {a[i], a[i + 1], a[i + 2], a[i + 3]}, wb8[8] = {b[i], b[i + 1], b[i + 2], b[i + 3]};
+        const float32x4_t wa = vcvtq_f32_s32(vmovl_s16(vget_low_s16(vmovl_s8(vld1_s8(wa8)))));
+        const float32x4_t wb = vcvtq_f32_s32(vmovl_s16(vget_low_s16(vmovl_s8(vld1_s8(wb8)))));
+        for (int r = 0; r < M; r++) {
+            const float32x4_t xv = vld1q_f32(x + r * ldx + i);
+            acc_a[r] = vfmaq_f32(acc_a[r], xv, wa), acc_b[r] = vfmaq_f32(acc_b[r], xv, wb);
+        }
+    }
+    for (int r = 0; r < M; r++) out[2 * r] = vaddvq_f32(acc_a[r]), out[2 * r + 1] = vaddvq_f32(acc_b[r]);
 #else
     for (int r = 0; r < M; r++) out[2 * r] = out[2 * r + 1] = 0.0f;
 #endif

@@ -60,6 +60,12 @@ int main(int argc, char **argv) {
                                          OUT_BF16, NULL, 1);
         return status != 0 ? 3 : write_output(argv[3], y, (size_t)(m * n) * 2);
     }
+    if (strcmp(kernel, "qgemv_int8_f32") == 0) { /* p: m n k; arr: x q scale */
+        const int64_t m = p[0], n = p[1], k = p[2];
+        float *y = malloc((size_t)(m * n) * 4);
+        qgemv_int8_f32(arr[0], k, arr[1], arr[2], NULL, y, n, m, n, k, 1);
+        return write_output(argv[3], y, (size_t)(m * n) * 4);
+    }
     if (strcmp(kernel, "add_rms_norm_f32") == 0) { /* p: rows hidden eps*1e9; arr: x residual weight */
         const int64_t rows = p[0], h = p[1];
         float *out = malloc((size_t)(2 * rows * h) * 4);

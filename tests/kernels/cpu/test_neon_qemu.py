@@ -135,6 +135,17 @@ def test_affine_4bit_codes(harness, tmp_path, dtype, rows):
     assert ((got - want).abs() <= bound).all(), float(((got - want).abs() / bound).max())
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_int8_per_channel_codes(harness, tmp_path, rows):
+    """--quantization int8's float32 rows (cpu_qgemv.c), k not a multiple of the vector width."""
+    g = torch.Generator().manual_seed(rows)
+    n, k = 45, 203
+    x, q = torch.randn(rows, k, generator=g), torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    scale = torch.rand(n, generator=g) * 0.01
+    got = _run(harness, "qgemv_int8_f32", [rows, n, k], [x, q, scale], torch.float32, (rows, n), tmp_path)
+    torch.testing.assert_close(got, x @ (q.float() * scale[:, None]).t(), rtol=1e-5, atol=1e-5)
+
+
 def test_add_rms_norm(harness, tmp_path):
     g = torch.Generator().manual_seed(0)
     rows, hidden, eps = 7, 576, 1e-5
