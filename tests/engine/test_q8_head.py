@@ -46,3 +46,32 @@ def test_greedy_parity_through_the_codes(tmp_path, tied):
     assert on_codes
     assert got_few == [hf_greedy(hf, p) for p in few]
     assert got_many == [hf_greedy(hf, p) for p in many]
+
+
+def test_a_tied_bf16_head_left_unpacked_falls_back_to_its_table_past_a_few_rows(tmp_path):
+    """bf16 with plain torch linears (--cpu-linear torch, or a level without bf16 packing): the tied head
+    stays the embedding table, and the codes' fallback past MAX_ROWS_BF16 rows is that table as a linear (it
+    once called the embedding lookup on hidden states and killed the engine)."""
+    from aioengine.config import KernelConfig
+
+    hf = make_tiny_checkpoint("llama", tmp_path, tie_word_embeddings=True)
+    _as_q8_0(hf.get_output_embeddings().weight)
+    hf.save_pretrained(tmp_path)
+    many = prompts(False, 8)
+
+    async def run() -> list[list[int]]:
+        args = EngineArgs(
+            model=str(tmp_path),
+            dtype="bfloat16",
+            device="cpu",
+            max_num_batched_tokens=256,
+            kernels=KernelConfig(cpu_linear="torch"),
+        )
+        async with AsyncEngine(args) as engine:
+            assert isinstance(engine.runner.model.lm_head, Q8Head)
+            params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+            outs = await asyncio.gather(*(engine.generate(p, params) for p in many))
+            return [o.outputs[0].token_ids for o in outs]
+
+    got = asyncio.run(run())
+    assert len(got) == 8 and all(len(t) == 4 for t in got)

@@ -9,9 +9,12 @@ rounded once, per 4 inputs: to 3 bytes for a float32 model (about float32's own 
 one (finer than the bf16 value in all but spans of more than 2^8 within 4 inputs).
 
 A bf16 model's head keeps its packed GEMM for batches past ``MAX_ROWS_BF16`` rows, where the step is
-compute-bound and the GEMM is faster. A float32 model's head has no such crossover in the batches measured
-(float32's GEMM reads 4 bytes a weight), so it keeps only the codes. A checkpoint whose head is not an exact
-Q8_0 dequantization keeps its GEMM.
+compute-bound and the GEMM is faster. With VNNI (the avx512-bf16 level) a float32 model's head has no such
+crossover in the batches measured (float32's GEMM reads 4 bytes a weight), so it keeps only the codes. Without
+it (avx2, avx512, neon: several instructions a dot instead of one) the codes cost more per row, and at 16 and
+64 rows the float32 GEMM measured faster (docs/benchmarks.md, per-ISA defaults): there the head keeps its GEMM
+past ``MAX_ROWS_FLOAT32`` rows too. A checkpoint whose head is not an exact Q8_0 dequantization keeps its
+GEMM.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from torch import nn
 from aioengine.gpu.cpu import huge_pages
 from aioengine.gpu.cpu.block_codes import block_codes
 from aioengine.gpu.cpu.codes_cache import CheckpointCodes
-from aioengine.kernels.cpu import q8
+from aioengine.kernels.cpu import clib, q8
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +35,8 @@ BLOCK = 32
 Q8_0 = (BLOCK, (127,))  # the head's kernel takes 32-input blocks; Q8_0 is what the common mixes give it
 # Measured crossover with the bf16 head's packed GEMM (docs/benchmarks.md): past this many rows it is faster.
 MAX_ROWS_BF16 = 4
+# Without VNNI: below the 16 rows where the float32 GEMM measured faster; 1 row measured faster on the codes.
+MAX_ROWS_FLOAT32 = 4
 _HEAD_NAMES = ("lm_head.weight", "model.embed_tokens.weight")  # a tied head is the embedding
 
 
@@ -115,10 +120,16 @@ def attach_q8_head(model: nn.Module, codes: CheckpointCodes) -> bool:
     head_codes, scales = found
     if head_codes.shape[0] != getattr(head, "out_features", getattr(head, "num_embeddings", -1)):
         return False
-    if next(model.parameters()).dtype == torch.float32:
+    if isinstance(head, nn.Embedding):  # a tied head left unpacked: its fallback is the table as a linear
+        table = head
+        head = nn.Linear(table.embedding_dim, table.num_embeddings, bias=False, device="meta")
+        head.weight = table.weight
+    if next(model.parameters()).dtype != torch.float32:
+        model.lm_head = Q8Head(head_codes, scales, limbs=2, fallback=head, max_rows=MAX_ROWS_BF16)
+    elif clib.loaded_level() == "avx512-bf16":
         model.lm_head = Q8Head(head_codes, scales, limbs=3)  # the float32 GEMM's copy of the head is freed
     else:
-        model.lm_head = Q8Head(head_codes, scales, limbs=2, fallback=head, max_rows=MAX_ROWS_BF16)
+        model.lm_head = Q8Head(head_codes, scales, limbs=3, fallback=head, max_rows=MAX_ROWS_FLOAT32)
     nbytes = head_codes.numel() + scales.numel() * 4
     logger.info("LM head: %s (%d MB)", model.lm_head.extra_repr(), nbytes >> 20)
     return True

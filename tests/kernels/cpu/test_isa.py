@@ -147,5 +147,27 @@ def test_the_kernel_tests_pass_at_each_level_this_machine_runs(level, pytestconf
 def test_greedy_parity_with_transformers_at_each_level_this_machine_runs(level, pytestconfig):
     """The parity configs (chunked, prefix hits, preemption; each architecture) and the default model through
     its Q4_1 codes: greedy tokens equal transformers' at every level."""
-    paths = ["tests/engine/test_parity.py", "tests/engine/test_default_model_codes.py"]
+    paths = [
+        "tests/engine/test_parity.py",
+        "tests/engine/test_default_model_codes.py",
+        "tests/engine/test_q8_head.py",
+    ]
     _pytest_at_level(level, pytestconfig, paths, "at_each_level")
+
+
+@needs_kernels
+def test_the_avx2_level_builds_its_avx_vnni_dots(tmp_path):
+    """Alder Lake and Zen 5 cores have AVX-VNNI: the avx2 level builds vpdpbusd for them (compiled here, not
+    run: this CPU may lack it), and the build without it takes maddubs instead."""
+    compiler = clib.env.c_compiler()
+    if isa.machine() != "x86_64":
+        pytest.skip("an x86-64 compiler builds the AVX2 level")
+    vnni = clib.build(compiler, "avx2", tmp_path, cpu_flags=ALDER_LAKE)
+    plain = clib.build(compiler, "avx2", tmp_path, cpu_flags=ZEN3)
+    dump = {
+        lib: subprocess.run(["objdump", "-d", str(lib)], capture_output=True, text=True).stdout
+        for lib in (vnni, plain)
+    }
+    assert "vpdpbusd" in dump[vnni] and "vpdpbusd" not in dump[plain]
+    assert "vpmaddubsw" in dump[plain]
+    assert "zmm" not in dump[vnni] and "zmm" not in dump[plain]  # no AVX-512 register anywhere at this level
