@@ -86,15 +86,16 @@ class QuantizedLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.max_rows_quantized = max_rows_quantized
         c_rows = dtype == torch.float32 and c_kernels and clib.load() is not None
-        # int4 on the affine block-code kernel: codes, scale and offset per 32 (None: torch's int4 kernel)
-        self.codes4: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        # int4 on the affine block-code kernel: packed holds the codes, scales_zeros the scale per 32 and
+        # this the offset per 32 (None: torch's int4 kernel and its layout)
+        self.int4_mins: torch.Tensor | None = None
         if method == "int4":
             q, scale, zero = quantize_int4(weight)
             dequantized = dequantize_int4(q, scale, zero)
             if c_rows and q8.available() and self.in_features % 64 == 0:
-                self.codes4 = (q8.pack4(q.to(torch.uint8).contiguous()), scale, zero - 8 * scale)
-                self.register_buffer("packed", self.codes4[0], persistent=False)
+                self.register_buffer("packed", q8.pack4(q.to(torch.uint8).contiguous()), persistent=False)
                 self.register_buffer("scales_zeros", scale, persistent=False)
+                self.int4_mins = zero - 8 * scale
             else:
                 packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
                 self.register_buffer("packed", packed, persistent=False)
@@ -118,9 +119,10 @@ class QuantizedLinear(nn.Module):
         flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # the runner's batches are 2-D
         if flat.shape[0] > self.max_rows_quantized:
             return self.gemm(x) if self.gemm is not None else F.linear(x, self.weight, self.bias)
-        if self.codes4 is not None and flat.stride(-1) == 1 and flat.dtype == torch.float32:
-            codes, scale, mins = self.codes4
-            y = q8.qgemv_f32(flat, codes, scale, 32, self.bias, limbs=3, mins=mins)
+        if self.int4_mins is not None and flat.stride(-1) == 1 and flat.dtype == torch.float32:
+            y = q8.qgemv_f32(
+                flat, self.packed, self.scales_zeros, 32, self.bias, limbs=3, mins=self.int4_mins
+            )
             return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
         if self.c_gemv and flat.stride(-1) == 1:
             y = clib.qgemv_int8(flat, self.packed, self.scales_zeros, self.bias)

@@ -50,11 +50,11 @@ SOURCES = [
     )
 ]
 # Included by the sources: part of the build's hash.
-HEADERS = [
+_HEADERS = [
     Path(__file__).with_name(n)
     for n in ("cpu_bf16.h", "cpu_avx512.h", "cpu_kernels.h", "cpu_omp.h", "cpu_q8_dot.h")
 ]
-FLAGS = ["-O3", "-ffast-math", "-fPIC", "-std=c11"]  # compile only; the level's target flags are added
+_FLAGS = ["-O3", "-ffast-math", "-fPIC", "-std=c11"]  # compile only; the level's target flags are added
 # Linked without -ffast-math: with it, gcc < 13 adds crtfastmath.o even to a shared library, whose
 # constructor turns on flush-to-zero for the thread that loads it (a process-wide change of float results).
 _LINK_FLAGS = ["-shared"]
@@ -122,7 +122,7 @@ def build(
     native = cpu_flags is None and not executable
     omp = list(openmp_flags(compiler)) if openmp else []
     flags = [
-        *FLAGS,
+        *_FLAGS,
         *omp,
         *isa.compile_flags(level, cpu_flags),
         *(_tune_flags(compiler, level) if native else []),
@@ -130,7 +130,7 @@ def build(
     link = ["-static", *omp] if executable else [*_LINK_FLAGS, *omp]
     sources = [*SOURCES, *extra]
     key = hashlib.sha256(
-        "\0".join([*(p.read_text() for p in sources + HEADERS), version, level, *flags, *link]).encode()
+        "\0".join([*(p.read_text() for p in sources + _HEADERS), version, level, *flags, *link]).encode()
     ).hexdigest()
     target = out_dir / (f"cpu_kernels-{level}-{key[:16]}" + ("" if executable else ".so"))
     if target.exists():

@@ -1,5 +1,7 @@
 /* The ISA level this library was compiled for, read off the compiler's own macros: the loader checks it
  * against the level it asked for (kernels/cpu/isa.py), so a library never runs where its level was not meant. */
+#include "cpu_kernels.h"
+
 int aioengine_isa_level(void) {
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
     return 3; /* avx512-bf16 */

@@ -35,6 +35,11 @@ void store_kv_cpu(const char *key, int64_t key_stride, const char *value, int64_
                   char *value_cache, const int64_t *slots, int64_t num_tokens, int num_kv_heads, int head_dim,
                   int block_size, int64_t block_stride, int64_t token_stride, int64_t head_stride, int elem,
                   int64_t num_slots);
+int decode_attention_f32(const float *query, int64_t query_stride, const float *key_cache, const float *value_cache,
+                         const int32_t *block_table, int64_t table_stride, const int32_t *seq_lens, float *out,
+                         int num_reqs, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
+                         int window, int64_t block_stride, int64_t token_stride, int64_t head_stride,
+                         int num_threads);
 void add_rms_norm_f32(const float *x, int64_t x_stride, const float *residual, int64_t residual_stride,
                       float *residual_out, const float *weight, float *out, int64_t rows, int64_t hidden, float eps,
                       int num_threads);
@@ -47,6 +52,7 @@ void q4_pack(const uint8_t *q, uint8_t *out, int64_t n, int64_t k, int num_threa
 int qgemv_q8_f32(const float *x, int64_t ldx, const uint8_t *u, const float *scale, const float *mins, int64_t block,
                  const float *bias, float *y, int64_t ldy, int64_t m, int64_t n, int64_t k, int64_t *argmax, int limbs,
                  int num_threads);
+int qgemv_q8_vectorized(void); /* cpu_q8_dot.h: 1 where this level's dots are vectorized */
 int qgemv_q8_bf16(const uint16_t *x, int64_t ldx, const uint8_t *u, const float *scale, const float *mins,
                   int64_t block, const uint16_t *bias, uint16_t *y, int64_t ldy, int64_t m, int64_t n, int64_t k,
                   int out, const float *act_table, int num_threads);
@@ -57,5 +63,8 @@ void q4t_pack(const uint8_t *q, uint8_t *out, int64_t n, int64_t k, int num_thre
 int q4t_gemv_bf16(const uint16_t *x, int64_t ldx, const uint8_t *u, const float *d, const float *mn,
                   const uint16_t *bias, uint16_t *y, int64_t ldy, int64_t m, int64_t n, int64_t k, int out,
                   const float *act_table, int num_threads);
+
+/* cpu_isa.c: the level this library was compiled for (clib.py's _LEVEL_CODES) */
+int aioengine_isa_level(void);
 
 #endif

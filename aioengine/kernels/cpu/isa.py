@@ -38,7 +38,7 @@ def machine() -> str:
     return _ARCH.get(name, name)
 
 
-def level_arch(level: str) -> str:
+def _level_arch(level: str) -> str:
     return "aarch64" if level == "neon" else "x86_64"
 
 
@@ -86,7 +86,7 @@ def runnable_levels(flags: frozenset[str] | None = None) -> list[str]:
     arch = machine()
     if arch == "aarch64" and not flags:
         flags = frozenset({"asimd"})  # no flags to read (a container without /proc): NEON is ARMv8-A's own
-    return [lvl for lvl in CPU_ISA_LEVELS if level_arch(lvl) == arch and _NEEDS[lvl] <= flags]
+    return [lvl for lvl in CPU_ISA_LEVELS if _level_arch(lvl) == arch and _NEEDS[lvl] <= flags]
 
 
 def resolve_level(requested: str) -> str | None:
@@ -115,10 +115,5 @@ def compile_flags(level: str, flags: frozenset[str] | None = None) -> list[str]:
 
 
 def level_has_fast_bf16(level: str | None) -> bool:
-    """Whether bf16 matmuls beat float32 at this level: AVX512-BF16 (or AMX on the CPU, which implies it)."""
+    """Whether bf16 matmuls beat float32 at this level: only at avx512-bf16 (every AMX CPU has it too)."""
     return level == "avx512-bf16"
-
-
-def cpu_has_fast_bf16() -> bool:
-    """avx512_bf16 or AMX: bf16 matmuls run several times faster than float32 on this CPU."""
-    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())

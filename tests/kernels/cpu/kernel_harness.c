@@ -9,14 +9,6 @@
 
 #include "cpu_kernels.h"
 
-int decode_attention_f32(const float *query, int64_t query_stride, const float *key_cache, const float *value_cache,
-                         const int32_t *block_table, int64_t table_stride, const int32_t *seq_lens, float *out,
-                         int num_reqs, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
-                         int window, int64_t block_stride, int64_t token_stride, int64_t head_stride,
-                         int num_threads);
-int qgemv_q8_vectorized(void);
-int aioengine_isa_level(void);
-
 static int64_t p[16];
 static void *arr[8];
 static int64_t len[8];

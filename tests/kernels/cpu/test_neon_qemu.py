@@ -19,7 +19,7 @@ import torch
 
 from aioengine.kernels import reference
 from aioengine.kernels.cpu import clib, q8
-from tests.kernels.cpu.test_q8 import XQ_MAX, _affine_case, _q8_0_case
+from tests.kernels.cpu.test_q8 import XQ_MAX, _affine_case, _q8_0_case, cut_bound
 
 CROSS, QEMU = "aarch64-linux-gnu-gcc", "qemu-aarch64"
 pytestmark = [
@@ -88,8 +88,7 @@ def test_q8_codes_float32_rows(harness, tmp_path, block, limbs, rows):
         tmp_path,
     ).double()
     xd = x.double()
-    sx = xd.abs().view(rows, -1, 4).amax(-1) / XQ_MAX[limbs]
-    bound = (sx / 2).repeat_interleave(4, dim=1) @ w.abs().t() + 1e-6 * (xd.abs() @ w.abs().t())
+    bound = cut_bound(xd, w, limbs)
     want = xd @ w.t()
     assert ((got - want).abs() <= bound).all(), float(((got - want).abs() / bound).max())
 

@@ -30,10 +30,14 @@ def _q8_0_reference(
     n, k = q.shape
     w = (q.double().view(n, -1, 32) * scale.double()[..., None]).view(n, k)
     xd = x.double()
-    sx = xd.abs().view(len(x), -1, 4).amax(-1) / XQ_MAX[limbs]
-    step = (sx / 2).repeat_interleave(4, dim=1)
-    bound = step @ w.abs().t() + 1e-6 * (xd.abs() @ w.abs().t())
-    return xd @ w.t(), bound
+    return xd @ w.t(), cut_bound(xd, w, limbs)
+
+
+def cut_bound(xd: torch.Tensor, w: torch.Tensor, limbs: int) -> torch.Tensor:
+    """What the kernel's one rounding of float64 ``xd`` (``|x - sx xq| <= sx / 2`` per input, with sx = the
+    largest |x| of its 4 inputs / XQ_MAX) may move ``xd @ w.T``, plus float32's share of the sums."""
+    sx = xd.abs().view(len(xd), -1, 4).amax(-1) / XQ_MAX[limbs]
+    return (sx / 2).repeat_interleave(4, dim=1) @ w.abs().t() + 1e-6 * (xd.abs() @ w.abs().t())
 
 
 @pytest.mark.skipif(not q8.available(), reason="cpu_q8.c is not vectorized at this level")
