@@ -59,6 +59,27 @@ def test_quantized_linear_matches_its_dequantized_weight(method, dtype, rows, c_
     torch.testing.assert_close(q(x.view(1, rows, 64)).view(rows, 48), q(x))  # 3-D inputs too
 
 
+def test_float32_int4_rows_take_the_affine_block_code_kernel(monkeypatch):
+    """Where the level vectorizes the block codes, float32 int4 rows run on cpu_q8.c's affine 4-bit kernel
+    (torch's int4 kernel ran 3x slower than the unquantized model on AVX2); past the few rows, the GEMM."""
+    from aioengine.kernels.cpu import clib, q8
+
+    if clib.load() is None or not q8.available():
+        pytest.skip("the block-code kernels are not vectorized here")
+    torch.manual_seed(2)
+    lin = nn.Linear(128, 48, bias=True)
+    q = QuantizedLinear(lin.weight.data, lin.bias.data, "int4")
+    assert q.int4_mins is not None and q.packed.dtype == torch.uint8 and q.packed.shape == (48, 64)
+    calls = []
+    real = q8.qgemv_f32
+    monkeypatch.setattr(q8, "qgemv_f32", lambda *a, **k: calls.append(len(a[0])) or real(*a, **k))
+    q(torch.randn(3, 128))
+    q(torch.randn(q.max_rows_quantized + 1, 128))
+    assert calls == [3]
+    bf16 = QuantizedLinear(lin.weight.data.bfloat16(), lin.bias.data.bfloat16(), "int4")
+    assert bf16.int4_mins is None  # bf16 rows keep torch's int4 kernel
+
+
 def test_quantize_model_rejects_unknown_methods_and_skips_odd_shapes(caplog):
     model = nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 20))  # 20 outputs: not a multiple of 16
     with pytest.raises(ValueError, match="quantization must be one of"):
