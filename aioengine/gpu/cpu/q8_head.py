@@ -35,8 +35,8 @@ BLOCK = 32
 Q8_0 = (BLOCK, (127,))  # the head's kernel takes 32-input blocks; Q8_0 is what the common mixes give it
 # Measured crossover with the bf16 head's packed GEMM (docs/benchmarks.md): past this many rows it is faster.
 MAX_ROWS_BF16 = 4
-# Without VNNI: below the 16 rows where the float32 GEMM measured faster (at 1 row the codes' sample took about
-# a third of the GEMM's); the bf16 head's crossover, not measured for float32 at 2-8 rows.
+# Without VNNI: below the 16 rows where the float32 GEMM measured faster (at 1 row the codes' sample took
+# about a third of the GEMM's); the bf16 head's crossover, not measured for float32 at 2-8 rows.
 MAX_ROWS_FLOAT32 = 4
 _HEAD_NAMES = ("lm_head.weight", "model.embed_tokens.weight")  # a tied head is the embedding
 
