@@ -60,6 +60,12 @@ class CpuOps(Ops):
             return clib.add_rms_norm(x, residual, weight, eps)
         return reference.add_rms_norm(x, weight, eps, residual)
 
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        # float32 through the C loop the float32 decode stack runs, so both paths give the same bits
+        if self.elementwise and x.dim() == 2 and clib.elementwise_ok(x, (torch.float32,)):
+            return clib.silu_and_mul_f32(x)
+        return reference.silu_and_mul(x)
+
     def gemma_rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:

@@ -1,12 +1,16 @@
 """CPU steps through cpu_decode_stack.c: all decoder layers in one C call, same bits as the Python path.
 
-Applies to bf16 Llama-family layers (Llama, Mistral, SmolLM, Qwen2) and Gemma 3's, sliding windows and KV
-cache groups included, once ``pack_linears`` has packed every linear for cpu_gemm.c and fused the MLP's
-activation into gate_up; Qwen3's q/k norms and float32 keep the Python path. Steps of decodes only, and, where
-the packed prefill kernel runs (``KernelConfig.cpu_prefill_attention``), steps that carry prompt chunks beside
-their decodes: with the stack such a step costs its tokens, not the Python path's fixed cost per layer, which
-was the largest gap between the serving ITL's median and its tail (docs/benchmarks.md).
-``KernelConfig.cpu_decode_stack=False`` turns it off.
+bf16: Llama-family layers (Llama, Mistral, SmolLM, Qwen2) and Gemma 3's, sliding windows and KV cache
+groups included, once ``pack_linears`` has packed every linear for cpu_gemm.c and fused the MLP's
+activation into gate_up. Steps of decodes only, and, where the packed prefill kernel runs
+(``KernelConfig.cpu_prefill_attention``), steps that carry prompt chunks beside their decodes: with the
+stack such a step costs its tokens, not the Python path's fixed cost per layer, which was the largest gap
+between the serving ITL's median and its tail (docs/benchmarks.md).
+float32 (the default of the levels without bf16 dots): Llama-family layers whose linears all run on their
+GGUF codes (gpu/cpu/q8_linear.py), for steps of decodes that fit the codes' rows; the kernels themselves
+are a small model's decode step, and Python between them was about as long again (docs/benchmarks.md).
+Qwen3's q/k norms and float32 Gemma keep the Python path. ``KernelConfig.cpu_decode_stack=False`` turns
+it off.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from torch import nn
 from aioengine.gpu.cpu.linear import PackedLinear
 from aioengine.gpu.cpu.openmp import SleepWatch
 from aioengine.gpu.cpu.q8_linear import Q8Linear
+from aioengine.gpu.layers import SiluAndMul
 from aioengine.kernels.cpu import clib as cpu_kernels
 from aioengine.kernels.metadata import AttentionMetadata
 
@@ -88,6 +93,7 @@ class _StackArgs(ctypes.Structure):  # cpu_decode_stack.c's stack_args
         ("qk_rotated", _P),
         ("attn", _P),
         ("act", _P),
+        ("gate_up", _P),
         ("num_threads", _I),
         ("num_decodes", _I64),
         ("num_reqs", _I64),
@@ -131,6 +137,8 @@ class CpuDecodeStack:
         through the packed prefill kernel)."""
         decoder: Any = model.model  # a LlamaModel or Gemma3Model: its layers are read by attribute
         self.mixed = mixed
+        self.dtype = kv_caches[0].dtype  # bf16 (packed GEMMs, codes for a few rows) or float32 (codes only)
+        bf16 = self.dtype == torch.bfloat16
         self.watch = SleepWatch()
         first = decoder.layers[0]
         attn, mlp = first.self_attn, first.mlp
@@ -145,13 +153,11 @@ class CpuDecodeStack:
                 _ptr(layer.input_layernorm.weight),
                 _ptr(layer.post_attention_layernorm.weight),
             )
-            w.qkv, w.qkv_bias = _ptr(_gemm(a.qkv_proj).packed), _ptr(a.qkv_proj.bias)
-            w.o, w.o_bias = _ptr(_gemm(a.o_proj).packed), _ptr(a.o_proj.bias)
-            w.gate_up, w.down, w.down_bias = (
-                _ptr(_gemm(m.gate_up_proj).packed),
-                _ptr(_gemm(m.down_proj).packed),
-                _ptr(m.down_proj.bias),
-            )
+            w.qkv_bias, w.o_bias = _ptr(a.qkv_proj.bias), _ptr(a.o_proj.bias)
+            w.down_bias = _ptr(m.down_proj.bias)
+            if bf16:
+                w.qkv, w.o = _ptr(_gemm(a.qkv_proj).packed), _ptr(_gemm(a.o_proj).packed)
+                w.gate_up, w.down = _ptr(_gemm(m.gate_up_proj).packed), _ptr(_gemm(m.down_proj).packed)
             w.qkv_q8, w.o_q8 = _q8(a.qkv_proj), _q8(a.o_proj)
             w.gate_up_q8, w.down_q8 = _q8(m.gate_up_proj), _q8(m.down_proj)
             w.key_cache, w.value_cache = cpu_kernels.cache_pointers(kv)
@@ -177,8 +183,10 @@ class CpuDecodeStack:
             token_stride=cache.stride(2),
             head_stride=cache.stride(3),
             num_slots=cache.shape[1] * cache.shape[2],
-            act_table=cpu_kernels.activation_table(mlp.gate_up_proj.activation).data_ptr(),
+            act_table=cpu_kernels.activation_table(mlp.gate_up_proj.activation).data_ptr() if bf16 else None,
         )
+        # float32 runs every linear on its codes: a step past the fewest rows they take keeps the Python path
+        self.max_rows = None if bf16 else min(_linears_max_rows(decoder.layers))
         self.widths = {
             "normed": self.args.hidden,
             "qkv_out": attn.q_size + 2 * attn.kv_size,
@@ -186,6 +194,7 @@ class CpuDecodeStack:
             "qk_rotated": attn.q_size + attn.kv_size,
             "attn": attn.q_size,
             "act": self.args.intermediate,
+            "gate_up": 0 if bf16 else 2 * self.args.intermediate,
         }
         self._keep = (kv_caches, tables)  # the pointers above stay valid while these live
 
@@ -202,11 +211,14 @@ class CpuDecodeStack:
         if not kv_caches:
             return None
         decoder: Any = getattr(model, "model", None)
-        if not getattr(decoder, "layers", None) or kv_caches[0].dtype != torch.bfloat16:
+        dtype = kv_caches[0].dtype
+        if not getattr(decoder, "layers", None) or dtype not in (torch.bfloat16, torch.float32):
             return None
         first = decoder.layers[0]
         eps, gemma = first.input_layernorm.variance_epsilon, _is_gemma(first)
-        activation = "gelu_tanh" if gemma else "silu"
+        if dtype == torch.float32 and gemma:  # float32 Gemma's norms keep the torch reference
+            return None
+        check = _bf16_layer if dtype == torch.bfloat16 else _f32_layer
         for layer in decoder.layers:
             a, m = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
             if (
@@ -214,22 +226,15 @@ class CpuDecodeStack:
                 or m is None
                 or _is_gemma(layer) != gemma
                 or (a.q_norm is not None) != gemma  # Qwen3's (plain RMSNorm) q/k norms are not in the stack
-                or not _packed(a.qkv_proj, cpu_kernels.GEMM_BF16)
-                or not _packed(a.o_proj, cpu_kernels.GEMM_BF16)
-                or not isinstance(m.act_fn, nn.Identity)
-                or not _packed(m.gate_up_proj, cpu_kernels.GEMM_ACT_MUL)
-                or m.gate_up_proj.activation != activation
-                or not _packed(m.down_proj, cpu_kernels.GEMM_BF16)
+                or not check(a, m, gemma)
                 or any(n.variance_epsilon != eps for n in _norms(layer))
             ):
                 return None
             cos2, _ = rope_tables(a.rotary_emb.cos_sin_cache)
-            if cos2.dtype != torch.bfloat16 or not cos2.is_contiguous():
+            if cos2.dtype != dtype or not cos2.is_contiguous():
                 return None
         attn = first.self_attn
-        query = torch.empty(
-            1, attn.num_heads, attn.head_dim, dtype=torch.bfloat16
-        )  # the decode kernel's limits
+        query = torch.empty(1, attn.num_heads, attn.head_dim, dtype=dtype)  # the decode kernel's limits
         if not cpu_kernels.supports(query, kv_caches[0]):
             return None
         mixed = prefill_kernel and cpu_kernels.fast_prefill(query, kv_caches[0])
@@ -239,7 +244,7 @@ class CpuDecodeStack:
         """A step of decodes only, or (``mixed``) of decodes and prompt chunks; no padding rows."""
         rows = input_ids.shape[0]
         if meta.num_decodes == meta.num_reqs == rows > 0:
-            return True
+            return self.max_rows is None or rows <= self.max_rows
         starts = meta.query_start_loc_cpu
         return self.mixed and meta.num_reqs > 0 and starts[-1] == meta.num_actual_tokens == rows
 
@@ -251,7 +256,7 @@ class CpuDecodeStack:
         hidden = hidden.contiguous()
         residual = torch.empty_like(hidden)
         scratch = {
-            name: torch.empty((rows, width), dtype=torch.bfloat16) for name, width in self.widths.items()
+            name: torch.empty((rows, width), dtype=self.dtype) for name, width in self.widths.items() if width
         }
         positions = (
             positions
@@ -283,16 +288,50 @@ class CpuDecodeStack:
         a.num_threads = torch.get_num_threads()
         lib = cpu_kernels.load()
         assert lib is not None  # build() found the C kernels
+        fn = lib.decode_stack_bf16 if self.dtype == torch.bfloat16 else lib.decode_stack_f32
         status = self.watch.run(  # hundreds of parallel regions in one call: where throttling shows
-            lib.decode_stack_bf16,
+            fn,
             ctypes.addressof(self.layers),
             len(self.layers),
             ctypes.addressof(a),
             hidden.data_ptr(),
             residual.data_ptr(),
         )
-        assert status == 0, f"decode_stack_bf16 failed ({status})"
+        assert status == 0, f"{fn.__name__} failed ({status})"
         return hidden, residual
+
+
+def _bf16_layer(a: Any, m: Any, gemma: bool) -> bool:
+    """Every linear packed for cpu_gemm.c, the MLP's activation fused into gate_up."""
+    return (
+        _packed(a.qkv_proj, cpu_kernels.GEMM_BF16)
+        and _packed(a.o_proj, cpu_kernels.GEMM_BF16)
+        and isinstance(m.act_fn, nn.Identity)
+        and _packed(m.gate_up_proj, cpu_kernels.GEMM_ACT_MUL)
+        and m.gate_up_proj.activation == ("gelu_tanh" if gemma else "silu")
+        and _packed(m.down_proj, cpu_kernels.GEMM_BF16)
+    )
+
+
+def _f32_layer(a: Any, m: Any, gemma: bool) -> bool:
+    """Every linear a float32 Q8Linear (codes beside a float32 GEMM), silu * up after an unbiased gate_up."""
+    linears = (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)
+    return (
+        not gemma
+        and all(isinstance(q, Q8Linear) and q.dtype == torch.float32 for q in linears)
+        and all(q.activation is None for q in linears)
+        and type(m.act_fn) is SiluAndMul
+        and m.gate_up_proj.bias is None
+    )
+
+
+def _linears_max_rows(layers: Any) -> list[int]:
+    return [
+        q.max_rows
+        for layer in layers
+        for q in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj)
+        + (layer.mlp.down_proj,)
+    ]
 
 
 def _is_gemma(layer: nn.Module) -> bool:

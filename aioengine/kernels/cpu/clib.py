@@ -225,8 +225,9 @@ def load(cpu_isa: str | None = None) -> ctypes.CDLL | None:
         lib.packed_gemm_weight_elems.argtypes = [_I64, _I64]
         lib.pack_gemm_weight_bf16.restype = None
         lib.pack_gemm_weight_bf16.argtypes = [_P, _I64, _I64, _I, _P, _I]
-        lib.decode_stack_bf16.restype = ctypes.c_int
-        lib.decode_stack_bf16.argtypes = [_P, _I, _P, _P, _P]
+        for name in ("decode_stack_bf16", "decode_stack_f32"):
+            getattr(lib, name).restype = ctypes.c_int
+            getattr(lib, name).argtypes = [_P, _I, _P, _P, _P]
         lib.qgemv_int8_f32.restype = None
         lib.qgemv_int8_f32.argtypes = [_P, _I64, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I]
         lib.qgemv_q8_f32.restype = ctypes.c_int
@@ -271,6 +272,7 @@ _ELEMENTWISE = {
     "rotary_bf16": [_P, _I64, _P, _P, _P, _P, _I64, _I64, _I64, _I],
     "add_rms_norm_f32": [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _F, _I],
     "rotary_f32": [_P, _I64, _P, _P, _P, _P, _I64, _I64, _I64, _I],
+    "silu_and_mul_f32": [_P, _I64, _P, _I64, _I64, _I64, _I],
     "argmax_bf16": [_P, _I64, _I64, _I64, _P, _I],
     "store_kv_cpu": [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I, _I, _I, _I64, _I64, _I64, _I, _I64],
 }
@@ -354,6 +356,17 @@ def gemma_rms_norm(
         torch.get_num_threads(),
     )
     return out, new_residual
+
+
+def silu_and_mul_f32(x: torch.Tensor) -> torch.Tensor:
+    """``silu(x[:, :d]) * x[:, d:]`` for float32 ``x [rows, 2d]`` (rows may be strided): contiguous
+    ``[rows, d]``, the bits decode_stack_f32 computes."""
+    rows, d = x.shape[0], x.shape[1] // 2
+    assert x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1 and x.shape[1] == 2 * d
+    out = torch.empty((rows, d), dtype=torch.float32)
+    assert _lib is not None  # loaded: the callers check first
+    _lib.silu_and_mul_f32(x.data_ptr(), x.stride(0), out.data_ptr(), d, rows, d, torch.get_num_threads())
+    return out
 
 
 def rotary(x: torch.Tensor, positions: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor) -> torch.Tensor:

@@ -3,8 +3,8 @@
  *
  * They round where the torch path rounds, so they give its bits except where a float32 sum is evaluated
  * in another order (rms_norm's mean of squares): then a bf16 result can move by one ulp. The torch path
- * stays the reference (tests/kernels/cpu/test_elementwise.py). silu_and_mul is not here: torch's
- * vectorized exp already runs it as fast as a C loop does (measured).
+ * stays the reference (tests/kernels/cpu/test_elementwise.py). bf16's silu_and_mul is not here: torch's
+ * vectorized exp already runs it as fast as a C loop does (measured); float32's is, for decode_stack_f32.
  * Rows are independent; large calls split them over OpenMP threads (torch's pool: libgomp is shared).
  * With AVX512-BF16 the norm and rotary run 16 lanes a step, rounding with vcvtneps2bf16, faster than gcc's
  * vectorization of the scalar loops, whose roundings are integer emulation.
@@ -299,5 +299,17 @@ void rotary_f32(const float *x, int64_t token_stride, const int64_t *positions, 
             for (int64_t j = 0; j < half; j++) o[j] = xi[j] * c[j] + xi[j + half] * s[j];
             for (int64_t j = half; j < head_dim; j++) o[j] = xi[j] * c[j] + xi[j - half] * s[j];
         }
+    }
+}
+
+/* silu(gate) * up for float32 rows [gate | up] (d each), as torch's silu (g / (1 + e^-g)): the float32 MLP's
+ * activation in the Python path and in decode_stack_f32 alike, so the two give the same bits. */
+void silu_and_mul_f32(const float *x, int64_t x_stride, float *out, int64_t out_stride, int64_t rows, int64_t d,
+                      int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows * d >= PARALLEL_MIN_ELEMS)
+    for (int64_t i = 0; i < rows; i++) {
+        const float *g = x + i * x_stride, *u = g + d;
+        float *o = out + i * out_stride;
+        for (int64_t j = 0; j < d; j++) o[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
     }
 }

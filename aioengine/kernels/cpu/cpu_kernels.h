@@ -45,6 +45,8 @@ void add_rms_norm_f32(const float *x, int64_t x_stride, const float *residual, i
                       int num_threads);
 void rotary_f32(const float *x, int64_t token_stride, const int64_t *positions, const float *cos2, const float *sin2,
                 float *out, int64_t tokens, int64_t heads, int64_t head_dim, int num_threads);
+void silu_and_mul_f32(const float *x, int64_t x_stride, float *out, int64_t out_stride, int64_t rows, int64_t d,
+                      int num_threads);
 void qgemv_int8_f32(const float *x, int64_t ldx, const int8_t *q, const float *scale, const float *bias, float *y,
                     int64_t ldy, int64_t m, int64_t n, int64_t k, int num_threads);
 void q8_pack(const int8_t *q, uint8_t *out, int64_t n, int64_t k, int64_t block, int num_threads);

@@ -1,6 +1,7 @@
 """cpu_decode_stack.c: a step's decoder layers in one C call give the Python path's bits exactly (hidden
-states and the KV cache it writes), for decodes and for prompt chunks beside them, and the stack steps aside
-where it does not apply."""
+states and the KV cache it writes), for decodes and for prompt chunks beside them (bf16), and for float32
+decodes on the layers' block codes (every level with vectorized codes), and the stack steps aside where it
+does not apply."""
 
 from types import SimpleNamespace
 
@@ -19,9 +20,10 @@ from aioengine.kernels.metadata import AttentionMetadata
 from tests.engine.conftest import make_tiny_checkpoint
 from tests.gpu.cpu.block_coded import as_block_codes, attach_codes
 
-pytestmark = pytest.mark.skipif(
+needs_gemm = pytest.mark.skipif(
     not cpu_kernels.gemm_available(), reason="needs the AVX512-BF16 build of the C kernels"
 )
+needs_codes = pytest.mark.skipif(not q8.available(), reason="cpu_q8.c is not vectorized at this level")
 BLOCK = 16
 
 
@@ -29,9 +31,11 @@ BLOCK = 16
 GEMMA = dict(layer_types=["sliding_attention", "full_attention", "sliding_attention"], sliding_window=16)
 
 
-def _model(tmp_path, arch: str, head_dim: int = 64, codes: bool = False, q4_1: bool = False):
+def _model(
+    tmp_path, arch: str, head_dim: int = 64, codes: bool = False, q4_1: bool = False, dtype=torch.bfloat16
+):
     """A tiny random checkpoint (conftest's, heads of 64 or 128 for the AVX512-BF16 attention loop) in
-    bf16, packed; ``codes``: its projections exact block codes (``q4_1``: all Q4_1), run on them
+    ``dtype``, packed; ``codes``: its projections exact block codes (``q4_1``: all Q4_1), run on them
     (gpu/cpu/q8_linear.py)."""
     hf = make_tiny_checkpoint(
         arch,
@@ -49,15 +53,15 @@ def _model(tmp_path, arch: str, head_dim: int = 64, codes: bool = False, q4_1: b
         as_block_codes(hf, q4_1=q4_1)
         hf.save_pretrained(tmp_path)
     backend = CpuBackend()
-    model, cfg = load_model(tmp_path, dtype=torch.bfloat16, ops=backend.ops)
+    model, cfg = load_model(tmp_path, dtype=dtype, ops=backend.ops)
     pack_linears(model)
     if codes:
         assert attach_codes(model, tmp_path) == 4 * cfg.num_hidden_layers
     return model, cfg, backend
 
 
-def _kv(backend, cfg, num_blocks):
-    return backend.allocate_kv_caches(cfg, num_blocks, BLOCK, torch.bfloat16)
+def _kv(backend, cfg, num_blocks, dtype=torch.bfloat16):
+    return backend.allocate_kv_caches(cfg, num_blocks, BLOCK, dtype)
 
 
 def _decode(model, cfg, backend, stack: bool, seq_lens: list[int], query_lens: list[int] | None = None):
@@ -68,7 +72,7 @@ def _decode(model, cfg, backend, stack: bool, seq_lens: list[int], query_lens: l
     rows = len(seq_lens)
     tokens = sum(query_lens)
     max_blocks = -(-max(seq_lens) // BLOCK)
-    kv = _kv(backend, cfg, rows * max_blocks + 3)
+    kv = _kv(backend, cfg, rows * max_blocks + 3, model.model.norm.weight.dtype)
     for cache in kv:
         cache.copy_(torch.randn(cache.shape, generator=gen))
     table = (
@@ -95,6 +99,7 @@ def _decode(model, cfg, backend, stack: bool, seq_lens: list[int], query_lens: l
     return hidden, kv
 
 
+@needs_gemm
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
 @pytest.mark.parametrize("seq_lens", [[1], [17, 1, 40, 33, 16], [300] * 3, [5 + 7 * i for i in range(29)]])
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -106,6 +111,7 @@ def test_the_stack_gives_the_python_paths_bits(tmp_path, arch, seq_lens, head_di
     assert all(torch.equal(g, w) for g, w in zip(got_kv, want_kv, strict=True))
 
 
+@needs_gemm
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
 @pytest.mark.parametrize(
     ("seq_lens", "query_lens"),
@@ -124,7 +130,8 @@ def test_steps_with_prompt_chunks_give_the_python_paths_bits(tmp_path, arch, seq
     assert all(torch.equal(g, w) for g, w in zip(got_kv, want_kv, strict=True))
 
 
-@pytest.mark.skipif(not q8.available(), reason="cpu_q8.c is vectorized for AVX512-VNNI only")
+@needs_gemm
+@needs_codes
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 @pytest.mark.parametrize(
     ("seq_lens", "query_lens"),
@@ -142,6 +149,7 @@ def test_the_stack_on_block_codes_gives_the_python_paths_bits(tmp_path, arch, se
     assert all(torch.equal(g, w) for g, w in zip(got_kv, want_kv, strict=True))
 
 
+@needs_gemm
 def test_the_stack_steps_aside_where_it_does_not_apply(tmp_path):
     model, cfg, backend = _model(tmp_path, "llama")
     kv = _kv(backend, cfg, 8)
@@ -167,11 +175,13 @@ def test_the_stack_steps_aside_where_it_does_not_apply(tmp_path):
     assert backend.decode_stack is not None
 
 
+@needs_gemm
 def test_qwen3_keeps_the_python_path(tmp_path):
     model, cfg, backend = _model(tmp_path / "q3", "qwen3")  # per-head q/k norms: not in the C stack
     assert CpuDecodeStack.build(model, _kv(backend, cfg, 4), backend.ops.rope_tables) is None
 
 
+@needs_gemm
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_the_heads_greedy_pick_is_the_argmax_of_its_logits(tmp_path, arch):
     """model.compute_greedy (the runner's path for plain greedy rows) against compute_logits + argmax,
@@ -183,7 +193,8 @@ def test_the_heads_greedy_pick_is_the_argmax_of_its_logits(tmp_path, arch):
         assert picked is not None and torch.equal(picked, model.compute_logits(hidden).argmax(-1))
 
 
-@pytest.mark.skipif(not q8.available(), reason="cpu_q8.c is vectorized for AVX512-VNNI only")
+@needs_gemm
+@needs_codes
 @pytest.mark.parametrize("stack", [True, False])
 def test_prompt_rows_take_the_gemm_and_decode_rows_the_codes(tmp_path, stack):
     """A step of one prompt chunk of 2 rows gives the bits of the same model without codes (the backend and
@@ -198,3 +209,35 @@ def test_prompt_rows_take_the_gemm_and_decode_rows_the_codes(tmp_path, stack):
     plain, _ = _decode(model, cfg, backend, stack, [40], [2])
     assert torch.equal(coded, plain)
     assert not torch.equal(decoded, _decode(model, cfg, backend, stack, [40, 17])[0])
+
+
+@needs_codes
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("seq_lens", [[1], [40], [17, 1, 40, 33, 16], [5 + 7 * i for i in range(16)]])
+@pytest.mark.parametrize("q4_1", [False, True])
+def test_the_float32_stack_on_block_codes_gives_the_python_paths_bits(tmp_path, arch, seq_lens, q4_1):
+    """float32 decodes (the default dtype of the levels without bf16 dots) on the layers' codes: the C stack
+    gives the hidden states and KV cache of the Python path (Qwen2: the qkv bias too), up to 16 rows."""
+    model, cfg, backend = _model(tmp_path, arch, codes=True, q4_1=q4_1, dtype=torch.float32)
+    want, want_kv = _decode(model, cfg, backend, False, seq_lens)
+    got, got_kv = _decode(model, cfg, backend, True, seq_lens)
+    assert torch.equal(got, want)
+    assert all(torch.equal(g, w) for g, w in zip(got_kv, want_kv, strict=True))
+
+
+@needs_codes
+def test_the_float32_stack_takes_decodes_the_codes_take(tmp_path):
+    """Past the codes' rows, with a prompt chunk, without codes, for float32 Gemma: the Python path."""
+    model, cfg, backend = _model(tmp_path / "l", "llama", codes=True, dtype=torch.float32)
+    kv = _kv(backend, cfg, 40, torch.float32)
+    stack = CpuDecodeStack.build(model, kv, backend.ops.rope_tables)
+    assert stack is not None and not stack.mixed and stack.max_rows == 16
+    table = torch.arange(34, dtype=torch.int32).view(17, 2)
+    ids = torch.zeros(17, dtype=torch.int64)
+    assert stack.takes(ids[:16], AttentionMetadata.build([1] * 16, [9] * 16, table[:16], BLOCK))
+    assert not stack.takes(ids, AttentionMetadata.build([1] * 17, [9] * 17, table, BLOCK))
+    assert not stack.takes(ids[:3], AttentionMetadata.build([1, 2], [5, 9], table[:2], BLOCK))
+    plain, cfg, backend = _model(tmp_path / "p", "llama", dtype=torch.float32)
+    assert CpuDecodeStack.build(plain, _kv(backend, cfg, 4, torch.float32), backend.ops.rope_tables) is None
+    gemma, cfg, backend = _model(tmp_path / "g", "gemma3", codes=True, dtype=torch.float32)
+    assert CpuDecodeStack.build(gemma, _kv(backend, cfg, 4, torch.float32), backend.ops.rope_tables) is None
