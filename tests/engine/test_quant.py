@@ -60,8 +60,9 @@ def test_quantized_linear_matches_its_dequantized_weight(method, dtype, rows, c_
 
 
 def test_float32_int4_rows_take_the_affine_block_code_kernel(monkeypatch):
-    """Where the level vectorizes the block codes, float32 int4 rows run on cpu_q8.c's affine 4-bit kernel
-    (torch's int4 kernel ran 3x slower than the unquantized model on AVX2); past the few rows, the GEMM."""
+    """Where the level vectorizes the block codes, float32 int4 rows run on the affine 4-bit kernel the level
+    prefers, cpu_q4_f32.c's FMAs or cpu_q8.c's dots (torch's int4 kernel ran 3x slower than the unquantized
+    model on AVX2); past the few rows, the GEMM. Both kernels give the dequantized weight's product."""
     from aioengine.kernels.cpu import clib, q8
 
     if clib.load() is None or not q8.available():
@@ -70,10 +71,13 @@ def test_float32_int4_rows_take_the_affine_block_code_kernel(monkeypatch):
     lin = nn.Linear(128, 48, bias=True)
     q = QuantizedLinear(lin.weight.data, lin.bias.data, "int4")
     assert q.int4_mins is not None and q.packed.dtype == torch.uint8 and q.packed.shape == (48, 64)
+    assert q.fma == q8.f32_fma()
     calls = []
-    real = q8.qgemv_f32
-    monkeypatch.setattr(q8, "qgemv_f32", lambda *a, **k: calls.append(len(a[0])) or real(*a, **k))
-    q(torch.randn(3, 128))
+    name = "q4f_gemv" if q.fma else "qgemv_f32"
+    real = getattr(q8, name)
+    monkeypatch.setattr(q8, name, lambda *a, **k: calls.append(len(a[0])) or real(*a, **k))
+    x = torch.randn(3, 128)
+    torch.testing.assert_close(q(x), nn.functional.linear(x, q.weight, q.bias), rtol=1e-5, atol=1e-5)
     q(torch.randn(q.max_rows_quantized + 1, 128))
     assert calls == [3]
     bf16 = QuantizedLinear(lin.weight.data.bfloat16(), lin.bias.data.bfloat16(), "int4")

@@ -33,7 +33,14 @@ _P, _I64, _F, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 
 
 class _Q8Codes(ctypes.Structure):  # cpu_decode_stack.c's q8_codes
-    _fields_ = [("codes", _P), ("scales", _P), ("mins", _P), ("block", _I64), ("max_rows", _I64)]
+    _fields_ = [
+        ("codes", _P),
+        ("scales", _P),
+        ("mins", _P),
+        ("block", _I64),
+        ("max_rows", _I64),
+        ("fma", _I64),
+    ]
 
 
 class _LayerWeights(ctypes.Structure):  # cpu_decode_stack.c's layer_weights
@@ -120,7 +127,9 @@ def _q8(module: Any) -> _Q8Codes:
     if not isinstance(module, Q8Linear):
         return _Q8Codes()
     mins = 0 if module.mins is None else module.mins.data_ptr()
-    return _Q8Codes(module.packed.data_ptr(), module.scales.data_ptr(), mins, module.block, module.max_rows)
+    return _Q8Codes(
+        module.packed.data_ptr(), module.scales.data_ptr(), mins, module.block, module.max_rows, module.fma
+    )
 
 
 class CpuDecodeStack:

@@ -79,6 +79,8 @@ class Q8Linear(nn.Module):
         self.block = found.block
         codes, scales, mins = found.codes, found.scales, found.mins
         self.tiles = mins is not None and self.dtype == torch.bfloat16 and q8.bf16_dots()
+        # float32 rows on 4-bit codes: float32 FMAs where they beat the integer dots (cpu_q4_f32.c)
+        self.fma = mins is not None and self.dtype == torch.float32 and q8.f32_fma()
         default_rows = MAX_ROWS_TILES if self.tiles else MAX_ROWS[self.dtype, self.block]
         self.max_rows = default_rows if max_rows is None else max_rows
         if self.activation is not None:  # gate/up row pairs: the kernel's epilogue sees both halves at once
@@ -87,6 +89,10 @@ class Q8Linear(nn.Module):
         if mins is None:
             self.packed = q8.pack(
                 codes.contiguous(), self.block, out=huge_pages.zeros(codes.numel(), torch.uint8)
+            )
+        elif self.fma:
+            self.packed = q8.pack4_f32(
+                codes.contiguous(), out=huge_pages.zeros(codes.numel() // 2, torch.uint8)
             )
         elif self.tiles:  # bf16 dots on x as it is (cpu_q4_bf16.c), in its own layout
             n16 = -(-self.out_features // 16) * 16
@@ -103,7 +109,10 @@ class Q8Linear(nn.Module):
             return self.gemm(x)
         rows = flat.to(self.dtype)
         rows = rows if rows.stride(-1) == 1 else rows.contiguous()
-        if self.dtype == torch.float32:
+        if self.fma:
+            assert self.mins is not None  # fma: affine codes
+            y = q8.q4f_gemv(rows, self.packed, self.scales, self.mins, self.bias)
+        elif self.dtype == torch.float32:
             y = q8.qgemv_f32(rows, self.packed, self.scales, self.block, self.bias, limbs=3, mins=self.mins)
         else:
             y = q8.qgemv_bf16(

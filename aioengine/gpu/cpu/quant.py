@@ -89,11 +89,15 @@ class QuantizedLinear(nn.Module):
         # int4 on the affine block-code kernel: packed holds the codes, scales_zeros the scale per 32 and
         # this the offset per 32 (None: torch's int4 kernel and its layout)
         self.int4_mins: torch.Tensor | None = None
+        self.fma = False
         if method == "int4":
             q, scale, zero = quantize_int4(weight)
             dequantized = dequantize_int4(q, scale, zero)
             if c_rows and q8.available() and self.in_features % 64 == 0:
-                self.register_buffer("packed", q8.pack4(q.to(torch.uint8).contiguous()), persistent=False)
+                codes = q.to(torch.uint8).contiguous()
+                self.fma = q8.f32_fma()  # float32 FMAs on the codes (cpu_q4_f32.c), else the integer dots
+                packed = q8.pack4_f32(codes) if self.fma else q8.pack4(codes)
+                self.register_buffer("packed", packed, persistent=False)
                 self.register_buffer("scales_zeros", scale, persistent=False)
                 self.int4_mins = zero - 8 * scale
             else:
@@ -120,9 +124,12 @@ class QuantizedLinear(nn.Module):
         if flat.shape[0] > self.max_rows_quantized:
             return self.gemm(x) if self.gemm is not None else F.linear(x, self.weight, self.bias)
         if self.int4_mins is not None and flat.stride(-1) == 1 and flat.dtype == torch.float32:
-            y = q8.qgemv_f32(
-                flat, self.packed, self.scales_zeros, 32, self.bias, limbs=3, mins=self.int4_mins
-            )
+            if self.fma:
+                y = q8.q4f_gemv(flat, self.packed, self.scales_zeros, self.int4_mins, self.bias)
+            else:
+                y = q8.qgemv_f32(
+                    flat, self.packed, self.scales_zeros, 32, self.bias, limbs=3, mins=self.int4_mins
+                )
             return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
         if self.c_gemv and flat.stride(-1) == 1:
             y = clib.qgemv_int8(flat, self.packed, self.scales_zeros, self.bias)

@@ -1,6 +1,7 @@
 """The CPU's C kernels (cpu_decode_attention.c, cpu_prefill_attention.c, cpu_elementwise.c, cpu_gemm.c,
-cpu_decode_stack.c, cpu_qgemv.c, cpu_q8.c, cpu_q4_bf16.c): built once per machine and ISA level with the C
-compiler into one library, loaded with ctypes, and called on the worker thread (ctypes releases the GIL).
+cpu_decode_stack.c, cpu_qgemv.c, cpu_q8.c, cpu_q4_bf16.c, cpu_q4_f32.c): built once per machine and ISA
+level with the C compiler into one library, loaded with ctypes, and called on the worker thread (ctypes
+releases the GIL).
 
 The level (kernels/cpu/isa.py) is chosen once per process, by the first backend that loads it: its flags are
 only ever ones this CPU has, and the library states the level it was compiled for, which the loader checks.
@@ -46,6 +47,7 @@ SOURCES = [
         "cpu_qgemv.c",
         "cpu_q8.c",
         "cpu_q4_bf16.c",
+        "cpu_q4_f32.c",
         "cpu_isa.c",
     )
 ]
@@ -236,6 +238,12 @@ def load(cpu_isa: str | None = None) -> ctypes.CDLL | None:
         lib.qgemv_q8_vectorized.argtypes = []
         lib.q4t_available.restype = ctypes.c_int
         lib.q4t_available.argtypes = []
+        lib.q4f_preferred.restype = ctypes.c_int
+        lib.q4f_preferred.argtypes = []
+        lib.q4f_pack.restype = None
+        lib.q4f_pack.argtypes = [_P, _P, _I64, _I64, _I]
+        lib.q4f_gemv_f32.restype = ctypes.c_int
+        lib.q4f_gemv_f32.argtypes = [_P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I]
         lib.q4t_pack.restype = None
         lib.q4t_pack.argtypes = [_P, _P, _I64, _I64, _I]
         lib.q8_pack.restype = None

@@ -13,12 +13,12 @@
 #include "cpu_kernels.h"
 
 /* A linear's GGUF block codes (codes NULL: none; mins non-NULL: affine 4-bit ones, in cpu_q4_bf16.c's tiles
- * where the CPU has AVX512-BF16; else cpu_q8.c's layout), run for steps of up to max_rows rows in place of
- * its packed GEMM, as gpu/cpu/q8_linear.py's Q8Linear does. */
+ * where the CPU has AVX512-BF16, in cpu_q4_f32.c's layout for float32 rows with fma set, else cpu_q8.c's),
+ * run for steps of up to max_rows rows in place of its packed GEMM, as gpu/cpu/q8_linear.py's Q8Linear does. */
 typedef struct {
     const uint8_t *codes;
     const float *scales, *mins;
-    int64_t block, max_rows;
+    int64_t block, max_rows, fma;
 } q8_codes;
 
 /* One layer's weights, cache, rotary tables and window (fixed for the engine's life). Biases may be NULL;
@@ -143,6 +143,8 @@ int decode_stack_bf16(const layer_weights *layers, int num_layers, const stack_a
 static int linear_f32(const q8_codes *q, const stack_args *a, const float *x, int64_t ldx, const float *bias,
                       float *y, int64_t ldy, int64_t n, int64_t k) {
     if (q->codes == NULL || a->rows > q->max_rows) return -1;
+    if (q->fma)
+        return q4f_gemv_f32(x, ldx, q->codes, q->scales, q->mins, bias, y, ldy, a->rows, n, k, a->num_threads);
     return qgemv_q8_f32(x, ldx, q->codes, q->scales, q->mins, q->block, bias, y, ldy, a->rows, n, k, NULL, 3,
                         a->num_threads);
 }

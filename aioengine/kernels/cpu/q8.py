@@ -1,5 +1,5 @@
 """Python entry points of cpu_q8.c: GEMVs on a GGUF's own block codes (int8 with a scale per 16 or 32
-inputs, or 4-bit with a scale and an offset per 32)."""
+inputs, or 4-bit with a scale and an offset per 32), and of cpu_q4_f32.c (4-bit codes, float32 FMAs)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,54 @@ def bf16_dots() -> bool:
     ``pack4_tiles``) rather than cutting x to 2 bytes per input for the integer dots (``pack4``)."""
     lib = clib.load()
     return lib is not None and bool(lib.q4t_available())
+
+
+def f32_fma() -> bool:
+    """Whether float32 rows against affine 4-bit codes take cpu_q4_f32.c's FMAs at the loaded level (codes
+    from ``pack4_f32``, ``q4f_gemv``) rather than the integer dots (``pack4``, ``qgemv_f32``): x86 levels
+    without AVX512-VNNI, where the FMAs measured faster (docs/benchmarks.md)."""
+    lib = clib.load()
+    return lib is not None and bool(lib.q4f_preferred())
+
+
+def pack4_f32(q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Affine 4-bit codes ``q [N, K]`` (uint8 in [0, 15], K a multiple of 64) in cpu_q4_f32.c's layout
+    (``[N, K / 2]`` uint8, into ``out`` if given)."""
+    n, k = q.shape
+    assert q.dtype == torch.uint8 and q.is_contiguous() and k % 64 == 0
+    out = torch.empty((n, k // 2), dtype=torch.uint8) if out is None else out.view(n, k // 2)
+    assert out.dtype == torch.uint8 and out.is_contiguous()
+    _lib().q4f_pack(q.data_ptr(), out.data_ptr(), n, k, torch.get_num_threads())
+    return out
+
+
+def q4f_gemv(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    mins: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x @ W.T (+ bias)``, ``W = q * scale + mins`` per block of 32, for float32 ``x [M, K]`` (unit inner
+    stride) and ``packed = pack4_f32(q)``: float32 ``[M, N]``, x as it is (float32's roundings only)."""
+    m, k, n = _shapes(x, torch.float32, packed, scale, 32, bias, mins)
+    y = torch.empty((m, n), dtype=torch.float32)
+    status = _lib().q4f_gemv_f32(
+        x.data_ptr(),
+        x.stride(0),
+        packed.data_ptr(),
+        scale.data_ptr(),
+        mins.data_ptr(),
+        0 if bias is None else bias.data_ptr(),
+        y.data_ptr(),
+        n,
+        m,
+        n,
+        k,
+        torch.get_num_threads(),
+    )
+    _check(status)
+    return y
 
 
 def pack4_tiles(

@@ -147,12 +147,15 @@ def test_the_kernel_tests_pass_at_each_level_this_machine_runs(level, pytestconf
 def test_greedy_parity_with_transformers_at_each_level_this_machine_runs(level, pytestconfig):
     """The parity configs (chunked, prefix hits, preemption; each architecture) and the default model through
     its Q4_1 codes: greedy tokens equal transformers' at every level; the decode stack gives the Python path's
-    bits at every level (float32 where bf16 has no dots)."""
+    bits at every level (float32 where bf16 has no dots), and the linears on codes and the int4 rows take the
+    kernels each level prefers."""
     paths = [
         "tests/engine/test_parity.py",
         "tests/engine/test_default_model_codes.py",
         "tests/engine/test_q8_head.py",
         "tests/gpu/cpu/test_decode_stack.py",
+        "tests/gpu/cpu/test_q8_linear.py",
+        "tests/engine/test_quant.py",
     ]
     _pytest_at_level(level, pytestconfig, paths, "at_each_level")
 

@@ -249,3 +249,27 @@ def test_affine_4bit_codes_come_only_in_blocks_of_32():
     x, q, scale, mins, _ = _affine_case(1, 8, 64, 1)
     with pytest.raises(AssertionError):
         q8.qgemv_f32(x, q8.pack4(q), torch.ones(8, 4), 16, mins=torch.ones(8, 4))
+
+
+@pytest.mark.parametrize("rows", [0, 1, 3, 4, 5, 9, 16])
+@pytest.mark.parametrize(("n", "k"), [(37, 64), (300, 640), (64, 1536)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_affine_4bit_float32_fmas_take_x_as_it_is(rows, n, k, with_bias):
+    """cpu_q4_f32.c: float32 rows (strided) against the exact weights with no cut of x: the exact dot but
+    for float32's sums, for every row past its 4 a pass; each row alone gives the same bits."""
+    x, q, scale, mins, w = _affine_case(max(rows, 1), n, k, rows * 11 + n + k)
+    x = x[:rows]
+    bias = torch.randn(n) if with_bias else None
+    wide = torch.zeros(rows, k + 64)
+    wide[:, :k] = x
+    packed = q8.pack4_f32(q)
+    assert packed.shape == (n, k // 2)
+    got = q8.q4f_gemv(wide[:, :k], packed, scale, mins, bias).double()
+    xd = x.double()
+    want = xd @ w.t() + (0 if bias is None else bias.double())
+    dq = (q.double().view(n, -1, 32) * scale.double()[..., None]).view(n, k)
+    bound = 2e-6 * (xd.abs() @ (dq.abs() + w.abs()).t() + 1)
+    assert got.shape == (rows, n) and ((got - want).abs() <= bound).all()
+    for r in range(0, rows, 4):
+        alone = q8.q4f_gemv(x[r : r + 1].contiguous(), packed, scale, mins, bias)
+        assert torch.equal(alone[0], got[r].float())
