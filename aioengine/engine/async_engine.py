@@ -14,7 +14,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, overload
 
 from aioengine.config import EngineArgs
-from aioengine.engine import gc_freeze, startup
+from aioengine.engine import gc_freeze, input_processor, startup
 from aioengine.engine.client import EngineStats, PrecompiledGrammar, RequestListener, StatListener
 from aioengine.engine.embedding import (
     EmbedInput,
@@ -198,24 +198,8 @@ class AsyncEngine:
         return self._add(prompt_text, prompt_ids, params, request_id, priority, cache_salt, grammar)
 
     def _prompt_ids(self, prompt: object, param: str = "prompt") -> tuple[str | None, list[int]]:
-        """(the prompt's text if it is one, its token ids), or InvalidRequestError."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("The prompt cannot be empty.", param=param)
-            assert self._encode is not None
-            try:
-                return prompt, list(self._encode(prompt))
-            except TypeError as e:  # the tokenizers library's answer to text with no UTF-8 (a lone surrogate)
-                raise InvalidRequestError(f"The prompt cannot be tokenized: {e}", param=param) from None
-        if isinstance(prompt, list | tuple):
-            prompt_ids = list(prompt)
-            self._check_prompt_length(len(prompt_ids), param)  # before scanning millions of ids on the loop
-            if not all(type(t) is int and 0 <= t < self.vocab_size for t in prompt_ids):
-                raise InvalidRequestError(
-                    f"prompt token ids must be integers in [0, {self.vocab_size}).", param=param
-                )
-            return None, prompt_ids
-        raise InvalidRequestError("prompt must be a string or a list of token ids.", param=param)
+        assert self._encode is not None
+        return input_processor.prompt_ids(prompt, self._encode, self.vocab_size, self.max_model_len, param)
 
     def chat(
         self,
@@ -327,30 +311,14 @@ class AsyncEngine:
         grammar: PrecompiledGrammar | None = None,
         pooling: str | None = None,
     ) -> GenerateHandle:
-        num_prompt = len(prompt_ids)
-        self._check_prompt_length(num_prompt)
-        max_tokens = params.max_tokens
-        if max_tokens is None:
-            max_tokens = self.max_model_len - num_prompt
-        elif num_prompt + max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{num_prompt + max_tokens} tokens ({num_prompt} in the messages, {max_tokens} in the "
-                f"completion). Please reduce the length of the messages or completion.",
-                param="max_tokens",
-                code="context_length_exceeded",
-            )
-        if num_prompt + max_tokens > self.kv_capacity_tokens:
-            raise InvalidRequestError(
-                f"The request needs up to {num_prompt + max_tokens} tokens of KV cache, more than the whole "
-                f"cache holds ({self.kv_capacity_tokens} tokens).",
-                param="max_tokens",
-            )
-        if params.max_tokens is None:
-            params = replace(params, max_tokens=max_tokens)
-        if params.bad_words:
-            params = replace(params, bad_words_token_ids=params.bad_words_to_token_ids(self.tokenizer))
-        params.verify_vocab(self.vocab_size)
+        params = input_processor.request_params(
+            params,
+            len(prompt_ids),
+            self.max_model_len,
+            self.kv_capacity_tokens,
+            self.tokenizer,
+            self.vocab_size,
+        )
         compiled_grammar = None
         if (
             grammar is not None and grammar.spec is params.structured_outputs
@@ -403,17 +371,6 @@ class AsyncEngine:
             asyncio.get_running_loop().call_later(params.timeout_s, self._abort_state, state, "timeout")
         self._wakeup.set()
         return GenerateHandle(self, state)
-
-    def _check_prompt_length(self, num_prompt: int, param: str = "prompt") -> None:
-        if num_prompt == 0:
-            raise InvalidRequestError("The prompt cannot be empty.", param=param)
-        if num_prompt >= self.max_model_len:
-            raise InvalidRequestError(
-                f"The prompt is {num_prompt} tokens long, which is not shorter than this model's maximum "
-                f"context length of {self.max_model_len} tokens.",
-                param=param,
-                code="context_length_exceeded",
-            )
 
     def _structured_output_manager(self) -> Any:
         if self._structured is None:

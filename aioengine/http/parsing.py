@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from aioengine.errors import InvalidRequestError
 from aioengine.http.errors import api_error, bad
@@ -81,6 +81,9 @@ class CompletionRequest(GenerationRequest):
     prompts: list[str | list[int]] = field(default_factory=list)
     echo: bool = False
     prompt_ids: dict[int, list[int]] = field(default_factory=dict)  # long prompts tokenized off the loop
+
+
+R = TypeVar("R", bound=GenerationRequest)
 
 
 def _structured_outputs(f: Fields) -> StructuredOutputsParams | None:
@@ -166,14 +169,17 @@ def _top_k(f: Fields, default: int) -> int:
     return 0 if top_k == -1 else top_k  # -1 is vLLM's (and OpenAI clients') "off", as 0 is
 
 
-def common_fields(
+def generation_request(
+    cls: type[R],
     f: Fields,
     max_tokens: int | None,
     logprobs: int | None,
     allow_priority: bool,
     limits: RequestLimits,
     defaults: Mapping[str, float],
-) -> GenerationRequest:
+    **own: Any,
+) -> R:
+    """A ``cls`` request: the fields every generation request shares read from ``f``, ``own`` its family's."""
     stream = f.bool("stream", False)
     stream_options = f.get("stream_options", dict)
     include_usage = continuous = False
@@ -192,7 +198,7 @@ def common_fields(
     params = _sampling_params(f, max_tokens, logprobs, limits, defaults)
     if stream and params.prompt_logprobs is not None:
         raise bad("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
-    return GenerationRequest(
+    return cls(
         model=f.str("model"),
         params=params,
         stream=stream,
@@ -202,6 +208,7 @@ def common_fields(
         priority=priority,
         user=f.str("user"),
         want_prompt_logprobs=params.prompt_logprobs is not None,
+        **own,
     )
 
 

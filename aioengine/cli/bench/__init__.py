@@ -1,11 +1,26 @@
-"""aioengine.cli.bench: `aioengine bench throughput | latency | serve | hf-peer | allreduce`, as vLLM's."""
+"""aioengine.cli.bench: `aioengine bench throughput | latency | serve | hf-peer | allreduce | scheduler |
+structured | startup | attention | step-noise | linear-layouts | kv-cache-parity | itl-plot`, as vLLM's."""
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Callable
 
-_MODES = ("throughput", "latency", "serve", "hf-peer", "allreduce", "scheduler", "structured")
+_MODES = (
+    "throughput",
+    "latency",
+    "serve",
+    "hf-peer",
+    "allreduce",
+    "scheduler",
+    "structured",
+    "startup",
+    "attention",
+    "step-noise",
+    "linear-layouts",
+    "kv-cache-parity",
+    "itl-plot",
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,6 +45,18 @@ def main(argv: list[str] | None = None) -> int:
         from aioengine.cli.bench.structured import cli as run
     elif mode == "hf-peer":
         from aioengine.cli.bench.hf_peer import main as run
+    elif mode == "startup":
+        from aioengine.cli.bench.startup import main as run
+    elif mode == "attention":
+        from aioengine.cli.bench.attention import main as run
+    elif mode == "step-noise":
+        from aioengine.cli.bench.step_noise import main as run
+    elif mode == "linear-layouts":
+        from aioengine.cli.bench.linear_layouts import main as run
+    elif mode == "kv-cache-parity":
+        from aioengine.cli.bench.kv_cache_parity import main as run
+    elif mode == "itl-plot":
+        from aioengine.cli.bench.itl_plot import main as run
     else:
         from aioengine.cli.bench.serve import main as run
     run(rest)

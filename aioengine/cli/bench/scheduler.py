@@ -46,7 +46,7 @@ def bench(num_reqs: int, steps: int, prompt_len: int = 128) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="aioengine bench scheduler", description=__doc__.splitlines()[0])
     ap.add_argument("--num-reqs", type=int, nargs="+", default=[256, 1024])
     ap.add_argument("--steps", type=int, default=200)
     args = ap.parse_args(argv)

@@ -99,7 +99,11 @@ async def main(args: argparse.Namespace) -> dict:
 
 
 def cli(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="aioengine bench structured",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--model", default="default")
     ap.add_argument("--n", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)

@@ -17,7 +17,7 @@ from aioengine.http.context import CONFIG, ENGINE, json_response
 from aioengine.http.errors import bad, not_supported
 from aioengine.http.logprobs import chat_logprobs, prompt_logprobs_json
 from aioengine.http.messages import MESSAGES, TEMPLATE_KWARGS, parse_messages, template_kwargs
-from aioengine.http.parsing import ChatRequest, common_fields, shaped
+from aioengine.http.parsing import ChatRequest, generation_request, shaped
 from aioengine.http.request_tables import (
     MAX_TOKENS_NOTE,
     METADATA,
@@ -200,17 +200,14 @@ def parse_chat_request(
     if kwargs.get("continue_final_message") and messages[-1]["role"] != "assistant":
         raise bad("continue_final_message needs the last message to be from the assistant.", "messages")
     logprobs = (top_logprobs or 0) if want_logprobs else None
-    g = common_fields(f, max_tokens, logprobs, allow_priority, limits, defaults or {})
-    req = ChatRequest(
-        g.model,
-        g.params,
-        g.stream,
-        g.include_usage,
-        g.continuous_usage_stats,
-        g.request_id,
-        g.priority,
-        g.user,
-        g.want_prompt_logprobs,
+    req = generation_request(
+        ChatRequest,
+        f,
+        max_tokens,
+        logprobs,
+        allow_priority,
+        limits,
+        defaults or {},
         messages=messages,
         chat_template_kwargs=kwargs,
         tools=tools,

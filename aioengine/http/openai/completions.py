@@ -15,7 +15,7 @@ from aioengine.http.admission import Admitted
 from aioengine.http.context import ENGINE, json_response
 from aioengine.http.errors import bad, not_supported
 from aioengine.http.logprobs import CompletionLogprobs, LegacyLogprobs, prompt_logprobs_json
-from aioengine.http.parsing import CompletionRequest, common_fields, parse_prompt
+from aioengine.http.parsing import CompletionRequest, generation_request, parse_prompt
 from aioengine.http.request_tables import MAX_TOKENS_NOTE, PROMPT, SAMPLING, sampled
 from aioengine.http.schema import DEFAULT_LIMITS, Fields, RequestLimits, Spec, Table
 from aioengine.http.streaming import JSON, Tally, stream_choices
@@ -157,26 +157,22 @@ def parse_completion_request(
     echo = f.bool("echo", False)
     if f.str("suffix"):
         raise not_supported("suffix")
-    g = common_fields(
-        f, f.int("max_tokens", COMPLETION_MAX_TOKENS), logprobs, allow_priority, limits, defaults or {}
-    )
-    if echo and logprobs is not None and g.params.prompt_logprobs is None:  # the echoed prompt's own
-        g.params.prompt_logprobs = logprobs
-    best_of = f.int("best_of")
-    if best_of is not None and best_of != g.params.n:
-        raise not_supported("best_of", "best_of other than n")
-    if len(prompts) * g.params.n > limits.max_prompts:
-        raise bad(f"A request may ask for at most {limits.max_prompts} completions (prompts x n).", "prompt")
-    return CompletionRequest(
-        g.model,
-        g.params,
-        g.stream,
-        g.include_usage,
-        g.continuous_usage_stats,
-        g.request_id,
-        g.priority,
-        g.user,
-        g.want_prompt_logprobs,
+    req = generation_request(
+        CompletionRequest,
+        f,
+        f.int("max_tokens", COMPLETION_MAX_TOKENS),
+        logprobs,
+        allow_priority,
+        limits,
+        defaults or {},
         prompts=prompts,
         echo=echo,
     )
+    if echo and logprobs is not None and req.params.prompt_logprobs is None:  # the echoed prompt's own
+        req.params.prompt_logprobs = logprobs
+    best_of = f.int("best_of")
+    if best_of is not None and best_of != req.params.n:
+        raise not_supported("best_of", "best_of other than n")
+    if len(prompts) * req.params.n > limits.max_prompts:
+        raise bad(f"A request may ask for at most {limits.max_prompts} completions (prompts x n).", "prompt")
+    return req

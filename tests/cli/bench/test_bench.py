@@ -7,6 +7,7 @@ import threading
 
 import pytest
 
+from aioengine.cli.bench import _MODES
 from aioengine.cli.bench import main as bench_main
 from aioengine.cli.bench.datasets import (
     grounded_workload,
@@ -166,6 +167,15 @@ def test_bench_usage_errors():
     with pytest.raises(SystemExit) as e:  # a usage error, not a StatisticsError after loading the model
         bench_main(["latency", "--output-len", "2"])
     assert e.value.code == 2
+
+
+@pytest.mark.parametrize("mode", _MODES)
+def test_every_bench_mode_answers_help(mode, capsys):
+    """Each mode in the dispatcher has an entry point whose --help exits 0 (before running anything)."""
+    with pytest.raises(SystemExit) as e:
+        bench_main([mode, "--help"])
+    assert e.value.code == 0
+    assert f"usage: aioengine bench {mode}" in capsys.readouterr().out
 
 
 def test_bench_serve_reports_against_a_live_server(tiny, tmp_path):

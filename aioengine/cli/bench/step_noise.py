@@ -1,4 +1,6 @@
-"""The machine's own noise at a decode step's scale: `python scripts/step_noise.py [SECONDS] [THREADS]`.
+"""`aioengine bench step-noise`: the machine's own noise at a decode step's scale.
+
+usage: aioengine bench step-noise [--seconds 20] [--threads 2]
 
 Runs a fixed C workload back to back, the packed bf16 GEMMs of 30 SmolLM2-shaped layers at 16 rows (what
 a 16-client decode step's linears do, weights streamed from DRAM, no Python between the calls), and prints
@@ -6,18 +8,20 @@ the passes' p99 / p50 and how many ran over 1.5x the median: the floor under any
 Figures: docs/benchmarks.md.
 """
 
-import sys
+from __future__ import annotations
+
+import argparse
 import time
-
-import torch
-
-from aioengine.kernels.cpu import clib
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down: [out, in]
 LAYERS, ROWS = 30, 16
 
 
-def main(seconds: float, threads: int) -> None:
+def run(seconds: float, threads: int) -> None:
+    import torch
+
+    from aioengine.kernels.cpu import clib
+
     lib = clib.load()
     if lib is None or not clib.gemm_available():
         raise SystemExit("the packed GEMM is not built here (needs AVX512-BF16 and a C compiler)")
@@ -59,5 +63,9 @@ def main(seconds: float, threads: int) -> None:
     )
 
 
-if __name__ == "__main__":
-    main(float(sys.argv[1]) if len(sys.argv) > 1 else 20.0, int(sys.argv[2]) if len(sys.argv) > 2 else 2)
+def main(argv: list[str]) -> None:
+    ap = argparse.ArgumentParser(prog="aioengine bench step-noise", description=__doc__.splitlines()[0])
+    ap.add_argument("--seconds", type=float, default=20.0, help="how long to run the passes")
+    ap.add_argument("--threads", type=int, default=2, help="torch and GEMM threads")
+    args = ap.parse_args(argv)
+    run(args.seconds, args.threads)

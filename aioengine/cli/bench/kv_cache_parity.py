@@ -1,21 +1,24 @@
-"""A quantized KV cache's parity cost, measured in transformers: `python scripts/kv_cache_parity.py MODE`.
+"""`aioengine bench kv-cache-parity`: a quantized KV cache's parity cost, measured in transformers.
 
-MODE: bf16, int8, e4m3 (one scale per token and KV head), e4m3_noscale, e5m2_noscale. The default model's
-converted weights run in float32; K (after RoPE) and V are cut to MODE and back, as a cache of that kind
-would hold them. Eleven prompts, 64 greedy tokens each, against the same model uncut: where the greedy
-continuations part, the greedy tokens' |delta logprob| (teacher-forced on the uncut continuation), and the
-top-1 agreement. Figures: docs/benchmarks.md.
+usage: aioengine bench kv-cache-parity [MODE]
+
+MODE: bf16, int8 (the default), e4m3 (one scale per token and KV head), e4m3_noscale, e5m2_noscale. The
+default model's converted weights run in float32; K (after RoPE) and V are cut to MODE and back, as a cache
+of that kind would hold them. Eleven prompts, 64 greedy tokens each, against the same model uncut: where the
+greedy continuations part, the greedy tokens' |delta logprob| (teacher-forced on the uncut continuation),
+and the top-1 agreement. Figures: docs/benchmarks.md.
 """
 
+from __future__ import annotations
+
+import argparse
 import statistics
-import sys
+from typing import TYPE_CHECKING, Any
 
-import torch
-import transformers.models.llama.modeling_llama as llama
-from transformers import AutoModelForCausalLM, AutoTokenizer
+if TYPE_CHECKING:
+    import torch
 
-from aioengine.model.files import resolve_model
-
+MODES = ("bf16", "int8", "e4m3", "e4m3_noscale", "e5m2_noscale")
 TEXTS = [
     "The river rises every spring when the snow in the mountains begins to melt.",
     "def area(width, height):\n    return width * height\n\nclass Point:\n    def __init__(self, x, y):",
@@ -31,6 +34,8 @@ NEW_TOKENS = 64
 
 def cut(x: torch.Tensor, mode: str) -> torch.Tensor:
     """``x [..., head_dim]`` as a cache of ``mode`` would give it back (one scale per vector where scaled)."""
+    import torch
+
     if mode == "bf16":
         return x.bfloat16().float()
     if mode in ("int8", "e4m3"):
@@ -47,7 +52,13 @@ def cut(x: torch.Tensor, mode: str) -> torch.Tensor:
     raise SystemExit(f"unknown mode {mode!r}")
 
 
-def main(mode: str) -> None:
+def run(mode: str) -> None:
+    import torch
+    import transformers.models.llama.modeling_llama as llama
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from aioengine.model.files import resolve_model
+
     torch.manual_seed(0)
     torch.set_num_threads(2)
     folder = resolve_model("default")
@@ -74,11 +85,13 @@ def main(mode: str) -> None:
 
     rotary = llama.apply_rotary_pos_emb
 
-    def rotary_then_cut(q, k, cos, sin, *args, **kwargs):  # k [batch, kv heads, tokens, head_dim]
+    def rotary_then_cut(
+        q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # k [batch, kv heads, tokens, head_dim]
         q, k = rotary(q, k, cos, sin, *args, **kwargs)
         return q, cut(k, mode)
 
-    def cut_values(module, args, out):
+    def cut_values(module: torch.nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
         shape = out.shape
         return cut(out.reshape(*shape[:-1], shape[-1] // head_dim, head_dim), mode).reshape(shape)
 
@@ -109,5 +122,8 @@ def main(mode: str) -> None:
     )
 
 
-if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "int8")
+def main(argv: list[str]) -> None:
+    ap = argparse.ArgumentParser(prog="aioengine bench kv-cache-parity", description=__doc__.splitlines()[0])
+    ap.add_argument("mode", nargs="?", default="int8", choices=MODES, help="the cache's number format")
+    args = ap.parse_args(argv)
+    run(args.mode)
