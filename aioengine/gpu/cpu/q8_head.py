@@ -13,8 +13,10 @@ compute-bound and the GEMM is faster. With VNNI (the avx512-bf16 level) a float3
 crossover in the batches measured (float32's GEMM reads 4 bytes a weight), so it keeps only the codes. Without
 it (avx2, avx512, neon: several instructions a dot instead of one) the codes cost more per row, and at 16 and
 64 rows the float32 GEMM measured faster (docs/benchmarks.md, per-ISA defaults): there the head keeps its GEMM
-past ``MAX_ROWS_FLOAT32`` rows too. A checkpoint whose head is not an exact Q8_0 dequantization keeps its
-GEMM.
+past ``MAX_ROWS_FLOAT32`` rows too. Where the level prefers float32 FMAs on codes (``q8.f32_fma``: x86
+without VNNI), rows from ``FMA_FROM_ROWS`` to ``MAX_ROWS_FMA`` take cpu_q4_f32.c's 8-bit FMAs instead (x
+uncut, the widened codes shared by 4 rows a pass), which measured faster than both the integer dots and the
+GEMM there. A checkpoint whose head is not an exact Q8_0 dequantization keeps its GEMM.
 """
 
 from __future__ import annotations
@@ -35,9 +37,12 @@ BLOCK = 32
 Q8_0 = (BLOCK, (127,))  # the head's kernel takes 32-input blocks; Q8_0 is what the common mixes give it
 # Measured crossover with the bf16 head's packed GEMM (docs/benchmarks.md): past this many rows it is faster.
 MAX_ROWS_BF16 = 4
-# Without VNNI: below the 16 rows where the float32 GEMM measured faster (at 1 row the codes' sample took
-# about a third of the GEMM's); the bf16 head's crossover, not measured for float32 at 2-8 rows.
+# NEON (no VNNI, no FMAs on codes preferred): below the 16 rows where the float32 GEMM measured faster at avx2
+# (at 1 row the codes' sample took about a third of the GEMM's); not measured on an ARM core.
 MAX_ROWS_FLOAT32 = 4
+# Where the level prefers FMAs on codes (x86 without VNNI): the dots up to 2 rows, the FMAs from 3 to 16, the
+# GEMM past 16 (the crossovers measured at avx2, docs/benchmarks.md).
+FMA_FROM_ROWS, MAX_ROWS_FMA = 3, 16
 _HEAD_NAMES = ("lm_head.weight", "model.embed_tokens.weight")  # a tied head is the embedding
 
 
@@ -61,8 +66,8 @@ def read_head_codes(codes: CheckpointCodes, tied: bool) -> tuple[torch.Tensor, t
 
 class Q8Head(nn.Module):
     """float32 logits (or each row's argmax) from the head's Q8_0 codes, activations cut to ``limbs``
-    bytes; past ``max_rows`` rows (None: never) ``fallback``, the head's GEMM on its rounded weights, runs
-    instead."""
+    bytes; from ``fma_from`` rows (None: never) the 8-bit FMAs on x as it is; past ``max_rows`` rows (None:
+    never) ``fallback``, the head's GEMM on its rounded weights, runs instead."""
 
     def __init__(
         self,
@@ -71,6 +76,7 @@ class Q8Head(nn.Module):
         limbs: int,
         fallback: nn.Module | None = None,
         max_rows: int | None = None,
+        fma_from: int | None = None,
     ) -> None:
         super().__init__()
         assert limbs in (2, 3) and (fallback is None) == (max_rows is None)
@@ -82,12 +88,20 @@ class Q8Head(nn.Module):
         self.limbs = limbs
         self.fallback = fallback
         self.max_rows = max_rows
+        self.fma_from = fma_from
+        self.fma_packed = None if fma_from is None else q8.pack8_f32(codes.contiguous())
+
+    def _fma(self, rows: int) -> bool:
+        return self.fma_from is not None and rows >= self.fma_from
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         if self.fallback is not None and self.max_rows is not None and flat.shape[0] > self.max_rows:
             return self.fallback(x)
-        y = q8.qgemv_f32(self._rows(flat), self.packed, self.scales, limbs=self.limbs)
+        if self.fma_packed is not None and self._fma(flat.shape[0]):
+            y = q8.q8f_gemv(self._rows(flat), self.fma_packed, self.scales)
+        else:
+            y = q8.qgemv_f32(self._rows(flat), self.packed, self.scales, limbs=self.limbs)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -97,6 +111,8 @@ class Q8Head(nn.Module):
         if self.fallback is not None and self.max_rows is not None and flat.shape[0] > self.max_rows:
             argmax = getattr(self.fallback, "argmax", None)
             return argmax(x) if argmax is not None else None
+        if self._fma(flat.shape[0]):  # no fused argmax there: the caller takes it from forward's logits
+            return None
         return q8.qgemv_f32(self._rows(flat), self.packed, self.scales, argmax=True, limbs=self.limbs)
 
     @staticmethod
@@ -106,7 +122,8 @@ class Q8Head(nn.Module):
 
     def extra_repr(self) -> str:
         rows = "every batch" if self.max_rows is None else f"up to {self.max_rows} rows"
-        return f"{self.in_features}, {self.out_features}, q8_0 codes for {rows}, x in {self.limbs} bytes"
+        fma = "" if self.fma_from is None else f" (float32 FMAs from {self.fma_from} rows)"
+        return f"{self.in_features}, {self.out_features}, q8_0 codes for {rows}, x in {self.limbs} bytes{fma}"
 
 
 def attach_q8_head(model: nn.Module, codes: CheckpointCodes) -> bool:
@@ -129,6 +146,10 @@ def attach_q8_head(model: nn.Module, codes: CheckpointCodes) -> bool:
         model.lm_head = Q8Head(head_codes, scales, limbs=2, fallback=head, max_rows=MAX_ROWS_BF16)
     elif clib.loaded_level() == "avx512-bf16":
         model.lm_head = Q8Head(head_codes, scales, limbs=3)  # the float32 GEMM's copy of the head is freed
+    elif q8.f32_fma():
+        model.lm_head = Q8Head(
+            head_codes, scales, limbs=3, fallback=head, max_rows=MAX_ROWS_FMA, fma_from=FMA_FROM_ROWS
+        )
     else:
         model.lm_head = Q8Head(head_codes, scales, limbs=3, fallback=head, max_rows=MAX_ROWS_FLOAT32)
     nbytes = head_codes.numel() + scales.numel() * 4

@@ -66,11 +66,15 @@ int q4t_gemv_bf16(const uint16_t *x, int64_t ldx, const uint8_t *u, const float 
                   const uint16_t *bias, uint16_t *y, int64_t ldy, int64_t m, int64_t n, int64_t k, int out,
                   const float *act_table, int num_threads);
 
-/* cpu_q4_f32.c: affine 4-bit codes against float32 rows with float32 FMAs (codes widened in registers) */
+/* cpu_q4_f32.c: affine 4-bit and symmetric 8-bit codes against float32 rows with float32 FMAs (codes widened
+ * in registers) */
 int q4f_preferred(void); /* 1 where float32 rows take these over cpu_q8.c's integer dots (measured) */
 void q4f_pack(const uint8_t *q, uint8_t *out, int64_t n, int64_t k, int num_threads);
 int q4f_gemv_f32(const float *x, int64_t ldx, const uint8_t *u, const float *d, const float *mn, const float *bias,
                  float *y, int64_t ldy, int64_t m, int64_t n, int64_t k, int num_threads);
+void q8f_pack(const int8_t *q, uint8_t *out, int64_t n, int64_t k, int num_threads);
+int q8f_gemv_f32(const float *x, int64_t ldx, const uint8_t *u, const float *d, const float *bias, float *y,
+                 int64_t ldy, int64_t m, int64_t n, int64_t k, int num_threads);
 
 /* cpu_isa.c: the level this library was compiled for (clib.py's _LEVEL_CODES) */
 int aioengine_isa_level(void);

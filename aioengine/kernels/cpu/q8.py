@@ -72,6 +72,39 @@ def q4f_gemv(
     return y
 
 
+def pack8_f32(q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Symmetric 8-bit codes ``q [N, K]`` (int8, K a multiple of 64) in cpu_q4_f32.c's 8-bit layout
+    (``[N, K]`` uint8, into ``out`` if given)."""
+    n, k = q.shape
+    assert q.dtype == torch.int8 and q.is_contiguous() and k % 64 == 0
+    out = torch.empty((n, k), dtype=torch.uint8) if out is None else out.view(n, k)
+    assert out.dtype == torch.uint8 and out.is_contiguous()
+    _lib().q8f_pack(q.data_ptr(), out.data_ptr(), n, k, torch.get_num_threads())
+    return out
+
+
+def q8f_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x @ W.T``, ``W = q * scale`` per block of 32, for float32 ``x [M, K]`` (unit inner stride) and
+    ``packed = pack8_f32(q)``: float32 ``[M, N]``, x as it is (float32's roundings only)."""
+    m, k, n = _shapes(x, torch.float32, packed, scale, 32, None)
+    y = torch.empty((m, n), dtype=torch.float32)
+    status = _lib().q8f_gemv_f32(
+        x.data_ptr(),
+        x.stride(0),
+        packed.data_ptr(),
+        scale.data_ptr(),
+        0,
+        y.data_ptr(),
+        n,
+        m,
+        n,
+        k,
+        torch.get_num_threads(),
+    )
+    _check(status)
+    return y
+
+
 def pack4_tiles(
     q: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor, out: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

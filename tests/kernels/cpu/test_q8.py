@@ -273,3 +273,27 @@ def test_affine_4bit_float32_fmas_take_x_as_it_is(rows, n, k, with_bias):
     for r in range(0, rows, 4):
         alone = q8.q4f_gemv(x[r : r + 1].contiguous(), packed, scale, mins, bias)
         assert torch.equal(alone[0], got[r].float())
+
+
+@pytest.mark.parametrize("rows", [0, 1, 3, 4, 5, 9, 16])
+@pytest.mark.parametrize(("n", "k"), [(37, 64), (300, 640), (64, 1536)])
+def test_symmetric_8bit_float32_fmas_take_x_as_it_is(rows, n, k):
+    """cpu_q4_f32.c's 8-bit codes (Q8_0's: w = d q, q in [-127, 127], the head's): float32 rows (strided)
+    against the exact weights with no cut of x, for every row past its 4 a pass; each row alone gives the
+    same bits."""
+    g = torch.Generator().manual_seed(rows * 7 + n + k)
+    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    scale = torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3
+    w = (q.double().view(n, -1, 32) * scale.double()[..., None]).view(n, k)
+    x = torch.randn(max(rows, 1), k, generator=g)[:rows]
+    wide = torch.zeros(rows, k + 64)
+    wide[:, :k] = x
+    packed = q8.pack8_f32(q)
+    assert packed.shape == (n, k)
+    got = q8.q8f_gemv(wide[:, :k], packed, scale).double()
+    xd = x.double()
+    bound = 2e-6 * (xd.abs() @ w.abs().t() + 1)
+    assert got.shape == (rows, n) and ((got - xd @ w.t()).abs() <= bound).all()
+    for r in range(0, rows, 4):
+        alone = q8.q8f_gemv(x[r : r + 1].contiguous(), packed, scale)
+        assert torch.equal(alone[0], got[r].float())
