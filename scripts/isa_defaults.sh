@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 level=$1; out=${2:-isa-defaults-$level}; rounds=${3:-2}; mkdir -p "$out"
 if [ "$level" = avx2 ]; then export ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2; fi
 alts=("" "--no-cpu-q8-linears" "--no-cpu-q8-head" "--no-cpu-kernels" "--cpu-linear torch" \
-      "--quantization int8" "--quantization int4" "--dtype bfloat16" "--dtype float32")
+      "--quantization int8" "--quantization int4" "--dtype bfloat16" "--dtype float32" "--no-cpu-decode-stack")
 for r in $(seq 1 "$rounds"); do
   for b in 1 16 64; do
     for i in "${!alts[@]}"; do

@@ -25,6 +25,7 @@ from torch import nn
 from aioengine.gpu.cpu.linear import PackedLinear
 from aioengine.gpu.cpu.openmp import SleepWatch
 from aioengine.gpu.cpu.q8_linear import Q8Linear
+from aioengine.gpu.cpu.quant import QuantizedLinear
 from aioengine.gpu.layers import SiluAndMul
 from aioengine.kernels.cpu import clib as cpu_kernels
 from aioengine.kernels.metadata import AttentionMetadata
@@ -124,11 +125,28 @@ def _packed(module: Any, epilogue: int) -> bool:
 
 
 def _q8(module: Any) -> _Q8Codes:
-    if not isinstance(module, Q8Linear):
-        return _Q8Codes()
-    mins = 0 if module.mins is None else module.mins.data_ptr()
-    return _Q8Codes(
-        module.packed.data_ptr(), module.scales.data_ptr(), mins, module.block, module.max_rows, module.fma
+    if isinstance(module, Q8Linear):
+        mins = 0 if module.mins is None else module.mins.data_ptr()
+        packed, scales = module.packed.data_ptr(), module.scales.data_ptr()
+        return _Q8Codes(packed, scales, mins, module.block, module.max_rows, module.fma)
+    if _int4_f32(module):  # --quantization int4's float32 rows: the same affine 4-bit kernels on its codes
+        return _Q8Codes(
+            module.packed.data_ptr(),
+            module.scales_zeros.data_ptr(),
+            module.int4_mins.data_ptr(),
+            32,
+            module.max_rows_quantized,
+            module.fma,
+        )
+    return _Q8Codes()
+
+
+def _int4_f32(module: Any) -> bool:
+    """A float32 int4 linear whose few rows run on its affine 4-bit block codes (quant.py)."""
+    return (
+        isinstance(module, QuantizedLinear)
+        and module.int4_mins is not None
+        and module.weight.dtype == torch.float32
     )
 
 
@@ -323,12 +341,15 @@ def _bf16_layer(a: Any, m: Any, gemma: bool) -> bool:
 
 
 def _f32_layer(a: Any, m: Any, gemma: bool) -> bool:
-    """Every linear a float32 Q8Linear (codes beside a float32 GEMM), silu * up after an unbiased gate_up."""
+    """Every linear on float32 block codes (a float32 Q8Linear, or int4's), silu * up after an unbiased
+    gate_up."""
     linears = (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)
     return (
         not gemma
-        and all(isinstance(q, Q8Linear) and q.dtype == torch.float32 for q in linears)
-        and all(q.activation is None for q in linears)
+        and all(
+            (isinstance(q, Q8Linear) and q.dtype == torch.float32 and q.activation is None) or _int4_f32(q)
+            for q in linears
+        )
         and type(m.act_fn) is SiluAndMul
         and m.gate_up_proj.bias is None
     )
@@ -336,7 +357,7 @@ def _f32_layer(a: Any, m: Any, gemma: bool) -> bool:
 
 def _linears_max_rows(layers: Any) -> list[int]:
     return [
-        q.max_rows
+        q.max_rows_quantized if isinstance(q, QuantizedLinear) else q.max_rows
         for layer in layers
         for q in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj)
         + (layer.mlp.down_proj,)

@@ -241,3 +241,34 @@ def test_the_float32_stack_takes_decodes_the_codes_take(tmp_path):
     assert CpuDecodeStack.build(plain, _kv(backend, cfg, 4, torch.float32), backend.ops.rope_tables) is None
     gemma, cfg, backend = _model(tmp_path / "g", "gemma3", codes=True, dtype=torch.float32)
     assert CpuDecodeStack.build(gemma, _kv(backend, cfg, 4, torch.float32), backend.ops.rope_tables) is None
+
+
+@needs_codes
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("seq_lens", [[1], [17, 1, 40, 33, 16], [5 + 7 * i for i in range(8)]])
+def test_the_float32_stack_takes_int4_layers_with_the_python_paths_bits(tmp_path, arch, seq_lens):
+    """--quantization int4 in float32: its linears' affine 4-bit codes go through the stack (up to their
+    8 rows) with the Python path's hidden states and KV cache; past 8 rows the Python path."""
+    from aioengine.gpu.cpu.quant import QuantizedLinear, quantize_model
+
+    make_tiny_checkpoint(
+        arch,
+        tmp_path,
+        hidden_size=384,
+        intermediate_size=192,
+        num_hidden_layers=3,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=64,
+        vocab_size=300,
+    )
+    backend = CpuBackend()
+    model, cfg = load_model(tmp_path, dtype=torch.float32, ops=backend.ops)
+    quantize_model(model, "int4")
+    pack_linears(model)
+    assert isinstance(model.model.layers[0].mlp.down_proj, QuantizedLinear)
+    want, want_kv = _decode(model, cfg, backend, False, seq_lens)
+    got, got_kv = _decode(model, cfg, backend, True, seq_lens)
+    assert torch.equal(got, want)
+    assert all(torch.equal(g, w) for g, w in zip(got_kv, want_kv, strict=True))
+    assert backend.decode_stack.max_rows == 8
