@@ -129,23 +129,25 @@ def _q8(module: Any) -> _Q8Codes:
         mins = 0 if module.mins is None else module.mins.data_ptr()
         packed, scales = module.packed.data_ptr(), module.scales.data_ptr()
         return _Q8Codes(packed, scales, mins, module.block, module.max_rows, module.fma)
-    if _int4_f32(module):  # --quantization int4's float32 rows: the same affine 4-bit kernels on its codes
+    if _quantized_f32(module):  # --quantization's float32 rows: the Python path's kernels on its codes
+        int4 = module.int4_mins is not None  # affine 4-bit codes per 32 inputs, else int8 per output: block 0
         return _Q8Codes(
             module.packed.data_ptr(),
             module.scales_zeros.data_ptr(),
-            module.int4_mins.data_ptr(),
-            32,
+            module.int4_mins.data_ptr() if int4 else 0,
+            32 if int4 else 0,
             module.max_rows_quantized,
             module.fma,
         )
     return _Q8Codes()
 
 
-def _int4_f32(module: Any) -> bool:
-    """A float32 int4 linear whose few rows run on its affine 4-bit block codes (quant.py)."""
+def _quantized_f32(module: Any) -> bool:
+    """A float32 int4 or int8 linear whose few rows run on its codes (quant.py: the affine 4-bit block codes,
+    or cpu_qgemv.c's int8 rows)."""
     return (
         isinstance(module, QuantizedLinear)
-        and module.int4_mins is not None
+        and (module.int4_mins is not None or module.c_gemv)
         and module.weight.dtype == torch.float32
     )
 
@@ -341,18 +343,19 @@ def _bf16_layer(a: Any, m: Any, gemma: bool) -> bool:
 
 
 def _f32_layer(a: Any, m: Any, gemma: bool) -> bool:
-    """Every linear on float32 block codes (a float32 Q8Linear, or int4's), silu * up after an unbiased
-    gate_up."""
+    """Every linear on float32 rows' codes (a float32 Q8Linear, or int4's or int8's), silu * up after an
+    unbiased gate_up."""
     linears = (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)
     return (
         not gemma
-        and all(
-            (isinstance(q, Q8Linear) and q.dtype == torch.float32 and q.activation is None) or _int4_f32(q)
-            for q in linears
-        )
+        and all(_quantized_f32(q) or _f32_codes(q) for q in linears)
         and type(m.act_fn) is SiluAndMul
         and m.gate_up_proj.bias is None
     )
+
+
+def _f32_codes(q: Any) -> bool:
+    return isinstance(q, Q8Linear) and q.dtype == torch.float32 and q.activation is None
 
 
 def _linears_max_rows(layers: Any) -> list[int]:

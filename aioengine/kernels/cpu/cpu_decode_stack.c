@@ -14,7 +14,8 @@
 
 /* A linear's GGUF block codes (codes NULL: none; mins non-NULL: affine 4-bit ones, in cpu_q4_bf16.c's tiles
  * where the CPU has AVX512-BF16, in cpu_q4_f32.c's layout for float32 rows with fma set, else cpu_q8.c's),
- * run for steps of up to max_rows rows in place of its packed GEMM, as gpu/cpu/q8_linear.py's Q8Linear does. */
+ * run for steps of up to max_rows rows in place of its packed GEMM, as gpu/cpu/q8_linear.py's Q8Linear does;
+ * block 0 (float32 stack only): --quantization int8's codes, one scale per output (cpu_qgemv.c). */
 typedef struct {
     const uint8_t *codes;
     const float *scales, *mins;
@@ -143,6 +144,10 @@ int decode_stack_bf16(const layer_weights *layers, int num_layers, const stack_a
 static int linear_f32(const q8_codes *q, const stack_args *a, const float *x, int64_t ldx, const float *bias,
                       float *y, int64_t ldy, int64_t n, int64_t k) {
     if (q->codes == NULL || a->rows > q->max_rows) return -1;
+    if (q->block == 0) { /* --quantization int8: int8 codes with a scale per output (cpu_qgemv.c) */
+        qgemv_int8_f32(x, ldx, (const int8_t *)q->codes, q->scales, bias, y, ldy, a->rows, n, k, a->num_threads);
+        return 0;
+    }
     if (q->fma)
         return q4f_gemv_f32(x, ldx, q->codes, q->scales, q->mins, bias, y, ldy, a->rows, n, k, a->num_threads);
     return qgemv_q8_f32(x, ldx, q->codes, q->scales, q->mins, q->block, bias, y, ldy, a->rows, n, k, NULL, 3,

@@ -246,9 +246,10 @@ def test_the_float32_stack_takes_decodes_the_codes_take(tmp_path):
 @needs_codes
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("seq_lens", [[1], [17, 1, 40, 33, 16], [5 + 7 * i for i in range(8)]])
-def test_the_float32_stack_takes_int4_layers_with_the_python_paths_bits(tmp_path, arch, seq_lens):
-    """--quantization int4 in float32: its linears' affine 4-bit codes go through the stack (up to their
-    8 rows) with the Python path's hidden states and KV cache; past 8 rows the Python path."""
+@pytest.mark.parametrize("method", ["int4", "int8"])
+def test_the_float32_stack_takes_quantized_layers_with_python_paths_bits(tmp_path, arch, seq_lens, method):
+    """--quantization int4 and int8 in float32: their linears' codes (affine 4-bit per 32 inputs; int8 per
+    output) go through the stack, up to their 8 rows, with the Python path's hidden states and KV cache."""
     from aioengine.gpu.cpu.quant import QuantizedLinear, quantize_model
 
     make_tiny_checkpoint(
@@ -264,7 +265,7 @@ def test_the_float32_stack_takes_int4_layers_with_the_python_paths_bits(tmp_path
     )
     backend = CpuBackend()
     model, cfg = load_model(tmp_path, dtype=torch.float32, ops=backend.ops)
-    quantize_model(model, "int4")
+    quantize_model(model, method)
     pack_linears(model)
     assert isinstance(model.model.layers[0].mlp.down_proj, QuantizedLinear)
     want, want_kv = _decode(model, cfg, backend, False, seq_lens)
