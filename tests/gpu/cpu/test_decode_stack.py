@@ -13,6 +13,7 @@ from aioengine.gpu.cpu.backend import CpuBackend
 from aioengine.gpu.cpu.decode_stack import CpuDecodeStack
 from aioengine.gpu.cpu.linear import pack_linears
 from aioengine.gpu.cpu.q8_linear import Q8Linear
+from aioengine.gpu.cpu.quant import QuantizedLinear, quantize_model
 from aioengine.gpu.loader import load_model
 from aioengine.kernels.cpu import clib as cpu_kernels
 from aioengine.kernels.cpu import q8
@@ -32,11 +33,17 @@ GEMMA = dict(layer_types=["sliding_attention", "full_attention", "sliding_attent
 
 
 def _model(
-    tmp_path, arch: str, head_dim: int = 64, codes: bool = False, q4_1: bool = False, dtype=torch.bfloat16
+    tmp_path,
+    arch: str,
+    head_dim: int = 64,
+    codes: bool = False,
+    q4_1: bool = False,
+    dtype=torch.bfloat16,
+    quantization: str | None = None,
 ):
     """A tiny random checkpoint (conftest's, heads of 64 or 128 for the AVX512-BF16 attention loop) in
     ``dtype``, packed; ``codes``: its projections exact block codes (``q4_1``: all Q4_1), run on them
-    (gpu/cpu/q8_linear.py)."""
+    (gpu/cpu/q8_linear.py); ``quantization``: its linears quantized first (gpu/cpu/quant.py)."""
     hf = make_tiny_checkpoint(
         arch,
         tmp_path,
@@ -54,6 +61,8 @@ def _model(
         hf.save_pretrained(tmp_path)
     backend = CpuBackend()
     model, cfg = load_model(tmp_path, dtype=dtype, ops=backend.ops)
+    if quantization is not None:
+        quantize_model(model, quantization)
     pack_linears(model)
     if codes:
         assert attach_codes(model, tmp_path) == 4 * cfg.num_hidden_layers
@@ -250,23 +259,7 @@ def test_the_float32_stack_takes_decodes_the_codes_take(tmp_path):
 def test_the_float32_stack_takes_quantized_layers_with_python_paths_bits(tmp_path, arch, seq_lens, method):
     """--quantization int4 and int8 in float32: their linears' codes (affine 4-bit per 32 inputs; int8 per
     output) go through the stack, up to their 8 rows, with the Python path's hidden states and KV cache."""
-    from aioengine.gpu.cpu.quant import QuantizedLinear, quantize_model
-
-    make_tiny_checkpoint(
-        arch,
-        tmp_path,
-        hidden_size=384,
-        intermediate_size=192,
-        num_hidden_layers=3,
-        num_attention_heads=6,
-        num_key_value_heads=2,
-        head_dim=64,
-        vocab_size=300,
-    )
-    backend = CpuBackend()
-    model, cfg = load_model(tmp_path, dtype=torch.float32, ops=backend.ops)
-    quantize_model(model, method)
-    pack_linears(model)
+    model, cfg, backend = _model(tmp_path, arch, dtype=torch.float32, quantization=method)
     assert isinstance(model.model.layers[0].mlp.down_proj, QuantizedLinear)
     want, want_kv = _decode(model, cfg, backend, False, seq_lens)
     got, got_kv = _decode(model, cfg, backend, True, seq_lens)
