@@ -1,5 +1,6 @@
 """Python entry points of cpu_q8.c: GEMVs on a GGUF's own block codes (int8 with a scale per 16 or 32
-inputs, or 4-bit with a scale and an offset per 32), and of cpu_q4_f32.c (4-bit codes, float32 FMAs)."""
+inputs, or 4-bit with a scale and an offset per 32), and of cpu_q4_f32.c (4-bit and 8-bit codes, float32
+FMAs)."""
 
 from __future__ import annotations
 
@@ -25,9 +26,9 @@ def bf16_dots() -> bool:
 
 
 def f32_fma() -> bool:
-    """Whether float32 rows against affine 4-bit codes take cpu_q4_f32.c's FMAs at the loaded level (codes
-    from ``pack4_f32``, ``q4f_gemv``) rather than the integer dots (``pack4``, ``qgemv_f32``): x86 levels
-    without AVX512-VNNI, where the FMAs measured faster (docs/benchmarks.md)."""
+    """Whether float32 rows against block codes take cpu_q4_f32.c's FMAs at the loaded level (codes from
+    ``pack4_f32``/``pack8_f32``, ``q4f_gemv``/``q8f_gemv``) rather than the integer dots (``pack4``/``pack``,
+    ``qgemv_f32``): x86 levels without AVX512-VNNI, where the FMAs measured faster (docs/benchmarks.md)."""
     lib = clib.load()
     return lib is not None and bool(lib.q4f_preferred())
 
@@ -52,24 +53,7 @@ def q4f_gemv(
 ) -> torch.Tensor:
     """``x @ W.T (+ bias)``, ``W = q * scale + mins`` per block of 32, for float32 ``x [M, K]`` (unit inner
     stride) and ``packed = pack4_f32(q)``: float32 ``[M, N]``, x as it is (float32's roundings only)."""
-    m, k, n = _shapes(x, torch.float32, packed, scale, 32, bias, mins)
-    y = torch.empty((m, n), dtype=torch.float32)
-    status = _lib().q4f_gemv_f32(
-        x.data_ptr(),
-        x.stride(0),
-        packed.data_ptr(),
-        scale.data_ptr(),
-        mins.data_ptr(),
-        0 if bias is None else bias.data_ptr(),
-        y.data_ptr(),
-        n,
-        m,
-        n,
-        k,
-        torch.get_num_threads(),
-    )
-    _check(status)
-    return y
+    return _fma_gemv(x, packed, scale, mins, bias)
 
 
 def pack8_f32(q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -86,21 +70,26 @@ def pack8_f32(q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
 def q8f_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``x @ W.T``, ``W = q * scale`` per block of 32, for float32 ``x [M, K]`` (unit inner stride) and
     ``packed = pack8_f32(q)``: float32 ``[M, N]``, x as it is (float32's roundings only)."""
-    m, k, n = _shapes(x, torch.float32, packed, scale, 32, None)
+    return _fma_gemv(x, packed, scale, None, None)
+
+
+def _fma_gemv(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    mins: torch.Tensor | None,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """cpu_q4_f32.c's call: 4-bit codes with ``mins``, 8-bit ones without."""
+    m, k, n = _shapes(x, torch.float32, packed, scale, 32, bias, mins)
     y = torch.empty((m, n), dtype=torch.float32)
-    status = _lib().q8f_gemv_f32(
-        x.data_ptr(),
-        x.stride(0),
-        packed.data_ptr(),
-        scale.data_ptr(),
-        0,
-        y.data_ptr(),
-        n,
-        m,
-        n,
-        k,
-        torch.get_num_threads(),
-    )
+    lib = _lib()
+    head = (x.data_ptr(), x.stride(0), packed.data_ptr(), scale.data_ptr())
+    tail = (0 if bias is None else bias.data_ptr(), y.data_ptr(), n, m, n, k, torch.get_num_threads())
+    if mins is None:
+        status = lib.q8f_gemv_f32(*head, *tail)
+    else:
+        status = lib.q4f_gemv_f32(*head, mins.data_ptr(), *tail)
     _check(status)
     return y
 
