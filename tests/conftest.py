@@ -1,4 +1,5 @@
-"""Session-wide test setup: Triton runs under its CPU interpreter when no GPU is present, and --cpu-isa.
+"""Session-wide test setup: each xdist worker's own cores, Triton's CPU interpreter when no GPU is present,
+and --cpu-isa.
 
 TRITON_INTERPRET is read when a kernel is decorated, so it is set here, before any test module
 (or a library such as xgrammar) can import a kernel module.
@@ -6,6 +7,16 @@ TRITON_INTERPRET is read when a kernel is decorated, so it is set here, before a
 
 import os
 import shutil
+
+# xdist workers that each run torch's and the kernels' OpenMP threads over every core spin against each other
+# and slow the suite badly: each worker gets its own share of the cores, and the engines it starts size their
+# threads to it. Tests of thread counts set them explicitly; the serial part has every core.
+_worker = os.environ.get("PYTEST_XDIST_WORKER")
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+if _worker and _workers > 1 and hasattr(os, "sched_setaffinity"):
+    _cores = sorted(os.sched_getaffinity(0))
+    _i = int(_worker.removeprefix("gw"))
+    os.sched_setaffinity(0, _cores[_i::_workers] if _workers <= len(_cores) else [_cores[_i % len(_cores)]])
 
 if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
