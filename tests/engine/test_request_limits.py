@@ -38,14 +38,15 @@ def test_a_deadline_from_python_is_the_same(tiny_llama):
 
     async def main():
         async with AsyncEngine(EngineArgs(model=str(path), dtype="float32")) as engine:
-            # A loaded machine may pass a short deadline before the first token, a fast one may finish 500 tokens
-            # before a long one: double the deadline until one lands mid-generation.
+            # A loaded machine may pass a short deadline before the first token, a fast one may finish 500
+            # tokens before a long one: double the deadline until one lands mid-generation.
             mid = []
             for timeout_s in (0.2, 0.4, 0.8, 1.6, 3.2):
                 params = SamplingParams(max_tokens=500, ignore_eos=True, timeout_s=timeout_s)
                 out = (await engine.generate([1, 2, 3], params)).outputs[0]
                 assert out.finish_reason == ("length" if len(out.token_ids) == 500 else "timeout")
-                assert engine.scheduler.kv_cache_manager.usage == 0.0 and engine.num_unfinished_requests() == 0
+                assert engine.scheduler.kv_cache_manager.usage == 0.0
+                assert engine.num_unfinished_requests() == 0
                 if out.finish_reason == "timeout" and out.token_ids:
                     mid.append(len(out.token_ids))
                     break
