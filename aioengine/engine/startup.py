@@ -144,19 +144,27 @@ async def load(
     tokenizer_fut = loop.run_in_executor(
         None, load_engine_tokenizer, args, model_path, cfg_probe["vocab_size"]
     )
-    runner = await asyncio.wrap_future(
-        executor.collective_rpc(
-            "load",
-            model_path,
-            getattr(torch, config.dtype),
-            config.max_num_seqs,
-            config.max_model_len,
-            args.block_size,
-            args.seed,
-            args.quantization,
-            draft_path,
+    try:
+        runner = await asyncio.wrap_future(
+            executor.collective_rpc(
+                "load",
+                model_path,
+                getattr(torch, config.dtype),
+                config.max_num_seqs,
+                config.max_model_len,
+                args.block_size,
+                args.seed,
+                args.quantization,
+                draft_path,
+            )
         )
-    )
+    except BaseException:
+        # The model's error is the one raised: the tokenizer thread finishes first (nothing keeps loading
+        # behind a failed start) and its own error, if any, is retrieved, not left to the loop's logger.
+        await asyncio.wait([tokenizer_fut])
+        if not tokenizer_fut.cancelled():
+            tokenizer_fut.exception()
+        raise
     return runner, await tokenizer_fut
 
 

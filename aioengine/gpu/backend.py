@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from aioengine.config import EngineArgs
-from aioengine.kernels import reference
+from aioengine.kernels import reference, reference_moe
 from aioengine.kernels.metadata import AttentionMetadata
 from aioengine.sched.output import ModelRunnerOutput
 
@@ -71,6 +71,18 @@ class Ops:
     ) -> torch.Tensor:
         """Causal paged attention; ``window``: a sliding-window layer's span (itself, window - 1 before)."""
         return reference.paged_attention(query, kv_cache, meta, scale, window=window)
+
+    def fused_moe(
+        self,
+        x: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        """The routed experts' MLP of tokens ``x`` ``[T, H]`` (see ``reference_moe``); under tensor
+        parallelism the rank's part of each expert, summed by the caller's all-reduce."""
+        return reference_moe.fused_moe(x, w13, w2, topk_weights, topk_ids)
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """Each row's argmax (int64; torch's: first maximum, NaN wins), for a plain greedy batch."""

@@ -2,9 +2,11 @@
 slice of each checkpoint tensor it loads, and the process group its all-reduces run in.
 
 The plan follows vLLM's: qkv and gate_up are column-parallel, o and down row-parallel (an all-reduce after
-each); KV heads are split between ranks, or replicated when there are fewer of them than ranks. Heads are
-split along KV groups, so a rank's query heads always share its KV heads in equal groups; a split that
-does not divide evenly gives some ranks one KV head more (the default model's 3 KV heads over 2 ranks).
+each), and so is every expert of a mixture (each rank holds a slice of every expert's intermediate columns;
+the router is replicated). KV heads are split between ranks, or replicated when there are fewer of them
+than ranks. Heads are split along KV groups, so a rank's query heads always share its KV heads in equal
+groups; a split that does not divide evenly gives some ranks one KV head more (the default model's 3 KV
+heads over 2 ranks).
 The embedding and the LM head are replicated: every rank samples, so every rank needs whole logit rows,
 and a replicated head needs no gather (the cost is one head's memory and bandwidth per rank).
 """
@@ -36,13 +38,15 @@ class TensorParallelError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class TPShard:
-    """What rank ``rank`` of ``size`` holds: ``[start, end)`` of query heads, KV heads and MLP columns."""
+    """What rank ``rank`` of ``size`` holds: ``[start, end)`` of query heads, KV heads, MLP columns and
+    each expert's columns."""
 
     rank: int
     size: int
     q_heads: tuple[int, int]
     kv_heads: tuple[int, int]
     intermediate: tuple[int, int]
+    expert_intermediate: tuple[int, int] = (0, 0)
 
 
 def _balanced(n: int, parts: int, i: int) -> tuple[int, int]:
@@ -52,7 +56,14 @@ def _balanced(n: int, parts: int, i: int) -> tuple[int, int]:
     return start, start + base + (i < extra)
 
 
-def plan_shard(num_heads: int, num_kv_heads: int, intermediate_size: int, rank: int, size: int) -> TPShard:
+def plan_shard(
+    num_heads: int,
+    num_kv_heads: int,
+    intermediate_size: int,
+    rank: int,
+    size: int,
+    expert_intermediate_size: int = 0,
+) -> TPShard:
     if not 0 <= rank < size:
         raise TensorParallelError(f"rank {rank} is not within a tensor-parallel size of {size}")
     if num_heads % num_kv_heads:
@@ -62,6 +73,10 @@ def plan_shard(num_heads: int, num_kv_heads: int, intermediate_size: int, rank: 
     group = num_heads // num_kv_heads
     if intermediate_size < size:
         raise TensorParallelError(f"an MLP of {intermediate_size} columns cannot be split over {size} ranks")
+    if 0 < expert_intermediate_size < size:
+        raise TensorParallelError(
+            f"experts of {expert_intermediate_size} columns cannot be split over {size} ranks"
+        )
     if num_kv_heads >= size:
         kv = _balanced(num_kv_heads, size, rank)
         q = (kv[0] * group, kv[1] * group)
@@ -81,15 +96,29 @@ def plan_shard(num_heads: int, num_kv_heads: int, intermediate_size: int, rank: 
         kv = (head, head + 1)
         sub = _balanced(group, replicas, rank % replicas)
         q = (head * group + sub[0], head * group + sub[1])
-    return TPShard(rank, size, q, kv, _balanced(intermediate_size, size, rank))
+    experts = _balanced(expert_intermediate_size, size, rank) if expert_intermediate_size else (0, 0)
+    return TPShard(rank, size, q, kv, _balanced(intermediate_size, size, rank), experts)
 
 
 def shard_of(config: Any, rank: int, size: int) -> TPShard:
     from aioengine.gpu.models.llama import num_kv_heads_of
 
     return plan_shard(
-        config.num_attention_heads, num_kv_heads_of(config), config.intermediate_size, rank, size
+        config.num_attention_heads,
+        num_kv_heads_of(config),
+        config.intermediate_size,
+        rank,
+        size,
+        expert_intermediate_of(config),
     )
+
+
+def expert_intermediate_of(config: Any) -> int:
+    """Each expert's intermediate size (Qwen-MoE's ``moe_intermediate_size``, Mixtral's experts are its
+    ``intermediate_size``); 0 for a model without experts."""
+    if not (getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)):
+        return 0
+    return int(getattr(config, "moe_intermediate_size", None) or config.intermediate_size)
 
 
 def shard_config(config: Any, shard: TPShard) -> Any:
@@ -102,6 +131,8 @@ def shard_config(config: Any, shard: TPShard) -> Any:
     local.num_attention_heads = shard.q_heads[1] - shard.q_heads[0]
     local.num_key_value_heads = shard.kv_heads[1] - shard.kv_heads[0]
     local.intermediate_size = shard.intermediate[1] - shard.intermediate[0]
+    if getattr(config, "moe_intermediate_size", None):
+        local.moe_intermediate_size = shard.expert_intermediate[1] - shard.expert_intermediate[0]
     local.tp_shard = shard
     return local
 
@@ -109,6 +140,9 @@ def shard_config(config: Any, shard: TPShard) -> Any:
 # HF parameter name part -> (dim to slice, which range); row-parallel biases are added by rank 0 alone.
 _COLUMN = {"q_proj": "q", "k_proj": "kv", "v_proj": "kv", "gate_proj": "mlp", "up_proj": "mlp"}
 _ROW = {"o_proj": "q", "down_proj": "mlp"}
+# An expert's projections, by either naming (Qwen-MoE's, Mixtral's w1 gate, w3 up, w2 down)
+_EXPERT_COLUMN = frozenset({"gate_proj", "up_proj", "w1", "w3"})
+_EXPERT_ROW = frozenset({"down_proj", "w2"})
 
 # Reads ``tensor[index]`` of one checkpoint tensor: a safetensors slice reads only those bytes.
 Reader = Callable[[tuple[slice, ...] | None], torch.Tensor]
@@ -128,6 +162,11 @@ def weight_index(
         "kv": tuple(h * head_dim for h in shard.kv_heads),
         "mlp": shard.intermediate,
     }
+    if ".experts." in name:
+        start, end = shard.expert_intermediate
+        if module in _EXPERT_COLUMN:
+            return (slice(start, end),)
+        return (slice(None), slice(start, end)) if module in _EXPERT_ROW else None
     if module in _COLUMN:
         start, end = ranges[_COLUMN[module]]
         return (slice(start, end),)

@@ -1,5 +1,5 @@
-"""Tiny random-weight checkpoints (Llama, Qwen2, Qwen3, Mistral and Gemma 3 with sliding windows) with a
-real tokenizer, for engine tests."""
+"""Tiny random-weight checkpoints (Llama, Qwen2, Qwen3, Mistral, Gemma 3 with sliding windows, and the
+mixtures of experts Qwen3-MoE and Mixtral) with a real tokenizer, for engine tests."""
 
 from __future__ import annotations
 
@@ -40,6 +40,24 @@ TINY = {
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(head_dim=24)),
     # every layer windowed; prompts run past the window
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(sliding_window=32)),
+    # mixtures of experts: 8 experts, top-2, renormalised, the first layer dense; 4 experts, top-2 (Mixtral)
+    "qwen3_moe": (
+        transformers.Qwen3MoeConfig,
+        transformers.Qwen3MoeForCausalLM,
+        dict(
+            head_dim=24,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            mlp_only_layers=[0],
+        ),
+    ),
+    "mixtral": (
+        transformers.MixtralConfig,
+        transformers.MixtralForCausalLM,
+        dict(num_local_experts=4, num_experts_per_tok=2),
+    ),
     # a windowed layer (its own RoPE base) beside a full one, GeGLU, (1 + w) norms, soft-capped logits
     "gemma3": (
         transformers.Gemma3TextConfig,
@@ -90,7 +108,7 @@ def tiny_checkpoint_of(tmp_path_factory):
     made: dict = {}
 
     def make(kind: str, **overrides):
-        key = (kind, tuple(sorted(overrides.items())))
+        key = (kind, repr(sorted(overrides.items())))
         if key not in made:
             path = tmp_path_factory.mktemp(f"tiny-{kind}")
             make_tiny_checkpoint(kind, path, **overrides)

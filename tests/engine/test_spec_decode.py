@@ -62,7 +62,7 @@ def run(coro):
 DRAFT_OF = {"qwen2": ("llama", {}), "gemma3": ("gemma3", {"intermediate_size": 96})}
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "gemma3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "gemma3", "qwen3_moe"])
 @pytest.mark.parametrize("case", ["chunked", "prefix", "preempt"])
 def test_greedy_tokens_equal_speculation_off(tiny_checkpoint_of, kind, case):
     """n-gram drafts, and for two of the targets a draft model's, against the same run without drafts."""

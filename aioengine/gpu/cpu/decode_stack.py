@@ -252,7 +252,7 @@ class CpuDecodeStack:
             a, m = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
             if (
                 a is None
-                or m is None
+                or getattr(m, "gate_up_proj", None) is None  # a routed block of experts: not in the stack
                 or _is_gemma(layer) != gemma
                 or (a.q_norm is not None) != gemma  # Qwen3's (plain RMSNorm) q/k norms are not in the stack
                 or not check(a, m, gemma)

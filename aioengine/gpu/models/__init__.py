@@ -6,6 +6,7 @@ from typing import Any
 
 from aioengine.gpu.models.gemma3 import Gemma3ForCausalLM
 from aioengine.gpu.models.llama import LlamaForCausalLM, sliding_window
+from aioengine.gpu.models.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
 from aioengine.gpu.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
@@ -14,6 +15,8 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
 }
 
 
@@ -33,8 +36,10 @@ __all__ = [
     "MODEL_REGISTRY",
     "Gemma3ForCausalLM",
     "LlamaForCausalLM",
+    "MixtralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
     "get_model_class",
     "sliding_window",
 ]

@@ -7,7 +7,7 @@ Qwen2/Qwen3 reuse these classes with the switches in ``LlamaForCausalLM``'s clas
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, cast
 
 import torch
@@ -147,10 +147,19 @@ def layer_windows(config: Any, layer_types: list[str] | None = None) -> list[int
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, dtype: torch.dtype, device: Any, ops: Ops, **attn_switches: Any) -> None:
+    def __init__(
+        self,
+        config: Any,
+        dtype: torch.dtype,
+        device: Any,
+        ops: Ops,
+        mlp: nn.Module | None = None,
+        **attn_switches: Any,
+    ) -> None:
+        """``mlp``: the layer's feed-forward block (default: a LlamaMLP; a routed block of experts)."""
         super().__init__()
         self.self_attn = LlamaAttention(config, dtype, device, ops=ops, **attn_switches)
-        self.mlp = LlamaMLP(config, dtype, device, ops)
+        self.mlp = mlp if mlp is not None else LlamaMLP(config, dtype, device, ops)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, ops)
 
@@ -174,7 +183,16 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: Any, dtype: torch.dtype, device: Any, ops: Ops, **attn_switches: bool) -> None:
+    def __init__(
+        self,
+        config: Any,
+        dtype: torch.dtype,
+        device: Any,
+        ops: Ops,
+        make_mlp: Callable[[int], nn.Module | None] | None = None,
+        **attn_switches: bool,
+    ) -> None:
+        """``make_mlp(layer_index)``: that layer's feed-forward block, or None for the default LlamaMLP."""
         super().__init__()
         self.embed_tokens = skip_init(
             nn.Embedding, config.vocab_size, config.hidden_size, dtype=dtype, device=device
@@ -185,9 +203,17 @@ class LlamaModel(nn.Module):
         slots = layer_slots(self.kv_cache_groups, len(windows))
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(
-                config, dtype, device, ops, rotary_emb=rope, sliding_window=w, kv_group=g, **attn_switches
+                config,
+                dtype,
+                device,
+                ops,
+                mlp=make_mlp(i) if make_mlp is not None else None,
+                rotary_emb=rope,
+                sliding_window=w,
+                kv_group=g,
+                **attn_switches,
             )
-            for w, (g, _) in zip(windows, slots, strict=True)
+            for i, (w, (g, _)) in enumerate(zip(windows, slots, strict=True))
         )
         self.norm: nn.Module = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, ops)
 
@@ -230,13 +256,26 @@ class LlamaForCausalLM(nn.Module):
         self.ops = ops
         qkv_bias, o_bias = self.attention_biases(config)
         self.model = LlamaModel(
-            config, dtype, device, ops, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=self.qk_norm
+            config,
+            dtype,
+            device,
+            ops,
+            make_mlp=lambda i: self.make_mlp(config, i, dtype, device, ops),
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            qk_norm=self.qk_norm,
         )
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens  # same weight; the checkpoint may omit lm_head
         else:
             self.lm_head = _linear(config.hidden_size, config.vocab_size, False, dtype, device)
+
+    def make_mlp(
+        self, config: Any, layer: int, dtype: torch.dtype, device: Any, ops: Ops
+    ) -> nn.Module | None:
+        """Layer ``layer``'s feed-forward block; None: the dense LlamaMLP (a mixture of experts overrides)."""
+        return None
 
     @property
     def kv_cache_groups(self) -> tuple[KVCacheGroup, ...]:
@@ -302,8 +341,10 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"unexpected weight {hf_name!r} for {type(self).__name__}")
             target = params[name].data
             if shard is not None:
-                start, size = modules[name.rpartition(".")[0]].shard_offsets[shard]
-                target = target.narrow(0, start, size)
+                offsets = modules[name.rpartition(".")[0]].shard_offsets[shard]
+                if len(offsets) == 3:  # (expert, start, size): rows of one expert in a stacked [E, ...]
+                    target = target[offsets[0]]
+                target = target.narrow(0, offsets[-2], offsets[-1])
             if target.shape != tensor.shape:
                 raise ValueError(
                     f"{hf_name}: checkpoint shape {tuple(tensor.shape)} != {tuple(target.shape)}"
@@ -315,8 +356,7 @@ class LlamaForCausalLM(nn.Module):
             more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
             raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:8])}{more}")
 
-    @staticmethod
-    def _param_name(hf_name: str) -> tuple[str, str | None]:
+    def _param_name(self, hf_name: str) -> tuple[str, str | None]:
         """HF name -> (our parameter name, shard of a fused parameter or None)."""
         for fused, shards in FUSED_SHARDS.items():
             for shard in shards:

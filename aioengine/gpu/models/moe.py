@@ -1,0 +1,160 @@
+"""Mixture-of-experts decoders (Qwen3-MoE, Mixtral): the Llama code with a routed block of experts in
+place of a layer's MLP, the experts stacked as the backend's fused-MoE op takes them."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.utils import skip_init
+
+from aioengine.gpu.backend import Ops
+from aioengine.gpu.models.llama import LlamaForCausalLM
+from aioengine.kernels.reference_moe import select_experts
+
+
+class Router(nn.Linear):
+    """The router's logits. Its own type, so that no backend packs or quantizes it (the linears' rewrites
+    take plain nn.Linear only): which experts run must not move with the experts' rounding, and it is tiny."""
+
+
+class _Stacked(nn.Module):
+    """One stacked expert weight ``[E, rows, cols]``; ``shard_offsets``: where each checkpoint tensor goes."""
+
+    def __init__(
+        self, shape: tuple[int, int, int], offsets: dict[str, tuple[int, int, int]], dtype: Any, device: Any
+    ):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
+        self.shard_offsets = offsets  # "<expert>.<proj>" -> (expert, first row, rows)
+
+
+class _Experts(nn.Module):
+    def __init__(self, w13: _Stacked, w2: _Stacked) -> None:
+        super().__init__()
+        self.w13, self.w2 = w13, w2
+
+
+class FusedMoE(nn.Module):
+    """A router (``gate``) and E experts: ``experts.w13`` ``[E, 2 * I, H]`` (gate rows, then up rows) and
+    ``experts.w2`` ``[E, H, I]``. A token runs its top-k experts, weighted by the router."""
+
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        num_experts: int,
+        top_k: int,
+        renormalize: bool,
+        dtype: torch.dtype,
+        device: Any,
+        ops: Ops,
+    ) -> None:
+        super().__init__()
+        assert 0 < top_k <= num_experts, f"top-{top_k} of {num_experts} experts"
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.gate = skip_init(Router, hidden, num_experts, bias=False, dtype=dtype, device=device)
+        e_range = range(num_experts)
+        gate_up = {f"{e}.gate_proj": (e, 0, intermediate) for e in e_range}
+        gate_up |= {f"{e}.up_proj": (e, intermediate, intermediate) for e in e_range}
+        down = {f"{e}.down_proj": (e, 0, hidden) for e in e_range}
+        self.experts = _Experts(
+            _Stacked((num_experts, 2 * intermediate, hidden), gate_up, dtype, device),
+            _Stacked((num_experts, hidden, intermediate), down, dtype, device),
+        )
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)
+        w13, w2 = self.experts.w13.weight, self.experts.w2.weight
+        return self.ops.all_reduce(self.ops.fused_moe(x, w13, w2, weights, ids))
+
+
+# A checkpoint's per-expert tensor: "<layer>.<block>.experts.<e>.<proj>.weight"
+_EXPERT = re.compile(
+    r"^(?P<layer>.*\.layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(?P<e>\d+)\.(?P<proj>\w+)\.weight$"
+)
+
+
+class _MoEForCausalLM(LlamaForCausalLM):
+    """The Llama family with routed experts; subclasses say which layers are sparse and how they route."""
+
+    renormalize = True
+    expert_names = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}
+
+    @staticmethod
+    def num_experts(config: Any) -> int:
+        n = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+        if not n:
+            raise ValueError(f"{type(config).__name__} names no experts (num_experts / num_local_experts)")
+        return int(n)
+
+    def expert_intermediate(self, config: Any) -> int:
+        return int(config.intermediate_size)
+
+    def is_sparse(self, config: Any, layer: int) -> bool:
+        return True
+
+    def routes_with(self, config: Any) -> bool:
+        return self.renormalize
+
+    def make_mlp(
+        self, config: Any, layer: int, dtype: torch.dtype, device: Any, ops: Ops
+    ) -> nn.Module | None:
+        if not self.is_sparse(config, layer):
+            return None
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported experts' hidden_act {config.hidden_act!r}: the experts run SwiGLU")
+        return FusedMoE(
+            config.hidden_size,
+            self.expert_intermediate(config),
+            self.num_experts(config),
+            int(config.num_experts_per_tok),
+            self.routes_with(config),
+            dtype,
+            device,
+            ops,
+        )
+
+    def _param_name(self, hf_name: str) -> tuple[str, str | None]:
+        m = _EXPERT.match(hf_name)
+        if m is not None:
+            proj = self.expert_names.get(m["proj"])
+            if proj is None:
+                raise ValueError(f"unexpected expert weight {hf_name!r} for {type(self).__name__}")
+            param = "w2" if proj == "down_proj" else "w13"
+            return f"{m['layer']}.mlp.experts.{param}.weight", f"{m['e']}.{proj}"
+        return super()._param_name(hf_name.replace(".block_sparse_moe.", ".mlp."))
+
+
+class Qwen3MoeForCausalLM(_MoEForCausalLM):
+    """Qwen3-MoE: Qwen3's attention (q/k norms); layers past ``mlp_only_layers``, every
+    ``decoder_sparse_step``-th, route to top-k of the softmax, renormalised when ``norm_topk_prob``."""
+
+    qk_norm = True
+
+    def expert_intermediate(self, config: Any) -> int:
+        return int(config.moe_intermediate_size)
+
+    def is_sparse(self, config: Any, layer: int) -> bool:
+        step = int(getattr(config, "decoder_sparse_step", 1) or 1)
+        return (
+            self.num_experts(config) > 0
+            and layer not in (getattr(config, "mlp_only_layers", None) or [])
+            and (layer + 1) % step == 0
+        )
+
+    def routes_with(self, config: Any) -> bool:
+        return bool(getattr(config, "norm_topk_prob", False))
+
+
+class MixtralForCausalLM(_MoEForCausalLM):
+    """Mixtral: Mistral's attention; every layer routes to the top-k experts, renormalised (a softmax over
+    the top-k logits). Its experts are named w1 (gate), w3 (up) and w2 (down)."""
+
+    expert_names = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+__all__ = ["FusedMoE", "MixtralForCausalLM", "Qwen3MoeForCausalLM"]

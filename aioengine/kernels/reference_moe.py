@@ -1,0 +1,60 @@
+"""The torch reference of the mixture-of-experts ops: routing a token to its top-k experts, and the fused
+expert MLP that runs each expert on its own tokens' rows only.
+
+Expert weights are stacked: ``w13`` is ``[E, 2 * I, H]`` (each expert's gate rows, then its up rows) and
+``w2`` is ``[E, H, I]`` (its down projection), as vLLM's ``FusedMoE`` holds them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from aioengine.kernels.reference import silu_and_mul
+
+
+def select_experts(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[T, E]`` router logits -> (weights ``[T, k]`` in the logits' dtype, expert ids ``[T, k]`` int64):
+    the top-k of the float32 softmax over all experts, rescaled to sum to 1 with ``renormalize`` (Mixtral,
+    Qwen3-MoE's ``norm_topk_prob``), in transformers' order of operations."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(router_logits.dtype), ids
+
+
+def expert_runs(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, list[int]]:
+    """The token-expert pairs grouped by expert: (indices into ``topk_ids.flatten()`` sorted by expert, in
+    token order within one, and each expert's count). An expert no token chose has a count of 0."""
+    flat = topk_ids.flatten()
+    order = torch.argsort(flat, stable=True)
+    return order, torch.bincount(flat, minlength=num_experts).tolist()
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """``[T, H]`` -> ``[T, H]``: for each token the sum over its k experts of weight * down(silu(gate x) *
+    up x). Each expert reads its weights once, for the rows of the tokens that chose it; experts add into
+    the output in increasing order (transformers' order, so float32 sums match its bits)."""
+    k = topk_ids.shape[1]
+    out = torch.zeros_like(x)
+    order, counts = expert_runs(topk_ids, w13.shape[0])
+    weights = topk_weights.flatten()
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        pairs = order[start : start + n]
+        start += n
+        tokens = pairs // k
+        h = silu_and_mul(F.linear(x[tokens], w13[e]))
+        out.index_add_(0, tokens, F.linear(h, w2[e]) * weights[pairs, None])
+    return out

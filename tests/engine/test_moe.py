@@ -1,0 +1,103 @@
+"""Mixture-of-experts models beyond greedy parity (test_parity, test_quant, test_spec_decode and the TP test
+take Qwen3-MoE and Mixtral too): logprobs equal transformers', structured output holds, each routing
+switch of the config is honoured, and an unsupported mixture is refused by name."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import pytest
+import torch
+import transformers
+
+from aioengine import AsyncEngine, EngineArgs, SamplingParams
+from aioengine.gpu.models import get_model_class
+from aioengine.gpu.models.moe import FusedMoE
+from aioengine.sampling_params import StructuredOutputsParams
+from tests.engine.conftest import SMALL
+from tests.engine.test_parity import hf_greedy, prompts, run_engine
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
+def test_logprobs_equal_transformers(tiny_checkpoint_of, kind):
+    path = tiny_checkpoint_of(kind)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompt = prompts(shared_prefix=False, n=1)[0]
+
+    async def main():
+        async with AsyncEngine(EngineArgs(model=str(path), dtype="float32")) as engine:
+            params = SamplingParams(
+                temperature=0, max_tokens=5, logprobs=3, prompt_logprobs=1, ignore_eos=True
+            )
+            return await engine.generate(prompt, params)
+
+    out = asyncio.run(main())
+    ids = out.outputs[0].token_ids
+    with torch.no_grad():
+        logp = torch.log_softmax(hf(torch.tensor([prompt + ids])).logits[0].double(), -1)
+    for k, (tok, lps) in enumerate(zip(ids, out.outputs[0].logprobs, strict=True)):
+        row = logp[len(prompt) - 1 + k]
+        assert tok == int(row.argmax())
+        for t, lp in lps.items():
+            assert abs(lp.logprob - float(row[t])) < 1e-4, (k, t)
+    for k, lps in enumerate(out.prompt_logprobs[1:], start=1):  # the prompt's own tokens
+        t = prompt[k]
+        assert abs(lps[t].logprob - float(logp[k - 1, t])) < 1e-4
+
+
+def test_structured_output_holds_on_a_mixture(tiny_checkpoint_of):
+    path = tiny_checkpoint_of("qwen3_moe")
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+
+    async def main():
+        async with AsyncEngine(EngineArgs(model=str(path), dtype="float32")) as engine:
+            as_json = SamplingParams(
+                max_tokens=40, seed=3, structured_outputs=StructuredOutputsParams(json=schema)
+            )
+            as_regex = SamplingParams(
+                max_tokens=8, seed=4, structured_outputs=StructuredOutputsParams(regex="[ab]{8}")
+            )
+            return await asyncio.gather(engine.generate("x", as_json), engine.generate("y", as_regex))
+
+    a, b = asyncio.run(main())
+    if a.outputs[0].finish_reason == "stop":  # random weights may run out of tokens before closing it
+        assert isinstance(json.loads(a.outputs[0].text)["n"], int)
+    else:
+        assert re.fullmatch(r'\{\s*("n"\s*(:\s*(-?\d*)?)?)?', a.outputs[0].text)
+    assert re.fullmatch("[ab]{8}", b.outputs[0].text)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(norm_topk_prob=False),  # the top-k of the softmax as they are
+        dict(decoder_sparse_step=2, mlp_only_layers=[]),  # every second layer routes
+        dict(num_experts_per_tok=1, mlp_only_layers=[]),  # top-1
+        dict(num_experts_per_tok=8, num_experts=8, mlp_only_layers=[]),  # every expert
+    ],
+)
+def test_each_routing_switch_keeps_parity(tiny_checkpoint_of, overrides):
+    path = tiny_checkpoint_of("qwen3_moe", **overrides)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ps = prompts(shared_prefix=True, n=6)
+    expected = [hf_greedy(hf, p) for p in ps]
+    got, engine = asyncio.run(run_engine(path, ps, max_num_batched_tokens=48))
+    assert got == expected
+    layers = engine.runner.model.model.layers
+    sparse = [isinstance(layer.mlp, FusedMoE) for layer in layers]
+    config = hf.config
+    assert sparse == [
+        i not in config.mlp_only_layers and (i + 1) % config.decoder_sparse_step == 0
+        for i in range(len(layers))
+    ]
+
+
+@pytest.mark.parametrize("arch", ["DeepseekV3ForCausalLM", "Qwen2MoeForCausalLM", "GptOssForCausalLM"])
+def test_an_unsupported_mixture_is_refused_naming_the_supported_ones(arch):
+    config = transformers.LlamaConfig(**SMALL, architectures=[arch])
+    with pytest.raises(
+        ValueError, match=f"unsupported model architectures \\['{arch}'\\].*Qwen3MoeForCausalLM"
+    ):
+        get_model_class(config)
