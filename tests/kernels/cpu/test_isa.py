@@ -125,7 +125,7 @@ def _pytest_at_level(level: str, pytestconfig, paths: list[str], deselect: str) 
     root = Path(__file__).parents[3]
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *paths, "--cpu-isa", level,
-         "-k", f"not {deselect}", "-x", "-n", "0"],
+         "-k", f"not ({deselect})", "-x", "-n", "0"],
         capture_output=True, text=True, timeout=600, cwd=root,
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
@@ -157,7 +157,9 @@ def test_greedy_parity_with_transformers_at_each_level_this_machine_runs(level, 
         "tests/gpu/cpu/test_q8_linear.py",
         "tests/engine/test_quant.py",
     ]
-    _pytest_at_level(level, pytestconfig, paths, "at_each_level")
+    # The mixtures of experts run no kernel of their own yet (their experts are the torch reference's):
+    # the suite's own run covers them.
+    _pytest_at_level(level, pytestconfig, paths, "at_each_level or moe or mixtral")
 
 
 @needs_kernels
