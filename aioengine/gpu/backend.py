@@ -75,14 +75,13 @@ class Ops:
     def fused_moe(
         self,
         x: torch.Tensor,
-        w13: torch.Tensor,
-        w2: torch.Tensor,
+        experts: reference_moe.ExpertSet,
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
     ) -> torch.Tensor:
         """The routed experts' MLP of tokens ``x`` ``[T, H]`` (see ``reference_moe``); under tensor
         parallelism the rank's part of each expert, summed by the caller's all-reduce."""
-        return reference_moe.fused_moe(x, w13, w2, topk_weights, topk_ids)
+        return reference_moe.fused_moe_by_expert(x, experts, topk_weights, topk_ids)
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """Each row's argmax (int64; torch's: first maximum, NaN wins), for a plain greedy batch."""

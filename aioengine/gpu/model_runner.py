@@ -18,6 +18,7 @@ import torch
 from aioengine.gpu.backend import Backend
 from aioengine.gpu.drafter import Drafter
 from aioengine.gpu.loader import kv_cache_bytes_per_block, load_model
+from aioengine.gpu.models.moe import num_active_parameters
 from aioengine.gpu.pooler import Pooler
 from aioengine.gpu.sampler import Sampler, SamplerOutput, SamplingMetadata, gather_logprobs
 from aioengine.gpu.states import RequestStates
@@ -74,6 +75,8 @@ class ModelRunner:
         self.model.cover_positions(max_model_len)  # a max_model_len past max_position_embeddings extrapolates
         self.kv_cache_groups = self.model.kv_cache_groups  # layers grouped by attention window
         self._num_parameters = sum(p.numel() for p in self.model.parameters())  # before any repacking
+        self._num_active_parameters = num_active_parameters(self.model)
+        self._bytes_per_parameter = torch.empty((), dtype=dtype).element_size()
         backend.prepare_model(self.model, quantization, os.fspath(model_path))
         self.sampler = Sampler(
             seed,
@@ -111,6 +114,14 @@ class ModelRunner:
     def num_parameters(self) -> int:
         """The checkpoint's parameter count (a tied head counted once, as in the checkpoint)."""
         return self._num_parameters
+
+    def num_active_parameters(self) -> int:
+        """The parameters one token runs through (a mixture's chosen experts only; else all of them)."""
+        return self._num_active_parameters
+
+    def active_weight_bytes_per_token(self) -> int:
+        """The weight bytes one token reads at the model's dtype (the file's block codes read fewer)."""
+        return self._num_active_parameters * self._bytes_per_parameter
 
     def kv_cache_bytes_per_block(self) -> int:
         """A block id costs one slot in each of the groups' shared cache tensors (and the draft model's)."""

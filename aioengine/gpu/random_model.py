@@ -51,7 +51,50 @@ SHAPES: dict[str, dict[str, Any]] = {
         bos_token_id=1,
         eos_token_id=2,
     ),
+    # A mixture of OLMoE-1B-7B's shape as Qwen3-MoE (q/k norms, as OLMoE): 64 experts of 1024 columns,
+    # top-8, 16 layers of 2048.
+    "moe-7b-a1b": dict(
+        architectures=["Qwen3MoeForCausalLM"],
+        hidden_size=2048,
+        intermediate_size=1024,
+        moe_intermediate_size=1024,
+        num_experts=64,
+        num_experts_per_tok=8,
+        norm_topk_prob=False,
+        num_hidden_layers=16,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        head_dim=128,
+        vocab_size=50304,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
+    "moe-tiny": dict(
+        architectures=["Qwen3MoeForCausalLM"],
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=512,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
 }
+_CONFIGS = {"LlamaForCausalLM": "LlamaConfig", "Qwen3MoeForCausalLM": "Qwen3MoeConfig"}
 
 
 def is_random_model(name: str | None) -> bool:
@@ -59,15 +102,16 @@ def is_random_model(name: str | None) -> bool:
 
 
 def random_config(name: str) -> Any:
-    """The transformers ``LlamaConfig`` of ``random:NAME`` (or of a bare NAME)."""
-    from transformers import LlamaConfig
+    """The transformers config of ``random:NAME`` (or of a bare NAME): a Llama's unless it names another."""
+    import transformers
 
     key = name.removeprefix(RANDOM_PREFIX)
     if key not in SHAPES:
         raise ValueError(
             f"unknown random model {name!r}; known: {', '.join(RANDOM_PREFIX + k for k in SHAPES)}"
         )
-    return LlamaConfig(architectures=["LlamaForCausalLM"], **SHAPES[key])
+    shape = {"architectures": ["LlamaForCausalLM"], **SHAPES[key]}
+    return getattr(transformers, _CONFIGS[shape["architectures"][0]])(**shape)
 
 
 @torch.no_grad()
@@ -83,11 +127,12 @@ def randomize_(model: torch.nn.Module, seed: int = 0, std: float = 0.02) -> None
 def build_random_model(
     name: str, dtype: torch.dtype, device: Any, seed: int = 0, ops: Any = None
 ) -> tuple[Any, Any]:
-    """(our LlamaForCausalLM with random weights on ``device``, built with ``ops``, its HF config)."""
+    """(our model with random weights on ``device``, built with ``ops``, its HF config)."""
     from aioengine.gpu.backend import REFERENCE_OPS
-    from aioengine.gpu.models.llama import LlamaForCausalLM
+    from aioengine.gpu.models import get_model_class
 
     config = random_config(name)
+    model_cls = get_model_class(config)
     tp = getattr(ops, "tp", None)
     if tp is not None:  # each rank draws its own part (throughput does not depend on the values)
         from aioengine.gpu.parallel import shard_config, shard_of
@@ -95,22 +140,23 @@ def build_random_model(
         config = shard_config(config, shard_of(config, tp.rank, tp.size))
         seed += tp.rank
     with torch.no_grad():
-        model = LlamaForCausalLM(config, dtype=dtype, device=device, ops=ops or REFERENCE_OPS)
+        model = model_cls(config, dtype=dtype, device=device, ops=ops or REFERENCE_OPS)
     randomize_(model, seed)
     model.requires_grad_(False)
     return model.eval(), config
 
 
 def build_random_hf_model(name: str, dtype: torch.dtype, device: Any, seed: int = 0) -> Any:
-    """transformers' ``LlamaForCausalLM`` of the same shape, created on ``device`` (the HF peer's model)."""
-    from transformers import LlamaForCausalLM
+    """transformers' model of the same shape, created on ``device`` (the HF peer's model)."""
+    import transformers
 
     config = random_config(name)
+    model_cls = getattr(transformers, config.architectures[0])
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model: Any = LlamaForCausalLM(config)  # transformers types its to() as unbound
+            model: Any = model_cls(config)  # transformers types its to() as unbound
     finally:
         torch.set_default_dtype(default_dtype)
     randomize_(model, seed)

@@ -7,6 +7,9 @@ Expert weights are stacked: ``w13`` is ``[E, 2 * I, H]`` (each expert's gate row
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 
@@ -34,19 +37,29 @@ def expert_runs(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor,
     return order, torch.bincount(flat, minlength=num_experts).tolist()
 
 
-def fused_moe(
+class ExpertSet(Protocol):
+    """A layer's experts as the op runs them: ``mlp(e, rows)`` is expert ``e``'s SwiGLU on ``rows``
+    ``[n, H]`` (stacked weights, or each expert's own quantized linears)."""
+
+    @property
+    def num_experts(self) -> int: ...
+
+    def mlp(self, e: int, rows: torch.Tensor) -> torch.Tensor: ...
+
+
+def fused_moe_by_expert(
     x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
+    experts: ExpertSet,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
 ) -> torch.Tensor:
-    """``[T, H]`` -> ``[T, H]``: for each token the sum over its k experts of weight * down(silu(gate x) *
-    up x). Each expert reads its weights once, for the rows of the tokens that chose it; experts add into
-    the output in increasing order (transformers' order, so float32 sums match its bits)."""
+    """``[T, H]`` -> ``[T, H]``: for each token the sum over its k experts of weight * expert(x). Each
+    expert runs once, on the rows of the tokens that chose it (an expert no token chose is never read);
+    experts add into the output in increasing order (transformers' order, so float32 sums match its
+    bits)."""
     k = topk_ids.shape[1]
     out = torch.zeros_like(x)
-    order, counts = expert_runs(topk_ids, w13.shape[0])
+    order, counts = expert_runs(topk_ids, experts.num_experts)
     weights = topk_weights.flatten()
     start = 0
     for e, n in enumerate(counts):
@@ -55,6 +68,32 @@ def fused_moe(
         pairs = order[start : start + n]
         start += n
         tokens = pairs // k
-        h = silu_and_mul(F.linear(x[tokens], w13[e]))
-        out.index_add_(0, tokens, F.linear(h, w2[e]) * weights[pairs, None])
+        out.index_add_(0, tokens, experts.mlp(e, x[tokens]) * weights[pairs, None])
     return out
+
+
+@dataclass(slots=True)
+class StackedExperts:
+    """Experts as stacked tensors: ``w13`` ``[E, 2I, H]``, ``w2`` ``[E, H, I]``."""
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.w13.shape[0])
+
+    def mlp(self, e: int, rows: torch.Tensor) -> torch.Tensor:
+        return F.linear(silu_and_mul(F.linear(rows, self.w13[e])), self.w2[e])
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """``fused_moe_by_expert`` on stacked weights: for each token the sum over its k experts of weight *
+    down(silu(gate x) * up x)."""
+    return fused_moe_by_expert(x, StackedExperts(w13, w2), topk_weights, topk_ids)

@@ -101,3 +101,21 @@ def test_an_unsupported_mixture_is_refused_naming_the_supported_ones(arch):
         ValueError, match=f"unsupported model architectures \\['{arch}'\\].*Qwen3MoeForCausalLM"
     ):
         get_model_class(config)
+
+
+@pytest.mark.parametrize("method", ["int4", "int8"])
+def test_quantization_takes_each_experts_linears_and_keeps_the_router(tiny_checkpoint_of, method):
+    """--quantization int4|int8 quantizes every expert's gate_up and down (the stacked copies dropped) and
+    leaves the router as it is; test_quant checks the tokens against transformers on the same codes."""
+    from aioengine.gpu.cpu.quant import QuantizedLinear
+    from aioengine.gpu.models.moe import Router
+
+    path = tiny_checkpoint_of("mixtral")
+    _, engine = asyncio.run(run_engine(path, prompts(shared_prefix=False, n=2), quantization=method))
+    blocks = [layer.mlp for layer in engine.runner.model.model.layers]
+    assert blocks and all(isinstance(b, FusedMoE) for b in blocks)
+    for b in blocks:
+        assert b.experts.w13 is None and b.experts.w2 is None
+        assert len(b.experts.linears) == 2 * b.num_experts
+        assert all(isinstance(q, QuantizedLinear) for q in b.experts.linears)
+        assert type(b.gate) is Router

@@ -90,14 +90,17 @@ def test_engine_runs_random_tiny_from_token_ids(caplog):
     assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]
 
 
-def test_bench_throughput_on_random_tiny(tmp_path):
+@pytest.mark.parametrize("name", ["random:tiny", "random:moe-tiny"])
+def test_bench_throughput_on_random_tiny(tmp_path, name):
+    """A mixture's roofline and bytes per token count the parameters a token runs through: its chosen
+    experts (top-2 of 8 here), not all of them."""
     out = tmp_path / "r.json"
     assert (
         bench_main(
             [
                 "throughput",
                 "--model",
-                "random:tiny",
+                name,
                 "--device",
                 "cpu",
                 "--dataset",
@@ -119,3 +122,19 @@ def test_bench_throughput_on_random_tiny(tmp_path):
     assert r["num_requests"] == 5 and r["output_tokens"] > 0
     assert r["mean_ttft_ms"] > 0 and r["mean_tpot_ms"] > 0
     assert "gpu_idle_fraction" not in r  # CPU: no CUDA events
+    c = random_config(name)
+    idle_experts = 0
+    if name == "random:moe-tiny":  # every layer routes: each token skips 6 of 8 experts of 3 x 64 x 32
+        assert (c.num_experts, c.num_experts_per_tok, c.hidden_size, c.moe_intermediate_size) == (
+            8,
+            2,
+            64,
+            32,
+        )
+        idle_experts = c.num_hidden_layers * 6 * 3 * 64 * 32
+    assert r["num_parameters"] - r["num_active_parameters"] == idle_experts
+    width = {"float32": 4, "bfloat16": 2}[r["dtype"]]
+    assert r["active_weight_bytes_per_token"] == r["num_active_parameters"] * width
+    assert r["roofline_tokens_per_s"] == pytest.approx(
+        r["matmul_gflops"] * 1e9 / (2 * r["num_active_parameters"])
+    )

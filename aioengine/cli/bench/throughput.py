@@ -48,6 +48,8 @@ async def run_throughput(args: argparse.Namespace) -> dict:
         comm0 = engine.comm_stats()
         profile_path = getattr(args, "profile_host", None)
         num_params = runner.num_parameters()
+        active = runner.num_active_parameters()  # a mixture's tokens run their chosen experts only
+        bytes_per_token = runner.active_weight_bytes_per_token()
         dtype_name = str(runner.dtype).removeprefix("torch.")
         device = engine.backend.name
         # The roofline before the run and after it, the better kept: a busy spell on a shared machine that
@@ -88,10 +90,12 @@ async def run_throughput(args: argparse.Namespace) -> dict:
         "dtype": dtype_name,
         "device": device,
         "num_parameters": num_params,
+        "num_active_parameters": active,
+        "active_weight_bytes_per_token": bytes_per_token,
         "matmul_gflops": gflops,
         "matmul_gflops_runs": gflops_runs,
-        "roofline_tokens_per_s": roofline_tokens_per_s(gflops, num_params),
-        "fraction_of_roofline": out_tokens / elapsed / roofline_tokens_per_s(gflops, num_params),
+        "roofline_tokens_per_s": roofline_tokens_per_s(gflops, active),
+        "fraction_of_roofline": out_tokens / elapsed / roofline_tokens_per_s(gflops, active),
         **latency_stats(outs),
         **spec,
         **tp,

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from aioengine.gpu.cpu.linear import PackedLinear, c_gemm_enabled, packing_enabled
+from aioengine.gpu.models.moe import Experts
 from aioengine.kernels.cpu import clib, q8
 
 logger = logging.getLogger(__name__)
@@ -155,7 +156,8 @@ def can_quantize(weight_shape: torch.Size, method: str) -> bool:
 
 
 def quantize_model(model: nn.Module, method: str, linear: str = "auto", c_kernels: bool = True) -> int:
-    """Replace the decoder's linear layers and the LM head in place; returns how many were quantized.
+    """Replace the decoder's linear layers (a mixture's experts too, not its router) and the LM head in
+    place; returns how many were quantized.
 
     A tied head gets its own quantized copy: the embedding lookup keeps the original table.
     """
@@ -164,7 +166,19 @@ def quantize_model(model: nn.Module, method: str, linear: str = "auto", c_kernel
     if next(model.parameters()).device.type != "cpu":
         raise ValueError(f"quantization={method!r} is a CPU option (its kernels are CPU kernels)")
     done = skipped = 0
+
+    def make(weight: torch.Tensor) -> QuantizedLinear:
+        return QuantizedLinear(weight, None, method, linear=linear, c_kernels=c_kernels)
+
     for module in list(model.modules()):
+        if isinstance(module, Experts):  # a mixture's experts: each expert's own linears
+            assert module.w13 is not None and module.w2 is not None  # quantized once
+            w13, w2 = module.w13.weight, module.w2.weight
+            if can_quantize(w13.shape[1:], method) and can_quantize(w2.shape[1:], method):
+                done += module.quantize(make)
+            else:
+                skipped += 2 * module.num_experts
+            continue
         for name, child in list(module.named_children()):
             if type(child) is not nn.Linear:
                 continue

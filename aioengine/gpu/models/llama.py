@@ -240,6 +240,7 @@ class LlamaForCausalLM(nn.Module):
     """``forward`` maps the flat batch to hidden states; ``compute_logits`` maps chosen rows to logits."""
 
     qk_norm = False  # Qwen3 turns this on
+    has_experts = False  # a mixture of experts (moe.py) turns this on
 
     @classmethod
     def attention_biases(cls, config: Any) -> tuple[bool, bool]:

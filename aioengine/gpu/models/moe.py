@@ -4,7 +4,8 @@ place of a layer's MLP, the experts stacked as the backend's fused-MoE op takes 
 from __future__ import annotations
 
 import re
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -12,7 +13,8 @@ from torch.nn.utils import skip_init
 
 from aioengine.gpu.backend import Ops
 from aioengine.gpu.models.llama import LlamaForCausalLM
-from aioengine.kernels.reference_moe import select_experts
+from aioengine.kernels.reference import silu_and_mul
+from aioengine.kernels.reference_moe import StackedExperts, select_experts
 
 
 class Router(nn.Linear):
@@ -31,10 +33,31 @@ class _Stacked(nn.Module):
         self.shard_offsets = offsets  # "<expert>.<proj>" -> (expert, first row, rows)
 
 
-class _Experts(nn.Module):
+class Experts(nn.Module):
+    """A layer's experts: stacked (``w13``, ``w2``), or once quantized each expert's own gate_up and down
+    linears (``linears``: gate_up of expert e at 2e, its down at 2e + 1; the stacked copies are dropped)."""
+
     def __init__(self, w13: _Stacked, w2: _Stacked) -> None:
         super().__init__()
-        self.w13, self.w2 = w13, w2
+        self.num_experts = w13.weight.shape[0]
+        self.w13: _Stacked | None = w13
+        self.w2: _Stacked | None = w2
+        self.linears: nn.ModuleList | None = None
+
+    def mlp(self, e: int, rows: torch.Tensor) -> torch.Tensor:
+        """Expert ``e``'s SwiGLU on ``rows``."""
+        if self.linears is not None:
+            return cast(torch.Tensor, self.linears[2 * e + 1](silu_and_mul(self.linears[2 * e](rows))))
+        assert self.w13 is not None and self.w2 is not None  # stacked until quantized
+        return StackedExperts(self.w13.weight, self.w2.weight).mlp(e, rows)
+
+    def quantize(self, make: Callable[[torch.Tensor], nn.Module]) -> int:
+        """Each expert's gate_up and down become ``make(weight)``; returns how many linears."""
+        assert self.w13 is not None and self.w2 is not None, "quantized once"
+        w13, w2 = self.w13.weight.data, self.w2.weight.data
+        self.linears = nn.ModuleList(make(w[e]) for e in range(self.num_experts) for w in (w13, w2))
+        self.w13 = self.w2 = None
+        return len(self.linears)
 
 
 class FusedMoE(nn.Module):
@@ -55,12 +78,13 @@ class FusedMoE(nn.Module):
         super().__init__()
         assert 0 < top_k <= num_experts, f"top-{top_k} of {num_experts} experts"
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.expert_parameters = num_experts * 3 * hidden * intermediate
         self.gate = skip_init(Router, hidden, num_experts, bias=False, dtype=dtype, device=device)
         e_range = range(num_experts)
         gate_up = {f"{e}.gate_proj": (e, 0, intermediate) for e in e_range}
         gate_up |= {f"{e}.up_proj": (e, intermediate, intermediate) for e in e_range}
         down = {f"{e}.down_proj": (e, 0, hidden) for e in e_range}
-        self.experts = _Experts(
+        self.experts = Experts(
             _Stacked((num_experts, 2 * intermediate, hidden), gate_up, dtype, device),
             _Stacked((num_experts, hidden, intermediate), down, dtype, device),
         )
@@ -68,8 +92,17 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)
-        w13, w2 = self.experts.w13.weight, self.experts.w2.weight
-        return self.ops.all_reduce(self.ops.fused_moe(x, w13, w2, weights, ids))
+        return self.ops.all_reduce(self.ops.fused_moe(x, self.experts, weights, ids))
+
+
+def num_active_parameters(model: nn.Module) -> int:
+    """The parameters a token runs through: all of them, less the experts it does not choose (the
+    roofline's and the bytes-per-token figure's count for a mixture)."""
+    total = sum(p.numel() for p in model.parameters())
+    for m in model.modules():
+        if isinstance(m, FusedMoE):
+            total -= m.expert_parameters * (m.num_experts - m.top_k) // m.num_experts
+    return total
 
 
 # A checkpoint's per-expert tensor: "<layer>.<block>.experts.<e>.<proj>.weight"
@@ -82,6 +115,7 @@ class _MoEForCausalLM(LlamaForCausalLM):
     """The Llama family with routed experts; subclasses say which layers are sparse and how they route."""
 
     renormalize = True
+    has_experts = True
     expert_names = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}
 
     @staticmethod
@@ -157,4 +191,4 @@ class MixtralForCausalLM(_MoEForCausalLM):
     expert_names = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
-__all__ = ["FusedMoE", "MixtralForCausalLM", "Qwen3MoeForCausalLM"]
+__all__ = ["Experts", "FusedMoE", "MixtralForCausalLM", "Qwen3MoeForCausalLM", "num_active_parameters"]

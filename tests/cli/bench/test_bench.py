@@ -294,7 +294,8 @@ def test_bench_throughput_keeps_the_better_of_its_two_rooflines(tiny, tmp_path, 
     r = json.loads(out.read_text())
     assert r["matmul_gflops_runs"] == [400.0, 200.0] and r["matmul_gflops"] == 400.0
     assert r["fraction_of_roofline"] == pytest.approx(r["output_tokens_per_s"] / r["roofline_tokens_per_s"])
-    assert r["roofline_tokens_per_s"] == pytest.approx(400e9 / (2 * r["num_parameters"]))
+    assert r["num_active_parameters"] == r["num_parameters"]  # dense: every parameter, every token
+    assert r["roofline_tokens_per_s"] == pytest.approx(400e9 / (2 * r["num_active_parameters"]))
 
 
 def test_bench_throughput_profile_host_writes_both_threads(tiny, tmp_path):
