@@ -225,9 +225,10 @@ def main(argv: list[str]) -> dict:
     )
     print(
         f"Roofline ({result['dtype']} on {result['device']}): "
-        f"matmul {result['matmul_gflops']:.0f} GFLOP/s / (2 x {result['num_parameters'] / 1e6:.1f}M params) "
-        f"= {result['roofline_tokens_per_s']:.0f} tokens/s; "
-        f"output tokens/s is {100 * result['fraction_of_roofline']:.1f}% of it "
+        f"matmul {result['matmul_gflops']:.0f} GFLOP/s / (2 x {result['num_active_parameters'] / 1e6:.1f}M "
+        f"active params of {result['num_parameters'] / 1e6:.1f}M) = {result['roofline_tokens_per_s']:.0f} "
+        f"tokens/s; output tokens/s is {100 * result['fraction_of_roofline']:.1f}% of it; "
+        f"{result['active_weight_bytes_per_token'] / 1e6:.1f} MB of weights read per token "
         f"(matmul before and after the run: {', '.join(f'{g:.0f}' for g in result['matmul_gflops_runs'])})"
     )
     host = result["host_ms_per_step"]
