@@ -20,6 +20,14 @@ _LLAMA3_ROPE = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 8192,
 }
+_QWEN3_MOE: dict[str, Any] = dict(
+    architectures=["Qwen3MoeForCausalLM"],
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 SHAPES: dict[str, dict[str, Any]] = {
     "llama-3.1-8b": dict(
         hidden_size=4096,
@@ -54,7 +62,7 @@ SHAPES: dict[str, dict[str, Any]] = {
     # A mixture of OLMoE-1B-7B's shape as Qwen3-MoE (q/k norms, as OLMoE): 64 experts of 1024 columns,
     # top-8, 16 layers of 2048.
     "moe-7b-a1b": dict(
-        architectures=["Qwen3MoeForCausalLM"],
+        **_QWEN3_MOE,
         hidden_size=2048,
         intermediate_size=1024,
         moe_intermediate_size=1024,
@@ -67,14 +75,9 @@ SHAPES: dict[str, dict[str, Any]] = {
         head_dim=128,
         vocab_size=50304,
         max_position_embeddings=4096,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
     ),
     "moe-tiny": dict(
-        architectures=["Qwen3MoeForCausalLM"],
+        **_QWEN3_MOE,
         hidden_size=64,
         intermediate_size=128,
         moe_intermediate_size=32,
@@ -87,11 +90,6 @@ SHAPES: dict[str, dict[str, Any]] = {
         head_dim=16,
         vocab_size=512,
         max_position_embeddings=1024,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
     ),
 }
 _CONFIGS = {"LlamaForCausalLM": "LlamaConfig", "Qwen3MoeForCausalLM": "Qwen3MoeConfig"}
