@@ -71,12 +71,14 @@ def write_tiny_llama(
     shapes: dict[str, tuple[int, ...]] | None = None,
     raw_types: dict[str, GGMLQuantizationType] | None = None,
     mixed: list[GGMLQuantizationType] | None = None,
+    expert_count: int | None = None,
 ) -> dict[str, np.ndarray]:
     """Write the file; return the weights the loader must produce (HF names, float32, HF layout).
 
     ``shapes`` overrides a GGUF tensor's shape (a wrong-shape file); ``raw_types`` stores a tensor as
     that type's bytes without quantizing (an unsupported type); ``mixed``: the weight matrices take these
-    types in turn instead of ``qtype`` (one file covers them all)."""
+    types in turn instead of ``qtype`` (one file covers them all); ``expert_count``: the metadata of a
+    mixture of experts."""
     m = TinyLlama()
     rng = np.random.default_rng(seed)
     src = read_header(default_gguf_path(), keep_arrays=TOKENIZER_ARRAYS)
@@ -96,6 +98,8 @@ def write_tiny_llama(
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_freq_base(10000.0)
     w.add_vocab_size(vocab)
+    if expert_count is not None:  # the metadata of a mixture (its tensors stay dense)
+        w.add_expert_count(expert_count)
     if with_tokenizer:
         w.add_tokenizer_model(src.metadata["tokenizer.ggml.model"])
         w.add_tokenizer_pre(src.metadata.get("tokenizer.ggml.pre", "default"))

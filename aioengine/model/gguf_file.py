@@ -48,6 +48,9 @@ ARCHITECTURES = {
     "gemma3": "Gemma3ForCausalLM",
 }
 
+# GGUF architectures that are mixtures of experts whatever their metadata says
+_MIXTURES = frozenset({"qwen3moe", "qwen2moe", "gpt-oss", "olmoe", "deepseek2", "granitemoe", "llama4"})
+
 # metadata value types: fixed-width ones by struct format; 8 is a string, 9 an array
 _SCALARS = {
     0: "<B",
@@ -180,6 +183,12 @@ def _parse(blob: mmap.mmap, path: Path, keep_arrays: frozenset[str]) -> GGUFHead
         key = cur.string()
         metadata[key] = cur.value(cur.take("<I"), key in keep_arrays)
     arch = metadata.get("general.architecture")
+    experts = metadata.get(f"{arch}.expert_count") or 0
+    if arch in _MIXTURES or experts:  # Mixtral's file says "llama" and counts its experts
+        raise GGUFError(
+            f"{path}: a mixture of experts ({arch!r}, {experts or 'routed'} experts) is not read from GGUF "
+            "yet; load its Hugging Face checkpoint instead (Qwen3MoeForCausalLM and MixtralForCausalLM load)"
+        )
     if arch not in ARCHITECTURES:
         raise GGUFError(
             f"{path}: architecture {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)}"

@@ -115,6 +115,8 @@ def _truncate(path: Path, keep: int) -> None:
         ("missing tokenizer", "no tokenizer"),
         ("unknown quant type", "IQ2_XXS"),
         ("unknown architecture", "architecture 'mamba' is not supported"),
+        ("a mixture as llama", "a mixture of experts ('llama', 8 experts) is not read from GGUF yet"),
+        ("a qwen3moe mixture", "a mixture of experts ('qwen3moe'"),
         ("empty file", "GGUF"),
     ],
 )
@@ -128,6 +130,10 @@ def test_a_bad_file_gets_a_clear_error_naming_it_and_leaves_nothing_in_the_cache
         write_tiny_llama(path, raw_types={"blk.0.ffn_up.weight": Q.IQ2_XXS})
     elif case == "unknown architecture":
         write_tiny_llama(path, arch="mamba")
+    elif case == "a mixture as llama":  # Mixtral's GGUF: arch llama, with an expert count
+        write_tiny_llama(path, expert_count=8)
+    elif case == "a qwen3moe mixture":
+        write_tiny_llama(path, arch="qwen3moe")
     else:
         write_tiny_llama(path)
     size = path.stat().st_size
