@@ -103,6 +103,9 @@ def plan_shard(
 def shard_of(config: Any, rank: int, size: int) -> TPShard:
     from aioengine.gpu.models.llama import num_kv_heads_of
 
+    if size > 1 and getattr(config, "shared_expert_intermediate_size", None):
+        raise TensorParallelError("a shared expert (Qwen2-MoE's) is not split over tensor-parallel ranks yet")
+
     return plan_shard(
         config.num_attention_heads,
         num_kv_heads_of(config),

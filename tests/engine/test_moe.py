@@ -1,6 +1,7 @@
 """Mixture-of-experts models beyond greedy parity (test_parity, test_quant, test_spec_decode and the TP test
 take Qwen3-MoE and Mixtral too): logprobs equal transformers', structured output holds, each routing
-switch of the config is honoured, and an unsupported mixture is refused by name."""
+switch of the config is honoured, Qwen2-MoE's shared expert, and an unsupported mixture is refused by
+name."""
 
 from __future__ import annotations
 
@@ -94,7 +95,45 @@ def test_each_routing_switch_keeps_parity(tiny_checkpoint_of, overrides):
     ]
 
 
-@pytest.mark.parametrize("arch", ["DeepseekV3ForCausalLM", "Qwen2MoeForCausalLM", "GptOssForCausalLM"])
+@pytest.mark.parametrize("case", ["chunked", "prefix", "preempt"])
+def test_qwen2_moe_with_its_shared_expert_keeps_parity(tmp_path_factory, case):
+    """Qwen2's q/k/v biases, a dense first layer, and every sparse layer's shared expert behind its sigmoid
+    gate; tensor parallelism refuses the shared expert by name."""
+    path = tmp_path_factory.mktemp("qwen2-moe")
+    config = transformers.Qwen2MoeConfig(
+        **SMALL,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        norm_topk_prob=False,
+        mlp_only_layers=[0],
+    )
+    torch.manual_seed(0)
+    hf = transformers.Qwen2MoeForCausalLM(config).float().eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.copy_(torch.randn_like(p) * (0.1 if "norm" in name else 0.3) + (1.0 if "norm" in name else 0.0))
+    hf.save_pretrained(path)
+    ps = prompts(shared_prefix=case == "prefix")
+    kwargs = {
+        "chunked": dict(max_num_batched_tokens=24, enable_prefix_caching=False),
+        "prefix": dict(max_num_batched_tokens=256),
+        "preempt": dict(max_num_batched_tokens=64, num_kv_blocks=1 + 40),
+    }[case]
+    got, engine = asyncio.run(run_engine(path, ps, **kwargs))
+    assert got == [hf_greedy(hf, p) for p in ps]
+    blocks = [layer.mlp for layer in engine.runner.model.model.layers]
+    assert not isinstance(blocks[0], FusedMoE) and blocks[1].shared_expert is not None
+    if case == "preempt":
+        assert engine.scheduler.num_preemptions_total > 0
+        from aioengine.gpu.parallel import TensorParallelError, shard_of
+
+        with pytest.raises(TensorParallelError, match="shared expert"):
+            shard_of(config, 0, 2)
+
+
+@pytest.mark.parametrize("arch", ["DeepseekV3ForCausalLM", "GptOssForCausalLM", "OlmoeForCausalLM"])
 def test_an_unsupported_mixture_is_refused_naming_the_supported_ones(arch):
     config = transformers.LlamaConfig(**SMALL, architectures=[arch])
     with pytest.raises(

@@ -6,7 +6,7 @@ from typing import Any
 
 from aioengine.gpu.models.gemma3 import Gemma3ForCausalLM
 from aioengine.gpu.models.llama import LlamaForCausalLM, sliding_window
-from aioengine.gpu.models.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
+from aioengine.gpu.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from aioengine.gpu.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
@@ -16,6 +16,7 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
 }
 
@@ -38,6 +39,7 @@ __all__ = [
     "LlamaForCausalLM",
     "MixtralForCausalLM",
     "Qwen2ForCausalLM",
+    "Qwen2MoeForCausalLM",
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
     "get_model_class",

@@ -3,6 +3,7 @@ place of a layer's MLP, the experts stacked as the backend's fused-MoE op takes 
 
 from __future__ import annotations
 
+import copy
 import re
 from collections.abc import Callable
 from typing import Any, cast
@@ -12,7 +13,7 @@ from torch import nn
 from torch.nn.utils import skip_init
 
 from aioengine.gpu.backend import Ops
-from aioengine.gpu.models.llama import LlamaForCausalLM
+from aioengine.gpu.models.llama import LlamaForCausalLM, LlamaMLP
 from aioengine.kernels.reference import silu_and_mul
 from aioengine.kernels.reference_moe import StackedExperts, select_experts
 
@@ -89,10 +90,17 @@ class FusedMoE(nn.Module):
             _Stacked((num_experts, hidden, intermediate), down, dtype, device),
         )
         self.ops = ops
+        # Qwen2-MoE's shared expert, added to every token's output behind a sigmoid gate
+        self.shared_expert: nn.Module | None = None
+        self.shared_expert_gate: nn.Module | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)
-        return self.ops.all_reduce(self.ops.fused_moe(x, self.experts, weights, ids))
+        out = self.ops.all_reduce(self.ops.fused_moe(x, self.experts, weights, ids))
+        if self.shared_expert is not None:
+            assert self.shared_expert_gate is not None  # set together
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
 
 
 def num_active_parameters(model: nn.Module) -> int:
@@ -184,6 +192,32 @@ class Qwen3MoeForCausalLM(_MoEForCausalLM):
         return bool(getattr(config, "norm_topk_prob", False))
 
 
+class Qwen2MoeForCausalLM(Qwen3MoeForCausalLM):
+    """Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): Qwen2's attention (q/k/v biases, no q/k norms), Qwen3-MoE's
+    routing, and a shared expert of ``shared_expert_intermediate_size`` every token runs, scaled by
+    ``sigmoid(shared_expert_gate(x))``."""
+
+    qk_norm = False
+
+    @classmethod
+    def attention_biases(cls, config: Any) -> tuple[bool, bool]:
+        return bool(getattr(config, "qkv_bias", True)), False
+
+    def make_mlp(
+        self, config: Any, layer: int, dtype: torch.dtype, device: Any, ops: Ops
+    ) -> nn.Module | None:
+        block = super().make_mlp(config, layer, dtype, device, ops)
+        shared = int(getattr(config, "shared_expert_intermediate_size", 0) or 0)
+        if isinstance(block, FusedMoE) and shared:
+            shared_config = copy.copy(config)
+            shared_config.intermediate_size = shared
+            block.shared_expert = LlamaMLP(shared_config, dtype, device, ops)
+            block.shared_expert_gate = skip_init(
+                Router, config.hidden_size, 1, bias=False, dtype=dtype, device=device
+            )
+        return block
+
+
 class MixtralForCausalLM(_MoEForCausalLM):
     """Mixtral: Mistral's attention; every layer routes to the top-k experts, renormalised (a softmax over
     the top-k logits). Its experts are named w1 (gate), w3 (up) and w2 (down)."""
@@ -191,4 +225,11 @@ class MixtralForCausalLM(_MoEForCausalLM):
     expert_names = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
-__all__ = ["Experts", "FusedMoE", "MixtralForCausalLM", "Qwen3MoeForCausalLM", "num_active_parameters"]
+__all__ = [
+    "Experts",
+    "FusedMoE",
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "num_active_parameters",
+]
