@@ -2,11 +2,11 @@
 slice of each checkpoint tensor it loads, and the process group its all-reduces run in.
 
 The plan follows vLLM's: qkv and gate_up are column-parallel, o and down row-parallel (an all-reduce after
-each), and so is every expert of a mixture (each rank holds a slice of every expert's intermediate columns;
-the router is replicated). KV heads are split between ranks, or replicated when there are fewer of them
-than ranks. Heads are split along KV groups, so a rank's query heads always share its KV heads in equal
-groups; a split that does not divide evenly gives some ranks one KV head more (the default model's 3 KV
-heads over 2 ranks).
+each), and so is every expert of a mixture and its shared expert (each rank holds a slice of every
+expert's intermediate columns; the routers are replicated). KV heads are split between ranks, or
+replicated when there are fewer of them than ranks. Heads are split along KV groups, so a rank's query
+heads always share its KV heads in equal groups; a split that does not divide evenly gives some ranks one
+KV head more (the default model's 3 KV heads over 2 ranks).
 The embedding and the LM head are replicated: every rank samples, so every rank needs whole logit rows,
 and a replicated head needs no gather (the cost is one head's memory and bandwidth per rank).
 """
@@ -47,6 +47,7 @@ class TPShard:
     kv_heads: tuple[int, int]
     intermediate: tuple[int, int]
     expert_intermediate: tuple[int, int] = (0, 0)
+    shared_intermediate: tuple[int, int] = (0, 0)  # Qwen2-MoE's shared expert
 
 
 def _balanced(n: int, parts: int, i: int) -> tuple[int, int]:
@@ -63,6 +64,7 @@ def plan_shard(
     rank: int,
     size: int,
     expert_intermediate_size: int = 0,
+    shared_intermediate_size: int = 0,
 ) -> TPShard:
     if not 0 <= rank < size:
         raise TensorParallelError(f"rank {rank} is not within a tensor-parallel size of {size}")
@@ -73,10 +75,9 @@ def plan_shard(
     group = num_heads // num_kv_heads
     if intermediate_size < size:
         raise TensorParallelError(f"an MLP of {intermediate_size} columns cannot be split over {size} ranks")
-    if 0 < expert_intermediate_size < size:
-        raise TensorParallelError(
-            f"experts of {expert_intermediate_size} columns cannot be split over {size} ranks"
-        )
+    for what, n in (("experts", expert_intermediate_size), ("a shared expert", shared_intermediate_size)):
+        if 0 < n < size:
+            raise TensorParallelError(f"{what} of {n} columns cannot be split over {size} ranks")
     if num_kv_heads >= size:
         kv = _balanced(num_kv_heads, size, rank)
         q = (kv[0] * group, kv[1] * group)
@@ -96,15 +97,23 @@ def plan_shard(
         kv = (head, head + 1)
         sub = _balanced(group, replicas, rank % replicas)
         q = (head * group + sub[0], head * group + sub[1])
-    experts = _balanced(expert_intermediate_size, size, rank) if expert_intermediate_size else (0, 0)
-    return TPShard(rank, size, q, kv, _balanced(intermediate_size, size, rank), experts)
+
+    def part(n: int) -> tuple[int, int]:
+        return _balanced(n, size, rank) if n else (0, 0)
+
+    return TPShard(
+        rank,
+        size,
+        q,
+        kv,
+        part(intermediate_size),
+        part(expert_intermediate_size),
+        part(shared_intermediate_size),
+    )
 
 
 def shard_of(config: Any, rank: int, size: int) -> TPShard:
     from aioengine.gpu.models.llama import num_kv_heads_of
-
-    if size > 1 and getattr(config, "shared_expert_intermediate_size", None):
-        raise TensorParallelError("a shared expert (Qwen2-MoE's) is not split over tensor-parallel ranks yet")
 
     return plan_shard(
         config.num_attention_heads,
@@ -113,6 +122,7 @@ def shard_of(config: Any, rank: int, size: int) -> TPShard:
         rank,
         size,
         expert_intermediate_of(config),
+        int(getattr(config, "shared_expert_intermediate_size", None) or 0),
     )
 
 
@@ -136,6 +146,8 @@ def shard_config(config: Any, shard: TPShard) -> Any:
     local.intermediate_size = shard.intermediate[1] - shard.intermediate[0]
     if getattr(config, "moe_intermediate_size", None):
         local.moe_intermediate_size = shard.expert_intermediate[1] - shard.expert_intermediate[0]
+    if getattr(config, "shared_expert_intermediate_size", None):
+        local.shared_expert_intermediate_size = shard.shared_intermediate[1] - shard.shared_intermediate[0]
     local.tp_shard = shard
     return local
 
@@ -165,8 +177,8 @@ def weight_index(
         "kv": tuple(h * head_dim for h in shard.kv_heads),
         "mlp": shard.intermediate,
     }
-    if ".experts." in name:
-        start, end = shard.expert_intermediate
+    if ".experts." in name or ".shared_expert." in name:
+        start, end = shard.expert_intermediate if ".experts." in name else shard.shared_intermediate
         if module in _EXPERT_COLUMN:
             return (slice(start, end),)
         return (slice(None), slice(start, end)) if module in _EXPERT_ROW else None
