@@ -145,8 +145,8 @@ def test_an_unsupported_mixture_is_refused_naming_the_supported_ones(arch):
 
 @pytest.mark.parametrize("method", ["int4", "int8"])
 def test_quantization_takes_each_experts_linears_and_keeps_the_router(tiny_checkpoint_of, method):
-    """--quantization int4|int8 quantizes every expert's gate_up and down (the stacked copies dropped) and
-    leaves the router as it is; test_quant checks the tokens against transformers on the same codes."""
+    """--quantization int4|int8 quantizes every expert's gate_up and down (the stacked copies dropped, and
+    no dequantized copy kept: every batch runs on the codes) and leaves the router as it is; test_quant checks the tokens against transformers on the same codes."""
     from aioengine.gpu.cpu.quant import QuantizedLinear
     from aioengine.gpu.models.moe import Router
 
@@ -158,4 +158,5 @@ def test_quantization_takes_each_experts_linears_and_keeps_the_router(tiny_check
         assert b.experts.w13 is None and b.experts.w2 is None
         assert len(b.experts.linears) == 2 * b.num_experts
         assert all(isinstance(q, QuantizedLinear) for q in b.experts.linears)
+        assert all(q.weight is None for q in b.experts.linears)  # codes only: no dequantized copy kept
         assert type(b.gate) is Router

@@ -148,6 +148,7 @@ def _quantized_f32(module: Any) -> bool:
     return (
         isinstance(module, QuantizedLinear)
         and (module.int4_mins is not None or module.c_gemv)
+        and module.weight is not None  # the stack's rows past its codes take the dequantized GEMM
         and module.weight.dtype == torch.float32
     )
 

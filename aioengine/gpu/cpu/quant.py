@@ -19,6 +19,7 @@ torch's int4 kernel is fast only with AVX-512; on an AVX2 core it ran 3x slower 
 from __future__ import annotations
 
 import logging
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -67,6 +68,7 @@ class QuantizedLinear(nn.Module):
 
     packed: torch.Tensor  # buffers, registered in __init__
     scales_zeros: torch.Tensor
+    weight: nn.Parameter | None
 
     def __init__(
         self,
@@ -76,9 +78,12 @@ class QuantizedLinear(nn.Module):
         max_rows_quantized: int = MAX_ROWS_QUANTIZED,
         linear: str = "auto",
         c_kernels: bool = True,
+        keep_dequantized: bool = True,
     ) -> None:
         """``linear``: how the large-batch GEMM runs (``KernelConfig.cpu_linear``); ``c_kernels``: int8 with
-        float32 activations takes cpu_qgemv.c for a few rows, where it is built."""
+        float32 activations takes cpu_qgemv.c for a few rows, where it is built; ``keep_dequantized=False``:
+        every batch takes the codes and no dequantized copy is kept (a mixture's experts: most of the
+        model's bytes, each seeing a few rows a step)."""
         super().__init__()
         assert method in QUANTIZATION_METHODS, method
         assert weight.device.type == "cpu", "the packed kernels are CPU kernels"
@@ -112,17 +117,22 @@ class QuantizedLinear(nn.Module):
             dequantized = q.float() * scale[:, None]
             self.register_buffer("packed", q, persistent=False)
             self.register_buffer("scales_zeros", scale.to(dtype), persistent=False)
-        self.weight = nn.Parameter(dequantized.to(dtype), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self.c_gemv = method == "int8" and c_rows
-        # Large batches: the same dequantized values, prepacked for oneDNN when bf16 (same bits, faster).
         self.gemm = None
+        if not keep_dequantized:
+            self.weight = None
+            self.max_rows_quantized = sys.maxsize
+            return
+        self.weight = nn.Parameter(dequantized.to(dtype), requires_grad=False)
+        # Large batches: the same dequantized values, prepacked for oneDNN when bf16 (same bits, faster).
         if linear != "torch" and packing_enabled(self.weight):
             self.gemm = PackedLinear(self.weight, self.bias, c_gemm=linear == "auto" and c_gemm_enabled())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # the runner's batches are 2-D
         if flat.shape[0] > self.max_rows_quantized:
+            assert self.weight is not None  # kept wherever rows past max_rows_quantized can come
             return self.gemm(x) if self.gemm is not None else F.linear(x, self.weight, self.bias)
         if self.int4_mins is not None and flat.stride(-1) == 1 and flat.dtype == torch.float32:
             if self.fma:
@@ -167,8 +177,10 @@ def quantize_model(model: nn.Module, method: str, linear: str = "auto", c_kernel
         raise ValueError(f"quantization={method!r} is a CPU option (its kernels are CPU kernels)")
     done = skipped = 0
 
-    def make(weight: torch.Tensor) -> QuantizedLinear:
-        return QuantizedLinear(weight, None, method, linear=linear, c_kernels=c_kernels)
+    def make(weight: torch.Tensor) -> QuantizedLinear:  # an expert's: its codes only
+        return QuantizedLinear(
+            weight, None, method, linear=linear, c_kernels=c_kernels, keep_dequantized=False
+        )
 
     for module in list(model.modules()):
         if isinstance(module, Experts):  # a mixture's experts: each expert's own linears
