@@ -146,7 +146,8 @@ def test_an_unsupported_mixture_is_refused_naming_the_supported_ones(arch):
 @pytest.mark.parametrize("method", ["int4", "int8"])
 def test_quantization_takes_each_experts_linears_and_keeps_the_router(tiny_checkpoint_of, method):
     """--quantization int4|int8 quantizes every expert's gate_up and down (the stacked copies dropped, and
-    no dequantized copy kept: every batch runs on the codes) and leaves the router as it is; test_quant checks the tokens against transformers on the same codes."""
+    no dequantized copy kept: every batch runs on the codes) and leaves the router as it is; test_quant
+    checks the tokens against transformers on the same codes."""
     from aioengine.gpu.cpu.quant import QuantizedLinear
     from aioengine.gpu.models.moe import Router
 
