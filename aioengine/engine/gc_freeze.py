@@ -12,14 +12,20 @@ import atexit
 import gc
 
 _holders = 0
+_collected = False  # a full collection ran before a freeze in this process
 
 
 def freeze(collect: bool = True) -> None:
     """Move every object alive now into the permanent generation (after a collection, unless not
-    ``collect``), and count one more holder. Each holder calls unfreeze() once."""
-    global _holders
+    ``collect``), and count one more holder. Each holder calls unfreeze() once.
+
+    The process's first freeze collects every generation; later ones (another engine started in the same
+    process) only the young ones, where what that start built lives: a full collection walks the whole heap
+    again, a quarter of a second or more in a large process, at every start."""
+    global _holders, _collected
     if collect:
-        gc.collect()
+        gc.collect(2 if not _collected else 1)
+        _collected = True
     gc.freeze()
     if _holders == 0:  # a holder that never lets go (an app never cleaned up): unfreeze at exit anyway
         atexit.unregister(gc.unfreeze)
