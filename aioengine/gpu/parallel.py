@@ -129,7 +129,9 @@ def shard_of(config: Any, rank: int, size: int) -> TPShard:
 def expert_intermediate_of(config: Any) -> int:
     """Each expert's intermediate size (Qwen-MoE's ``moe_intermediate_size``, Mixtral's experts are its
     ``intermediate_size``); 0 for a model without experts."""
-    if not (getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)):
+    from aioengine.gpu.models.moe import num_experts_of
+
+    if not num_experts_of(config):
         return 0
     return int(getattr(config, "moe_intermediate_size", None) or config.intermediate_size)
 

@@ -77,7 +77,13 @@ def make_tiny_checkpoint(kind: str, path, **overrides) -> transformers.PreTraine
     """A tiny random checkpoint of ``kind``; ``overrides`` replace config fields (e.g. rope_scaling)."""
     config_cls, model_cls, extra = TINY[kind]
     torch.manual_seed(0)
-    model = model_cls(config_cls(**{**SMALL, **extra, **overrides})).float().eval()
+    return save_tiny(model_cls(config_cls(**{**SMALL, **extra, **overrides})), path)
+
+
+def save_tiny(model: transformers.PreTrainedModel, path) -> transformers.PreTrainedModel:
+    """``model`` in float32 with random weights (from torch's generator as it stands), saved at ``path``
+    with the default model's tokenizer."""
+    model = model.float().eval()
     with torch.no_grad():  # HF initialises norms to 1 and biases to 0: randomise so they are tested too
         for name, p in model.named_parameters():
             p.copy_(torch.randn_like(p) * (0.1 if "norm" in name else 0.3) + (1.0 if "norm" in name else 0.0))

@@ -180,15 +180,16 @@ class CudaBackend(Backend):
         return num_blocks
 
     def build_fast_paths(self, runner: RunnerParts, args: EngineArgs, max_num_batched_tokens: int) -> None:
-        if getattr(runner.model, "has_experts", False) and not args.enforce_eager:
+        if args.enforce_eager:
+            return
+        if getattr(runner.model, "has_experts", False):
             # the fused-MoE op here is the torch reference, whose per-expert loop reads the routing on the
             # host: it cannot be captured, so a mixture runs eagerly until the op has a kernel
             logger.warning("a mixture of experts: CUDA graphs are off (the fused-MoE op syncs with the host)")
             return
-        if not args.enforce_eager:
-            spec = args.speculative()
-            query_len = 1 + (spec.num_speculative_tokens if spec is not None else 0)
-            self.capture_graphs(runner, max_num_batched_tokens, args.max_cudagraph_capture_size, query_len)
+        spec = args.speculative()
+        query_len = 1 + (spec.num_speculative_tokens if spec is not None else 0)
+        self.capture_graphs(runner, max_num_batched_tokens, args.max_cudagraph_capture_size, query_len)
 
     def capture_graphs(
         self,

@@ -1,5 +1,5 @@
-"""Mixture-of-experts decoders (Qwen3-MoE, Mixtral): the Llama code with a routed block of experts in
-place of a layer's MLP, the experts stacked as the backend's fused-MoE op takes them."""
+"""Mixture-of-experts decoders (Qwen3-MoE, Qwen2-MoE, Mixtral): the Llama code with a routed block of
+experts in place of a layer's MLP, the experts stacked as the backend's fused-MoE op takes them."""
 
 from __future__ import annotations
 
@@ -103,6 +103,11 @@ class FusedMoE(nn.Module):
         return out
 
 
+def num_experts_of(config: Any) -> int:
+    """The config's expert count (Mixtral's ``num_local_experts``, Qwen-MoE's ``num_experts``); 0 for none."""
+    return int(getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0)
+
+
 def num_active_parameters(model: nn.Module) -> int:
     """The parameters a token runs through: all of them, less the experts it does not choose (the
     roofline's and the bytes-per-token figure's count for a mixture)."""
@@ -122,16 +127,15 @@ _EXPERT = re.compile(
 class _MoEForCausalLM(LlamaForCausalLM):
     """The Llama family with routed experts; subclasses say which layers are sparse and how they route."""
 
-    renormalize = True
     has_experts = True
     expert_names = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}
 
     @staticmethod
     def num_experts(config: Any) -> int:
-        n = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+        n = num_experts_of(config)
         if not n:
             raise ValueError(f"{type(config).__name__} names no experts (num_experts / num_local_experts)")
-        return int(n)
+        return n
 
     def expert_intermediate(self, config: Any) -> int:
         return int(config.intermediate_size)
@@ -140,7 +144,8 @@ class _MoEForCausalLM(LlamaForCausalLM):
         return True
 
     def routes_with(self, config: Any) -> bool:
-        return self.renormalize
+        """Whether the top-k weights are renormalised (Mixtral's always are)."""
+        return True
 
     def make_mlp(
         self, config: Any, layer: int, dtype: torch.dtype, device: Any, ops: Ops
@@ -232,4 +237,5 @@ __all__ = [
     "Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM",
     "num_active_parameters",
+    "num_experts_of",
 ]
