@@ -8,7 +8,10 @@ from aioengine.errors import AioEngineError, EngineDeadError, EngineNotStartedEr
 from aioengine.outputs import CompletionOutput, RequestOutput
 from aioengine.sampling_params import SamplingParams
 
-__version__ = importlib.metadata.version("aioengine")
+try:
+    __version__ = importlib.metadata.version("aioengine")
+except importlib.metadata.PackageNotFoundError:  # run from a source tree on PYTHONPATH, not installed
+    __version__ = "0+unknown"
 __all__ = [
     "AioEngineError",
     "AsyncEngine",

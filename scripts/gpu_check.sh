@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU proof of issue #6, in under 8 minutes, installing nothing and using no network:
+# The GPU proof of issue #6, in under 8 minutes, using no network (carried wheels aside, below):
 #   1. the GPU tests (pytest -m gpu: kernels vs references, layer dispatch, CUDA events, graphs, parity),
 #   2. `aioengine bench throughput` on random:llama-3.1-8b (random bf16 weights made on the device),
 #      1000 sharegpt-like prompts (input mean ~220, output mean ~200, ignore_eos),
@@ -7,8 +7,11 @@
 #      stopped after GPU_CHECK_PEER_LIMIT_S seconds with the tokens made by then,
 #   4. results.json: output tok/s, mean TTFT/TPOT, GPU idle between steps, and the ratio to transformers.
 # Each stage has a time budget; a stage stopped by it dumps its stacks and the next stage still runs.
-# usage: scripts/gpu_check.sh RESULTS_DIR      (needs torch, triton, transformers, uvloop, aiohttp, orjson;
-#                                              cuda-python for the host-function wait, else it polls)
+# usage: scripts/gpu_check.sh RESULTS_DIR      (needs torch, triton, transformers, uvloop, aiohttp, orjson,
+#                                              gguf; cuda-python for the host-function wait, else it polls)
+# The device image lacks orjson and gguf: wheels found in .whl/ (carried; no network there) go on the path:
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
+#       -d .whl orjson gguf
 # Stage budgets and extra runs: the GPU_CHECK_* variables below. What the H200 gave: docs/benchmarks.md.
 set -uo pipefail
 OUT=${1:?usage: scripts/gpu_check.sh RESULTS_DIR}
@@ -18,10 +21,15 @@ OUT=$(cd "$OUT" && pwd)
 LOG="$OUT/gpu_check.log"
 exec > >(tee "$LOG") 2>&1
 cd "$ROOT"
+PY=${PYTHON:-python3}  # the GPU images' python3 holds torch; plain `python` may not exist
+if compgen -G ".whl/*.whl" > /dev/null; then
+    SITE=$(mktemp -d)
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" .whl/*.whl &&
+        export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PIP_NO_INDEX=1 TOKENIZERS_PARALLELISM=false
 export PYTHONFAULTHANDLER=1  # a stage stopped by its time limit (SIGABRT) prints every thread's stack
-PY=${PYTHON:-python3}  # the GPU images' python3 holds torch; plain `python` may not exist
 TOTAL_S=${GPU_CHECK_TOTAL_S:-470}  # the whole script stays under 8 minutes
 TESTS_S=${GPU_CHECK_TESTS_S:-200}  # the parity tests start an engine per case (graphs, drafts)
 BENCH_S=${GPU_CHECK_BENCH_S:-100}      # each run of the bench: engine start, graph capture and 1000 prompts
@@ -39,7 +47,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>
 "$PY" - <<'EOF'
 import importlib, torch
 print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
-for m in ("triton", "transformers", "uvloop", "aiohttp"):
+for m in ("triton", "transformers", "uvloop", "aiohttp", "orjson", "gguf"):
     try:
         print(m, importlib.import_module(m).__version__)
     except Exception as e:

@@ -54,3 +54,20 @@ def test_the_console_script_and_python_m_still_run():
         proc = subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, timeout=120)
         out = proc.stdout + proc.stderr
         assert "serve" in out or "throughput" in out, out
+
+
+def test_a_source_tree_on_the_path_imports_without_package_metadata():
+    """Run from a checkout on PYTHONPATH (not installed, as on the GPU machines) the package still imports."""
+    code = (
+        "import importlib.metadata as m\n"
+        "real = m.version\n"
+        "def version(name):\n"
+        "    if name == 'aioengine':\n"
+        "        raise m.PackageNotFoundError(name)\n"
+        "    return real(name)\n"
+        "m.version = version\n"
+        "import aioengine, aioengine.http.routes\n"
+        "print(aioengine.__version__)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.split() == ["0+unknown"], proc.stderr

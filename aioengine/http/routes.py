@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.metadata
 from pathlib import Path
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from aioengine import __version__
 from aioengine.http.admission import read_json
 from aioengine.http.context import (
     CONFIG,
@@ -92,7 +92,7 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def version(request: web.Request) -> web.Response:
-    return json_response({"version": importlib.metadata.version("aioengine")})
+    return json_response({"version": __version__})
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -106,11 +106,7 @@ async def metrics(request: web.Request) -> web.Response:
 async def openapi(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
     vocab = engine.vocab_size or len(engine.tokenizer)
-    return json_response(
-        openapi_spec(
-            importlib.metadata.version("aioengine"), request.app[CONFIG].limits, vocab, engine.allow_priority
-        )
-    )
+    return json_response(openapi_spec(__version__, request.app[CONFIG].limits, vocab, engine.allow_priority))
 
 
 async def static_file(request: web.Request) -> web.FileResponse:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from aioengine import AsyncEngine, EngineArgs, SamplingParams
+from aioengine.gpu.models.moe import num_experts_of
 from tests.engine.conftest import SMALL, TINY
 from tests.engine.test_parity import NEW_TOKENS, hf_greedy, prompts
 from tests.engine.test_spec_decode import looping_prompts
@@ -58,6 +59,8 @@ def test_greedy_parity_with_transformers_on_cuda(checkpoint, graphs, budget):
     expected = [hf_greedy(hf, p) for p in ps]
     got, replays, stats = asyncio.run(_run(path, ps, enforce_eager=not graphs, max_num_batched_tokens=budget))
     assert got == expected
+    # A mixture of experts runs eagerly on CUDA (its fused-MoE op reads the routing on the host).
+    graphs = graphs and not num_experts_of(hf.config)
     assert (replays > 0) == graphs  # uniform decode steps replayed a graph, or nothing did
     # One step per new token (the first comes with the last prompt chunk); more when the prompt is chunked.
     assert stats.steps >= NEW_TOKENS and 0.0 <= stats.idle_fraction < 1.0
@@ -77,18 +80,22 @@ def test_verified_drafts_replay_graphs_with_greedy_parity(checkpoint, method):
     else:
         spec |= {"method": "ngram", "prompt_lookup_max": 3, "prompt_lookup_min": 1}
     rows: list[int] = []
+    mixture = bool(num_experts_of(hf.config))  # runs eagerly on CUDA: the drafts' parity alone
 
     async def main():
         async with AsyncEngine(_args(path, max_num_seqs=2, speculative_config=spec)) as engine:
             graphs = engine.backend.graphs
-            assert graphs is not None and graphs.sizes[-1] == 8  # 2 requests x (1 + 3) rows
-            replay = graphs.replay
+            if mixture:
+                assert graphs is None
+            else:
+                assert graphs is not None and graphs.sizes[-1] == 8  # 2 requests x (1 + 3) rows
+                replay = graphs.replay
 
-            def spy(size, input_ids, positions, meta):
-                rows.append(meta.num_reqs)
-                return replay(size, input_ids, positions, meta)
+                def spy(size, input_ids, positions, meta):
+                    rows.append(meta.num_reqs)
+                    return replay(size, input_ids, positions, meta)
 
-            graphs.replay = spy
+                graphs.replay = spy
             params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
             outs = await asyncio.gather(*(engine.generate(p, params) for p in ps))
             totals = engine.scheduler.spec_totals
@@ -100,4 +107,4 @@ def test_verified_drafts_replay_graphs_with_greedy_parity(checkpoint, method):
     assert totals.num_drafts > 0
     if method == "own_draft":
         assert totals.num_accepted_tokens == totals.num_draft_tokens
-        assert max(rows) > 2, rows  # verified drafts replayed a graph
+        assert mixture or max(rows) > 2, rows  # verified drafts replayed a graph

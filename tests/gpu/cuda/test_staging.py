@@ -74,8 +74,8 @@ def test_copies_do_not_wait_for_the_gpu_and_a_buffer_waits_for_its_copies():
 @pytest.mark.gpu
 @cuda_only
 def test_cuda_greedy_takes_the_bf16_argmax_without_widening():
-    from aioengine.gpu.sampler import _greedy
+    from aioengine.gpu.cuda.backend import CudaOps
 
     logits = torch.randn(64, 50_000, device="cuda").to(torch.bfloat16)
     logits[3, 17] = logits[3, 40_000] = 100.0  # a tie: the first index wins, as on the widened copy
-    assert torch.equal(_greedy(logits), logits.float().argmax(-1))
+    assert torch.equal(CudaOps().argmax(logits), logits.float().argmax(-1))
