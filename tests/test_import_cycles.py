@@ -152,7 +152,7 @@ LAYERS: dict[str, int] = {
     "aioengine.model": 2,
     "aioengine.kernels": 1,
 }
-LEAVES = {f"aioengine.{m}" for m in ("config", "sampling_params", "outputs", "errors", "env")}
+LEAVES = {f"aioengine.{m}" for m in ("config", "sampling_params", "outputs", "errors", "env", "version")}
 
 
 def _layer_of(module: str) -> tuple[str, int]:

@@ -7,7 +7,6 @@ from pathlib import Path
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from aioengine import __version__
 from aioengine.http.admission import read_json
 from aioengine.http.context import (
     CONFIG,
@@ -23,6 +22,7 @@ from aioengine.http.errors import APIError, bad
 from aioengine.http.openapi import openapi_spec
 from aioengine.http.parsing import parse_detokenize_request, parse_tokenize_request
 from aioengine.http.streaming import JSON
+from aioengine.version import __version__
 
 STATIC_DIR = Path(__file__).with_name("static")
 
