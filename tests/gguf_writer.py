@@ -72,13 +72,16 @@ def write_tiny_llama(
     raw_types: dict[str, GGMLQuantizationType] | None = None,
     mixed: list[GGMLQuantizationType] | None = None,
     expert_count: int | None = None,
+    experts: int = 0,
 ) -> dict[str, np.ndarray]:
     """Write the file; return the weights the loader must produce (HF names, float32, HF layout).
 
     ``shapes`` overrides a GGUF tensor's shape (a wrong-shape file); ``raw_types`` stores a tensor as
     that type's bytes without quantizing (an unsupported type); ``mixed``: the weight matrices take these
     types in turn instead of ``qtype`` (one file covers them all); ``expert_count``: the metadata of a
-    mixture of experts."""
+    mixture of experts alone; ``experts``: a real mixture of that many experts, top-2, as llama.cpp writes
+    it (stacked ``ffn_*_exps``, a float32 router; ``llama`` is Mixtral, ``qwen3moe`` has q/k norms,
+    ``qwen2moe`` q/k/v biases and a gated shared expert), its weights named as the Hub's checkpoints."""
     m = TinyLlama()
     rng = np.random.default_rng(seed)
     src = read_header(default_gguf_path(), keep_arrays=TOKENIZER_ARRAYS)
@@ -100,6 +103,12 @@ def write_tiny_llama(
     w.add_vocab_size(vocab)
     if expert_count is not None:  # the metadata of a mixture (its tensors stay dense)
         w.add_expert_count(expert_count)
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(2)
+        w.add_expert_feed_forward_length(m.intermediate)
+        if arch == "qwen2moe":
+            w.add_expert_shared_feed_forward_length(m.intermediate)
     if with_tokenizer:
         w.add_tokenizer_model(src.metadata["tokenizer.ggml.model"])
         w.add_tokenizer_pre(src.metadata.get("tokenizer.ggml.pre", "default"))
@@ -125,21 +134,37 @@ def write_tiny_llama(
             (f"blk.{i}.attn_k.weight", hf + "self_attn.k_proj.weight", (kv, m.hidden), m.kv_heads),
             (f"blk.{i}.attn_v.weight", hf + "self_attn.v_proj.weight", (kv, m.hidden), None),
             (f"blk.{i}.attn_output.weight", hf + "self_attn.o_proj.weight", (m.hidden, q), None),
-            (f"blk.{i}.ffn_gate.weight", hf + "mlp.gate_proj.weight", (m.intermediate, m.hidden), None),
-            (f"blk.{i}.ffn_up.weight", hf + "mlp.up_proj.weight", (m.intermediate, m.hidden), None),
-            (f"blk.{i}.ffn_down.weight", hf + "mlp.down_proj.weight", (m.hidden, m.intermediate), None),
         ]
+        if experts:
+            plan += _moe_plan(m, i, arch, experts)
+        else:
+            plan += [
+                (f"blk.{i}.ffn_gate.weight", hf + "mlp.gate_proj.weight", (m.intermediate, m.hidden), None),
+                (f"blk.{i}.ffn_up.weight", hf + "mlp.up_proj.weight", (m.intermediate, m.hidden), None),
+                (f"blk.{i}.ffn_down.weight", hf + "mlp.down_proj.weight", (m.hidden, m.intermediate), None),
+            ]
     expected = {}
     matrices = 0
     for gguf_name, hf_name, shape, heads in plan:
         shape = (shapes or {}).get(gguf_name, shape)
-        if len(shape) == 1:  # norms stay float32, as llama.cpp keeps them
+        if len(shape) == 1:  # norms (and biases) stay float32, as llama.cpp keeps them
             value = (1 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
             w.add_tensor(gguf_name, value)
-            expected[hf_name] = value
+            # Qwen2-MoE's shared-expert gate is [1, H] in the model and a vector in the file
+            expected[hf_name] = value.reshape(1, -1) if "gate_inp_shexp" in gguf_name else value
             continue
         hf_value = (0.05 * rng.standard_normal(shape)).astype(np.float32)
-        stored = _permute(hf_value, heads) if heads and arch == "llama" else hf_value
+        if gguf_name.endswith("ffn_gate_inp.weight"):  # llama.cpp keeps routers in float32
+            w.add_tensor(gguf_name, hf_value)
+            expected[hf_name] = hf_value
+            continue
+        if len(shape) == 3:  # a layer's stacked experts, saved per expert
+            loaded = _store(w, gguf_name, hf_value, qtype, rng)
+            for e in range(shape[0]):
+                expected[hf_name.format(e=e)] = loaded[e]
+            continue
+        permuted = bool(heads) and arch == "llama"
+        stored = _permute(hf_value, heads) if permuted else hf_value
         raw_type = (raw_types or {}).get(gguf_name)
         if raw_type is not None:
             block, nbytes = GGML_QUANT_SIZES[raw_type]
@@ -149,17 +174,8 @@ def write_tiny_llama(
         if mixed:
             qtype = mixed[matrices % len(mixed)]
         matrices += 1
-        data = _blocks(stored, qtype, rng)
-        if qtype == GGMLQuantizationType.F32:
-            w.add_tensor(gguf_name, data)
-            expected[hf_name] = hf_value
-        elif qtype not in _K_SCALES:  # rows quantize alone, so the row order commutes with quantizing
-            w.add_tensor(gguf_name, data, raw_dtype=qtype)
-            expected[hf_name] = dequantize(quantize(hf_value, qtype), qtype).astype(np.float32)
-        else:  # random blocks: the package's dequantizer is the reference
-            w.add_tensor(gguf_name, data, raw_dtype=qtype)
-            loaded = dequantize(data, qtype).reshape(shape).astype(np.float32)
-            expected[hf_name] = _unpermute(loaded, heads) if heads and arch == "llama" else loaded
+        loaded = _store(w, gguf_name, stored, qtype, rng)
+        expected[hf_name] = _unpermute(loaded, heads) if permuted else loaded
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -169,3 +185,70 @@ def write_tiny_llama(
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _store(
+    w: GGUFWriter, name: str, value: np.ndarray, qtype: GGMLQuantizationType, rng: np.random.Generator
+) -> np.ndarray:
+    """Add ``value`` (2-D, or 3-D stacked experts) as ``qtype``; return what the file dequantizes to: the
+    package's quantizer where it has one (rows quantize alone, so row order commutes with it), else random
+    blocks, whose reference is the package's dequantizer."""
+    if qtype == GGMLQuantizationType.F32:
+        w.add_tensor(name, value)
+        return value
+    rows = value.reshape(-1, value.shape[-1])
+    data = _blocks(rows, qtype, rng)
+    w.add_tensor(name, data.reshape(*value.shape[:-1], -1), raw_dtype=qtype)
+    if qtype not in _K_SCALES:
+        return dequantize(quantize(value, qtype), qtype).astype(np.float32)
+    return dequantize(data, qtype).reshape(value.shape).astype(np.float32)
+
+
+_MIXTRAL = {"gate": "w1", "up": "w3", "down": "w2"}
+
+
+def _moe_plan(m: TinyLlama, i: int, arch: str, n: int) -> list:
+    """Layer ``i``'s routed feed-forward: the router, the stacked experts (HF names with ``{e}``), and for
+    qwen2moe the gated shared expert."""
+    hf = f"model.layers.{i}."
+    block = "block_sparse_moe" if arch == "llama" else "mlp"
+    plan: list = [(f"blk.{i}.ffn_gate_inp.weight", f"{hf}{block}.gate.weight", (n, m.hidden), None)]
+    for part, shape in (("gate", (n, m.intermediate, m.hidden)), ("up", (n, m.intermediate, m.hidden))) + (
+        ("down", (n, m.hidden, m.intermediate)),
+    ):
+        proj = _MIXTRAL[part] if arch == "llama" else f"{part}_proj"
+        plan.append(
+            (f"blk.{i}.ffn_{part}_exps.weight", f"{hf}{block}.experts.{{e}}.{proj}.weight", shape, None)
+        )
+    if arch == "qwen3moe":
+        plan += [
+            (f"blk.{i}.attn_q_norm.weight", hf + "self_attn.q_norm.weight", (m.head_dim,), None),
+            (f"blk.{i}.attn_k_norm.weight", hf + "self_attn.k_norm.weight", (m.head_dim,), None),
+        ]
+    if arch == "qwen2moe":
+        q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
+        plan += [
+            (f"blk.{i}.attn_q.bias", hf + "self_attn.q_proj.bias", (q,), None),
+            (f"blk.{i}.attn_k.bias", hf + "self_attn.k_proj.bias", (kv,), None),
+            (f"blk.{i}.attn_v.bias", hf + "self_attn.v_proj.bias", (kv,), None),
+            (f"blk.{i}.ffn_gate_inp_shexp.weight", hf + "mlp.shared_expert_gate.weight", (m.hidden,), None),
+            (
+                f"blk.{i}.ffn_gate_shexp.weight",
+                hf + "mlp.shared_expert.gate_proj.weight",
+                (m.intermediate, m.hidden),
+                None,
+            ),
+            (
+                f"blk.{i}.ffn_up_shexp.weight",
+                hf + "mlp.shared_expert.up_proj.weight",
+                (m.intermediate, m.hidden),
+                None,
+            ),
+            (
+                f"blk.{i}.ffn_down_shexp.weight",
+                hf + "mlp.shared_expert.down_proj.weight",
+                (m.hidden, m.intermediate),
+                None,
+            ),
+        ]
+    return plan

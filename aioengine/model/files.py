@@ -38,7 +38,7 @@ from typing import Any, cast
 import numpy as np
 
 from aioengine.env import cache_dir, hf_offline
-from aioengine.model.gguf_file import GGUFError, GGUFHeader, hf_tensors, read_header
+from aioengine.model.gguf_file import GGUFError, GGUFHeader, hf_tensors, num_hf_tensors, read_header
 
 __all__ = [
     "GGUFError",
@@ -243,12 +243,13 @@ def _convert_checked(header: GGUFHeader, out: Path) -> None:
     gguf = header.path
     with hf_offline(), _gguf_metadata_read_once():
         import torch
-        from safetensors.torch import save_file
         from tqdm import tqdm
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
         src_dir, fname = str(gguf.parent), gguf.name
-        config = AutoConfig.from_pretrained(src_dir, gguf_file=fname, local_files_only=True)
+        config = _mixture_config(
+            header, AutoConfig.from_pretrained(src_dir, gguf_file=fname, local_files_only=True)
+        )
         _tidy_config(config)
         # A meta-device skeleton gives the parameter names and shapes the weights must fill.
         with torch.device("meta"):
@@ -258,14 +259,9 @@ def _convert_checked(header: GGUFHeader, out: Path) -> None:
         if getattr(config, "tie_word_embeddings", False):
             shapes.pop("lm_head.weight", None)
         del skeleton
-        tensors = {}
-        bar = tqdm(total=len(shapes), desc=f"converting {fname}", unit="tensor", leave=False)
+        bar = tqdm(total=num_hf_tensors(shapes), desc=f"converting {fname}", unit="tensor", leave=False)
         with bar:
-            for name, array in hf_tensors(header, shapes, config):
-                tensors[name] = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
-                bar.update()
-        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-        del tensors
+            _write_shards(hf_tensors(header, shapes, config), out, bar.update)
 
         config.save_pretrained(out)
         _patch_config_json(out / "config.json", config)
@@ -274,6 +270,71 @@ def _convert_checked(header: GGUFHeader, out: Path) -> None:
         tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=fname, local_files_only=True)
         tokenizer.save_pretrained(out)  # a base model may carry no chat template: chat then says so
         _patch_tokenizer_config(out / "tokenizer_config.json", tokenizer, config)
+
+
+SHARD_BYTES = 1 << 30  # a converted checkpoint's shards: the conversion holds one in memory, not the model
+
+
+def _write_shards(tensors: Iterator[tuple[str, np.ndarray]], out: Path, done: Callable[[], object]) -> None:
+    """Save float32 tensors as ``model.safetensors``, or past SHARD_BYTES as shards with the index
+    transformers and the loader read."""
+    import torch
+    from safetensors.torch import save_file
+
+    shards: list[list[str]] = []
+    pending: dict[str, torch.Tensor] = {}
+    size = 0
+
+    def flush() -> None:
+        nonlocal pending, size
+        save_file(pending, str(out / f"part-{len(shards)}"), metadata={"format": "pt"})
+        shards.append(list(pending))
+        pending, size = {}, 0
+
+    for name, array in tensors:
+        pending[name] = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
+        size += pending[name].nbytes
+        done()
+        if size >= SHARD_BYTES:
+            flush()
+    if pending or not shards:
+        flush()
+    if len(shards) == 1:
+        (out / "part-0").rename(out / "model.safetensors")
+        return
+    weight_map: dict[str, str] = {}
+    total = 0
+    for i, names in enumerate(shards):
+        shard = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        (out / f"part-{i}").rename(out / shard)
+        weight_map |= dict.fromkeys(names, shard)
+        total += (out / shard).stat().st_size
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    _write_file(out / "model.safetensors.index.json", json.dumps(index, indent=2))
+
+
+def _mixture_config(header: GGUFHeader, config: Any) -> Any:
+    """What transformers' GGUF config reader leaves out of a mixture: Mixtral's file says "llama" with an
+    expert count; Qwen-MoE's expert sizes; and llama.cpp's routing (qwen3moe renormalises the top-k weights,
+    qwen2moe does not)."""
+    arch, meta = header.architecture, header.metadata
+    experts = int(meta.get(f"{arch}.expert_count") or 0)
+    if not experts:
+        return config
+    if arch == "llama":
+        from transformers import MixtralConfig
+
+        fields = {k: v for k, v in config.to_dict().items() if k not in ("model_type", "architectures")}
+        fields["num_local_experts"] = experts
+        fields["num_experts_per_tok"] = int(meta[f"{arch}.expert_used_count"])
+        return MixtralConfig(**fields)
+    config.moe_intermediate_size = int(meta[f"{arch}.expert_feed_forward_length"])
+    shared = meta.get(f"{arch}.expert_shared_feed_forward_length")
+    if shared is not None:
+        config.shared_expert_intermediate_size = int(shared)
+    config.norm_topk_prob = arch == "qwen3moe"
+    config.decoder_sparse_step, config.mlp_only_layers = 1, []
+    return config
 
 
 def _tidy_config(config: Any) -> None:

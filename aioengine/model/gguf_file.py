@@ -9,6 +9,7 @@ and its tensor-name map gives the GGUF name of each Hugging Face parameter.
 from __future__ import annotations
 
 import mmap
+import re
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -40,16 +41,18 @@ TENSOR_TYPES: dict[int, tuple[str, int, int]] = {
 }
 SUPPORTED_TYPES = ", ".join(name for name, _, _ in TENSOR_TYPES.values())
 
-# GGUF architecture -> the transformers class it converts to.
+# GGUF architecture -> the transformers class it converts to (a "llama" file with experts is Mixtral's).
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
 }
-
-# GGUF architectures that are mixtures of experts whatever their metadata says
-_MIXTURES = frozenset({"qwen3moe", "qwen2moe", "gpt-oss", "olmoe", "deepseek2", "granitemoe", "llama4"})
+# the architectures whose files may hold routed experts (llama: Mixtral's files)
+MIXTURE_ARCHITECTURES = ("qwen3moe", "qwen2moe", "llama")
+SUPPORTED_MIXTURES = "qwen3moe, qwen2moe and llama with experts (Mixtral)"
 
 # metadata value types: fixed-width ones by struct format; 8 is a string, 9 an array
 _SCALARS = {
@@ -184,15 +187,23 @@ def _parse(blob: mmap.mmap, path: Path, keep_arrays: frozenset[str]) -> GGUFHead
         metadata[key] = cur.value(cur.take("<I"), key in keep_arrays)
     arch = metadata.get("general.architecture")
     experts = metadata.get(f"{arch}.expert_count") or 0
-    if arch in _MIXTURES or experts:  # Mixtral's file says "llama" and counts its experts
+    if experts and arch not in MIXTURE_ARCHITECTURES:
         raise GGUFError(
-            f"{path}: a mixture of experts ({arch!r}, {experts or 'routed'} experts) is not read from GGUF "
-            "yet; load its Hugging Face checkpoint instead (Qwen3MoeForCausalLM and MixtralForCausalLM load)"
+            f"{path}: a mixture of experts of architecture {arch!r} ({experts} experts) is not supported; "
+            f"supported mixtures: {SUPPORTED_MIXTURES}"
         )
     if arch not in ARCHITECTURES:
         raise GGUFError(
-            f"{path}: architecture {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)}"
+            f"{path}: architecture {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)} "
+            f"(mixtures: {SUPPORTED_MIXTURES})"
         )
+    if experts or arch in ("qwen3moe", "qwen2moe"):
+        need = ["expert_count", "expert_used_count"] + (
+            [] if arch == "llama" else ["expert_feed_forward_length"]
+        )
+        missing = [f"{arch}.{k}" for k in need if not metadata.get(f"{arch}.{k}")]
+        if missing:
+            raise GGUFError(f"{path}: a mixture of experts without {', '.join(missing)}: corrupt metadata")
     if "tokenizer.ggml.model" not in metadata or not metadata.get("tokenizer.ggml.tokens"):
         raise GGUFError(f"{path}: the file carries no tokenizer (tokenizer.ggml.model and .tokens)")
     entries = []
@@ -258,6 +269,15 @@ def _reverse_llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def num_hf_tensors(hf_shapes: dict[str, tuple[int, ...]]) -> int:
+    """How many tensors ``hf_tensors`` yields for these shapes (stacked experts come one per expert)."""
+    n = 0
+    for name, shape in hf_shapes.items():
+        fused = _FUSED_EXPERTS.match(name)
+        n += 1 if fused is None else shape[0] * (2 if fused["proj"] == "gate_up" else 1)
+    return n
+
+
 def hf_tensors(
     header: GGUFHeader, hf_shapes: dict[str, tuple[int, ...]], config: Any
 ) -> Iterator[tuple[str, np.ndarray]]:
@@ -269,22 +289,63 @@ def hf_tensors(
     arch = header.architecture
     arch_id = next(k for k, v in MODEL_ARCH_NAMES.items() if v == arch)
     names = get_tensor_name_map(arch_id, config.num_hidden_layers)
+    mixtral = getattr(config, "model_type", "") == "mixtral"
     for hf_name, shape in hf_shapes.items():
+        fused = _FUSED_EXPERTS.match(hf_name)
+        if fused is not None:  # transformers' stacked experts: the file's [E, rows, cols] tensors, per expert
+            yield from _experts(header, fused["layer"], fused["proj"], tuple(shape), mixtral)
+            continue
         base, _, suffix = hf_name.rpartition(".")
         gguf_base = names.get_name(base)
         gguf_name = f"{gguf_base}.{suffix}" if gguf_base else None
         if gguf_name is None or gguf_name not in header.tensors:
             raise GGUFError(f"{header.path}: tensor for {hf_name} ({gguf_name or 'no GGUF name'}) is missing")
         info = header.tensors[gguf_name]
-        if info.shape != tuple(shape):
+        # llama.cpp stores Qwen2-MoE's shared-expert gate [1, H] as a vector
+        vector_row = len(shape) == 2 and shape[0] == 1 and info.shape == tuple(shape[1:])
+        if info.shape != tuple(shape) and not vector_row:
             raise GGUFError(
                 f"{header.path}: tensor {gguf_name} has shape {list(info.shape)}, but the model's config "
                 f"needs {list(shape)} for {hf_name}: wrong shape"
             )
-        w = dequantize(header, info)
+        w = dequantize(header, info).reshape(shape)
+        if mixtral and base.endswith(".mlp.gate"):
+            hf_name = hf_name.replace(".mlp.", ".block_sparse_moe.")  # the Hub checkpoints' name
         if arch == "llama" and suffix == "weight" and base.endswith(("q_proj", "k_proj")):
             heads = config.num_attention_heads if base.endswith("q_proj") else config.num_key_value_heads
             w = _reverse_llama_permute(w, heads)
         elif arch == "gemma3" and gguf_name.endswith("norm.weight"):
             w = w - 1.0  # llama.cpp stores Gemma's (1 + w) norms as 1 + w
         yield hf_name, w
+
+
+# transformers' skeleton stacks a layer's experts: gate_up_proj [E, 2I, H] and down_proj [E, H, I]
+_FUSED_EXPERTS = re.compile(r"^(?P<layer>model\.layers\.\d+)\.mlp\.experts\.(?P<proj>gate_up|down)_proj$")
+_MIXTRAL_EXPERT = {"gate": "w1", "up": "w3", "down": "w2"}
+
+
+def _experts(
+    header: GGUFHeader, layer: str, proj: str, shape: tuple[int, ...], mixtral: bool
+) -> Iterator[tuple[str, np.ndarray]]:
+    """A layer's experts from the file's stacked ``ffn_{gate,up,down}_exps`` under the per-expert names of
+    the Hub's checkpoints (Qwen-MoE's ``mlp.experts.<e>.gate_proj``, Mixtral's ``block_sparse_moe...w1``)."""
+    n, rows, cols = shape
+    parts = [("gate", rows // 2), ("up", rows // 2)] if proj == "gate_up" else [("down", rows)]
+    blk = f"blk.{layer.rsplit('.', 1)[1]}"
+    for part, part_rows in parts:
+        gguf_name = f"{blk}.ffn_{part}_exps.weight"
+        info = header.tensors.get(gguf_name)
+        if info is None:
+            raise GGUFError(f"{header.path}: tensor {gguf_name} (the layer's experts) is missing")
+        if info.shape != (n, part_rows, cols):
+            raise GGUFError(
+                f"{header.path}: tensor {gguf_name} has shape {list(info.shape)}, but the model's config "
+                f"needs {[n, part_rows, cols]}: wrong shape"
+            )
+        stacked = dequantize(header, info)
+        for e in range(n):
+            if mixtral:
+                name = f"{layer}.block_sparse_moe.experts.{e}.{_MIXTRAL_EXPERT[part]}.weight"
+            else:
+                name = f"{layer}.mlp.experts.{e}.{part}_proj.weight"
+            yield name, stacked[e]

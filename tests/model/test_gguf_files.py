@@ -115,8 +115,9 @@ def _truncate(path: Path, keep: int) -> None:
         ("missing tokenizer", "no tokenizer"),
         ("unknown quant type", "IQ2_XXS"),
         ("unknown architecture", "architecture 'mamba' is not supported"),
-        ("a mixture as llama", "a mixture of experts ('llama', 8 experts) is not read from GGUF yet"),
-        ("a qwen3moe mixture", "a mixture of experts ('qwen3moe'"),
+        ("a mixture without its routing", "a mixture of experts without llama.expert_used_count: corrupt"),
+        ("a qwen3moe file without experts", "without qwen3moe.expert_count, qwen3moe.expert_used_count, "),
+        ("an unsupported mixture", "'deepseek2' (8 experts) is not supported; supported mixtures: qwen3moe"),
         ("empty file", "GGUF"),
     ],
 )
@@ -130,10 +131,12 @@ def test_a_bad_file_gets_a_clear_error_naming_it_and_leaves_nothing_in_the_cache
         write_tiny_llama(path, raw_types={"blk.0.ffn_up.weight": Q.IQ2_XXS})
     elif case == "unknown architecture":
         write_tiny_llama(path, arch="mamba")
-    elif case == "a mixture as llama":  # Mixtral's GGUF: arch llama, with an expert count
+    elif case == "a mixture without its routing":  # Mixtral's (llama, an expert count) with no top-k
         write_tiny_llama(path, expert_count=8)
-    elif case == "a qwen3moe mixture":
+    elif case == "a qwen3moe file without experts":
         write_tiny_llama(path, arch="qwen3moe")
+    elif case == "an unsupported mixture":  # DeepSeek's MLA and grouped routing
+        write_tiny_llama(path, arch="deepseek2", expert_count=8)
     else:
         write_tiny_llama(path)
     size = path.stat().st_size
