@@ -195,6 +195,12 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     distributed_executor_backend: str = "mp"
     distributed_init_method: str | None = None
+    # LoRA adapters (PEFT format) served beside the base model, each under its own name; a request picks one
+    # (generate(lora=...), or the OpenAI "model" field). vLLM's names.
+    enable_lora: bool = False
+    lora_modules: dict[str, str] = field(default_factory=dict)  # name -> adapter folder
+    max_loras: int = 1  # adapters resident at once (every adapter named here is loaded at start)
+    max_lora_rank: int = 16
     kernels: KernelConfig = field(default_factory=KernelConfig)
 
     def validate(self) -> None:
@@ -238,6 +244,22 @@ class EngineArgs:
             )
         self.kernels.validate()
         SpeculativeConfig.from_dict(self.speculative_config)  # raises ValueError naming a bad key or value
+        self._validate_lora()
+
+    def _validate_lora(self) -> None:
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError(
+                f"max_loras and max_lora_rank must be at least 1 ({self.max_loras}, {self.max_lora_rank})"
+            )
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules needs enable_lora")
+        if len(self.lora_modules or {}) > self.max_loras:
+            raise ValueError(
+                f"{len(self.lora_modules)} LoRA adapters but max_loras is {self.max_loras}: every adapter is "
+                "resident (loading on demand is not supported); raise max_loras"
+            )
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError("LoRA adapters are not supported with tensor parallelism yet")
 
     def speculative(self) -> SpeculativeConfig | None:
         return SpeculativeConfig.from_dict(self.speculative_config)

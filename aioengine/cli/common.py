@@ -56,6 +56,10 @@ _ENGINE_HELP = {
     'or \'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 3}\'',
     "quantization": "CPU weight-only quantization of the linear layers (int4: groups of 32, like GGUF Q4_1)",
     "pooling": "embeddings' pooling (default: the checkpoint's sentence-transformers config, else last)",
+    "enable_lora": "serve LoRA adapters beside the base model (--lora-modules)",
+    "lora_modules": "LoRA adapters (PEFT folders) as name=path; a request's model field picks one by name",
+    "max_loras": "LoRA adapters resident at once (every one named is loaded at start)",
+    "max_lora_rank": "the largest LoRA rank an adapter may have",
     # KernelConfig
     "cpu_kernels": "build and use the CPU's C kernels (off: torch ops, oneDNN linears)",
     "cpu_isa": "CPU: the ISA level the C kernels are built for and whose defaults apply "
@@ -103,6 +107,13 @@ def _json_object(text: str) -> dict:
     return value
 
 
+def _lora_module(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"a LoRA module is name=path, got {text!r}")
+    return name, path
+
+
 def _field_type(f: dataclasses.Field) -> Callable[[str], Any]:
     ann = str(f.type)
     if f.name.endswith("_bytes"):
@@ -132,6 +143,10 @@ def _add_fields(group: argparse._ArgumentGroup, cls: type, skip: set[str]) -> No
         help_text = _ENGINE_HELP.get(f.name, f.name.replace("_", " "))
         if f.name == "served_model_name":
             group.add_argument(flag, nargs="+", default=None, metavar="NAME", help=help_text)
+        elif f.name == "lora_modules":
+            group.add_argument(
+                flag, nargs="+", type=_lora_module, default=None, metavar="NAME=PATH", help=help_text
+            )
         elif str(f.type) == "bool":
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
         else:
@@ -146,6 +161,7 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         values["model"] = args.model_tag
     if values["served_model_name"]:
         values["served_model_name"] = values["served_model_name"][0]
+    values["lora_modules"] = dict(values["lora_modules"] or ())
     kernels = KernelConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(KernelConfig)})
     return EngineArgs(**values, kernels=kernels)
 

@@ -190,12 +190,36 @@ class AsyncEngine:
         cache_salt: str | None = None,
         *,
         grammar: PrecompiledGrammar | None = None,
+        lora: str | None = None,
     ) -> GenerateHandle:
-        """Start a request; raises InvalidRequestError (bad input) or EngineDeadError at once."""
+        """Start a request; raises InvalidRequestError (bad input) or EngineDeadError at once. ``lora``: the
+        name of a LoRA adapter to generate with (``lora_modules``), or None for the base model."""
         self._check_alive()
+        lora_id = self._lora_id(lora)
         params = sampling_params or SamplingParams(**self.default_sampling_params)
         prompt_text, prompt_ids = self._prompt_ids(prompt)
-        return self._add(prompt_text, prompt_ids, params, request_id, priority, cache_salt, grammar)
+        return self._add(
+            prompt_text, prompt_ids, params, request_id, priority, cache_salt, grammar, lora_id=lora_id
+        )
+
+    @property
+    def lora_modules(self) -> dict[str, str]:
+        """The LoRA adapters served beside the base model: name -> folder."""
+        return dict(self.args.lora_modules) if self.args.enable_lora else {}
+
+    @property
+    def lora_names(self) -> list[str]:
+        return list(self.lora_modules)
+
+    def _lora_id(self, lora: str | None) -> int:
+        if lora is None:
+            return 0
+        names = self.lora_names
+        if lora not in names:
+            raise InvalidRequestError(
+                f"unknown LoRA adapter {lora!r}; served: {', '.join(names) or 'none'}", param="lora"
+            )
+        return names.index(lora) + 1
 
     def _prompt_ids(self, prompt: object, param: str = "prompt") -> tuple[str | None, list[int]]:
         assert self._encode is not None
@@ -210,11 +234,13 @@ class AsyncEngine:
         chat_template_kwargs: dict | None = None,
         *,
         grammar: PrecompiledGrammar | None = None,
+        lora: str | None = None,
     ) -> GenerateHandle:
         self._check_alive()
+        lora_id = self._lora_id(lora)
         ids = self.render_chat(messages, chat_template_kwargs)
         params = sampling_params or SamplingParams(**self.default_sampling_params)
-        return self._add(None, ids, params, request_id, priority, None, grammar)
+        return self._add(None, ids, params, request_id, priority, None, grammar, lora_id=lora_id)
 
     def render_chat(
         self, messages: list[dict], chat_template_kwargs: Mapping[str, Any] | None = None
@@ -310,6 +336,7 @@ class AsyncEngine:
         cache_salt: str | None,
         grammar: PrecompiledGrammar | None = None,
         pooling: str | None = None,
+        lora_id: int = 0,
     ) -> GenerateHandle:
         params = input_processor.request_params(
             params,
@@ -360,6 +387,7 @@ class AsyncEngine:
                 cid, prompt_ids, child_params, self.eos_token_id, priority, state.arrival_time, cache_salt
             )
             request.pooling = pooling
+            request.lora_id = lora_id
             if compiled_grammar is not None:
                 request.structured_output = self._structured.new_grammar(compiled_grammar)
             if params.thinking_token_budget is not None:  # to the scheduler a grammar, around the own one

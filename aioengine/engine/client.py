@@ -111,6 +111,9 @@ class EngineClient(Protocol):
     @property
     def allow_priority(self) -> bool: ...  # requests may set `priority` (--scheduling-policy priority)
 
+    @property
+    def lora_modules(self) -> Mapping[str, str]: ...  # LoRA adapters served beside the model: name -> path
+
     def render_chat(
         self, messages: list[dict], chat_template_kwargs: Mapping[str, Any] | None = None
     ) -> list[int]:
@@ -128,6 +131,7 @@ class EngineClient(Protocol):
         cache_salt: str | None = None,
         *,
         grammar: PrecompiledGrammar | None = None,
+        lora: str | None = None,
     ) -> RequestHandle: ...
 
     def chat(
@@ -139,6 +143,7 @@ class EngineClient(Protocol):
         chat_template_kwargs: dict[str, Any] | None = None,
         *,
         grammar: PrecompiledGrammar | None = None,
+        lora: str | None = None,
     ) -> RequestHandle: ...
 
     async def precompile(self, params: SamplingParams) -> PrecompiledGrammar | None: ...

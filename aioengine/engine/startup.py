@@ -156,6 +156,7 @@ async def load(
                 args.seed,
                 args.quantization,
                 draft_path,
+                (list(args.lora_modules.items()), args.max_lora_rank) if args.enable_lora else None,
             )
         )
     except BaseException:

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from aioengine.config import EngineArgs
-from aioengine.kernels import reference, reference_moe
+from aioengine.kernels import reference, reference_lora, reference_moe
 from aioengine.kernels.metadata import AttentionMetadata
 from aioengine.sched.output import ModelRunnerOutput
 
@@ -71,6 +71,18 @@ class Ops:
     ) -> torch.Tensor:
         """Causal paged attention; ``window``: a sliding-window layer's span (itself, window - 1 before)."""
         return reference.paged_attention(query, kv_cache, meta, scale, window=window)
+
+    def add_lora(
+        self,
+        out: torch.Tensor,
+        x: torch.Tensor,
+        lora_a: torch.Tensor,
+        lora_b: list[torch.Tensor],
+        offsets: list[tuple[int, int]],
+        groups: list[tuple[int, torch.Tensor]],
+    ) -> None:
+        """Each adapter's rows of ``out`` gain their LoRA delta, in place (see ``reference_lora``)."""
+        reference_lora.add_lora(out, x, lora_a, lora_b, offsets, groups)
 
     def fused_moe(
         self,
@@ -128,6 +140,8 @@ class RunnerParts(Protocol):
     def max_blocks_per_req(self) -> int: ...
     @property
     def kv_caches(self) -> list[torch.Tensor]: ...
+    @property
+    def lora_active(self) -> bool: ...
 
     def kv_cache_bytes_per_block(self) -> int: ...
 

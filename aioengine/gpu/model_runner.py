@@ -18,11 +18,13 @@ import torch
 from aioengine.gpu.backend import Backend
 from aioengine.gpu.drafter import Drafter
 from aioengine.gpu.loader import kv_cache_bytes_per_block, load_model
+from aioengine.gpu.lora import LoRASlots
 from aioengine.gpu.models.moe import num_active_parameters
 from aioengine.gpu.pooler import Pooler
 from aioengine.gpu.sampler import Sampler, SamplerOutput, SamplingMetadata, gather_logprobs
 from aioengine.gpu.states import RequestStates
 from aioengine.kernels.metadata import AttentionMetadata
+from aioengine.model.lora import read_adapter
 from aioengine.sched.kv_cache_spec import group_size, layer_slots
 from aioengine.sched.output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 
@@ -61,9 +63,11 @@ class ModelRunner:
         seed: int,
         quantization: str | None = None,
         draft_model: str | None = None,
+        lora: tuple[list[tuple[str, str]], int] | None = None,
     ) -> None:
         """``max_model_len`` is the engine's, already within the model's limits (``EngineConfig``);
-        ``draft_model``: a checkpoint proposing drafts (speculative decoding), loaded beside the model."""
+        ``draft_model``: a checkpoint proposing drafts (speculative decoding), loaded beside the model;
+        ``lora``: the LoRA adapters (name, folder) in their slots' order, and the largest rank."""
         self.backend = backend
         self.device = device = backend.device
         self.dtype = dtype
@@ -78,6 +82,11 @@ class ModelRunner:
         self._num_active_parameters = num_active_parameters(self.model)
         self._bytes_per_parameter = torch.empty((), dtype=dtype).element_size()
         backend.prepare_model(self.model, quantization, os.fspath(model_path))
+        self.lora: LoRASlots | None = None
+        if lora is not None:  # hooked on the linears as prepared (quantized, on codes), in slots 1..N
+            modules, max_rank = lora
+            adapters = [read_adapter(name, path, max_rank) for name, path in modules]
+            self.lora = LoRASlots(self.model, self.hf_config, adapters, max_rank, backend.ops, dtype)
         self.sampler = Sampler(
             seed,
             device,
@@ -110,6 +119,11 @@ class ModelRunner:
         # Seconds this (worker) thread spent per phase, summed over steps: building inputs, launching (or
         # computing, on CPU) the forward, and sampling. The bench reports them per step.
         self.host_s = cast("dict[str, float]", collections.Counter())  # (Counter's stubs: int counts only)
+
+    @property
+    def lora_active(self) -> bool:
+        """This step has rows of a LoRA adapter: the C stack and CUDA graphs (no hooks there) sit out."""
+        return self.lora is not None and bool(self.lora.groups)
 
     def num_parameters(self) -> int:
         """The checkpoint's parameter count (a tied head counted once, as in the checkpoint)."""
@@ -187,6 +201,8 @@ class ModelRunner:
         tok_req = np.repeat(np.arange(num_reqs), n)
         positions = np.repeat(start - cu[:-1], n) + np.arange(num_tokens)
         rows_tok = rows[tok_req]
+        if self.lora is not None:
+            self.lora.set_step(states.lora_slot[rows_tok], self.staging.to_device)
         seq_lens = start + n
         known = positions < prefill_len[tok_req]
         input_ids_np = np.where(

@@ -20,7 +20,7 @@ from aiohttp import web
 
 from aioengine.engine.client import EngineClient, PrecompiledGrammar, RequestHandle
 from aioengine.errors import AioEngineError, InvalidRequestError
-from aioengine.http.context import CONFIG, ENGINE, STATE, check_model
+from aioengine.http.context import CONFIG, ENGINE, STATE, check_model, lora_of
 from aioengine.http.errors import APIError, api_error, bad
 from aioengine.http.parsing import ChatRequest, CompletionRequest
 from aioengine.http.reasoning import closed_in_prompt
@@ -172,7 +172,12 @@ def start_chat(app: web.Application, adm: Admitted[ChatRequest], what: str) -> R
     engine, req = app[ENGINE], adm.req
     if req.prompt_ids is not None:
         handle = engine.generate(
-            req.prompt_ids, req.params, request_id=adm.request_id, priority=req.priority, grammar=adm.grammar
+            req.prompt_ids,
+            req.params,
+            request_id=adm.request_id,
+            priority=req.priority,
+            grammar=adm.grammar,
+            lora=lora_of(app, adm.model),
         )
     else:
         handle = engine.chat(
@@ -182,6 +187,7 @@ def start_chat(app: web.Application, adm: Admitted[ChatRequest], what: str) -> R
             priority=req.priority,
             chat_template_kwargs=req.chat_template_kwargs or None,
             grammar=adm.grammar,
+            lora=lora_of(app, adm.model),
         )
     log_start(app, adm, what)
     return handle
@@ -203,6 +209,7 @@ async def start_completions(
                     request_id=rid,
                     priority=req.priority,
                     grammar=adm.grammar,
+                    lora=lora_of(app, adm.model),
                 )
             )
     except AioEngineError as e:

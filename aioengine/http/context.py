@@ -59,11 +59,17 @@ STATE = web.AppKey("aioengine_state", AppState)
 
 
 def model_names(app: web.Application) -> list[str]:
-    return app[CONFIG].served_model_names or [app[ENGINE].model_name]
+    """The base model's served names, then the LoRA adapters' (a request's model picks one)."""
+    return [*(app[CONFIG].served_model_names or [app[ENGINE].model_name]), *app[ENGINE].lora_modules]
+
+
+def lora_of(app: web.Application, model: str) -> str | None:
+    """The LoRA adapter a (checked) model name picks, or None for the base model."""
+    return model if model in app[ENGINE].lora_modules else None
 
 
 def check_model(app: web.Application, model: str | None) -> str:
-    """The served name a request asks for (404 for another), or the first one."""
+    """The served name (or adapter) a request asks for (404 for another), or the first one."""
     names = model_names(app)
     if model is not None and model not in names:
         raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")

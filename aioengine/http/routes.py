@@ -29,13 +29,14 @@ STATIC_DIR = Path(__file__).with_name("static")
 
 def _model_card(app: web.Application, name: str) -> JSON:
     engine = app[ENGINE]
+    adapter = engine.lora_modules.get(name)  # a LoRA adapter's card names its base model as parent
     return {
         "id": name,
         "object": "model",
         "created": app[STATE].created,
         "owned_by": "aioengine",
-        "root": engine.model_path or name,
-        "parent": None,
+        "root": adapter or engine.model_path or name,
+        "parent": model_names(app)[0] if adapter is not None else None,
         "max_model_len": engine.max_model_len,
     }
 

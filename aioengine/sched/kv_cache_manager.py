@@ -61,10 +61,12 @@ class KVCacheManager:
         bs = self.block_size
         hashes = request.block_hashes
         tokens = request.all_token_ids
-        extra = (request.cache_salt,) if request.cache_salt is not None else None
+        # A hit never crosses cache salts or LoRA adapters (their KV differs for the same tokens).
+        keys = (request.cache_salt, request.lora_id)
+        extra = keys if keys != (None, 0) else None
         for i in range(len(hashes), len(tokens) // bs):
             parent = hashes[-1] if hashes else NONE_HASH
-            # The salt only enters the first block: the chain carries it to the rest.
+            # The extra keys only enter the first block: the chain carries them to the rest.
             hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs], extra if i == 0 else None))
 
     # ---- lookup and allocation ----------------------------------------------------------------

@@ -274,6 +274,7 @@ class Scheduler:
                 r.num_prompt_tokens,
                 r.eos_token_id,
                 r.pooling,
+                r.lora_id,
             )
             for r in scheduled_new
         ]

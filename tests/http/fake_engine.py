@@ -85,6 +85,7 @@ class FakeEngine:
         self.tokenizer = FakeTokenizer(self.vocab_size)
         self.default_sampling_params: Mapping[str, float] = {}
         self.allow_priority = False
+        self.lora_modules: dict[str, str] = {}
         self.dead_error: EngineDeadError | None = None
         self.stat_listeners: list[StatListener] = []
         self.request_listeners: list[RequestListener] = []
@@ -113,6 +114,7 @@ class FakeEngine:
         cache_salt: str | None = None,
         *,
         grammar: PrecompiledGrammar | None = None,
+        lora: str | None = None,
     ) -> RequestHandle:
         if self.dead_error is not None:
             raise self.dead_error
@@ -129,6 +131,7 @@ class FakeEngine:
         chat_template_kwargs: dict[str, Any] | None = None,
         *,
         grammar: PrecompiledGrammar | None = None,
+        lora: str | None = None,
     ) -> RequestHandle:
         return self.generate("", sampling_params, request_id, priority)
 

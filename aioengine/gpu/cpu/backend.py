@@ -337,7 +337,8 @@ class CpuBackend(Backend):
         if coded is not None:
             coded.decodes_only = meta.num_decodes == meta.num_reqs == input_ids.shape[0]
         stack = self.decode_stack
-        if stack is not None and stack.takes(input_ids, meta):  # every layer in one C call, the same bits
+        # every layer in one C call, the same bits (not with LoRA rows: the stack skips the adapters' hooks)
+        if stack is not None and not runner.lora_active and stack.takes(input_ids, meta):
             decoder: Any = runner.model.model  # a Llama-family or Gemma 3 decoder (checked when built)
             hidden, residual = stack.run(decoder.embed(input_ids), positions, meta)
             return decoder.norm(hidden, residual)[0]

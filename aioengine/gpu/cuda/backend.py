@@ -224,7 +224,8 @@ class CudaBackend(Backend):
     ) -> torch.Tensor:
         """A uniform decode batch replays a graph; anything else runs eagerly."""
         num_tokens = input_ids.shape[0]
-        size = self.graphs.size_for(meta, num_tokens) if self.graphs is not None else None
+        graphs = self.graphs if not runner.lora_active else None  # a graph replay skips the LoRA hooks
+        size = graphs.size_for(meta, num_tokens) if graphs is not None else None
         self.timeline.start(
             "decode_graph"
             if size is not None

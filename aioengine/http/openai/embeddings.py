@@ -12,7 +12,7 @@ from aiohttp import web
 
 from aioengine.errors import AioEngineError
 from aioengine.http import admission
-from aioengine.http.context import CONFIG, ENGINE, check_model, json_response
+from aioengine.http.context import CONFIG, ENGINE, check_model, json_response, lora_of
 from aioengine.http.errors import api_error, bad
 from aioengine.http.parsing import parse_prompt
 from aioengine.http.request_tables import PROMPT, SAMPLING
@@ -62,6 +62,8 @@ async def embeddings(request: web.Request) -> web.Response:
     body = await admission.read_json(request)
     req = parse_embedding_request(body, engine.allow_priority, app[CONFIG].limits)
     model = check_model(app, req.model)
+    if lora_of(app, model) is not None:
+        raise bad(f"embeddings of LoRA adapter {model!r} are not supported: ask the base model", "model")
     rid = admission.request_id(request.headers.get("X-Request-Id") or req.request_id, "embd")
     try:
         outs = await engine.embed(

@@ -1,0 +1,102 @@
+"""LoRA adapters on a loaded model: forward hooks on the decoder's linears add each adapter's delta to its
+own rows of the step. A step without adapter rows runs the model untouched (C stack, CUDA graphs)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from aioengine.gpu.backend import Ops
+from aioengine.model.lora import LoRAAdapter, LoRAError
+
+
+class LoRASlots:
+    """A model's adapters in fixed slots (1..N; 0 is the base model) and the step's rows per slot."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: Any,
+        adapters: list[LoRAAdapter],
+        max_rank: int,
+        ops: Ops,
+        dtype: torch.dtype,
+    ) -> None:
+        self.names = [a.name for a in adapters]
+        self.ops = ops
+        self.groups: list[tuple[int, torch.Tensor]] = []  # this step's (slot, rows); empty: no adapter rows
+        decoder: Any = getattr(model, "model", None)
+        layers = list(getattr(decoder, "layers", None) or [])
+        wanted = {key for a in adapters for key in a.weights}
+        for layer_index, _ in sorted(wanted):
+            if layer_index >= len(layers):
+                raise LoRAError(
+                    f"LoRA weights for layer {layer_index}, but the model has {len(layers)} layers"
+                )
+        hidden, inter = int(config.hidden_size), int(getattr(config, "intermediate_size", 0) or 0)
+        for i, layer in enumerate(layers):
+            attn, mlp = layer.self_attn, getattr(layer, "mlp", None)
+            # (owner, linear, its checkpoint modules, input width, each module's output width)
+            shapes = [
+                (
+                    attn,
+                    "qkv_proj",
+                    ("q_proj", "k_proj", "v_proj"),
+                    hidden,
+                    (attn.q_size, attn.kv_size, attn.kv_size),
+                ),
+                (attn, "o_proj", ("o_proj",), attn.q_size, (hidden,)),
+                (mlp, "gate_up_proj", ("gate_proj", "up_proj"), hidden, (inter, inter)),
+                (mlp, "down_proj", ("down_proj",), inter, (hidden,)),
+            ]
+            for owner, attr, parts, in_features, sizes in shapes:
+                if not any((i, p) in wanted for p in parts):
+                    continue
+                linear = getattr(owner, attr, None)
+                if linear is None:  # e.g. a mixture's routed experts: no dense gate/up/down
+                    targets = sorted(p for p in parts if (i, p) in wanted)
+                    raise LoRAError(f"LoRA targets {targets} of layer {i}, which this model lacks")
+                self._attach(linear, i, parts, in_features, sizes, adapters, max_rank, dtype)
+
+    def _attach(
+        self,
+        linear: nn.Module,
+        layer: int,
+        parts: tuple[str, ...],
+        in_features: int,
+        sizes: tuple[int, ...],
+        adapters: list[LoRAAdapter],
+        max_rank: int,
+        dtype: torch.dtype,
+    ) -> None:
+        num_slots = len(adapters) + 1
+        lora_a = torch.zeros(len(parts), num_slots, max_rank, in_features, dtype=dtype)
+        lora_b = [torch.zeros(num_slots, size, max_rank, dtype=dtype) for size in sizes]
+        for slot, adapter in enumerate(adapters, start=1):
+            for p, part in enumerate(parts):
+                ab = adapter.weights.get((layer, part))
+                if ab is None:
+                    continue
+                a, b = ab
+                if a.shape[1] != in_features or b.shape[0] != sizes[p]:
+                    raise LoRAError(
+                        f"LoRA adapter {adapter.name!r}: layer {layer} {part}: A {list(a.shape)}, B "
+                        f"{list(b.shape)}; the model's {part} maps {in_features} inputs to {sizes[p]} outputs"
+                    )
+                lora_a[p, slot, : adapter.rank] = a.to(dtype)
+                lora_b[p][slot, :, : adapter.rank] = (b * adapter.scaling).to(dtype)
+        offsets = [(sum(sizes[:p]), size) for p, size in enumerate(sizes)]
+
+        def add_delta(module: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> None:
+            if self.groups:
+                self.ops.add_lora(out, args[0], lora_a, lora_b, offsets, self.groups)
+
+        linear.register_forward_hook(add_delta)
+
+    def set_step(self, token_slots: np.ndarray, to_device: Any) -> None:
+        """This step's adapter of each token (0: none) -> the rows of each adapter present."""
+        present = np.unique(token_slots) if token_slots.any() else ()
+        self.groups = [(int(s), to_device(np.flatnonzero(token_slots == s))) for s in present if s]

@@ -1,0 +1,174 @@
+"""Multi-LoRA: two PEFT adapters and the base model in the same batches, each request's greedy tokens equal
+to transformers with its adapter merged (peft's merge_and_unload), with chunked prefill and prefix hits
+that never cross adapters; malformed adapters are refused with the reason."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+
+import pytest
+import torch
+
+peft = pytest.importorskip("peft")
+
+from aioengine import AsyncEngine, EngineArgs, InvalidRequestError, SamplingParams  # noqa: E402
+from aioengine.model.lora import LoRAError  # noqa: E402
+from tests.engine.conftest import make_tiny_checkpoint  # noqa: E402
+from tests.engine.test_parity import NEW_TOKENS, hf_greedy  # noqa: E402
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# (rank, alpha, rsLoRA, targets) of the two adapters
+ADAPTERS = {"alpha": (8, 16, False, ALL), "beta": (16, 8, True, ["q_proj", "v_proj", "down_proj"])}
+
+
+def make_adapter(base_path, out, rank, alpha, rslora, targets, seed):
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+    config = peft.LoraConfig(
+        r=rank, lora_alpha=alpha, use_rslora=rslora, target_modules=targets, lora_dropout=0.0
+    )
+    model = peft.get_peft_model(base, config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # peft starts B at zero: random A and B so every module's delta shows
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    model.save_pretrained(out)
+    return model.merge_and_unload().eval()
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def lora_model(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(f"lora-{request.param}")
+    base = make_tiny_checkpoint(request.param, root / "base")
+    merged = {
+        name: make_adapter(root / "base", root / name, *spec, seed=i)
+        for i, (name, spec) in enumerate(ADAPTERS.items())
+    }
+    return root, base, merged
+
+
+def test_two_adapters_and_the_base_in_one_batch_equal_their_merged_models(lora_model):
+    root, base, merged = lora_model
+    rng = random.Random(4)
+    shared = [rng.randrange(3, 49152) for _ in range(40)]  # the same prefix for every adapter: no cross hits
+    prompts = [shared + [rng.randrange(3, 49152) for _ in range(rng.randint(3, 30))] for _ in range(4)]
+    cases = [(lora, p) for p in prompts for lora in (None, "alpha", "beta")]
+    expected = [hf_greedy(base if lora is None else merged[lora], p) for lora, p in cases]
+    args = EngineArgs(
+        model=str(root / "base"),
+        dtype="float32",
+        max_num_batched_tokens=48,  # prompts chunked, decodes of all three beside them
+        enable_lora=True,
+        lora_modules={name: str(root / name) for name in ADAPTERS},
+        max_loras=2,
+        max_lora_rank=16,
+    )
+
+    async def run():
+        async with AsyncEngine(args) as engine:
+            params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+            stats = engine.scheduler.kv_cache_manager.total_prefix_cache
+            outs, hits = [], []
+            # One prompt alone under each adapter in turn, then alpha again: only the last may hit.
+            for lora, p in [*cases[:3], cases[1]]:
+                before = stats.hits
+                outs.append(await engine.generate(p, params, lora=lora))
+                hits.append(stats.hits - before)
+            outs += await asyncio.gather(*(engine.generate(p, params, lora=lora) for lora, p in cases[3:]))
+            assert engine.kv_cache_usage() == 0.0
+            return outs, hits
+
+    outs, hits = asyncio.run(run())
+    got = [o.outputs[0].token_ids for o in outs]
+    assert got[3] == got[1]
+    del got[3]
+    for (lora, p), g, e in zip(cases, got, expected, strict=True):
+        assert g == e, (lora, len(p))
+    assert got[1] != got[0] and got[2] != got[0]  # the adapters change the output
+    # The same tokens under another adapter (or none) find nothing; under the same one, every full block.
+    assert hits[:3] == [0, 0, 0] and hits[3] == (len(cases[1][1]) - 1) // 16 * 16, hits
+
+
+def test_an_unknown_adapter_and_malformed_ones_are_refused(lora_model, tmp_path):
+    root, _, _ = lora_model
+    good = {"alpha": str(root / "alpha")}
+
+    async def start(modules, **kw):
+        args = EngineArgs(
+            model=str(root / "base"), dtype="float32", enable_lora=True, lora_modules=modules, **kw
+        )
+        async with AsyncEngine(args) as engine:
+            with pytest.raises(InvalidRequestError, match="unknown LoRA adapter 'nope'; served: alpha"):
+                engine.generate([5, 6, 7], SamplingParams(max_tokens=2), lora="nope")
+            assert engine.lora_names == list(modules)
+
+    asyncio.run(start(good, max_lora_rank=16))
+    with pytest.raises(LoRAError, match="rank 16 is above max_lora_rank 8"):
+        asyncio.run(start({"beta": str(root / "beta")}, max_lora_rank=8))
+    with pytest.raises(LoRAError, match="adapter_config.json is missing"):
+        asyncio.run(start({"empty": str(tmp_path)}))
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in ("adapter_config.json", "adapter_model.safetensors"):
+        (bad / f).write_bytes((root / "alpha" / f).read_bytes())
+    config = json.loads((bad / "adapter_config.json").read_text())
+    (bad / "adapter_config.json").write_text(json.dumps({**config, "target_modules": ["lm_head", "q_proj"]}))
+    with pytest.raises(LoRAError, match=r"target modules \['lm_head'\] are not ones the model has"):
+        asyncio.run(start({"bad": str(bad)}, max_lora_rank=16))
+    with pytest.raises(ValueError, match="2 LoRA adapters but max_loras is 1"):
+        EngineArgs(model="x", enable_lora=True, lora_modules={"a": "a", "b": "b"}).validate()
+
+
+def test_the_openai_client_picks_adapters_by_model_name(lora_model):
+    """/v1/models lists each adapter with the base as its parent; a completion's model picks its adapter
+    (the same text as generate(lora=...)); an unknown name is the API's 404."""
+    import openai
+
+    from aioengine.http.app import bound_port, build_app, start_server
+
+    root, _, _ = lora_model
+    args = EngineArgs(
+        model=str(root / "base"),
+        dtype="float32",
+        served_model_name="base",
+        enable_lora=True,
+        lora_modules={name: str(root / name) for name in ADAPTERS},
+        max_loras=2,
+    )
+    prompt = [11, 12, 13, 14, 15, 16]
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+    async def run():
+        async with AsyncEngine(args) as engine:
+            runner = await start_server(build_app(engine), "127.0.0.1", 0, shutdown_timeout=1.0)
+            client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{bound_port(runner)}/v1", api_key="x")
+            try:
+                cards = {m.id: m for m in (await client.models.list()).data}
+                assert list(cards) == ["base", "alpha", "beta"]
+                assert cards["alpha"].parent == "base" and cards["base"].parent is None
+                assert cards["beta"].root == str(root / "beta")
+                texts = set()
+                for model in ("base", "alpha", "beta"):
+                    served = await client.completions.create(
+                        model=model,
+                        prompt=prompt,
+                        max_tokens=NEW_TOKENS,
+                        temperature=0,
+                        extra_body={"ignore_eos": True},
+                    )
+                    lora = None if model == "base" else model
+                    direct = await engine.generate(prompt, params, lora=lora)
+                    assert served.choices[0].text == direct.outputs[0].text, model
+                    texts.add(served.choices[0].text)
+                assert len(texts) == 3  # each adapter answers its own way
+                with pytest.raises(openai.NotFoundError, match="nope"):
+                    await client.completions.create(model="nope", prompt=prompt, max_tokens=2)
+            finally:
+                await client.close()
+                await runner.cleanup()
+
+    asyncio.run(run())
