@@ -192,10 +192,15 @@ class Backend(ABC):
 
     @abstractmethod
     def prepare_model(
-        self, model: nn.Module, quantization: str | None, checkpoint: str | None = None
+        self,
+        model: nn.Module,
+        quantization: str | None,
+        checkpoint: str | None = None,
+        activations_apart: bool = False,
     ) -> None:
         """After loading: quantize and repack the weights for this device's kernels. ``checkpoint``: the
-        folder the weights came from, where a backend reads a form of them it runs faster."""
+        folder the weights came from, where a backend reads a form of them it runs faster;
+        ``activations_apart``: no linear may fuse the gated activation (LoRA adds to gate_up before it)."""
 
     @abstractmethod
     def allocate_kv_caches(

@@ -59,6 +59,8 @@ class LoRASlots:
                 if linear is None:  # e.g. a mixture's routed experts: no dense gate/up/down
                     targets = sorted(p for p in parts if (i, p) in wanted)
                     raise LoRAError(f"LoRA targets {targets} of layer {i}, which this model lacks")
+                # the delta goes in before the gated activation: a linear that fused it would hide it
+                assert attr != "gate_up_proj" or not isinstance(owner.act_fn, nn.Identity), "fused activation"
                 self._attach(linear, i, parts, in_features, sizes, adapters, max_rank, dtype)
 
     def _attach(

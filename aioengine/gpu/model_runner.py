@@ -81,7 +81,8 @@ class ModelRunner:
         self._num_parameters = sum(p.numel() for p in self.model.parameters())  # before any repacking
         self._num_active_parameters = num_active_parameters(self.model)
         self._bytes_per_parameter = torch.empty((), dtype=dtype).element_size()
-        backend.prepare_model(self.model, quantization, os.fspath(model_path))
+        path = os.fspath(model_path)
+        backend.prepare_model(self.model, quantization, path, activations_apart=lora is not None)
         self.lora: LoRASlots | None = None
         if lora is not None:  # hooked on the linears as prepared (quantized, on codes), in slots 1..N
             modules, max_rank = lora

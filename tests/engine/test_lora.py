@@ -172,3 +172,26 @@ def test_the_openai_client_picks_adapters_by_model_name(lora_model):
                 await runner.cleanup()
 
     asyncio.run(run())
+
+
+def test_random_adapters_run_on_the_default_model_with_its_kernels(tmp_path):
+    """The bench's random adapters on the default model at the machine's default dtype (bf16 packs the MLP's
+    activation into its gate_up GEMM unless LoRA keeps it apart): the adapter's rows change the output, the
+    base rows in the same batch do not."""
+    from aioengine.cli.bench.lora import write_random_adapters
+
+    adapters = write_random_adapters("default", 1, 8, tmp_path, scale=0.2)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompt = "The capital of France is"
+
+    async def run(**kw):
+        async with AsyncEngine(EngineArgs(model="default", max_model_len=256, **kw)) as engine:
+            return await asyncio.gather(
+                *(engine.generate(prompt, params, lora=lora) for lora in kw.get("lora_modules", [None])),
+                engine.generate(prompt, params),
+            )
+
+    base = asyncio.run(run())[0].outputs[0].token_ids
+    with_lora, beside = asyncio.run(run(enable_lora=True, lora_modules=adapters, max_lora_rank=8))
+    assert beside.outputs[0].token_ids == base
+    assert with_lora.outputs[0].token_ids != base

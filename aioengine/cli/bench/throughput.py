@@ -5,15 +5,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import dataclasses
 import functools
 import io
 import pstats
+import tempfile
 import time
 from collections.abc import Iterable
 
 from tqdm import tqdm
 
 from aioengine.cli.bench.datasets import BenchRequest, add_dataset_args, build_dataset
+from aioengine.cli.bench.lora import write_random_adapters
 from aioengine.cli.bench.report import write_json
 from aioengine.cli.bench.roofline import matmul_gflops, roofline_tokens_per_s
 from aioengine.cli.common import add_engine_args, engine_args_from, run_in_loop
@@ -23,7 +26,17 @@ from aioengine.sampling_params import SamplingParams
 
 
 async def run_throughput(args: argparse.Namespace) -> dict:
-    engine = AsyncEngine(engine_args_from(args))
+    engine_args = engine_args_from(args)
+    if args.random_loras:  # adapters of the model's shapes, every request under one of them in turn
+        adapters = write_random_adapters(args.model, args.random_loras, args.lora_rank, tempfile.mkdtemp())
+        engine_args = dataclasses.replace(
+            engine_args,
+            enable_lora=True,
+            lora_modules=adapters,
+            max_loras=max(engine_args.max_loras, len(adapters)),
+            max_lora_rank=max(engine_args.max_lora_rank, args.lora_rank),
+        )
+    engine = AsyncEngine(engine_args)
     t_start = time.perf_counter()
     await engine.start()
     start_s = time.perf_counter() - t_start
@@ -31,9 +44,12 @@ async def run_throughput(args: argparse.Namespace) -> dict:
         requests = build_dataset(args, engine.tokenizer)
         bar = tqdm(total=len(requests), desc="requests", disable=args.no_progress)
 
-        async def one(req: BenchRequest) -> RequestOutput:
+        loras = engine.lora_names
+
+        async def one(i: int, req: BenchRequest) -> RequestOutput:
             params = SamplingParams(temperature=0, max_tokens=req.output_len, ignore_eos=args.ignore_eos)
-            out = await engine.generate(req.prompt_token_ids, params)
+            lora = loras[i % len(loras)] if loras else None  # spread evenly over the adapters
+            out = await engine.generate(req.prompt_token_ids, params, lora=lora)
             out.metrics["finish_time"] = time.monotonic()
             bar.update(1)
             return out
@@ -59,7 +75,7 @@ async def run_throughput(args: argparse.Namespace) -> dict:
         gflops_runs = [await engine.run_on_worker(roofline)]
         profiler = await HostProfiler.start(engine) if profile_path else None
         t0 = time.perf_counter()
-        outs = await asyncio.gather(*(one(r) for r in requests))
+        outs = await asyncio.gather(*(one(i, r) for i, r in enumerate(requests)))
         elapsed = time.perf_counter() - t0
         if profiler is not None:
             assert profile_path is not None  # the profiler runs only with a path
@@ -78,6 +94,7 @@ async def run_throughput(args: argparse.Namespace) -> dict:
     return {
         "mode": "throughput",
         "num_requests": len(requests),
+        "num_loras": len(loras),
         "elapsed_s": elapsed,
         "engine_start_s": start_s,
         "requests_per_s": len(requests) / elapsed,
@@ -213,6 +230,14 @@ def main(argv: list[str]) -> dict:
         help="every request runs to --output-len (the default); --no-ignore-eos ends each where the model "
         "ends it, as a user's request does (the grounded dataset's answer is the copy, not what follows it)",
     )
+    ap.add_argument(
+        "--random-loras",
+        type=int,
+        default=0,
+        metavar="N",
+        help="serve N random LoRA adapters of the model's shapes, the requests spread evenly over them",
+    )
+    ap.add_argument("--lora-rank", type=int, default=16, help="the random adapters' rank")
     ap.add_argument("--output-json")
     args = ap.parse_args(argv)
     result = run_in_loop(run_throughput(args))  # uvloop, as `aioengine serve` runs

@@ -275,12 +275,16 @@ class CpuBackend(Backend):
         return CpuStaging()
 
     def prepare_model(
-        self, model: nn.Module, quantization: str | None, checkpoint: str | None = None
+        self,
+        model: nn.Module,
+        quantization: str | None,
+        checkpoint: str | None = None,
+        activations_apart: bool = False,
     ) -> None:
         linear = self.kernels.cpu_linear if self.kernels.cpu_kernels else _without_c(self.kernels.cpu_linear)
         if quantization is not None:
             quantize_model(model, quantization, linear=linear, c_kernels=self.kernels.cpu_kernels)
-        pack_linears(model, linear)
+        pack_linears(model, linear, fuse_activations=not activations_apart)
         # A GGUF's Q8_0 head and the layers' block types (symmetric, Q4_1 and Q4_K), exact from the converted
         # float32 weights (a tensor-parallel rank's weights are slices of the file's: they keep the GEMM).
         k = self.kernels

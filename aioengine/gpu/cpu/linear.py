@@ -153,7 +153,7 @@ class TransposedLinear(nn.Module):
         return f"{self.in_features}, {self.out_features}, bias={self.bias is not None}, float32 transposed"
 
 
-def pack_linears(model: nn.Module, mode: str = "auto") -> int:
+def pack_linears(model: nn.Module, mode: str = "auto", fuse_activations: bool = True) -> int:
     """Replace the model's bf16 ``nn.Linear`` layers (and a tied LM head) in place; returns how many.
 
     ``mode`` (``KernelConfig.cpu_linear``): "auto" packs for cpu_gemm.c where it is built, else for oneDNN;
@@ -162,7 +162,7 @@ def pack_linears(model: nn.Module, mode: str = "auto") -> int:
     A tied head gets a packed copy: the embedding lookup keeps the original table. The head gives float32
     logits where cpu_gemm.c runs it, and an MLP's fused gate_up projection takes over its gated activation
     (SiluAndMul, GeluTanhAndMul: it becomes an identity): the activation is the GEMM's epilogue, in torch's
-    roundings.
+    roundings (unless ``fuse_activations`` is off: LoRA adds its delta to gate_up before the activation).
     """
     if mode == "torch":
         return 0
@@ -173,6 +173,7 @@ def pack_linears(model: nn.Module, mode: str = "auto") -> int:
         activation = getattr(getattr(module, "act_fn", None), "activation", None)
         if (
             c_gemm
+            and fuse_activations
             and type(gate_up) is nn.Linear
             and PackedLinear.fuses_activation(gate_up.weight, gate_up.bias, activation)
         ):

@@ -120,7 +120,11 @@ class CudaBackend(Backend):
         return HostStaging(self.device)
 
     def prepare_model(
-        self, model: nn.Module, quantization: str | None, checkpoint: str | None = None
+        self,
+        model: nn.Module,
+        quantization: str | None,
+        checkpoint: str | None = None,
+        activations_apart: bool = False,
     ) -> None:
         if quantization is not None:
             raise ValueError(f"quantization={quantization!r} is a CPU option (its kernels are CPU kernels)")
