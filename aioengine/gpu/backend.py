@@ -76,13 +76,13 @@ class Ops:
         self,
         out: torch.Tensor,
         x: torch.Tensor,
-        lora_a: torch.Tensor,
-        lora_b: list[torch.Tensor],
-        offsets: list[tuple[int, int]],
-        groups: list[tuple[int, torch.Tensor]],
+        a_flat: torch.Tensor,
+        b_flat: torch.Tensor,
+        mask: torch.Tensor,
     ) -> None:
-        """Each adapter's rows of ``out`` gain their LoRA delta, in place (see ``reference_lora``)."""
-        reference_lora.add_lora(out, x, lora_a, lora_b, offsets, groups)
+        """Each adapter's rows of ``out`` gain their LoRA delta, in place: the masked products of
+        ``reference_lora.add_lora_masked`` (equal to its per-adapter ``add_lora``)."""
+        reference_lora.add_lora_masked(out, x, a_flat, b_flat, mask)
 
     def fused_moe(
         self,

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from aioengine.gpu.backend import Ops
+from aioengine.kernels.reference_lora import block_diagonal_b
 from aioengine.model.lora import LoRAAdapter, LoRAError
 
 
@@ -27,7 +28,11 @@ class LoRASlots:
     ) -> None:
         self.names = [a.name for a in adapters]
         self.ops = ops
-        self.groups: list[tuple[int, torch.Tensor]] = []  # this step's (slot, rows); empty: no adapter rows
+        self.num_slots = len(adapters) + 1
+        self.max_rank = max_rank
+        # this step's [tokens, slots * rank]: 1 over the rank of each row's adapter (None: no adapter rows)
+        self.mask: torch.Tensor | None = None
+        self.dtype = dtype
         decoder: Any = getattr(model, "model", None)
         layers = list(getattr(decoder, "layers", None) or [])
         wanted = {key for a in adapters for key in a.weights}
@@ -90,15 +95,25 @@ class LoRASlots:
                     )
                 lora_a[p, slot, : adapter.rank] = a.to(dtype)
                 lora_b[p][slot, :, : adapter.rank] = (b * adapter.scaling).to(dtype)
-        offsets = [(sum(sizes[:p]), size) for p, size in enumerate(sizes)]
+        a_flat = lora_a.reshape(-1, in_features)  # [P * S * R, K]
+        b_flat = block_diagonal_b(lora_b)  # [P * S * R, out]
 
         def add_delta(module: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> None:
-            if self.groups:
-                self.ops.add_lora(out, args[0], lora_a, lora_b, offsets, self.groups)
+            if self.mask is not None:
+                self.ops.add_lora(out, args[0], a_flat, b_flat, self.mask)
 
         linear.register_forward_hook(add_delta)
 
+    @property
+    def active(self) -> bool:
+        return self.mask is not None
+
     def set_step(self, token_slots: np.ndarray, to_device: Any) -> None:
-        """This step's adapter of each token (0: none) -> the rows of each adapter present."""
-        present = np.unique(token_slots) if token_slots.any() else ()
-        self.groups = [(int(s), to_device(np.flatnonzero(token_slots == s))) for s in present if s]
+        """This step's adapter of each token (0: none) -> which slot's delta each row takes."""
+        if not token_slots.any():
+            self.mask = None
+            return
+        onehot = np.zeros((len(token_slots), self.num_slots), dtype=np.float32)
+        onehot[np.arange(len(token_slots)), token_slots] = 1.0
+        onehot[:, 0] = 0.0  # the base model's rows take no delta
+        self.mask = to_device(np.repeat(onehot, self.max_rank, axis=1)).to(self.dtype)

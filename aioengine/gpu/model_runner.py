@@ -124,7 +124,7 @@ class ModelRunner:
     @property
     def lora_active(self) -> bool:
         """This step has rows of a LoRA adapter: the C stack and CUDA graphs (no hooks there) sit out."""
-        return self.lora is not None and bool(self.lora.groups)
+        return self.lora is not None and self.lora.active
 
     def num_parameters(self) -> int:
         """The checkpoint's parameter count (a tied head counted once, as in the checkpoint)."""
