@@ -15,7 +15,8 @@ from aioengine.model.lora import LoRAAdapter, LoRAError
 
 
 class LoRASlots:
-    """A model's adapters in fixed slots (1..N; 0 is the base model) and the step's rows per slot."""
+    """A model's adapters in fixed slots (a request's slot 1..N; 0 is the base model, which has no weights
+    here) and which slot each row of the step takes."""
 
     def __init__(
         self,
@@ -28,7 +29,7 @@ class LoRASlots:
     ) -> None:
         self.names = [a.name for a in adapters]
         self.ops = ops
-        self.num_slots = len(adapters) + 1
+        self.num_adapters = len(adapters)
         self.max_rank = max_rank
         # this step's [tokens, slots * rank]: 1 over the rank of each row's adapter (None: no adapter rows)
         self.mask: torch.Tensor | None = None
@@ -79,10 +80,10 @@ class LoRASlots:
         max_rank: int,
         dtype: torch.dtype,
     ) -> None:
-        num_slots = len(adapters) + 1
-        lora_a = torch.zeros(len(parts), num_slots, max_rank, in_features, dtype=dtype)
-        lora_b = [torch.zeros(num_slots, size, max_rank, dtype=dtype) for size in sizes]
-        for slot, adapter in enumerate(adapters, start=1):
+        n = len(adapters)
+        lora_a = torch.zeros(len(parts), n, max_rank, in_features, dtype=dtype)
+        lora_b = [torch.zeros(n, size, max_rank, dtype=dtype) for size in sizes]
+        for slot, adapter in enumerate(adapters):  # request slot ``slot + 1``
             for p, part in enumerate(parts):
                 ab = adapter.weights.get((layer, part))
                 if ab is None:
@@ -113,7 +114,7 @@ class LoRASlots:
         if not token_slots.any():
             self.mask = None
             return
-        onehot = np.zeros((len(token_slots), self.num_slots), dtype=np.float32)
+        onehot = np.zeros((len(token_slots), self.num_adapters + 1), dtype=np.float32)
         onehot[np.arange(len(token_slots)), token_slots] = 1.0
-        onehot[:, 0] = 0.0  # the base model's rows take no delta
-        self.mask = to_device(np.repeat(onehot, self.max_rank, axis=1)).to(self.dtype)
+        # column 0, the base model's rows, is dropped: they take no delta
+        self.mask = to_device(np.repeat(onehot[:, 1:], self.max_rank, axis=1)).to(self.dtype)
