@@ -90,7 +90,7 @@ def _decode(model, cfg, backend, stack: bool, seq_lens: list[int], query_lens: l
     ids = torch.randint(0, cfg.vocab_size, (tokens,), generator=gen)
     positions = torch.tensor([p for n, q in zip(seq_lens, query_lens, strict=True) for p in range(n - q, n)])
     req = torch.repeat_interleave(torch.arange(rows), torch.tensor(query_lens))
-    runner = SimpleNamespace(model=model, kv_caches=kv)
+    runner = SimpleNamespace(model=model, kv_caches=kv, lora_active=False)
     backend.decode_stack = None
     if stack:
         backend.build_fast_paths(runner, None, 0)
@@ -172,7 +172,7 @@ def test_the_stack_steps_aside_where_it_does_not_apply(tmp_path):
     no_prefill = CpuDecodeStack.build(model, kv, backend.ops.rope_tables, prefill_kernel=False)
     assert not no_prefill.takes(ids, AttentionMetadata.build([1, 2], [5, 9], table, BLOCK))
     assert no_prefill.takes(ids[:2], AttentionMetadata.build([1, 1], [5, 9], table, BLOCK))
-    runner = SimpleNamespace(model=model, kv_caches=kv)
+    runner = SimpleNamespace(model=model, kv_caches=kv, lora_active=False)
     for off in (
         KernelConfig(cpu_elementwise=False),
         KernelConfig(cpu_decode_stack=False),
