@@ -201,6 +201,7 @@ class EngineArgs:
     lora_modules: dict[str, str] = field(default_factory=dict)  # name -> adapter folder
     max_loras: int = 1  # adapters resident at once (every adapter named here is loaded at start)
     max_lora_rank: int = 16
+    enable_lora_runtime_updates: bool = False  # load_lora / unload_lora (and their HTTP routes) while serving
     kernels: KernelConfig = field(default_factory=KernelConfig)
 
     def validate(self) -> None:
@@ -251,8 +252,8 @@ class EngineArgs:
             raise ValueError(
                 f"max_loras and max_lora_rank must be at least 1 ({self.max_loras}, {self.max_lora_rank})"
             )
-        if self.lora_modules and not self.enable_lora:
-            raise ValueError("lora_modules needs enable_lora")
+        if (self.lora_modules or self.enable_lora_runtime_updates) and not self.enable_lora:
+            raise ValueError("lora_modules and enable_lora_runtime_updates need enable_lora")
         if len(self.lora_modules or {}) > self.max_loras:
             raise ValueError(
                 f"{len(self.lora_modules)} LoRA adapters but max_loras is {self.max_loras}: every adapter is "

@@ -60,6 +60,8 @@ _ENGINE_HELP = {
     "lora_modules": "LoRA adapters (PEFT folders) as name=path; a request's model field picks one by name",
     "max_loras": "LoRA adapters resident at once (every one named is loaded at start)",
     "max_lora_rank": "the largest LoRA rank an adapter may have",
+    "enable_lora_runtime_updates": "POST /v1/load_lora_adapter and /v1/unload_lora_adapter add and remove "
+    "adapters while serving (behind the API key)",
     # KernelConfig
     "cpu_kernels": "build and use the CPU's C kernels (off: torch ops, oneDNN linears)",
     "cpu_isa": "CPU: the ISA level the C kernels are built for and whose defaults apply "

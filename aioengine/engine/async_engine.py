@@ -24,8 +24,10 @@ from aioengine.engine.embedding import (
     split_inputs,
 )
 from aioengine.engine.handle import GenerateHandle, RequestState
+from aioengine.engine.loras import LoRARegistry
 from aioengine.engine.output_processor import OutputProcessor
 from aioengine.errors import EngineDeadError, EngineNotStartedError, InvalidRequestError
+from aioengine.model.lora import LoRAError
 from aioengine.model.pooling import PoolingConfigError, resolve_pooling
 from aioengine.model.tokenizer import IncrementalDetokenizer, apply_chat_template, raw_encoder
 from aioengine.outputs import EmbeddingRequestOutput, RankStats
@@ -68,6 +70,7 @@ class AsyncEngine:
         self._dead: EngineDeadError | None = None
         self._stopping = False
         self._structured: Any = None  # StructuredOutputManager, built on a thread during start()
+        self._loras = LoRARegistry(self.args.lora_modules if self.args.enable_lora else {})
         self._structured_build: concurrent.futures.Future | None = None
         self.pooling: str | None = None  # embed()'s, set by start()
         self._pooling_error = "the engine is not started"
@@ -205,21 +208,49 @@ class AsyncEngine:
     @property
     def lora_modules(self) -> dict[str, str]:
         """The LoRA adapters served beside the base model: name -> folder."""
-        return dict(self.args.lora_modules) if self.args.enable_lora else {}
+        return self._loras.modules
 
     @property
     def lora_names(self) -> list[str]:
-        return list(self.lora_modules)
+        return list(self._loras.modules)
 
     def _lora_id(self, lora: str | None) -> int:
-        if lora is None:
-            return 0
-        names = self.lora_names
-        if lora not in names:
+        return self._loras.id_of(lora)
+
+    @property
+    def allow_lora_updates(self) -> bool:
+        """Adapters may be loaded and unloaded while serving (``enable_lora_runtime_updates``)."""
+        return self.args.enable_lora and self.args.enable_lora_runtime_updates
+
+    async def load_lora(self, name: str, path: str) -> None:
+        """Serve the adapter in folder ``path`` as ``name`` from now on; InvalidRequestError when updates
+        are off, the name is taken, no slot is free or the adapter is malformed (nothing changes then)."""
+        self._check_alive()
+        if not self.allow_lora_updates:
+            raise InvalidRequestError("loading LoRA adapters at run time needs --enable-lora-runtime-updates")
+        adapter_id = self._loras.new_id(name, self.model_name)
+        assert self._executor is not None
+        try:
+            await asyncio.wrap_future(self._executor.collective_rpc("load_lora", adapter_id, name, path))
+        except LoRAError as e:
+            raise InvalidRequestError(str(e), param="lora_path") from None
+        self._loras.add(name, adapter_id, path)
+
+    async def unload_lora(self, name: str) -> None:
+        """Stop serving adapter ``name``; InvalidRequestError when updates are off, the name is unknown or
+        requests still use it."""
+        self._check_alive()
+        if not self.allow_lora_updates:
+            raise InvalidRequestError("unloading LoRA adapters needs --enable-lora-runtime-updates")
+        adapter_id = self._lora_id(name)
+        assert self.scheduler is not None and self._executor is not None
+        busy = sum(r.lora_id == adapter_id for r in self.scheduler.requests.values())
+        if busy:
             raise InvalidRequestError(
-                f"unknown LoRA adapter {lora!r}; served: {', '.join(names) or 'none'}", param="lora"
+                f"LoRA adapter {name!r} has {busy} unfinished requests", param="lora_name"
             )
-        return names.index(lora) + 1
+        self._loras.remove(name)  # new requests are refused from here on
+        await asyncio.wrap_future(self._executor.collective_rpc("unload_lora", adapter_id))
 
     def _prompt_ids(self, prompt: object, param: str = "prompt") -> tuple[str | None, list[int]]:
         assert self._encode is not None

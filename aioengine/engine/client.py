@@ -114,6 +114,13 @@ class EngineClient(Protocol):
     @property
     def lora_modules(self) -> Mapping[str, str]: ...  # LoRA adapters served beside the model: name -> path
 
+    @property
+    def allow_lora_updates(self) -> bool: ...  # load_lora / unload_lora work (--enable-lora-runtime-updates)
+
+    async def load_lora(self, name: str, path: str) -> None: ...  # InvalidRequestError: nothing loaded
+
+    async def unload_lora(self, name: str) -> None: ...
+
     def render_chat(
         self, messages: list[dict], chat_template_kwargs: Mapping[str, Any] | None = None
     ) -> list[int]:

@@ -156,7 +156,9 @@ async def load(
                 args.seed,
                 args.quantization,
                 draft_path,
-                (list(args.lora_modules.items()), args.max_lora_rank) if args.enable_lora else None,
+                (list(args.lora_modules.items()), args.max_loras, args.max_lora_rank)
+                if args.enable_lora
+                else None,
             )
         )
     except BaseException:

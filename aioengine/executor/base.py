@@ -63,6 +63,12 @@ class RankWorker:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self._runner().initialize_kv_cache(num_blocks)
 
+    def load_lora(self, adapter_id: int, name: str, path: str) -> None:
+        self._runner().load_lora(adapter_id, name, path)
+
+    def unload_lora(self, adapter_id: int) -> None:
+        self._runner().unload_lora(adapter_id)
+
     def build_fast_paths(self, args: Any, max_num_batched_tokens: int) -> None:
         self.backend.build_fast_paths(self._runner(), args, max_num_batched_tokens)
 

@@ -3,6 +3,7 @@ own rows of the step. A step without adapter rows runs the model untouched (C st
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -14,107 +15,120 @@ from aioengine.kernels.reference_lora import block_diagonal_b
 from aioengine.model.lora import LoRAAdapter, LoRAError
 
 
+@dataclass(slots=True)
+class _Adapted:
+    """One fused linear's adapter stacks: ``a`` ``[parts, slots, R, in]``, ``b[p]`` ``[slots, out_p, R]``
+    (the scaling folded in), and their flat forms the op reads."""
+
+    parts: tuple[str, ...]
+    a: torch.Tensor
+    b: list[torch.Tensor]
+    a_flat: torch.Tensor
+    b_flat: torch.Tensor
+    used: bool = False  # some resident adapter targets it (else its hook does nothing)
+
+    def refresh(self) -> None:
+        self.a_flat = self.a.reshape(-1, self.a.shape[-1])
+        self.b_flat = block_diagonal_b(self.b)
+
+
 class LoRASlots:
-    """A model's adapters in fixed slots (a request's slot 1..N; 0 is the base model, which has no weights
-    here) and which slot each row of the step takes."""
+    """``max_loras`` fixed slots for adapters, on every dense decoder linear. A request names its adapter
+    by id (never reused: a reloaded name is a new id, so the prefix cache cannot mix them); ``slot_of``
+    maps the resident ids to their slots, and each step's rows to the slot they take."""
 
     def __init__(
-        self,
-        model: nn.Module,
-        config: Any,
-        adapters: list[LoRAAdapter],
-        max_rank: int,
-        ops: Ops,
-        dtype: torch.dtype,
+        self, model: nn.Module, config: Any, max_loras: int, max_rank: int, ops: Ops, dtype: torch.dtype
     ) -> None:
-        self.names = [a.name for a in adapters]
-        self.ops = ops
-        self.num_adapters = len(adapters)
-        self.max_rank = max_rank
+        self.ops, self.dtype, self.max_rank, self.max_loras = ops, dtype, max_rank, max_loras
+        self.slot_of: dict[int, int] = {}  # resident adapter id -> slot 0..max_loras-1
         # this step's [tokens, slots * rank]: 1 over the rank of each row's adapter (None: no adapter rows)
         self.mask: torch.Tensor | None = None
-        self.dtype = dtype
+        self.linears: dict[tuple[int, str], tuple[_Adapted, int]] = {}  # (layer, module) -> (stacks, part)
         decoder: Any = getattr(model, "model", None)
-        layers = list(getattr(decoder, "layers", None) or [])
-        wanted = {key for a in adapters for key in a.weights}
-        for layer_index, _ in sorted(wanted):
-            if layer_index >= len(layers):
-                raise LoRAError(
-                    f"LoRA weights for layer {layer_index}, but the model has {len(layers)} layers"
-                )
         hidden, inter = int(config.hidden_size), int(getattr(config, "intermediate_size", 0) or 0)
-        for i, layer in enumerate(layers):
+        for i, layer in enumerate(getattr(decoder, "layers", None) or []):
             attn, mlp = layer.self_attn, getattr(layer, "mlp", None)
+            q, kv = attn.q_size, attn.kv_size
             # (owner, linear, its checkpoint modules, input width, each module's output width)
             shapes = [
-                (
-                    attn,
-                    "qkv_proj",
-                    ("q_proj", "k_proj", "v_proj"),
-                    hidden,
-                    (attn.q_size, attn.kv_size, attn.kv_size),
-                ),
-                (attn, "o_proj", ("o_proj",), attn.q_size, (hidden,)),
+                (attn, "qkv_proj", ("q_proj", "k_proj", "v_proj"), hidden, (q, kv, kv)),
+                (attn, "o_proj", ("o_proj",), q, (hidden,)),
                 (mlp, "gate_up_proj", ("gate_proj", "up_proj"), hidden, (inter, inter)),
                 (mlp, "down_proj", ("down_proj",), inter, (hidden,)),
             ]
             for owner, attr, parts, in_features, sizes in shapes:
-                if not any((i, p) in wanted for p in parts):
-                    continue
                 linear = getattr(owner, attr, None)
-                if linear is None:  # e.g. a mixture's routed experts: no dense gate/up/down
-                    targets = sorted(p for p in parts if (i, p) in wanted)
-                    raise LoRAError(f"LoRA targets {targets} of layer {i}, which this model lacks")
+                if linear is None:  # a mixture's routed experts: no dense gate/up/down to adapt
+                    continue
                 # the delta goes in before the gated activation: a linear that fused it would hide it
                 assert attr != "gate_up_proj" or not isinstance(owner.act_fn, nn.Identity), "fused activation"
-                self._attach(linear, i, parts, in_features, sizes, adapters, max_rank, dtype)
+                a = torch.zeros(len(parts), max_loras, max_rank, in_features, dtype=dtype)
+                b = [torch.zeros(max_loras, size, max_rank, dtype=dtype) for size in sizes]
+                adapted = _Adapted(parts, a, b, a, a)
+                adapted.refresh()
+                for p, part in enumerate(parts):
+                    self.linears[(i, part)] = (adapted, p)
+                linear.register_forward_hook(self._hook(adapted))
 
-    def _attach(
-        self,
-        linear: nn.Module,
-        layer: int,
-        parts: tuple[str, ...],
-        in_features: int,
-        sizes: tuple[int, ...],
-        adapters: list[LoRAAdapter],
-        max_rank: int,
-        dtype: torch.dtype,
-    ) -> None:
-        n = len(adapters)
-        lora_a = torch.zeros(len(parts), n, max_rank, in_features, dtype=dtype)
-        lora_b = [torch.zeros(n, size, max_rank, dtype=dtype) for size in sizes]
-        for slot, adapter in enumerate(adapters):  # request slot ``slot + 1``
-            for p, part in enumerate(parts):
-                ab = adapter.weights.get((layer, part))
-                if ab is None:
-                    continue
-                a, b = ab
-                if a.shape[1] != in_features or b.shape[0] != sizes[p]:
-                    raise LoRAError(
-                        f"LoRA adapter {adapter.name!r}: layer {layer} {part}: A {list(a.shape)}, B "
-                        f"{list(b.shape)}; the model's {part} maps {in_features} inputs to {sizes[p]} outputs"
-                    )
-                lora_a[p, slot, : adapter.rank] = a.to(dtype)
-                lora_b[p][slot, :, : adapter.rank] = (b * adapter.scaling).to(dtype)
-        a_flat = lora_a.reshape(-1, in_features)  # [P * S * R, K]
-        b_flat = block_diagonal_b(lora_b)  # [P * S * R, out]
-
+    def _hook(self, adapted: _Adapted) -> Any:
         def add_delta(module: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> None:
-            if self.mask is not None:
-                self.ops.add_lora(out, args[0], a_flat, b_flat, self.mask)
+            if self.mask is not None and adapted.used:
+                self.ops.add_lora(out, args[0], adapted.a_flat, adapted.b_flat, self.mask)
 
-        linear.register_forward_hook(add_delta)
+        return add_delta
 
     @property
     def active(self) -> bool:
         return self.mask is not None
 
-    def set_step(self, token_slots: np.ndarray, to_device: Any) -> None:
-        """This step's adapter of each token (0: none) -> which slot's delta each row takes."""
-        if not token_slots.any():
+    def load(self, adapter_id: int, adapter: LoRAAdapter) -> None:
+        """Put ``adapter`` in a free slot; raises LoRAError (nothing changed) when none is free or it does
+        not fit the model."""
+        free = sorted(set(range(self.max_loras)) - set(self.slot_of.values()))
+        if not free:
+            raise LoRAError(f"all {self.max_loras} LoRA slots hold adapters (max_loras): unload one first")
+        for (layer, module), (a, b) in adapter.weights.items():
+            found = self.linears.get((layer, module))
+            if found is None:
+                raise LoRAError(
+                    f"LoRA adapter {adapter.name!r} targets {module} of layer {layer}, which this model lacks"
+                )
+            adapted, p = found
+            if a.shape[1] != adapted.a.shape[-1] or b.shape[0] != adapted.b[p].shape[1]:
+                raise LoRAError(
+                    f"LoRA adapter {adapter.name!r}: layer {layer} {module}: A {list(a.shape)}, B "
+                    f"{list(b.shape)}; the model's {module} maps {adapted.a.shape[-1]} inputs to "
+                    f"{adapted.b[p].shape[1]} outputs"
+                )
+        slot = free[0]
+        touched = set()
+        for (layer, module), (a, b) in adapter.weights.items():
+            adapted, p = self.linears[(layer, module)]
+            adapted.a[p, slot, : adapter.rank] = a.to(self.dtype)
+            adapted.b[p][slot, :, : adapter.rank] = (b * adapter.scaling).to(self.dtype)
+            touched.add(id(adapted))
+        for adapted, _ in self.linears.values():
+            if id(adapted) in touched:
+                adapted.used = True
+                adapted.refresh()
+        self.slot_of[adapter_id] = slot
+
+    def unload(self, adapter_id: int) -> None:
+        slot = self.slot_of.pop(adapter_id)
+        for adapted, p in self.linears.values():
+            adapted.a[p, slot] = 0
+            adapted.b[p][slot] = 0
+        for adapted, _ in self.linears.values():
+            adapted.refresh()
+
+    def set_step(self, token_adapters: np.ndarray, to_device: Any) -> None:
+        """This step's adapter id of each token (0: none) -> the slot whose delta each row takes."""
+        if not token_adapters.any():
             self.mask = None
             return
-        onehot = np.zeros((len(token_slots), self.num_adapters + 1), dtype=np.float32)
-        onehot[np.arange(len(token_slots)), token_slots] = 1.0
-        # column 0, the base model's rows, is dropped: they take no delta
-        self.mask = to_device(np.repeat(onehot[:, 1:], self.max_rank, axis=1)).to(self.dtype)
+        onehot = np.zeros((len(token_adapters), self.max_loras), dtype=np.float32)
+        for adapter_id in np.unique(token_adapters):
+            if adapter_id:
+                onehot[token_adapters == adapter_id, self.slot_of[int(adapter_id)]] = 1.0
+        self.mask = to_device(np.repeat(onehot, self.max_rank, axis=1)).to(self.dtype)

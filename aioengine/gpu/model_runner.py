@@ -63,11 +63,11 @@ class ModelRunner:
         seed: int,
         quantization: str | None = None,
         draft_model: str | None = None,
-        lora: tuple[list[tuple[str, str]], int] | None = None,
+        lora: tuple[list[tuple[str, str]], int, int] | None = None,
     ) -> None:
         """``max_model_len`` is the engine's, already within the model's limits (``EngineConfig``);
         ``draft_model``: a checkpoint proposing drafts (speculative decoding), loaded beside the model;
-        ``lora``: the LoRA adapters (name, folder) in their slots' order, and the largest rank."""
+        ``lora``: the LoRA adapters (name, folder) loaded at start (ids 1..N), the slots, the largest rank."""
         self.backend = backend
         self.device = device = backend.device
         self.dtype = dtype
@@ -84,10 +84,11 @@ class ModelRunner:
         path = os.fspath(model_path)
         backend.prepare_model(self.model, quantization, path, activations_apart=lora is not None)
         self.lora: LoRASlots | None = None
-        if lora is not None:  # hooked on the linears as prepared (quantized, on codes), in slots 1..N
-            modules, max_rank = lora
-            adapters = [read_adapter(name, path, max_rank) for name, path in modules]
-            self.lora = LoRASlots(self.model, self.hf_config, adapters, max_rank, backend.ops, dtype)
+        if lora is not None:  # hooked on the linears as prepared (quantized, on codes)
+            modules, max_loras, max_rank = lora
+            self.lora = LoRASlots(self.model, self.hf_config, max_loras, max_rank, backend.ops, dtype)
+            for adapter_id, (name, adapter_path) in enumerate(modules, start=1):
+                self.load_lora(adapter_id, name, adapter_path)
         self.sampler = Sampler(
             seed,
             device,
@@ -120,6 +121,15 @@ class ModelRunner:
         # Seconds this (worker) thread spent per phase, summed over steps: building inputs, launching (or
         # computing, on CPU) the forward, and sampling. The bench reports them per step.
         self.host_s = cast("dict[str, float]", collections.Counter())  # (Counter's stubs: int counts only)
+
+    def load_lora(self, adapter_id: int, name: str, path: str) -> None:
+        """Read the adapter at ``path`` into a free slot under ``adapter_id`` (LoRAError: nothing loaded)."""
+        assert self.lora is not None, "LoRA is not enabled"
+        self.lora.load(adapter_id, read_adapter(name, path, self.lora.max_rank))
+
+    def unload_lora(self, adapter_id: int) -> None:
+        assert self.lora is not None, "LoRA is not enabled"
+        self.lora.unload(adapter_id)
 
     @property
     def lora_active(self) -> bool:
@@ -203,7 +213,7 @@ class ModelRunner:
         positions = np.repeat(start - cu[:-1], n) + np.arange(num_tokens)
         rows_tok = rows[tok_req]
         if self.lora is not None:
-            self.lora.set_step(states.lora_slot[rows_tok], self.staging.to_device)
+            self.lora.set_step(states.lora_id[rows_tok], self.staging.to_device)
         seq_lens = start + n
         known = positions < prefill_len[tok_req]
         input_ids_np = np.where(

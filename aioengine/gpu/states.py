@@ -47,7 +47,7 @@ class RequestStates:
         self.top_k = np.zeros(max_num_reqs, dtype=np.int64)
         self.top_p = np.ones(max_num_reqs, dtype=np.float32)
         self.min_p = np.zeros(max_num_reqs, dtype=np.float32)
-        self.lora_slot = np.zeros(max_num_reqs, dtype=np.int64)  # 0: the base model
+        self.lora_id = np.zeros(max_num_reqs, dtype=np.int64)  # the row's LoRA adapter (0: the base model)
         self.generators: dict[int, torch.Generator] = {}
         self.last_sampled_tokens = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)
         self.device = device
@@ -93,7 +93,7 @@ class RequestStates:
         self.top_k[row] = p.top_k
         self.top_p[row] = p.top_p
         self.min_p[row] = p.min_p
-        self.lora_slot[row] = data.lora_id
+        self.lora_id[row] = data.lora_id
         if p.seed is not None and not p.greedy:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(p.seed)

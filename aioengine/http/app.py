@@ -39,6 +39,7 @@ from aioengine.http.context import (
 from aioengine.http.errors import APIError, api_error
 from aioengine.http.metrics import EngineMetrics
 from aioengine.http.openai import embeddings as openai_embeddings
+from aioengine.http.openai import lora as openai_lora
 from aioengine.http.openai.chat import chat_completions
 from aioengine.http.openai.completions import completions
 from aioengine.http.openai.responses import responses
@@ -85,6 +86,8 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None, **kwargs
     r.add_post("/v1/messages", anthropic_messages.messages)
     r.add_post("/v1/messages/count_tokens", anthropic_messages.count_tokens)
     r.add_post("/v1/embeddings", openai_embeddings.embeddings)
+    r.add_post("/v1/load_lora_adapter", openai_lora.load_lora_adapter)
+    r.add_post("/v1/unload_lora_adapter", openai_lora.unload_lora_adapter)
     r.add_get("/v1/models", routes.list_models)
     r.add_get("/v1/models/{model:.+}", routes.get_model)
     r.add_get("/v1/ws", websocket_handler)

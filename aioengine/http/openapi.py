@@ -15,6 +15,7 @@ from aioengine.http.context import STATIC_FILES
 from aioengine.http.openai.chat import CHAT, CHAT_REQUIRED
 from aioengine.http.openai.completions import COMPLETION, COMPLETION_REQUIRED
 from aioengine.http.openai.embeddings import EMBEDDING, EMBEDDING_REQUIRED
+from aioengine.http.openai.lora import LOAD_LORA_SCHEMA, UNLOAD_LORA_SCHEMA
 from aioengine.http.openai.responses import RESPONSE, RESPONSE_REQUIRED
 from aioengine.http.request_tables import DETOKENIZE, TOKENIZE, TOKENIZE_MESSAGES, TOKENIZE_PROMPT
 from aioengine.http.schema import DEFAULT_LIMITS, JSON, RequestLimits, SchemaContext, object_schema
@@ -51,6 +52,8 @@ def _schemas(limits: RequestLimits, vocab_size: int, priority: bool) -> JSON:
         },
         "DetokenizeRequest": object_schema(DETOKENIZE, ctx, ("tokens",)),
         "EmbeddingRequest": object_schema(EMBEDDING, ctx, EMBEDDING_REQUIRED),
+        "LoadLoRAAdapterRequest": LOAD_LORA_SCHEMA,
+        "UnloadLoRAAdapterRequest": UNLOAD_LORA_SCHEMA,
         "MessagesRequest": MESSAGES_REQUEST.schema(ctx),
         "MessagesCountTokensRequest": COUNT_TOKENS_REQUEST.schema(ctx),
         "Error": error,
@@ -131,7 +134,21 @@ def openapi_spec(
                 "post": _op("The prompt's token count for a Messages body", "MessagesCountTokensRequest")
             },
             "/v1/embeddings": {"post": _embeddings_op()},
-            "/v1/models": {"get": _op("List the served model names")},
+            "/v1/models": {"get": _op("List the served model names and LoRA adapters")},
+            "/v1/load_lora_adapter": {
+                "post": _op(
+                    "Serve a LoRA adapter from now on (--enable-lora-runtime-updates)",
+                    "LoadLoRAAdapterRequest",
+                    ok="text/plain",
+                )
+            },
+            "/v1/unload_lora_adapter": {
+                "post": _op(
+                    "Stop serving a LoRA adapter (--enable-lora-runtime-updates)",
+                    "UnloadLoRAAdapterRequest",
+                    ok="text/plain",
+                )
+            },
             "/v1/models/{model}": {"get": models_op},
             "/v1/ws": {"get": ws_op},
             "/tokenize": {"post": _op("Token ids of a prompt or a chat conversation", "TokenizeRequest")},

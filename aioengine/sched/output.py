@@ -30,7 +30,7 @@ class NewRequestData:
     num_prompt_tokens: int  # the user's prompt length (penalties look at outputs only)
     eos_token_id: int | None = None  # masked with stop_token_ids until min_tokens (unless ignore_eos)
     pooling: str | None = None  # an embedding request: pool its prompt's hidden states, sample nothing
-    lora_id: int = 0  # its LoRA adapter's slot (0: none)
+    lora_id: int = 0  # its LoRA adapter (0: none)
 
 
 @dataclass(slots=True)

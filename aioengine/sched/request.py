@@ -54,7 +54,9 @@ class Request:
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     cache_salt: str | None = None
-    lora_id: int = 0  # the LoRA adapter's slot (0: the base model); prefix-cache blocks are keyed by it
+    lora_id: int = (
+        0  # the LoRA adapter (0: the base model; never reused); prefix-cache blocks are keyed by it
+    )
     # An embedding request (aioengine/model/pooling.py's types): prefill-only, finished by the runner's pooled
     # vector instead of a sampled token.
     pooling: str | None = None

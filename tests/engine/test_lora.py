@@ -105,6 +105,8 @@ def test_an_unknown_adapter_and_malformed_ones_are_refused(lora_model, tmp_path)
             with pytest.raises(InvalidRequestError, match="unknown LoRA adapter 'nope'; served: alpha"):
                 engine.generate([5, 6, 7], SamplingParams(max_tokens=2), lora="nope")
             assert engine.lora_names == list(modules)
+            with pytest.raises(InvalidRequestError, match="needs --enable-lora-runtime-updates"):
+                await engine.load_lora("gamma", str(root / "beta"))
 
     asyncio.run(start(good, max_lora_rank=16))
     with pytest.raises(LoRAError, match="rank 16 is above max_lora_rank 8"):
@@ -195,3 +197,78 @@ def test_random_adapters_run_on_the_default_model_with_its_kernels(tmp_path):
     with_lora, beside = asyncio.run(run(enable_lora=True, lora_modules=adapters, max_lora_rank=8))
     assert beside.outputs[0].token_ids == base
     assert with_lora.outputs[0].token_ids != base
+
+
+def test_adapters_load_and_unload_while_serving(lora_model):
+    """vLLM's runtime routes behind the API key: a loaded adapter answers as its merged model; slots are
+    bounded by max_loras; an unloaded name is the API's 404; a slot reused by another adapter shares no
+    prefix-cache blocks with the one before; malformed loads change nothing."""
+    import aiohttp
+
+    from aioengine.http.app import bound_port, build_app, start_server
+
+    root, _, merged = lora_model
+    args = EngineArgs(
+        model=str(root / "base"),
+        dtype="float32",
+        served_model_name="base",
+        enable_lora=True,
+        lora_modules={"alpha": str(root / "alpha")},
+        max_loras=2,
+        max_lora_rank=16,
+        enable_lora_runtime_updates=True,
+    )
+    prompt = list(range(100, 150))  # three full blocks of 16: a second run of one adapter would hit them
+    expected = hf_greedy(merged["beta"], prompt)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    key = {"Authorization": "Bearer k"}
+
+    async def run():
+        async with AsyncEngine(args) as engine:
+            runner = await start_server(build_app(engine, api_key="k"), "127.0.0.1", 0, shutdown_timeout=1.0)
+            url = f"http://127.0.0.1:{bound_port(runner)}/v1"
+            stats = engine.scheduler.kv_cache_manager.total_prefix_cache
+            try:
+                async with aiohttp.ClientSession() as http:
+
+                    async def post(route, body, headers=key):
+                        async with http.post(f"{url}/{route}", json=body, headers=headers) as r:
+                            return r.status, await r.text()
+
+                    beta = {"lora_name": "beta", "lora_path": str(root / "beta")}
+                    assert (await post("load_lora_adapter", beta, headers={}))[0] == 401
+                    status, text = await post("load_lora_adapter", beta)
+                    assert status == 200 and "added" in text, text
+                    async with http.get(f"{url}/models", headers=key) as r:
+                        assert [m["id"] for m in (await r.json())["data"]] == ["base", "alpha", "beta"]
+                    assert (await engine.generate(prompt, params, lora="beta")).outputs[
+                        0
+                    ].token_ids == expected
+                    full = await post(
+                        "load_lora_adapter", {"lora_name": "gamma", "lora_path": str(root / "beta")}
+                    )
+                    assert full[0] == 400 and "all 2 LoRA slots" in full[1], full
+                    taken = await post(
+                        "load_lora_adapter", {"lora_name": "alpha", "lora_path": str(root / "beta")}
+                    )
+                    assert taken[0] == 400 and "taken" in taken[1], taken
+                    assert (await post("unload_lora_adapter", {"lora_name": "beta"}))[0] == 200
+                    assert (await post("unload_lora_adapter", {"lora_name": "beta"}))[0] == 404
+                    async with http.post(
+                        f"{url}/completions", json={"model": "beta", "prompt": prompt}, headers=key
+                    ) as r:
+                        assert r.status == 404
+                    missing = await post(
+                        "load_lora_adapter", {"lora_name": "x", "lora_path": str(root / "none")}
+                    )
+                    assert missing[0] == 400 and "adapter_config.json is missing" in missing[1], missing
+                    # the freed slot takes the same weights under a new name: same tokens, no old block hit
+                    reload = {"lora_name": "beta2", "lora_path": str(root / "beta")}
+                    assert (await post("load_lora_adapter", reload))[0] == 200
+                    before = stats.hits
+                    again = await engine.generate(prompt, params, lora="beta2")
+                    assert again.outputs[0].token_ids == expected and stats.hits == before
+            finally:
+                await runner.cleanup()
+
+    asyncio.run(run())

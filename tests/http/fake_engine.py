@@ -16,7 +16,7 @@ from aioengine.engine.client import (
     RequestListener,
     StatListener,
 )
-from aioengine.errors import EngineDeadError
+from aioengine.errors import EngineDeadError, InvalidRequestError
 from aioengine.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from aioengine.sampling_params import SamplingParams
 
@@ -86,6 +86,7 @@ class FakeEngine:
         self.default_sampling_params: Mapping[str, float] = {}
         self.allow_priority = False
         self.lora_modules: dict[str, str] = {}
+        self.allow_lora_updates = False
         self.dead_error: EngineDeadError | None = None
         self.stat_listeners: list[StatListener] = []
         self.request_listeners: list[RequestListener] = []
@@ -134,6 +135,12 @@ class FakeEngine:
         lora: str | None = None,
     ) -> RequestHandle:
         return self.generate("", sampling_params, request_id, priority)
+
+    async def load_lora(self, name: str, path: str) -> None:
+        raise InvalidRequestError("loading LoRA adapters at run time needs --enable-lora-runtime-updates")
+
+    async def unload_lora(self, name: str) -> None:
+        raise InvalidRequestError("unloading LoRA adapters needs --enable-lora-runtime-updates")
 
     def render_chat(
         self, messages: list[dict], chat_template_kwargs: Mapping[str, Any] | None = None
