@@ -181,7 +181,16 @@ class AsyncEngine:
         s = self.scheduler
         if s is None:
             return EngineStats(0, 0, 0.0, len(self._outputs))
-        return EngineStats(len(s.running), len(s.waiting), s.kv_cache_manager.usage, len(self._outputs))
+        stats = EngineStats(len(s.running), len(s.waiting), s.kv_cache_manager.usage, len(self._outputs))
+        if not self.args.enable_lora:
+            return stats
+        names = self._loras.names_by_id()
+        return replace(
+            stats,
+            running_loras=tuple(sorted({names[r.lora_id] for r in s.running if r.lora_id in names})),
+            waiting_loras=tuple(sorted({names[r.lora_id] for r in s.waiting if r.lora_id in names})),
+            max_loras=self.args.max_loras,
+        )
 
     # ---- requests -----------------------------------------------------------------------------
     def generate(

@@ -25,6 +25,10 @@ class EngineStats:
     num_waiting: int  # requests queued for their first (or next, after preemption) step
     kv_cache_usage: float  # fraction of KV blocks in use, 0..1
     num_unfinished: int  # requests started and not finished (running, waiting or being aborted)
+    # LoRA (vLLM's lora_requests_info): the adapters of the running and waiting requests, and the slots
+    running_loras: tuple[str, ...] = ()
+    waiting_loras: tuple[str, ...] = ()
+    max_loras: int = 0  # 0: LoRA is off
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -16,6 +16,9 @@ class LoRARegistry:
         """name -> folder, in load order."""
         return {name: path for name, (_, path) in self._adapters.items()}
 
+    def names_by_id(self) -> dict[int, str]:
+        return {adapter_id: name for name, (adapter_id, _) in self._adapters.items()}
+
     def id_of(self, name: str | None) -> int:
         """The adapter's id (0 for None, the base model); InvalidRequestError for an unknown name."""
         if name is None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from aioengine.engine.client import EngineClient, RequestInfo
 from aioengine.outputs import RequestOutput
@@ -130,6 +130,32 @@ class _RankCollector:
         return steps, seconds
 
 
+class _LoRACollector:
+    """vLLM's ``lora_requests_info``, read at scrape time: the adapters of the running and waiting requests
+    as labels (comma-separated), and the slots; its value is the time it was read. Absent without LoRA."""
+
+    def __init__(self, engine: EngineClient, model_name: str) -> None:
+        self.engine, self.model_name = engine, model_name
+
+    def _family(self) -> GaugeMetricFamily:
+        labels = ["model_name", "running_lora_adapters", "waiting_lora_adapters", "max_lora"]
+        return GaugeMetricFamily(
+            "aioengine:lora_requests_info", "LoRA adapters of running and waiting requests.", labels=labels
+        )
+
+    def describe(self) -> Any:
+        return [self._family()]
+
+    def collect(self) -> Any:
+        s = self.engine.stats()
+        if not s.max_loras:
+            return []
+        family = self._family()
+        labels = [self.model_name, ",".join(s.running_loras), ",".join(s.waiting_loras), str(s.max_loras)]
+        family.add_metric(labels, time.time())
+        return [family]
+
+
 class EngineMetrics:
     def __init__(
         self, engine: EngineClient, model_name: str, registry: CollectorRegistry | None = None
@@ -220,6 +246,7 @@ class EngineMetrics:
             _LAG_BUCKETS,
         )
         r.register(_RankCollector(engine, model_name))
+        r.register(_LoRACollector(engine, model_name))
         self._live: dict[str, list] = {}  # request_id -> [last token time, generated tokens]
         self._queued: set[str] = set()  # request ids whose queue time is observed
         engine.stat_listeners.append(self.on_step)

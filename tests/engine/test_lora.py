@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import urllib.request
 
 import pytest
 import torch
@@ -169,6 +170,20 @@ def test_the_openai_client_picks_adapters_by_model_name(lora_model):
                 assert len(texts) == 3  # each adapter answers its own way
                 with pytest.raises(openai.NotFoundError, match="nope"):
                     await client.completions.create(model="nope", prompt=prompt, max_tokens=2)
+                # vLLM's lora_requests_info: the adapters of the queued and running requests, the slots
+                handle = engine.generate(prompt, params, lora="beta")
+                s = engine.stats()
+                assert s.waiting_loras + s.running_loras == ("beta",) and s.max_loras == 2
+                await handle
+                metrics = await asyncio.to_thread(
+                    lambda: urllib.request.urlopen(f"http://127.0.0.1:{bound_port(runner)}/metrics").read()
+                )
+                info = [
+                    ln
+                    for ln in metrics.decode().splitlines()
+                    if ln.startswith("aioengine:lora_requests_info{")
+                ]
+                assert len(info) == 1 and 'max_lora="2"' in info[0] and 'running_lora_adapters=""' in info[0]
             finally:
                 await client.close()
                 await runner.cleanup()
