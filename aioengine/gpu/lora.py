@@ -38,7 +38,14 @@ class LoRASlots:
     maps the resident ids to their slots, and each step's rows to the slot they take."""
 
     def __init__(
-        self, model: nn.Module, config: Any, max_loras: int, max_rank: int, ops: Ops, dtype: torch.dtype
+        self,
+        model: nn.Module,
+        config: Any,
+        max_loras: int,
+        max_rank: int,
+        ops: Ops,
+        dtype: torch.dtype,
+        device: torch.device,
     ) -> None:
         self.ops, self.dtype, self.max_rank, self.max_loras = ops, dtype, max_rank, max_loras
         self.slot_of: dict[int, int] = {}  # resident adapter id -> slot 0..max_loras-1
@@ -63,8 +70,8 @@ class LoRASlots:
                     continue
                 # the delta goes in before the gated activation: a linear that fused it would hide it
                 assert attr != "gate_up_proj" or not isinstance(owner.act_fn, nn.Identity), "fused activation"
-                a = torch.zeros(len(parts), max_loras, max_rank, in_features, dtype=dtype)
-                b = [torch.zeros(max_loras, size, max_rank, dtype=dtype) for size in sizes]
+                a = torch.zeros(len(parts), max_loras, max_rank, in_features, dtype=dtype, device=device)
+                b = [torch.zeros(max_loras, size, max_rank, dtype=dtype, device=device) for size in sizes]
                 adapted = _Adapted(parts, a, b, a, a)
                 adapted.refresh()
                 for p, part in enumerate(parts):

@@ -86,7 +86,7 @@ class ModelRunner:
         self.lora: LoRASlots | None = None
         if lora is not None:  # hooked on the linears as prepared (quantized, on codes)
             modules, max_loras, max_rank = lora
-            self.lora = LoRASlots(self.model, self.hf_config, max_loras, max_rank, backend.ops, dtype)
+            self.lora = LoRASlots(self.model, self.hf_config, max_loras, max_rank, backend.ops, dtype, device)
             for adapter_id, (name, adapter_path) in enumerate(modules, start=1):
                 self.load_lora(adapter_id, name, adapter_path)
         self.sampler = Sampler(
