@@ -38,6 +38,7 @@ TENSOR_TYPES: dict[int, tuple[str, int, int]] = {
     12: ("Q4_K", 256, 144),
     13: ("Q5_K", 256, 176),
     14: ("Q6_K", 256, 210),
+    39: ("MXFP4", 32, 17),  # gpt-oss's experts: an E8M0 scale and 32 E2M1 codes a block
 }
 SUPPORTED_TYPES = ", ".join(name for name, _, _ in TENSOR_TYPES.values())
 

@@ -35,9 +35,11 @@ MIXTURES = {
 }
 
 
-@pytest.mark.parametrize("arch", sorted(MIXTURES))
-def test_the_stacked_experts_load_per_expert_to_the_dequantized_reference(tmp_path, arch):
-    qtype, cls, renormalised = MIXTURES[arch]
+@pytest.mark.parametrize(
+    "arch, qtype", [(arch, spec[0]) for arch, spec in sorted(MIXTURES.items())] + [("qwen3moe", Q.MXFP4)]
+)
+def test_the_stacked_experts_load_per_expert_to_the_dequantized_reference(tmp_path, arch, qtype):
+    _, cls, renormalised = MIXTURES[arch]
     path = tmp_path / f"tiny-{arch}.gguf"
     expected = write_tiny_llama(path, qtype, arch=arch, experts=4)
     folder = convert_gguf(path, root=tmp_path / "cache")
@@ -89,3 +91,22 @@ def test_the_engine_on_the_gguf_equals_transformers_on_the_converted_checkpoint(
         return [o.outputs[0].token_ids for o in outs]
 
     assert asyncio.run(run()) == expected
+
+
+def test_mxfp4_blocks_are_read_as_ggml_defines_them(tmp_path):
+    """Hand-built MXFP4 blocks (an E8M0 exponent byte, then 16 bytes of E2M1 codes: low nibbles are the
+    first 16 values, high nibbles the next 16), independent of the gguf package's quantizer: ggml's value
+    table (E2M1 doubled) times 2^(e - 128)."""
+    from aioengine.model.gguf_file import GGUFHeader, TensorInfo, dequantize
+
+    table = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12]
+    blocks = np.zeros((2, 17), dtype=np.uint8)
+    blocks[:, 0] = (128, 130)  # scales 1 and 4
+    for j in range(16):
+        blocks[:, 1 + j] = j | ((15 - j) << 4)
+    path = tmp_path / "blocks.bin"
+    path.write_bytes(blocks.tobytes())
+    info = TensorInfo("t", (1, 64), 39, 0, 34)
+    got = dequantize(GGUFHeader(path, 3, {}, {"t": info}), info)
+    one = [table[j] for j in range(16)] + [table[15 - j] for j in range(16)]
+    np.testing.assert_array_equal(got, np.array([one + [4 * v for v in one]], dtype=np.float32))
