@@ -207,11 +207,11 @@ class AsyncEngine:
         """Start a request; raises InvalidRequestError (bad input) or EngineDeadError at once. ``lora``: the
         name of a LoRA adapter to generate with (``lora_modules``), or None for the base model."""
         self._check_alive()
-        lora_id = self._lora_id(lora)
+        self._lora_id(lora)  # an unknown adapter is refused before the prompt is tokenized
         params = sampling_params or SamplingParams(**self.default_sampling_params)
         prompt_text, prompt_ids = self._prompt_ids(prompt)
         return self._add(
-            prompt_text, prompt_ids, params, request_id, priority, cache_salt, grammar, lora_id=lora_id
+            prompt_text, prompt_ids, params, request_id, priority, cache_salt, grammar, lora=lora
         )
 
     @property
@@ -277,10 +277,10 @@ class AsyncEngine:
         lora: str | None = None,
     ) -> GenerateHandle:
         self._check_alive()
-        lora_id = self._lora_id(lora)
+        self._lora_id(lora)  # an unknown adapter is refused before the chat is rendered
         ids = self.render_chat(messages, chat_template_kwargs)
         params = sampling_params or SamplingParams(**self.default_sampling_params)
-        return self._add(None, ids, params, request_id, priority, None, grammar, lora_id=lora_id)
+        return self._add(None, ids, params, request_id, priority, None, grammar, lora=lora)
 
     def render_chat(
         self, messages: list[dict], chat_template_kwargs: Mapping[str, Any] | None = None
@@ -376,8 +376,9 @@ class AsyncEngine:
         cache_salt: str | None,
         grammar: PrecompiledGrammar | None = None,
         pooling: str | None = None,
-        lora_id: int = 0,
+        lora: str | None = None,
     ) -> GenerateHandle:
+        lora_id = self._lora_id(lora)
         params = input_processor.request_params(
             params,
             len(prompt_ids),
@@ -416,6 +417,7 @@ class AsyncEngine:
             ],
             asyncio.Queue(),
             [False] * n,
+            lora=lora,
         )
         self._outputs.add(state)
         assert self.scheduler is not None

@@ -69,6 +69,9 @@ class RequestInfo(Protocol):
     @property
     def first_token_time(self) -> float | None: ...
 
+    @property
+    def lora(self) -> str | None: ...  # the LoRA adapter it runs under (None: the base model)
+
 
 # Called inside the engine step, so they must be cheap and never block: no I/O, no awaits.
 RequestListener = Callable[[RequestOutput, RequestInfo], None]  # every step's output of every request

@@ -35,6 +35,7 @@ class RequestState:
     final_only: bool = False  # the consumer awaits the final output only: deltas may be buffered for it
     buffered: list[CompletionOutput] = field(default_factory=list)  # deltas not yet sent, oldest first
     embedding: Any = None  # an embedding request's vector (numpy), set with its finish
+    lora: str | None = None  # the LoRA adapter it runs under (None: the base model)
 
 
 class RequestOwner(Protocol):

@@ -215,6 +215,12 @@ class EngineMetrics:
         )
         self.success = {reason: success.labels(model_name, reason) for reason in ("stop", "length", "abort")}
         self._success_family = success
+        self.lora_requests = Counter(
+            "aioengine:lora_requests",
+            "Finished completions per LoRA adapter.",
+            ["model_name", "lora_name"],
+            registry=r,
+        )
         self._model_name = model_name
         self.ttft = histogram(
             "time_to_first_token_seconds", "Histogram of time to first token in seconds.", _LATENCY_BUCKETS
@@ -290,6 +296,8 @@ class EngineMetrics:
         for c in out.outputs:
             n_new += len(c.token_ids)
             if c.finish_reason is not None:
+                if state.lora is not None:  # per adapter (lora_requests_info names, it does not count)
+                    self.lora_requests.labels(self._model_name, state.lora).inc()
                 counter = self.success.get(c.finish_reason)
                 if counter is None:
                     counter = self.success[c.finish_reason] = self._success_family.labels(

@@ -184,6 +184,12 @@ def test_the_openai_client_picks_adapters_by_model_name(lora_model):
                     if ln.startswith("aioengine:lora_requests_info{")
                 ]
                 assert len(info) == 1 and 'max_lora="2"' in info[0] and 'running_lora_adapters=""' in info[0]
+                counts = {  # finished completions per adapter, every engine request: served and generate()'s
+                    ln.split('lora_name="')[1].split('"')[0]: float(ln.rsplit(" ", 1)[1])
+                    for ln in metrics.decode().splitlines()
+                    if ln.startswith("aioengine:lora_requests_total{")
+                }
+                assert counts == {"alpha": 2.0, "beta": 3.0}, counts
             finally:
                 await client.close()
                 await runner.cleanup()
