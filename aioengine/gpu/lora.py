@@ -3,7 +3,7 @@ own rows of the step. A step without adapter rows runs the model untouched (C st
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -23,12 +23,15 @@ class _Adapted:
     parts: tuple[str, ...]
     a: torch.Tensor
     b: list[torch.Tensor]
-    a_flat: torch.Tensor
-    b_flat: torch.Tensor
+    a_flat: torch.Tensor = field(init=False)  # a view of ``a``: writes to ``a`` show through
+    b_flat: torch.Tensor = field(init=False)  # a copy: rebuilt by refresh() after ``b`` changes
     used: bool = False  # some resident adapter targets it (else its hook does nothing)
 
+    def __post_init__(self) -> None:
+        self.a_flat = self.a.view(-1, self.a.shape[-1])
+        self.refresh()
+
     def refresh(self) -> None:
-        self.a_flat = self.a.reshape(-1, self.a.shape[-1])
         self.b_flat = block_diagonal_b(self.b)
 
 
@@ -52,6 +55,7 @@ class LoRASlots:
         # this step's [tokens, slots * rank]: 1 over the rank of each row's adapter (None: no adapter rows)
         self.mask: torch.Tensor | None = None
         self.linears: dict[tuple[int, str], tuple[_Adapted, int]] = {}  # (layer, module) -> (stacks, part)
+        self.adapted: list[_Adapted] = []  # each fused linear's stacks once
         decoder: Any = getattr(model, "model", None)
         hidden, inter = int(config.hidden_size), int(getattr(config, "intermediate_size", 0) or 0)
         for i, layer in enumerate(getattr(decoder, "layers", None) or []):
@@ -72,8 +76,8 @@ class LoRASlots:
                 assert attr != "gate_up_proj" or not isinstance(owner.act_fn, nn.Identity), "fused activation"
                 a = torch.zeros(len(parts), max_loras, max_rank, in_features, dtype=dtype, device=device)
                 b = [torch.zeros(max_loras, size, max_rank, dtype=dtype, device=device) for size in sizes]
-                adapted = _Adapted(parts, a, b, a, a)
-                adapted.refresh()
+                adapted = _Adapted(parts, a, b)
+                self.adapted.append(adapted)
                 for p, part in enumerate(parts):
                     self.linears[(i, part)] = (adapted, p)
                 linear.register_forward_hook(self._hook(adapted))
@@ -109,24 +113,23 @@ class LoRASlots:
                     f"{adapted.b[p].shape[1]} outputs"
                 )
         slot = free[0]
-        touched = set()
+        touched: dict[int, _Adapted] = {}  # a fused linear once, however many of its parts are adapted
         for (layer, module), (a, b) in adapter.weights.items():
             adapted, p = self.linears[(layer, module)]
             adapted.a[p, slot, : adapter.rank] = a.to(self.dtype)
             adapted.b[p][slot, :, : adapter.rank] = (b * adapter.scaling).to(self.dtype)
-            touched.add(id(adapted))
-        for adapted, _ in self.linears.values():
-            if id(adapted) in touched:
-                adapted.used = True
-                adapted.refresh()
+            adapted.used = True
+            touched[id(adapted)] = adapted
+        for adapted in touched.values():
+            adapted.refresh()
         self.slot_of[adapter_id] = slot
 
     def unload(self, adapter_id: int) -> None:
         slot = self.slot_of.pop(adapter_id)
-        for adapted, p in self.linears.values():
-            adapted.a[p, slot] = 0
-            adapted.b[p][slot] = 0
-        for adapted, _ in self.linears.values():
+        for adapted in self.adapted:
+            adapted.a[:, slot] = 0
+            for b in adapted.b:
+                b[slot] = 0
             adapted.refresh()
 
     def set_step(self, token_adapters: np.ndarray, to_device: Any) -> None:
