@@ -24,6 +24,11 @@ ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pro
 ADAPTERS = {"alpha": (8, 16, False, ALL), "beta": (16, 8, True, ["q_proj", "v_proj", "down_proj"])}
 
 
+def lora_args(root, modules, **kw) -> EngineArgs:
+    """The tiny base model in float32 serving ``modules`` (name -> folder)."""
+    return EngineArgs(model=str(root / "base"), dtype="float32", enable_lora=True, lora_modules=modules, **kw)
+
+
 def make_adapter(base_path, out, rank, alpha, rslora, targets, seed):
     from transformers import AutoModelForCausalLM
 
@@ -59,12 +64,10 @@ def test_two_adapters_and_the_base_in_one_batch_equal_their_merged_models(lora_m
     prompts = [shared + [rng.randrange(3, 49152) for _ in range(rng.randint(3, 30))] for _ in range(4)]
     cases = [(lora, p) for p in prompts for lora in (None, "alpha", "beta")]
     expected = [hf_greedy(base if lora is None else merged[lora], p) for lora, p in cases]
-    args = EngineArgs(
-        model=str(root / "base"),
-        dtype="float32",
+    args = lora_args(
+        root,
+        {name: str(root / name) for name in ADAPTERS},
         max_num_batched_tokens=48,  # prompts chunked, decodes of all three beside them
-        enable_lora=True,
-        lora_modules={name: str(root / name) for name in ADAPTERS},
         max_loras=2,
         max_lora_rank=16,
     )
@@ -99,10 +102,7 @@ def test_an_unknown_adapter_and_malformed_ones_are_refused(lora_model, tmp_path)
     good = {"alpha": str(root / "alpha")}
 
     async def start(modules, **kw):
-        args = EngineArgs(
-            model=str(root / "base"), dtype="float32", enable_lora=True, lora_modules=modules, **kw
-        )
-        async with AsyncEngine(args) as engine:
+        async with AsyncEngine(lora_args(root, modules, **kw)) as engine:
             with pytest.raises(InvalidRequestError, match="unknown LoRA adapter 'nope'; served: alpha"):
                 engine.generate([5, 6, 7], SamplingParams(max_tokens=2), lora="nope")
             assert engine.lora_names == list(modules)
@@ -134,13 +134,8 @@ def test_the_openai_client_picks_adapters_by_model_name(lora_model):
     from aioengine.http.app import bound_port, build_app, start_server
 
     root, _, _ = lora_model
-    args = EngineArgs(
-        model=str(root / "base"),
-        dtype="float32",
-        served_model_name="base",
-        enable_lora=True,
-        lora_modules={name: str(root / name) for name in ADAPTERS},
-        max_loras=2,
+    args = lora_args(
+        root, {name: str(root / name) for name in ADAPTERS}, served_model_name="base", max_loras=2
     )
     prompt = [11, 12, 13, 14, 15, 16]
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -229,12 +224,10 @@ def test_adapters_load_and_unload_while_serving(lora_model):
     from aioengine.http.app import bound_port, build_app, start_server
 
     root, _, merged = lora_model
-    args = EngineArgs(
-        model=str(root / "base"),
-        dtype="float32",
+    args = lora_args(
+        root,
+        {"alpha": str(root / "alpha")},
         served_model_name="base",
-        enable_lora=True,
-        lora_modules={"alpha": str(root / "alpha")},
         max_loras=2,
         max_lora_rank=16,
         enable_lora_runtime_updates=True,

@@ -18,7 +18,7 @@ from aioengine.gpu.models import get_model_class
 from aioengine.gpu.models.moe import FusedMoE
 from aioengine.sampling_params import StructuredOutputsParams
 from tests.engine.conftest import SMALL, save_tiny
-from tests.engine.test_parity import hf_greedy, prompts, run_engine
+from tests.engine.test_parity import CASES, hf_greedy, prompts, run_engine
 from tests.engine.test_tensor_parallel import _greedy
 
 
@@ -113,11 +113,7 @@ def test_qwen2_moe_with_its_shared_expert_keeps_parity(tmp_path_factory, case):
     torch.manual_seed(0)
     hf = save_tiny(transformers.Qwen2MoeForCausalLM(config), path)
     ps = prompts(shared_prefix=case == "prefix")
-    kwargs = {
-        "chunked": dict(max_num_batched_tokens=24, enable_prefix_caching=False),
-        "prefix": dict(max_num_batched_tokens=256),
-        "preempt": dict(max_num_batched_tokens=64, num_kv_blocks=1 + 40),
-    }[case]
+    kwargs = CASES[case]
     got, engine = asyncio.run(run_engine(path, ps, **kwargs))
     assert got == [hf_greedy(hf, p) for p in ps]
     blocks = [layer.mlp for layer in engine.runner.model.model.layers]

@@ -11,6 +11,12 @@ import torch
 from aioengine import AsyncEngine, EngineArgs, SamplingParams
 
 NEW_TOKENS = 10
+# The parity cases' engine arguments: prompts chunked; a shared prefix hit; a pool that forces preemption.
+CASES = {
+    "chunked": dict(max_num_batched_tokens=24, enable_prefix_caching=False),
+    "prefix": dict(max_num_batched_tokens=256),
+    "preempt": dict(max_num_batched_tokens=64, num_kv_blocks=1 + 40),
+}
 
 
 def prompts(shared_prefix: bool, n: int = 16) -> list[list[int]]:
@@ -55,11 +61,7 @@ def test_greedy_parity_with_transformers(tiny_checkpoint, case):
     kind, path, hf = tiny_checkpoint
     ps = prompts(shared_prefix=case == "prefix")
     expected = [hf_greedy(hf, p) for p in ps]
-    kwargs = {
-        "chunked": dict(max_num_batched_tokens=24, enable_prefix_caching=False),
-        "prefix": dict(max_num_batched_tokens=256),
-        "preempt": dict(max_num_batched_tokens=64, num_kv_blocks=1 + 40),
-    }[case]
+    kwargs = CASES[case]
     got, engine = asyncio.run(run_engine(path, ps, **kwargs))
     assert got == expected
     sched = engine.scheduler
