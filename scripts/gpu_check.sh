@@ -63,7 +63,7 @@ rc_of() { echo "$1 $2" >> "$OUT/rc.txt"; }
 : > "$OUT/rc.txt"
 
 echo "== 1. GPU tests (budget $(budget "$TESTS_S") s)"
-timeout -k 10 "$(budget "$TESTS_S")" "$PY" -m pytest -q -m gpu tests/kernels tests/gpu tests/engine/test_cuda_parity.py \
+timeout -k 10 "$(budget "$TESTS_S")" "$PY" -m pytest -q -m gpu tests/kernels tests/gpu tests/engine/test_cuda_parity.py tests/engine/test_lora.py \
     -p no:cacheprovider --timeout 90 --durations 10 --junitxml "$OUT/gpu_tests.xml"
 rc_of gpu_tests $?
 

@@ -80,14 +80,18 @@ def make_tiny_checkpoint(kind: str, path, **overrides) -> transformers.PreTraine
     return save_tiny(model_cls(config_cls(**{**SMALL, **extra, **overrides})), path)
 
 
-def save_tiny(model: transformers.PreTrainedModel, path) -> transformers.PreTrainedModel:
+def save_tiny(
+    model: transformers.PreTrainedModel, path, tokenizer: bool = True
+) -> transformers.PreTrainedModel:
     """``model`` in float32 with random weights (from torch's generator as it stands), saved at ``path``
-    with the default model's tokenizer."""
+    with the default model's tokenizer unless ``tokenizer`` is false."""
     model = model.float().eval()
     with torch.no_grad():  # HF initialises norms to 1 and biases to 0: randomise so they are tested too
         for name, p in model.named_parameters():
             p.copy_(torch.randn_like(p) * (0.1 if "norm" in name else 0.3) + (1.0 if "norm" in name else 0.0))
     model.save_pretrained(path)
+    if not tokenizer:
+        return model
     default = resolve_model("default")
     for f in default.iterdir():
         if f.name.startswith(("tokenizer", "special_tokens", "chat_template", "vocab", "merges")):

@@ -16,7 +16,7 @@ peft = pytest.importorskip("peft")
 
 from aioengine import AsyncEngine, EngineArgs, InvalidRequestError, SamplingParams  # noqa: E402
 from aioengine.model.lora import LoRAError  # noqa: E402
-from tests.engine.conftest import make_tiny_checkpoint  # noqa: E402
+from tests.engine.conftest import SMALL, TINY, make_tiny_checkpoint, save_tiny  # noqa: E402
 from tests.engine.test_parity import NEW_TOKENS, hf_greedy  # noqa: E402
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -58,7 +58,25 @@ def lora_model(request, tmp_path_factory):
 
 
 def test_two_adapters_and_the_base_in_one_batch_equal_their_merged_models(lora_model):
-    root, base, merged = lora_model
+    check_adapters_in_one_batch(*lora_model)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_adapters_on_cuda_equal_their_merged_models(tmp_path):
+    """The same on CUDA (adapter steps run eagerly, base-only decode steps replay graphs); the checkpoint
+    carries no tokenizer, so the GPU image needs no default-model package."""
+    config_cls, model_cls, extra = TINY["llama"]
+    torch.manual_seed(0)
+    base = save_tiny(model_cls(config_cls(**SMALL, **extra)), tmp_path / "base", tokenizer=False)
+    merged = {
+        name: make_adapter(tmp_path / "base", tmp_path / name, *spec, seed=i)
+        for i, (name, spec) in enumerate(ADAPTERS.items())
+    }
+    check_adapters_in_one_batch(tmp_path, base, merged, device="cuda", skip_tokenizer_init=True)
+
+
+def check_adapters_in_one_batch(root, base, merged, **engine_kw):
     rng = random.Random(4)
     shared = [rng.randrange(3, 49152) for _ in range(40)]  # the same prefix for every adapter: no cross hits
     prompts = [shared + [rng.randrange(3, 49152) for _ in range(rng.randint(3, 30))] for _ in range(4)]
@@ -70,6 +88,7 @@ def test_two_adapters_and_the_base_in_one_batch_equal_their_merged_models(lora_m
         max_num_batched_tokens=48,  # prompts chunked, decodes of all three beside them
         max_loras=2,
         max_lora_rank=16,
+        **engine_kw,
     )
 
     async def run():
