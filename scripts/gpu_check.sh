@@ -11,7 +11,7 @@
 #                                              gguf; cuda-python for the host-function wait, else it polls)
 # The device image lacks orjson and gguf: wheels found in .whl/ (carried; no network there) go on the path:
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
-#       -d .whl orjson gguf
+#       -d .whl orjson gguf psutil; pip download --no-deps -d .whl peft accelerate  # the LoRA test
 # Stage budgets and extra runs: the GPU_CHECK_* variables below. What the H200 gave: docs/benchmarks.md.
 set -uo pipefail
 OUT=${1:?usage: scripts/gpu_check.sh RESULTS_DIR}
