@@ -68,9 +68,11 @@ class Ops:
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Causal paged attention; ``window``: a sliding-window layer's span (itself, window - 1 before)."""
-        return reference.paged_attention(query, kv_cache, meta, scale, window=window)
+        """Causal paged attention; ``window``: a sliding-window layer's span (itself, window - 1 before);
+        ``sinks``: each query head's sink logit (gpt-oss), in every softmax's denominator."""
+        return reference.paged_attention(query, kv_cache, meta, scale, window=window, sinks=sinks)
 
     def add_lora(
         self,

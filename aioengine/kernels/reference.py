@@ -26,6 +26,38 @@ from aioengine.kernels.metadata import AttentionMetadata
 _HAS_ENABLE_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
 
 
+def _attend(
+    q: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    sinks: torch.Tensor | None = None,
+    is_causal: bool = False,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """SDPA of ``q [..., Hq, L, D]`` on ``key``/``value [..., Hkv, S, D]`` (``mask``: True where a query
+    sees a key). ``sinks`` (gpt-oss; broadcast to the scores' ``[..., Hq, L, 1]``): a learned logit per
+    query head that joins each softmax's denominator and adds no value, computed in transformers' eager
+    order (scores, the sink column, max subtracted, softmax, the column dropped)."""
+    if sinks is None:
+        return F.scaled_dot_product_attention(
+            q, key, value, attn_mask=mask, is_causal=is_causal, scale=scale, **kwargs
+        )
+    if q.shape[-3] != key.shape[-3]:
+        rep = q.shape[-3] // key.shape[-3]
+        key, value = key.repeat_interleave(rep, -3), value.repeat_interleave(rep, -3)
+    scores = torch.matmul(q, key.transpose(-1, -2)) * scale
+    if is_causal:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    combined = torch.cat([scores, sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1]
+    return torch.matmul(probs.to(value.dtype), value)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF's order: normalise in fp32, cast back, then scale (so bf16 outputs match HF bit for bit)."""
     # torch's fused rms_norm on the fp32 copy: the same bits as x * rsqrt(mean(x^2) + eps), fewer ops.
@@ -228,7 +260,12 @@ def plan_decode_groups(
 
 
 def _decode_attention(
-    query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, group: _DecodeGroup, scale: float
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    group: _DecodeGroup,
+    scale: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One masked SDPA over a group of decodes: query ``[B, Hq, D]`` -> ``[B, Hq, D]``."""
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
@@ -258,14 +295,17 @@ def _decode_attention(
     # One query token per request: fold the query heads of a KV group into SDPA's length axis,
     # so GQA costs no repeat of K/V and every row of a request shares one padding mask.
     q = query.reshape(b, num_kv_heads, hq // num_kv_heads, d)
-    out = F.scaled_dot_product_attention(
-        q, key.transpose(1, 2), value.transpose(1, 2), attn_mask=group.mask, scale=scale
-    )
+    sinks = None if sinks is None else sinks.view(num_kv_heads, hq // num_kv_heads, 1)
+    out = _attend(q, key.transpose(1, 2), value.transpose(1, 2), group.mask, scale, sinks)
     return out.reshape(b, hq, d)
 
 
 def _decodes(
-    query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention for the first ``num_decodes`` requests, whose query rows are ``query[:num_decodes]``."""
     nd = meta.num_decodes
@@ -275,12 +315,12 @@ def _decodes(
         query = query[:nd]
     groups = meta.decode_groups
     if len(groups) == 1:
-        return _decode_attention(query, kv_cache, meta, groups[0], scale)
+        return _decode_attention(query, kv_cache, meta, groups[0], scale, sinks)
     output = torch.empty_like(query)
     for g in groups:
         assert g.indices is not None  # several groups: each names its requests
         output.index_copy_(
-            0, g.indices, _decode_attention(query.index_select(0, g.indices), kv_cache, meta, g, scale)
+            0, g.indices, _decode_attention(query.index_select(0, g.indices), kv_cache, meta, g, scale, sinks)
         )
     return output
 
@@ -292,6 +332,7 @@ def _prefill_attention(
     seq_len: int,
     scale: float,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One request's chunk: query ``[q_len, Hq, D]`` ending at position ``seq_len - 1``. ``window``: each
     token sees only itself and the ``window - 1`` positions before it (blocks before those are not read)."""
@@ -324,14 +365,21 @@ def _prefill_attention(
         else:
             key = key.repeat_interleave(num_heads // num_kv_heads, 1)
             value = value.repeat_interleave(num_heads // num_kv_heads, 1)
-    out = F.scaled_dot_product_attention(
-        query[None].transpose(1, 2), key, value, attn_mask=mask, is_causal=mask is None, scale=scale, **kwargs
+    if sinks is not None:
+        sinks = sinks.view(num_heads, 1, 1)
+    out = _attend(
+        query[None].transpose(1, 2), key, value, mask, scale, sinks, is_causal=mask is None, **kwargs
     )
     return out[0].transpose(0, 1)  # [q_len, Hq, D]
 
 
 def _windowed_decodes(
-    query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decodes that see only their last ``window`` positions: each gathers just the blocks those span
     (at most ``window / block_size + 1``), so the cost is bounded by the window, not the context."""
@@ -360,9 +408,8 @@ def _windowed_decodes(
     torch.index_select(views.value_blocks, 0, block_ids, out=value)
     key, value = key.view(b, -1, num_kv_heads, d), value.view(b, -1, num_kv_heads, d)
     q = query[:nd].reshape(b, num_kv_heads, hq // num_kv_heads, d)
-    out = F.scaled_dot_product_attention(
-        q, key.transpose(1, 2), value.transpose(1, 2), attn_mask=mask, scale=scale
-    )
+    sinks = None if sinks is None else sinks.view(num_kv_heads, hq // num_kv_heads, 1)
+    out = _attend(q, key.transpose(1, 2), value.transpose(1, 2), mask, scale, sinks)
     return out.reshape(b, hq, d)
 
 
@@ -373,6 +420,7 @@ def paged_attention(
     scale: float,
     decodes: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor] | None = None,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of query ``[T, Hq, D]`` against the paged cache; returns ``[T, Hq, D]``.
 
@@ -380,15 +428,17 @@ def paged_attention(
     leading decode rows (a backend's kernel: ``decodes(query, kv_cache, meta, scale)``, which applies the
     window itself when one is given). ``window``
     (sliding-window layers): a token attends to itself and the ``window - 1`` positions before it; while
-    no sequence is longer than the window that is full attention, and takes the same paths.
+    no sequence is longer than the window that is full attention, and takes the same paths. ``sinks``
+    (``[Hq]``, gpt-oss): each head's sink logit in every softmax (see ``_attend``); no backend kernel then.
     """
     assert query.shape[1] % kv_cache.shape[-2] == 0, "query heads must be a multiple of KV heads"
     num_decodes = meta.num_decodes
+    assert sinks is None or decodes is None, "the decode kernels take no sinks"
     if window is not None and meta.max_seq_len > window:
-        decodes = decodes or functools.partial(_windowed_decodes, window=window)
+        decodes = decodes or functools.partial(_windowed_decodes, window=window, sinks=sinks)
     else:
         window = None
-        decodes = decodes or _decodes
+        decodes = decodes or functools.partial(_decodes, sinks=sinks)
     if meta.num_reqs == num_decodes and query.shape[0] == num_decodes:
         return decodes(query, kv_cache, meta, scale)  # pure decode: no extra copy
     output = torch.zeros_like(query) if query.shape[0] > meta.num_actual_tokens else torch.empty_like(query)
@@ -398,7 +448,7 @@ def paged_attention(
     for i in range(num_decodes, meta.num_reqs):
         start, end = starts[i], starts[i + 1]
         output[start:end] = _prefill_attention(
-            query[start:end], kv_cache, meta.block_table[i], meta.seq_lens_cpu[i], scale, window
+            query[start:end], kv_cache, meta.block_table[i], meta.seq_lens_cpu[i], scale, window, sinks
         )
     return output
 
@@ -409,8 +459,9 @@ def paged_attention_reference(
     meta: AttentionMetadata,
     scale: float,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The dumbest correct version: per request, per token, slot by slot. Tests only."""
+    """The dumbest correct version: per request, per token, slot by slot, in float64. Tests only."""
     _, num_heads, head_size = query.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     group = num_heads // num_kv_heads
@@ -430,6 +481,8 @@ def paged_attention_reference(
             for h in range(num_heads):
                 q = query[start + j, h].double()
                 scores = (keys[:, h // group] @ q) * scale
-                probs = torch.softmax(scores, dim=0)
+                if sinks is not None:  # the sink's share of the denominator carries no value
+                    scores = torch.cat([scores, sinks[h].double().view(1)])
+                probs = torch.softmax(scores, dim=0)[: len(keys)]
                 output[start + j, h] = (probs @ values[:, h // group]).to(query.dtype)
     return output

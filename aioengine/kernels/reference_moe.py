@@ -29,6 +29,21 @@ def select_experts(
     return weights.to(router_logits.dtype), ids
 
 
+def select_topk_softmax(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """gpt-oss's routing: the top-k logits, then a softmax over just those (in the logits' dtype, as
+    transformers orders it): (weights ``[T, k]``, expert ids ``[T, k]`` int64)."""
+    values, ids = torch.topk(router_logits, top_k, dim=-1)
+    return torch.softmax(values, dim=-1, dtype=values.dtype), ids
+
+
+def clamped_swiglu(x: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's expert activation on ``x [..., 2I]`` (gate columns, then up): the gate clamped from above
+    and the up both ways at ``limit``, then ``(up + 1) * gate * sigmoid(alpha * gate)``."""
+    d = x.shape[-1] // 2
+    gate, up = x[..., :d].clamp(max=limit), x[..., d:].clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 def expert_runs(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, list[int]]:
     """The token-expert pairs grouped by expert: (indices into ``topk_ids.flatten()`` sorted by expert, in
     token order within one, and each expert's count). An expert no token chose has a count of 0."""

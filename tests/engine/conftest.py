@@ -1,5 +1,5 @@
 """Tiny random-weight checkpoints (Llama, Qwen2, Qwen3, Mistral, Gemma 3 with sliding windows, and the
-mixtures of experts Qwen3-MoE and Mixtral) with a real tokenizer, for engine tests."""
+mixtures of experts Qwen3-MoE, Mixtral and gpt-oss) with a real tokenizer, for engine tests."""
 
 from __future__ import annotations
 
@@ -58,6 +58,29 @@ TINY = {
         transformers.MixtralForCausalLM,
         dict(num_local_experts=4, num_experts_per_tok=2),
     ),
+    # attention sinks and biases, a windowed layer beside a full one, YaRN, 4 experts (top-2) with biases and
+    # a clamped SwiGLU whose limit the random weights reach
+    "gpt_oss": (
+        transformers.GptOssConfig,
+        transformers.GptOssForCausalLM,
+        dict(
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=16,
+            layer_types=["sliding_attention", "full_attention"],
+            swiglu_limit=2.0,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+    ),
     # a windowed layer (its own RoPE base) beside a full one, GeGLU, (1 + w) norms, soft-capped logits
     "gemma3": (
         transformers.Gemma3TextConfig,
@@ -89,6 +112,8 @@ def save_tiny(
     with torch.no_grad():  # HF initialises norms to 1 and biases to 0: randomise so they are tested too
         for name, p in model.named_parameters():
             p.copy_(torch.randn_like(p) * (0.1 if "norm" in name else 0.3) + (1.0 if "norm" in name else 0.0))
+            if name.endswith(".sinks"):  # gpt-oss: sinks on the scores' scale, so they move the output
+                p.mul_(10.0).add_(4.0)
     model.save_pretrained(path)
     if not tokenizer:
         return model

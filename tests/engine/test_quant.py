@@ -102,10 +102,15 @@ def test_quantized_engine_greedy_parity_with_transformers(tiny_checkpoint, metho
         for name, module in ours.named_modules():
             if isinstance(module, nn.Linear) and not name.endswith("lm_head"):
                 module.weight.copy_(QuantizedLinear(module.weight.data, None, method).weight)
-        for name, p in ours.named_parameters():  # transformers' stacked experts [E, rows, cols], each alone
-            if ".experts." in name:
+        # transformers' stacked experts [E, rows, cols] (gpt-oss: [E, cols, rows]), each alone; not biases
+        in_out = ours.config.model_type == "gpt_oss"
+        for name, p in ours.named_parameters():
+            if ".experts." in name and p.dim() == 3:
                 for w in p.data:
-                    w.copy_(QuantizedLinear(w, None, method).weight)
+                    if in_out:
+                        w.copy_(QuantizedLinear(w.t().contiguous(), None, method).weight.t())
+                    else:
+                        w.copy_(QuantizedLinear(w, None, method).weight)
         head = ours.get_output_embeddings()
         if ours.config.tie_word_embeddings:  # the engine quantizes a copy for the head only
             head.weight = nn.Parameter(head.weight.detach().clone())

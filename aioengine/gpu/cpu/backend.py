@@ -145,9 +145,12 @@ class CpuOps(Ops):
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if window is not None and meta.max_seq_len <= window:
             window = None  # within its window a windowed layer attends fully
+        if sinks is not None:  # the C kernels have no sinks
+            return reference.paged_attention(query, kv_cache, meta, scale, window=window, sinks=sinks)
         if not self.c_attention:
             return reference.paged_attention(query, kv_cache, meta, scale, window=window)
         pure_decode = meta.num_reqs == meta.num_decodes and query.shape[0] == meta.num_decodes

@@ -22,6 +22,7 @@ from aioengine.gpu.cuda.staging import HostStaging
 from aioengine.gpu.cuda.timeline import GpuTimeline
 from aioengine.gpu.cuda.worker import CudaWorker
 from aioengine.gpu.loader import kv_cache_shape
+from aioengine.kernels import reference
 from aioengine.kernels.metadata import AttentionMetadata
 from aioengine.sched.output import ModelRunnerOutput
 
@@ -73,7 +74,10 @@ class CudaOps(Ops):
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if sinks is not None:  # the Triton kernel has no sinks: torch's ops on the device
+            return reference.paged_attention(query, kv_cache, meta, scale, window=window, sinks=sinks)
         return _triton().attention(query, kv_cache, meta, scale, window=window)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from aioengine.gpu.models.gemma3 import Gemma3ForCausalLM
+from aioengine.gpu.models.gpt_oss import GptOssForCausalLM
 from aioengine.gpu.models.llama import LlamaForCausalLM, sliding_window
 from aioengine.gpu.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from aioengine.gpu.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
@@ -18,6 +19,7 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
 }
 
 
@@ -36,6 +38,7 @@ def get_model_class(config: Any) -> type[LlamaForCausalLM]:
 __all__ = [
     "MODEL_REGISTRY",
     "Gemma3ForCausalLM",
+    "GptOssForCausalLM",
     "LlamaForCausalLM",
     "MixtralForCausalLM",
     "Qwen2ForCausalLM",

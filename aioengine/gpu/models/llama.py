@@ -50,6 +50,7 @@ class LlamaAttention(nn.Module):
         ops: Ops,
         sliding_window: int | None = None,
         kv_group: int = 0,
+        sinks: bool = False,
     ) -> None:
         super().__init__()
         self.ops = ops
@@ -76,6 +77,8 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device, ops)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device, ops)
         self.rotary_emb = rotary_emb  # shared by all layers
+        # gpt-oss: each head's learned sink logit, in every softmax's denominator
+        self.sinks = nn.Parameter(torch.empty(self.num_heads, dtype=dtype, device=device)) if sinks else None
 
     def forward(
         self,
@@ -96,7 +99,9 @@ class LlamaAttention(nn.Module):
         q, k = self.rotary_emb(positions, q, k)
         meta = meta.for_group(self.kv_group)
         self.ops.store_kv(k, v, kv_cache, meta.slot_mapping)
-        out = self.ops.attention(q, kv_cache, meta, self.scaling, window=self.sliding_window)
+        out = self.ops.attention(
+            q, kv_cache, meta, self.scaling, window=self.sliding_window, sinks=self.sinks
+        )
         return self.ops.all_reduce(self.o_proj(out.view(num_tokens, self.q_size)))
 
 
@@ -240,6 +245,7 @@ class LlamaForCausalLM(nn.Module):
     """``forward`` maps the flat batch to hidden states; ``compute_logits`` maps chosen rows to logits."""
 
     qk_norm = False  # Qwen3 turns this on
+    attention_sinks = False  # gpt-oss turns this on
     has_experts = False  # a mixture of experts (moe.py) turns this on
 
     @classmethod
@@ -265,6 +271,7 @@ class LlamaForCausalLM(nn.Module):
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             qk_norm=self.qk_norm,
+            sinks=self.attention_sinks,
         )
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:

@@ -83,7 +83,9 @@ def test_await_cuda_event_resumes_after_the_gpu_without_blocking_the_loop(use_ho
     from aioengine.gpu.cuda.async_output import HostFunctions, await_cuda_event
 
     stream = torch.cuda.Stream()
-    hosts = HostFunctions()  # made first: its first use loads cuda-python, which took longer than a short spin
+    hosts = (
+        HostFunctions()
+    )  # made first: its first use loads cuda-python, which took longer than a short spin
     with torch.cuda.stream(stream):
         torch.cuda._sleep(1_000_000_000)  # ~0.5 s of GPU spinning
         event = torch.cuda.Event()
