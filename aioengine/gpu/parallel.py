@@ -179,6 +179,10 @@ def weight_index(
         "kv": tuple(h * head_dim for h in shard.kv_heads),
         "mlp": shard.intermediate,
     }
+    if kind == "sinks":  # gpt-oss: one logit per query head
+        return (slice(*shard.q_heads),)
+    if module == "experts":  # gpt-oss's stacked experts, by tensor
+        return _stacked_expert_index(kind, shard)
     if ".experts." in name or ".shared_expert." in name:
         start, end = shard.expert_intermediate if ".experts." in name else shard.shared_intermediate
         if module in _EXPERT_COLUMN:
@@ -193,6 +197,29 @@ def weight_index(
         start, end = ranges[_ROW[module]]
         return (slice(None), slice(start, end))
     return None
+
+
+def _stacked_expert_index(kind: str, shard: TPShard) -> tuple[slice, ...] | None:
+    """gpt-oss's ``experts.<tensor>``: gate_up ``[E, H, 2I]`` (its bias ``[E, 2I]``) with gate and up columns
+    alternating, so a rank's columns ``[s, e)`` are ``[2s, 2e)``; down ``[E, I, H]`` row-parallel (its bias
+    on rank 0 alone); MXFP4 ``*_blocks``/``*_scales`` hold outputs before inputs, the inputs in blocks of 32."""
+    start, end = shard.expert_intermediate
+    both = slice(None)
+    if kind in ("gate_up_proj_bias", "gate_up_proj_blocks", "gate_up_proj_scales"):
+        return (both, slice(2 * start, 2 * end))
+    if kind == "gate_up_proj":
+        return (both, both, slice(2 * start, 2 * end))
+    if kind == "down_proj":
+        return (both, slice(start, end))
+    if kind == "down_proj_bias":
+        return () if shard.rank else None
+    if kind in ("down_proj_blocks", "down_proj_scales"):
+        if start % 32 or end % 32:
+            raise TensorParallelError(
+                f"MXFP4 experts split in blocks of 32 columns; this rank's {start}..{end} is not a split of them"
+            )
+        return (both, both, slice(start // 32, end // 32))
+    raise TensorParallelError(f"unexpected gpt-oss expert tensor {kind!r}")
 
 
 def shard_reader(

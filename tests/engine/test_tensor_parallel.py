@@ -88,6 +88,7 @@ async def _greedy(path, tp: int, max_tokens: int = 12, **kwargs) -> tuple[list[l
         ("qwen3", {"num_attention_heads": 6, "num_key_value_heads": 3}, True),  # 3 KV heads: 2 + 1
         ("qwen3_moe", {"moe_intermediate_size": 33}, True),  # each expert's 33 columns: 17 + 16
         ("mixtral", {}, False),  # experts named w1, w3 and w2
+        ("gpt_oss", {}, True),  # stacked experts with biases, gate and up interleaved; sinks per head
     ],
 )
 def test_tp2_greedy_equals_tp1(tiny_checkpoint_of, kind, overrides, shm):
