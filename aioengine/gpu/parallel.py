@@ -201,8 +201,8 @@ def weight_index(
 
 def _stacked_expert_index(kind: str, shard: TPShard) -> tuple[slice, ...] | None:
     """gpt-oss's ``experts.<tensor>``: gate_up ``[E, H, 2I]`` (its bias ``[E, 2I]``) with gate and up columns
-    alternating, so a rank's columns ``[s, e)`` are ``[2s, 2e)``; down ``[E, I, H]`` row-parallel (its bias
-    on rank 0 alone); MXFP4 ``*_blocks``/``*_scales`` hold outputs before inputs, the inputs in blocks of 32."""
+    alternating, so a rank's columns ``[s, e)`` are ``[2s, 2e)``; down ``[E, I, H]`` row-parallel (its
+    bias on rank 0 alone); MXFP4 ``*_blocks``/``*_scales`` hold outputs, then inputs in blocks of 32."""
     start, end = shard.expert_intermediate
     both = slice(None)
     if kind in ("gate_up_proj_bias", "gate_up_proj_blocks", "gate_up_proj_scales"):
@@ -216,7 +216,7 @@ def _stacked_expert_index(kind: str, shard: TPShard) -> tuple[slice, ...] | None
     if kind in ("down_proj_blocks", "down_proj_scales"):
         if start % 32 or end % 32:
             raise TensorParallelError(
-                f"MXFP4 experts split in blocks of 32 columns; this rank's {start}..{end} is not a split of them"
+                f"MXFP4 experts split in blocks of 32 columns; this rank's {start}..{end} does not"
             )
         return (both, both, slice(start // 32, end // 32))
     raise TensorParallelError(f"unexpected gpt-oss expert tensor {kind!r}")
