@@ -100,9 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
         )
     srv.add_argument(
         "--reasoning-parser",
-        choices=["qwen3", "deepseek_r1"],
+        choices=["qwen3", "deepseek_r1", "openai_gptoss"],
         default=None,
-        help="split <think> text out of the answer: reasoning_content in chat, thinking blocks in messages",
+        help="split the reasoning out of the answer (<think> blocks; openai_gptoss: gpt-oss's harmony "
+        "analysis channel): reasoning_content in chat, thinking blocks in messages",
     )
     srv.add_argument(
         "--structured-outputs-in-reasoning",

@@ -23,7 +23,7 @@ from aioengine.errors import AioEngineError, InvalidRequestError
 from aioengine.http.context import CONFIG, ENGINE, STATE, check_model, lora_of
 from aioengine.http.errors import APIError, api_error, bad
 from aioengine.http.parsing import ChatRequest, CompletionRequest
-from aioengine.http.reasoning import closed_in_prompt
+from aioengine.http.reasoning import HARMONY, closed_in_prompt
 from aioengine.http.request_tables import REQUEST_ID_PATTERN
 from aioengine.http.schema import RequestLimits, parse_json_body
 
@@ -104,7 +104,9 @@ async def admit_body(
     engine = app[ENGINE]
     cfg = app[CONFIG]
     req = parse(body, engine.allow_priority, cfg.limits, engine.default_sampling_params)
-    if isinstance(req, ChatRequest):
+    if isinstance(req, ChatRequest) and cfg.reasoning_parser == HARMONY:
+        _harmony(req)
+    elif isinstance(req, ChatRequest):
         req.params.reasoning_parser = cfg.reasoning_parser  # the think block's rules, for a thinking budget
         structured = req.params.structured_outputs
         if structured is not None and not cfg.structured_outputs_in_reasoning:
@@ -116,6 +118,22 @@ async def admit_body(
     grammar = await prepare(engine, req)
     check_capacity(app)  # again: other requests may have queued while this one was prepared
     return Admitted(req, model, rid, grammar)
+
+
+def _harmony(req: ChatRequest) -> None:
+    """gpt-oss's harmony markup is special tokens, decoded for the parser; the think-block tools (a
+    thinking budget, a grammar that starts after the block) do not know its channels."""
+    if req.params.structured_outputs is not None:
+        raise bad(
+            "structured outputs are not supported with --reasoning-parser openai_gptoss",
+            "response_format",
+        )
+    if req.params.thinking_token_budget is not None:
+        raise bad(
+            "thinking_token_budget is not supported with --reasoning-parser openai_gptoss",
+            "thinking_token_budget",
+        )
+    req.params.skip_special_tokens = False
 
 
 def request_id(given: str | None, prefix: str) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from aioengine.http.reasoning import ReasoningParser
+from aioengine.http.reasoning import make_parser
 from aioengine.http.tools import StreamParser, ToolSpec
 
 
@@ -62,7 +62,7 @@ class ChatOutputParser:
     the events that may go out now. ``result()`` afterwards is the whole choice."""
 
     def __init__(self, reasoning_parser: str | None, tools: ToolSpec | None) -> None:
-        self.thinker = ReasoningParser(reasoning_parser) if reasoning_parser is not None else None
+        self.thinker = make_parser(reasoning_parser) if reasoning_parser is not None else None
         self.calls = StreamParser(tools) if tools is not None and tools.choice != "none" else None
         self.answer_delta = ""  # the last feed's text after the reasoning split, before tool parsing
         self.finish_reason: str | None = None

@@ -33,7 +33,9 @@ class ServerConfig:
     retry_after_s: int = 1
     limits: RequestLimits = field(default_factory=RequestLimits)  # caps on one request's fields (400 beyond)
     cors: CorsConfig = field(default_factory=CorsConfig)  # other origins' pages (none by default)
-    reasoning_parser: str | None = None  # qwen3 | deepseek_r1: <think> text apart from the answer
+    reasoning_parser: str | None = (
+        None  # qwen3 | deepseek_r1 | openai_gptoss: reasoning apart from the answer
+    )
     # with a reasoning parser: a chat's structured-output constraint covers its think block too (vLLM's
     # enable_in_reasoning); by default it covers the answer after the block
     structured_outputs_in_reasoning: bool = False

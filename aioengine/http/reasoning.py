@@ -1,4 +1,4 @@
-"""Reasoning parsers (--reasoning-parser qwen3 | deepseek_r1): a completion's <think>...</think> text split
+"""Reasoning parsers (--reasoning-parser qwen3 | deepseek_r1 | openai_gptoss): a completion's reasoning split
 from its answer, whole or as it streams.
 
 deepseek_r1: the chat template opens the think block in the prompt, so the output is reasoning until
@@ -6,6 +6,12 @@ deepseek_r1: the chat template opens the think block in the prompt, so the outpu
 when it opens with <think> (so `enable_thinking: false`, whose template leaves the block out, gives plain
 content); an unclosed block is reasoning. Streaming holds back a tail that could still become a tag, so the
 split never depends on how the text was cut into deltas.
+
+openai_gptoss (vLLM's name): gpt-oss writes OpenAI's harmony format, its special tokens kept in the text
+(the chat route decodes them for this parser): messages ``<|channel|>NAME<|message|>BODY`` ended by
+``<|end|>``, ``<|return|>`` or ``<|call|>``, each after the first opened by ``<|start|>assistant``. The
+analysis channel is reasoning; the final and commentary channels are the answer; the markup is dropped.
+Output that does not open with a harmony marker is all answer.
 """
 
 from __future__ import annotations
@@ -13,6 +19,9 @@ from __future__ import annotations
 from aioengine.sampling_params import REASONING_PARSERS as PARSERS
 from aioengine.sampling_params import THINK_END as END
 from aioengine.sampling_params import THINK_START as START
+
+HARMONY = "openai_gptoss"
+_MESSAGE, _ENDS = "<|message|>", ("<|end|>", "<|return|>", "<|call|>")
 
 
 def _held(text: str, tag: str) -> int:
@@ -69,9 +78,69 @@ class ReasoningParser:
         return self.feed("", final=True)
 
 
+class HarmonyParser:
+    """The openai_gptoss split, with ReasoningParser's interface."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.mode = "header"  # header (markup up to <|message|>), body, plain (no harmony: all answer)
+        self.channel = ""
+        self.start = 0
+        self.reasoned = False  # an analysis message has opened
+
+    def feed(self, piece: str, final: bool = False) -> tuple[str, str]:
+        self.text += piece
+        reasoning, content = "", ""
+        while True:
+            rest = self.text[self.start :]
+            if self.mode == "plain":
+                self.start = len(self.text)
+                return reasoning, content + rest
+            if self.mode == "header":
+                lead = rest.lstrip()
+                plain = lead and not lead.startswith("<|") and not (lead == "<" and not final)
+                if plain and self.start == 0:  # not harmony at all
+                    self.mode = "plain"
+                    continue
+                at = rest.find(_MESSAGE)
+                if at < 0:
+                    if final:  # a header cut short: no text of its own
+                        self.start = len(self.text)
+                    return reasoning, content
+                header = rest[:at]
+                channel = header.rpartition("<|channel|>")[2].split("<|", 1)[0].split()
+                self.channel = channel[0] if channel else ""
+                self.reasoned |= self.channel == "analysis"
+                self.start += at + len(_MESSAGE)
+                self.mode = "body"
+                continue
+            ends = [(at, end) for end in _ENDS if (at := rest.find(end)) >= 0]
+            if ends:
+                at, end = min(ends)
+                body, self.start, self.mode = rest[:at], self.start + at + len(end), "header"
+            else:  # hold back a tail that may still become an end marker
+                keep = 0 if final else max(_held(rest, end) for end in _ENDS)
+                body = rest[: len(rest) - keep]
+                self.start += len(body)
+            if self.channel == "analysis":
+                reasoning += body
+            else:
+                content += body
+            if not ends:
+                return reasoning, content
+
+    def flush(self) -> tuple[str, str]:
+        return self.feed("", final=True)
+
+
+def make_parser(kind: str) -> ReasoningParser | HarmonyParser:
+    """The parser ``--reasoning-parser kind`` names (one per completion)."""
+    return HarmonyParser() if kind == HARMONY else ReasoningParser(kind)
+
+
 def split(kind: str, text: str) -> tuple[str | None, str]:
     """A finished completion's (reasoning, or None when it had no think block; content)."""
-    parser = ReasoningParser(kind)
+    parser = make_parser(kind)
     reasoning, content = parser.feed(text, final=True)
     return (reasoning if parser.reasoned else None), content
 

@@ -76,4 +76,5 @@ def test_hf_peer_time_limit_counts_the_tokens_made_so_far(tmp_path):
     )
     r = json.loads(out.read_text())
     assert r["finished_requests"] < 64 and "time limit" in r["note"]
-    assert r["output_tokens"] > r["finished_requests"] and 1.9 < r["elapsed_s"] < 10
+    # transformers joins its generation thread for up to 5 s; a loaded CI machine adds to that
+    assert r["output_tokens"] > r["finished_requests"] and 1.9 < r["elapsed_s"] < 30
