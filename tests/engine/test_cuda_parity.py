@@ -22,6 +22,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.fixture(scope="module", params=sorted(TINY))
 def checkpoint(request, tmp_path_factory):
     config_cls, model_cls, extra = TINY[request.param]
+    if request.param == "gpt_oss" and _hard_coded_swiglu_limit():
+        extra = {**extra, "swiglu_limit": 7.0}  # what such a transformers computes, whatever the config says
     torch.manual_seed(0)
     model = model_cls(config_cls(**SMALL, **extra)).float().eval()
     with torch.no_grad():
@@ -30,6 +32,18 @@ def checkpoint(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(f"cuda-{request.param}")
     model.save_pretrained(path)
     return path, model
+
+
+def _hard_coded_swiglu_limit() -> bool:
+    """Whether this transformers' gpt-oss experts ignore the config's ``swiglu_limit`` (5.17, the GPU
+    image's, clamps at 7.0 whatever it says; 5.25 reads it)."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    extra = TINY["gpt_oss"][2]
+    config = GptOssConfig(**{**SMALL, **extra})
+    want = float(extra["swiglu_limit"])
+    return float(getattr(config, "swiglu_limit", 7.0)) != want or float(GptOssExperts(config).limit) != want
 
 
 def _args(path, **kwargs) -> EngineArgs:
