@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import gguf
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.constants import GGML_QUANT_SIZES
@@ -252,3 +253,86 @@ def _moe_plan(m: TinyLlama, i: int, arch: str, n: int) -> list:
             ),
         ]
     return plan
+
+
+def write_tiny_gpt_oss(path: Path, hf_model) -> None:  # type: ignore[no-untyped-def]
+    """``hf_model`` (a transformers GptOssForCausalLM whose vocabulary is TINY_VOCAB) as llama.cpp's
+    converter writes it: float32 tensors, each expert stack split into ``ffn_gate_exps`` and ``ffn_up_exps``
+    ([E, I, H], outputs first) and ``ffn_down_exps``, their biases likewise, the sinks as
+    ``attn_sinks.weight``, YaRN's parameters in the metadata."""
+    cfg = hf_model.config
+    src = read_header(default_gguf_path(), keep_arrays=TOKENIZER_ARRAYS)
+    tokens = src.metadata["tokenizer.ggml.tokens"][:TINY_VOCAB]
+    known = set(tokens)
+    merges = [
+        m for m in src.metadata["tokenizer.ggml.merges"] if {*m.split(" ", 1), m.replace(" ", "", 1)} <= known
+    ]
+    assert cfg.vocab_size == len(tokens), "the model's vocabulary is the cut tokenizer's"
+    w = GGUFWriter(str(path), "gpt-oss")
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    rope = cfg.rope_parameters
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(rope["factor"])
+    w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    w.add_sliding_window(cfg.sliding_window)
+    w.add_expert_count(cfg.num_local_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_expert_feed_forward_length(cfg.intermediate_size)
+    w.add_vocab_size(len(tokens))
+    w.add_tokenizer_model(src.metadata["tokenizer.ggml.model"])
+    w.add_tokenizer_pre(src.metadata.get("tokenizer.ggml.pre", "default"))
+    w.add_token_list(tokens)
+    w.add_token_types(src.metadata["tokenizer.ggml.token_type"][: len(tokens)])
+    w.add_token_merges(merges)
+    w.add_bos_token_id(src.metadata["tokenizer.ggml.bos_token_id"])
+    w.add_eos_token_id(src.metadata["tokenizer.ggml.eos_token_id"])
+    names = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    per_layer = {
+        "input_layernorm.weight": "attn_norm.weight",
+        "post_attention_layernorm.weight": "post_attention_norm.weight",
+        "self_attn.sinks": "attn_sinks.weight",
+        "mlp.router.weight": "ffn_gate_inp.weight",
+        "mlp.router.bias": "ffn_gate_inp.bias",
+    }
+    for proj, short in (("q", "q"), ("k", "k"), ("v", "v"), ("o", "output")):
+        for kind in ("weight", "bias"):
+            per_layer[f"self_attn.{proj}_proj.{kind}"] = f"attn_{short}.{kind}"
+    for name, p in hf_model.state_dict().items():
+        value = p.detach().float().numpy()
+        if name in names:
+            w.add_tensor(names[name], value)
+            continue
+        layer, _, rest = name.removeprefix("model.layers.").partition(".")
+        blk = f"blk.{layer}"
+        if rest in per_layer:
+            w.add_tensor(f"{blk}.{per_layer[rest]}", value)
+        elif rest == "mlp.experts.gate_up_proj":  # [E, H, 2I] -> gate and up [E, I, H]
+            rows = value.swapaxes(1, 2)
+            w.add_tensor(f"{blk}.ffn_gate_exps.weight", np.ascontiguousarray(rows[:, ::2]))
+            w.add_tensor(f"{blk}.ffn_up_exps.weight", np.ascontiguousarray(rows[:, 1::2]))
+        elif rest == "mlp.experts.gate_up_proj_bias":
+            w.add_tensor(f"{blk}.ffn_gate_exps.bias", np.ascontiguousarray(value[:, ::2]))
+            w.add_tensor(f"{blk}.ffn_up_exps.bias", np.ascontiguousarray(value[:, 1::2]))
+        elif rest == "mlp.experts.down_proj":  # [E, I, H] -> [E, H, I]
+            w.add_tensor(f"{blk}.ffn_down_exps.weight", np.ascontiguousarray(value.swapaxes(1, 2)))
+        elif rest == "mlp.experts.down_proj_bias":
+            w.add_tensor(f"{blk}.ffn_down_exps.bias", value)
+        else:
+            raise AssertionError(f"no GGUF name for {name}")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

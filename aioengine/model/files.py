@@ -38,7 +38,14 @@ from typing import Any, cast
 import numpy as np
 
 from aioengine.env import cache_dir, hf_offline
-from aioengine.model.gguf_file import GGUFError, GGUFHeader, hf_tensors, num_hf_tensors, read_header
+from aioengine.model.gguf_file import (
+    GGUFError,
+    GGUFHeader,
+    hf_tensors,
+    num_hf_tensors,
+    read_header,
+    write_metadata_view,
+)
 
 __all__ = [
     "GGUFError",
@@ -247,6 +254,11 @@ def _convert_checked(header: GGUFHeader, out: Path) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
         src_dir, fname = str(gguf.parent), gguf.name
+        if header.architecture == "gpt-oss":
+            # transformers reads gpt-oss's rope.scaling keys wrongly (it takes each key's length for its
+            # value): its readers get the metadata without them, and _gpt_oss_config sets YaRN itself
+            src_dir = tempfile.mkdtemp(dir=out)
+            write_metadata_view(gguf, Path(src_dir) / fname, drop=("gpt-oss.rope.scaling.",))
         config = _mixture_config(
             header, AutoConfig.from_pretrained(src_dir, gguf_file=fname, local_files_only=True)
         )
@@ -259,7 +271,12 @@ def _convert_checked(header: GGUFHeader, out: Path) -> None:
         if getattr(config, "tie_word_embeddings", False):
             shapes.pop("lm_head.weight", None)
         del skeleton
-        bar = tqdm(total=num_hf_tensors(shapes), desc=f"converting {fname}", unit="tensor", leave=False)
+        bar = tqdm(
+            total=num_hf_tensors(shapes, header.architecture),
+            desc=f"converting {fname}",
+            unit="tensor",
+            leave=False,
+        )
         with bar:
             _write_shards(hf_tensors(header, shapes, config), out, bar.update)
 
@@ -270,6 +287,8 @@ def _convert_checked(header: GGUFHeader, out: Path) -> None:
         tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=fname, local_files_only=True)
         tokenizer.save_pretrained(out)  # a base model may carry no chat template: chat then says so
         _patch_tokenizer_config(out / "tokenizer_config.json", tokenizer, config)
+        if src_dir != str(gguf.parent):
+            shutil.rmtree(src_dir)
 
 
 SHARD_BYTES = 1 << 30  # a converted checkpoint's shards: the conversion holds one in memory, not the model
@@ -321,6 +340,8 @@ def _mixture_config(header: GGUFHeader, config: Any) -> Any:
     experts = int(meta.get(f"{arch}.expert_count") or 0)
     if not experts:
         return config
+    if arch == "gpt-oss":
+        return _gpt_oss_config(header, config)
     if arch == "llama":
         from transformers import MixtralConfig
 
@@ -334,6 +355,34 @@ def _mixture_config(header: GGUFHeader, config: Any) -> Any:
         config.shared_expert_intermediate_size = int(shared)
     config.norm_topk_prob = arch == "qwen3moe"
     config.decoder_sparse_step, config.mlp_only_layers = 1, []
+    return config
+
+
+def _gpt_oss_config(header: GGUFHeader, config: Any) -> Any:
+    """gpt-oss's fields transformers' GGUF reader leaves out or misreads: the head size, the window, a
+    separate head, the experts' clamp (llama.cpp writes none and uses 7.0, the released models' value) and
+    YaRN without truncation, as the model's own config has it."""
+    meta = header.metadata
+    key_length = meta.get("gpt-oss.attention.key_length")
+    if key_length is not None:
+        config.head_dim = int(key_length)
+    window = meta.get("gpt-oss.attention.sliding_window")
+    if window is not None:  # transformers looks for it under another key
+        config.sliding_window = int(window)
+    config.tie_word_embeddings = "output.weight" not in header.tensors
+    config.swiglu_limit = float(meta.get("gpt-oss.swiglu_clamp_exp") or 7.0)
+    theta = float(meta.get("gpt-oss.rope.freq_base") or _rope_theta(config) or 150000.0)
+    config.rope_parameters = {"rope_type": "default", "rope_theta": theta}
+    if meta.get("gpt-oss.rope.scaling.type") == "yarn":
+        config.rope_parameters = {
+            "rope_type": "yarn",
+            "rope_theta": theta,
+            "factor": float(meta["gpt-oss.rope.scaling.factor"]),
+            "original_max_position_embeddings": int(meta["gpt-oss.rope.scaling.original_context_length"]),
+            "beta_fast": float(meta.get("gpt-oss.rope.scaling.yarn_beta_fast") or 32.0),
+            "beta_slow": float(meta.get("gpt-oss.rope.scaling.yarn_beta_slow") or 1.0),
+            "truncate": False,
+        }
     return config
 
 

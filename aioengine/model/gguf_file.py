@@ -50,10 +50,11 @@ ARCHITECTURES = {
     "gemma3": "Gemma3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
     "qwen2moe": "Qwen2MoeForCausalLM",
+    "gpt-oss": "GptOssForCausalLM",
 }
 # the architectures whose files may hold routed experts (llama: Mixtral's files)
-MIXTURE_ARCHITECTURES = ("qwen3moe", "qwen2moe", "llama")
-SUPPORTED_MIXTURES = "qwen3moe, qwen2moe and llama with experts (Mixtral)"
+MIXTURE_ARCHITECTURES = ("qwen3moe", "qwen2moe", "llama", "gpt-oss")
+SUPPORTED_MIXTURES = "qwen3moe, qwen2moe, gpt-oss and llama with experts (Mixtral)"
 
 # metadata value types: fixed-width ones by struct format; 8 is a string, 9 an array
 _SCALARS = {
@@ -158,6 +159,24 @@ class _Cursor:
         raise GGUFError(
             f"{self.path}: unknown metadata value type {type_id} at byte {self.pos}: corrupt file"
         )
+
+
+def write_metadata_view(path: str | Path, out: str | Path, drop: tuple[str, ...]) -> None:
+    """A GGUF holding ``path``'s metadata alone (no tensors), less the keys that start with one of
+    ``drop``: what transformers' config and tokenizer readers need, without keys they misread."""
+    path = Path(path)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as blob:
+        cur = _Cursor(blob, path)
+        cur.pos = 4
+        version, _, kv_count = cur.take("<I"), cur.take("<Q"), cur.take("<Q")
+        kept = []
+        for _ in range(kv_count):
+            start = cur.pos
+            key = cur.string()
+            cur.value(cur.take("<I"), False)
+            if not key.startswith(drop):
+                kept.append(blob[start : cur.pos])
+    Path(out).write_bytes(GGUF_MAGIC + struct.pack("<IQQ", version, 0, len(kept)) + b"".join(kept))
 
 
 def read_header(path: str | Path, keep_arrays: frozenset[str] = _KEPT_ARRAYS) -> GGUFHeader:
@@ -270,12 +289,16 @@ def _reverse_llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def num_hf_tensors(hf_shapes: dict[str, tuple[int, ...]]) -> int:
-    """How many tensors ``hf_tensors`` yields for these shapes (stacked experts come one per expert)."""
+def num_hf_tensors(hf_shapes: dict[str, tuple[int, ...]], arch: str = "") -> int:
+    """How many tensors ``hf_tensors`` yields for these shapes (stacked experts come one per expert, but
+    gpt-oss's stay stacked)."""
     n = 0
     for name, shape in hf_shapes.items():
         fused = _FUSED_EXPERTS.match(name)
-        n += 1 if fused is None else shape[0] * (2 if fused["proj"] == "gate_up" else 1)
+        if fused is None or arch == "gpt-oss":
+            n += 1
+        else:
+            n += shape[0] * (2 if fused["proj"] == "gate_up" else 1)
     return n
 
 
@@ -292,6 +315,18 @@ def hf_tensors(
     names = get_tensor_name_map(arch_id, config.num_hidden_layers)
     mixtral = getattr(config, "model_type", "") == "mixtral"
     for hf_name, shape in hf_shapes.items():
+        if arch == "gpt-oss" and ".mlp.experts." in hf_name:
+            yield hf_name, _gpt_oss_experts(header, hf_name, tuple(shape))
+            continue
+        if hf_name.endswith(".self_attn.sinks"):  # gpt-oss: a tensor without a .weight in its HF name
+            hf_name_base = names.get_name(hf_name)
+            info = header.tensors.get(f"{hf_name_base}.weight") if hf_name_base else None
+            if info is None or info.shape != tuple(shape):
+                raise GGUFError(
+                    f"{header.path}: tensor {hf_name_base}.weight for {hf_name} is missing or misshapen"
+                )
+            yield hf_name, dequantize(header, info)
+            continue
         fused = _FUSED_EXPERTS.match(hf_name)
         if fused is not None:  # transformers' stacked experts: the file's [E, rows, cols] tensors, per expert
             yield from _experts(header, fused["layer"], fused["proj"], tuple(shape), mixtral)
@@ -323,6 +358,46 @@ def hf_tensors(
 # transformers' skeleton stacks a layer's experts: gate_up_proj [E, 2I, H] and down_proj [E, H, I]
 _FUSED_EXPERTS = re.compile(r"^(?P<layer>model\.layers\.\d+)\.mlp\.experts\.(?P<proj>gate_up|down)_proj$")
 _MIXTRAL_EXPERT = {"gate": "w1", "up": "w3", "down": "w2"}
+# gpt-oss's stacked expert tensors in transformers: gate_up [E, H, 2I] with gate and up columns alternating
+# (its bias [E, 2I] too), down [E, I, H] (its bias [E, H]); llama.cpp splits gate and up, rows = outputs.
+_GPT_OSS_EXPERTS = re.compile(
+    r"^model\.layers\.(?P<bid>\d+)\.mlp\.experts\.(?P<proj>gate_up|down)_proj(?P<bias>_bias)?$"
+)
+
+
+def _gpt_oss_experts(header: GGUFHeader, hf_name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """One of a gpt-oss layer's stacked expert tensors, in transformers' layout, from the file's
+    ``ffn_{gate,up,down}_exps`` weights and biases."""
+    m = _GPT_OSS_EXPERTS.match(hf_name)
+    if m is None:
+        raise GGUFError(f"{header.path}: no GGUF tensor for {hf_name}")
+    suffix = "bias" if m["bias"] else "weight"
+    parts = ("gate", "up") if m["proj"] == "gate_up" else ("down",)
+    arrays = []
+    for part in parts:
+        info = header.tensors.get(f"blk.{m['bid']}.ffn_{part}_exps.{suffix}")
+        if info is None:
+            raise GGUFError(
+                f"{header.path}: tensor blk.{m['bid']}.ffn_{part}_exps.{suffix} ({hf_name}) is missing"
+            )
+        arrays.append(dequantize(header, info))
+    if len(parts) == 2:  # gate and up alternate along the outputs
+        out = np.stack(arrays, axis=-1 if m["bias"] else 2)  # [E, I, 2, H] or [E, I, 2]
+        out = (
+            out.reshape(*arrays[0].shape[:1], -1)
+            if m["bias"]
+            else out.reshape(arrays[0].shape[0], -1, arrays[0].shape[2])
+        )
+    else:
+        out = arrays[0]
+    if not m["bias"]:
+        out = out.swapaxes(1, 2)  # the file's [E, out, in] -> transformers' [E, in, out]
+    if out.shape != shape:
+        raise GGUFError(
+            f"{header.path}: the experts of layer {m['bid']} give {list(out.shape)} for {hf_name}, but the "
+            f"model's config needs {list(shape)}: wrong shape"
+        )
+    return np.ascontiguousarray(out)
 
 
 def _experts(

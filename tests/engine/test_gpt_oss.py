@@ -87,3 +87,29 @@ def test_mxfp4_blocks_without_their_scales_are_refused(tmp_path):
         ValueError, match=r"without their other half.*layers\.1\.mlp\.experts\.down_proj_blocks"
     ):
         asyncio.run(run_engine(tmp_path, [[5, 6, 7]]))
+
+
+def test_a_gguf_in_llama_cpps_layout_keeps_greedy_parity(tmp_path):
+    """gpt-oss from GGUF as llama.cpp's converter writes it (gate and up experts split, biases per part,
+    sinks as attn_sinks.weight, YaRN in the metadata): converted, it keeps greedy parity with transformers.
+    llama.cpp stores no SwiGLU clamp, so the model clamps at the released models' 7.0."""
+    from aioengine.model.files import convert_gguf
+    from tests.engine.conftest import SMALL, TINY, save_tiny
+    from tests.gguf_writer import TINY_VOCAB, write_tiny_gpt_oss
+
+    config_cls, model_cls, extra = TINY["gpt_oss"]
+    torch.manual_seed(0)
+    config = config_cls(**{**SMALL, **extra, "vocab_size": TINY_VOCAB, "swiglu_limit": 7.0})
+    hf = save_tiny(model_cls(config), tmp_path / "hf", tokenizer=False)
+    with torch.no_grad():  # a clamp the random weights reach even at 7.0
+        for layer in hf.model.layers:
+            layer.mlp.experts.gate_up_proj.mul_(3.0)
+    gguf_path = tmp_path / "tiny-gpt-oss.gguf"
+    write_tiny_gpt_oss(gguf_path, hf)
+    folder = convert_gguf(gguf_path, tmp_path / "cache")
+    assert json.loads((folder / "config.json").read_text())["architectures"] == ["GptOssForCausalLM"]
+    rng = torch.Generator().manual_seed(3)
+    ps = [torch.randint(3, TINY_VOCAB, (n,), generator=rng).tolist() for n in (5, 20, 40)]
+    expected = [hf_greedy(hf, p) for p in ps]
+    got, _ = asyncio.run(run_engine(folder, ps, max_num_batched_tokens=32))
+    assert got == expected
