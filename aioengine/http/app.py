@@ -4,9 +4,9 @@ The app runs in the engine's event loop: a request coroutine awaits its own engi
 no second process and no IPC hop. Serve it with `start_server`, which turns on handler cancellation so
 that a client that disconnects aborts its request at once.
 
-Each API family has its package: openai/ (chat, completions, responses, embeddings) and anthropic/
-(messages), generation going through admission.py and chat_output.py; ws.py is the websocket, routes.py the
-rest (models, tokenize, health, metrics, the page); cors.py answers preflights.
+Each API family has its package: openai/ (chat, completions, responses, embeddings), anthropic/
+(messages) and ollama/ (/api/*), generation going through admission.py and chat_output.py; ws.py is the
+websocket, routes.py the rest (models, tokenize, health, metrics, the page); cors.py answers preflights.
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ from aioengine.http.context import (
 )
 from aioengine.http.errors import APIError, api_error
 from aioengine.http.metrics import EngineMetrics
+from aioengine.http.ollama import generate as ollama_generate
+from aioengine.http.ollama import models as ollama_models
 from aioengine.http.openai import embeddings as openai_embeddings
 from aioengine.http.openai import lora as openai_lora
 from aioengine.http.openai.chat import chat_completions
@@ -88,6 +90,13 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None, **kwargs
     r.add_post("/v1/embeddings", openai_embeddings.embeddings)
     r.add_post("/v1/load_lora_adapter", openai_lora.load_lora_adapter)
     r.add_post("/v1/unload_lora_adapter", openai_lora.unload_lora_adapter)
+    r.add_post("/api/generate", ollama_generate.generate)
+    r.add_post("/api/chat", ollama_generate.chat)
+    r.add_post("/api/embed", ollama_models.embed)
+    r.add_post("/api/show", ollama_models.show)
+    r.add_get("/api/tags", ollama_models.tags)
+    r.add_get("/api/ps", ollama_models.ps)
+    r.add_get("/api/version", ollama_models.version)
     r.add_get("/v1/models", routes.list_models)
     r.add_get("/v1/models/{model:.+}", routes.get_model)
     r.add_get("/v1/ws", websocket_handler)
@@ -194,7 +203,7 @@ def _log_finished(out: RequestOutput, state: RequestInfo) -> None:
 
 # ---- middleware: auth and errors ---------------------------------------------------------------------
 def _needs_auth(path: str) -> bool:
-    return path.startswith("/v1/") or path == "/v1" or path in ("/tokenize", "/detokenize")
+    return path.startswith(("/v1/", "/api/")) or path == "/v1" or path in ("/tokenize", "/detokenize")
 
 
 def check_api_key(request: web.Request, key: str) -> None:
@@ -216,7 +225,7 @@ def check_api_key(request: web.Request, key: str) -> None:
 @web.middleware
 async def _middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Auth, then the handler; every error becomes the route family's error JSON (Anthropic's shape on
-    /v1/messages, OpenAI's elsewhere)."""
+    /v1/messages, Ollama's on /api/*, OpenAI's elsewhere)."""
     try:
         answer = cors.preflight(request, request.app[CONFIG].cors)  # before auth: it carries no key
         if answer is not None:
@@ -252,4 +261,6 @@ async def _middleware(request: web.Request, handler: Handler) -> web.StreamRespo
 def _error(request: web.Request, err: APIError) -> web.Response:
     if anthropic_messages.is_messages_path(request.path):
         return anthropic_messages.anthropic_error(err)
+    if request.path.startswith("/api/"):
+        return ollama_generate.ollama_error(err)
     return error_response(err)

@@ -56,6 +56,22 @@ def _schemas(limits: RequestLimits, vocab_size: int, priority: bool) -> JSON:
         "UnloadLoRAAdapterRequest": UNLOAD_LORA_SCHEMA,
         "MessagesRequest": MESSAGES_REQUEST.schema(ctx),
         "MessagesCountTokensRequest": COUNT_TOKENS_REQUEST.schema(ctx),
+        # Ollama's bodies: its fields as Ollama's API documents them (generate: prompt, system, raw; chat:
+        # messages, tools; both: options, format, stream, keep_alive; embed: input, dimensions)
+        "OllamaRequest": {
+            "type": "object",
+            "properties": {
+                "model": _STR,
+                "prompt": _STR,
+                "system": _STR,
+                "raw": {"type": "boolean"},
+                "stream": {"type": "boolean"},
+                "messages": {"type": "array", "items": {"type": "object"}},
+                "options": {"type": "object"},
+                "input": {"anyOf": [_STR, {"type": "array", "items": _STR}]},
+            },
+            "required": ["model"],
+        },
         "Error": error,
     }
 
@@ -91,6 +107,14 @@ def _embeddings_op() -> JSON:
     op = _op("Embeddings of strings or token ids (pooled, unit length)", "EmbeddingRequest")
     op["responses"]["404"] = {"description": "Unknown model"}
     op["responses"]["503"] = {"description": "Queue full (Retry-After), shutting down, or engine dead"}
+    return op
+
+
+def _ollama_op(summary: str) -> JSON:
+    """Ollama's routes (docs/api.md): their bodies follow Ollama's API; errors are ``{"error": ...}``."""
+    op = _op(summary, "OllamaRequest")
+    op["responses"]["200"]["content"]["application/x-ndjson"] = {}
+    op["responses"]["404"] = {"description": "Unknown model"}
     return op
 
 
@@ -159,6 +183,13 @@ def openapi_spec(
             "/openapi.json": {"get": _op("This document", auth=False)},
             "/": {"get": _op("The chat page", ok="text/html", auth=False)},
             "/static/{name}": {"get": static_op},
+            "/api/generate": {"post": _ollama_op("Ollama's generate (JSON or NDJSON stream)")},
+            "/api/chat": {"post": _ollama_op("Ollama's chat (JSON or NDJSON stream)")},
+            "/api/embed": {"post": _ollama_op("Ollama's embeddings (unit vectors)")},
+            "/api/show": {"post": _ollama_op("Ollama's model details")},
+            "/api/tags": {"get": _op("Ollama's list of models")},
+            "/api/ps": {"get": _op("Ollama's list of loaded models")},
+            "/api/version": {"get": _op("Ollama's version route")},
         },
         "components": {
             "schemas": _schemas(limits, vocab_size, priority),

@@ -1,13 +1,13 @@
-"""Streaming for the generation routes: engine deltas merged across requests, token tallies, and the SSE
-stream that aborts whatever is still running when it ends (the client left, the engine died, or done)."""
+"""Streaming for the generation routes: engine deltas merged across requests, token tallies, and the SSE (or
+NDJSON) stream that aborts whatever still runs when it ends (the client left, the engine died, or done)."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from contextlib import aclosing, suppress
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 from aiohttp import web
@@ -20,6 +20,7 @@ from aioengine.outputs import CompletionOutput, RequestOutput
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 JSON = dict[str, Any]
+W = TypeVar("W", "SSEWriter", "NDJSONWriter")
 
 
 async def merged(handles: Sequence[RequestHandle]) -> AsyncGenerator[tuple[int, RequestOutput], None]:
@@ -119,6 +120,22 @@ class SSEWriter:
         await self.resp.write_eof(b"".join(map(self._named, last)))
 
 
+class NDJSONWriter:
+    """Writes one JSON object a line (Ollama's streams); a vanished client raises ConnectionResetError."""
+
+    def __init__(self, resp: web.StreamResponse) -> None:
+        self.resp = resp
+
+    async def send(self, obj: JSON) -> None:
+        await self.resp.write(orjson.dumps(obj) + b"\n")
+
+    async def done(self, *last: JSON) -> None:
+        await self.resp.write_eof(b"".join(orjson.dumps(o) + b"\n" for o in last))
+
+
+NDJSON_HEADERS = {"Content-Type": "application/x-ndjson", "Cache-Control": "no-cache"}
+
+
 async def guarded_sse(
     request: web.Request,
     engine: EngineClient,
@@ -129,13 +146,29 @@ async def guarded_sse(
 ) -> web.StreamResponse:
     """Open the stream, run ``write``; a vanished client ends it quietly, a dead engine gets ``write_error``;
     whatever is still running is aborted at the end, also when the stream never opened."""
+    return await guarded_stream(
+        request, engine, handles, request_id, write, write_error, SSE_HEADERS, SSEWriter
+    )
+
+
+async def guarded_stream(
+    request: web.Request,
+    engine: EngineClient,
+    handles: Sequence[RequestHandle],
+    request_id: str,
+    write: Callable[[W], Awaitable[None]],
+    write_error: Callable[[W, APIError], Awaitable[None]],
+    headers: Mapping[str, str],
+    writer: Callable[[web.StreamResponse], W],
+) -> web.StreamResponse:
+    """guarded_sse for any body format: ``writer`` wraps the response (SSE, NDJSON)."""
     try:
-        resp = web.StreamResponse(headers={**SSE_HEADERS, "X-Request-Id": request_id})
+        resp = web.StreamResponse(headers={**headers, "X-Request-Id": request_id})
         await resp.prepare(request)
     except BaseException:
         await abort_all(engine, handles)
         raise
-    sse = SSEWriter(resp)
+    sse = writer(resp)
     try:
         await write(sse)
     except ConnectionResetError:

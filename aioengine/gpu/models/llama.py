@@ -99,9 +99,9 @@ class LlamaAttention(nn.Module):
         q, k = self.rotary_emb(positions, q, k)
         meta = meta.for_group(self.kv_group)
         self.ops.store_kv(k, v, kv_cache, meta.slot_mapping)
-        out = self.ops.attention(
-            q, kv_cache, meta, self.scaling, window=self.sliding_window, sinks=self.sinks
-        )
+        # only a layer with sinks passes them: an op set without the argument serves every other model
+        sinks = {} if self.sinks is None else {"sinks": self.sinks}
+        out = self.ops.attention(q, kv_cache, meta, self.scaling, window=self.sliding_window, **sinks)
         return self.ops.all_reduce(self.o_proj(out.view(num_tokens, self.q_size)))
 
 

@@ -1,0 +1,1 @@
+"""Ollama's API (/api/*): generate.py (generate, chat), models.py (tags, show, ps, version, embed)."""

@@ -1,0 +1,154 @@
+"""Ollama's model routes: GET /api/tags, /api/ps and /api/version, POST /api/show and /api/embed.
+
+One engine serves one model (and its LoRA adapters), loaded for the server's life: tags and ps list the
+same models, ps with an expiry far ahead. Details come from the model's folder (config.json) where the
+engine names one; a digest is the sha256 of the served name and the path, not of the weights (reading
+gigabytes to answer a listing is not worth it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from aioengine.errors import AioEngineError
+from aioengine.http import admission
+from aioengine.http.context import ENGINE, json_response, model_names
+from aioengine.http.errors import api_error, bad
+from aioengine.http.ollama.generate import served_model
+from aioengine.http.streaming import JSON
+from aioengine.version import __version__
+
+
+def _config(path: str | None) -> JSON:
+    if path is None:
+        return {}
+    try:
+        data = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _size(path: str | None) -> int:
+    if path is None or not os.path.exists(path):
+        return 0
+    if os.path.isfile(path):
+        return os.path.getsize(path)
+    return sum(
+        f.stat().st_size for f in Path(path).iterdir() if f.suffix in (".safetensors", ".gguf", ".bin")
+    )
+
+
+def _details(app: web.Application) -> JSON:
+    path = app[ENGINE].model_path
+    config = _config(path)
+    family = str(config.get("model_type", ""))
+    return {
+        "parent_model": "",
+        "format": "gguf" if path and path.endswith(".gguf") else "safetensors",
+        "family": family,
+        "families": [family] if family else None,
+        "parameter_size": "",
+        "quantization_level": str(config.get("torch_dtype") or config.get("dtype") or ""),
+    }
+
+
+def _entry(app: web.Application, name: str) -> JSON:
+    path = app[ENGINE].model_path
+    modified = os.path.getmtime(path) if path and os.path.exists(path) else time.time()
+    return {
+        "name": name,
+        "model": name,
+        "modified_at": datetime.fromtimestamp(modified, UTC).isoformat(),
+        "size": _size(path),
+        "digest": hashlib.sha256(f"{name}\0{path}".encode()).hexdigest(),
+        "details": _details(app),
+    }
+
+
+async def tags(request: web.Request) -> web.Response:
+    return json_response({"models": [_entry(request.app, n) for n in model_names(request.app)]})
+
+
+async def ps(request: web.Request) -> web.Response:
+    """The loaded models: all of them, for the server's life (an expiry years ahead)."""
+    expires = (datetime.now(UTC) + timedelta(days=365 * 100)).isoformat()
+    models = []
+    for n in model_names(request.app):
+        entry = _entry(request.app, n)
+        models.append({**entry, "expires_at": expires, "size_vram": 0})
+    return json_response({"models": models})
+
+
+async def version(request: web.Request) -> web.Response:
+    return json_response({"version": __version__})
+
+
+async def show(request: web.Request) -> web.Response:
+    data = await admission.read_json(request)
+    if not isinstance(data, dict):
+        raise bad("The request body must be a JSON object.")
+    name = served_model(request.app, data.get("model") or data.get("name"))
+    engine = request.app[ENGINE]
+    config = _config(engine.model_path)
+    template = getattr(engine.tokenizer, "chat_template", None)
+    info: dict[str, Any] = {"general.architecture": config.get("model_type", "")}
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+        if key in config:
+            info[f"{config.get('model_type', 'model')}.{key}"] = config[key]
+    info["context_length"] = engine.max_model_len
+    return json_response(
+        {
+            "modelfile": f"FROM {engine.model_path or name}\n",
+            "parameters": "",
+            "template": template if isinstance(template, str) else "",
+            "details": _details(request.app),
+            "model_info": info,
+            "capabilities": ["completion"],
+            "modified_at": _entry(request.app, name)["modified_at"],
+        }
+    )
+
+
+async def embed(request: web.Request) -> web.Response:
+    """``{"embeddings": [[...]]}`` for a string or a list of them (unit vectors, as Ollama gives)."""
+    app = request.app
+    admission.check_capacity(app)
+    data = await admission.read_json(request)
+    if not isinstance(data, dict):
+        raise bad("The request body must be a JSON object.")
+    model = served_model(app, data.get("model"))
+    inputs = data.get("input")
+    single = isinstance(inputs, str)
+    if single:
+        inputs = [inputs]
+    if not isinstance(inputs, list) or not inputs or not all(isinstance(x, str) and x for x in inputs):
+        raise bad("input must be a non-empty string or a list of them", "input")
+    dims = data.get("dimensions")
+    if dims is not None and (not isinstance(dims, int) or isinstance(dims, bool) or dims < 1):
+        raise bad("dimensions must be a positive integer", "dimensions")
+    started = time.monotonic()
+    rid = admission.request_id(request.headers.get("X-Request-Id"), "ollama-embd")
+    try:
+        outs = await app[ENGINE].embed(inputs, dimensions=dims, request_id=rid)
+    except AioEngineError as e:
+        raise api_error(e) from None
+    outs = outs if isinstance(outs, list) else [outs]
+    return json_response(
+        {
+            "model": model,
+            "embeddings": [list(o.outputs.embedding) for o in outs],
+            "total_duration": int((time.monotonic() - started) * 1e9),
+            "load_duration": 0,
+            "prompt_eval_count": sum(len(o.prompt_token_ids) for o in outs),
+        },
+        headers={"X-Request-Id": rid},
+    )
