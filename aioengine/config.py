@@ -189,6 +189,8 @@ class EngineArgs:
     grammar_compile_timeout_s: float = 10.0
     # vLLM's keys: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n, ...}
     speculative_config: dict[str, Any] | SpeculativeConfig | None = None
+    # vLLM's keys: {"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", ...}
+    kv_events_config: dict[str, Any] | KVEventsConfig | None = None
     # Tensor parallelism: ranks 1..N-1 are processes this engine spawns ("mp") or Ray actors ("ray", for
     # several nodes); the group meets at a TCP store (tcp://host:port; default: torchrun's MASTER_ADDR and
     # MASTER_PORT, else a free local port).
@@ -245,6 +247,7 @@ class EngineArgs:
             )
         self.kernels.validate()
         SpeculativeConfig.from_dict(self.speculative_config)  # raises ValueError naming a bad key or value
+        KVEventsConfig.from_dict(self.kv_events_config)
         self._validate_lora()
 
     def _validate_lora(self) -> None:
@@ -264,6 +267,58 @@ class EngineArgs:
 
     def speculative(self) -> SpeculativeConfig | None:
         return SpeculativeConfig.from_dict(self.speculative_config)
+
+    def kv_events(self) -> KVEventsConfig | None:
+        """The KV-event publisher's config, when it publishes (else None)."""
+        cfg = KVEventsConfig.from_dict(self.kv_events_config)
+        return cfg if cfg is not None and cfg.publishes else None
+
+
+@dataclass(slots=True, frozen=True)
+class KVEventsConfig:
+    """vLLM's ``--kv-events-config``: the prefix cache's changes (BlockStored, BlockRemoved,
+    AllBlocksCleared) published as msgspec-encoded batches on a ZMQ PUB socket, one batch a step, with
+    a ROUTER socket replaying the last ``buffer_steps`` batches from a sequence number."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str = "null"  # "zmq", or "null" (nothing published)
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000  # batches kept for replay
+    hwm: int = 100_000  # the PUB socket's high-water mark: past it ZMQ drops for a slow subscriber
+    max_queue_size: int = 100_000  # batches waiting for the publisher's thread; past it they are dropped
+    topic: str = ""
+
+    @property
+    def publishes(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+    @staticmethod
+    def from_dict(raw: dict[str, Any] | KVEventsConfig | None) -> KVEventsConfig | None:
+        """vLLM's dict (or a KVEventsConfig, or None); a bad key or value raises ValueError naming it."""
+        if raw is None or isinstance(raw, KVEventsConfig):
+            return raw
+        if not isinstance(raw, dict):
+            raise ValueError(f"kv_events_config must be a JSON object, got {type(raw).__name__}")
+        known = {f for f in KVEventsConfig.__dataclass_fields__}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(
+                f"kv_events_config has unknown key {unknown[0]!r}; known keys: {', '.join(sorted(known))}"
+            )
+        cfg = KVEventsConfig(**raw)
+        if cfg.publisher not in ("null", "zmq"):
+            raise ValueError(f"kv_events_config publisher must be zmq or null, got {cfg.publisher!r}")
+        for key in ("buffer_steps", "hwm", "max_queue_size"):
+            value = getattr(cfg, key)
+            if type(value) is not int or value < 1:
+                raise ValueError(f"kv_events_config {key} must be a positive integer, got {value!r}")
+        for key in ("endpoint", "topic"):
+            if not isinstance(getattr(cfg, key), str):
+                raise ValueError(f"kv_events_config {key} must be a string")
+        if not isinstance(cfg.enable_kv_cache_events, bool):
+            raise ValueError("kv_events_config enable_kv_cache_events must be true or false")
+        return cfg
 
 
 @dataclass(slots=True, frozen=True)

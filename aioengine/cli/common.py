@@ -54,6 +54,8 @@ _ENGINE_HELP = {
     "speculative_config": "speculative decoding, as JSON with vLLM's keys: "
     '\'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' '
     'or \'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 3}\'',
+    "kv_events_config": "publish the prefix cache's changes as vLLM's KV events, as JSON with vLLM's keys: "
+    '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", "topic": "kv"}\'',
     "quantization": "CPU weight-only quantization of the linear layers (int4: groups of 32, like GGUF Q4_1)",
     "pooling": "embeddings' pooling (default: the checkpoint's sentence-transformers config, else last)",
     "enable_lora": "serve LoRA adapters beside the base model (--lora-modules)",
@@ -120,7 +122,7 @@ def _field_type(f: dataclasses.Field) -> Callable[[str], Any]:
     ann = str(f.type)
     if f.name.endswith("_bytes"):
         return parse_bytes
-    if f.name == "speculative_config":
+    if f.name in ("speculative_config", "kv_events_config"):
         return _json_object
     if ann.startswith("int"):
         return int

@@ -71,6 +71,7 @@ class AsyncEngine:
         self._stopping = False
         self._structured: Any = None  # StructuredOutputManager, built on a thread during start()
         self._loras = LoRARegistry(self.args.lora_modules if self.args.enable_lora else {})
+        self._kv_events: Any = None  # engine/kv_events.py's publisher, with kv_events_config
         self._structured_build: concurrent.futures.Future | None = None
         self.pooling: str | None = None  # embed()'s, set by start()
         self._pooling_error = "the engine is not started"
@@ -106,6 +107,11 @@ class AsyncEngine:
         except PoolingConfigError as e:
             self.pooling, self._pooling_error = None, str(e)
         self._structured_build = s.structured_build
+        try:
+            self._kv_events = startup.kv_event_publisher(self.args, s.config.device)
+        except BaseException:
+            await asyncio.get_running_loop().run_in_executor(None, s.executor.shutdown)
+            raise
         # What start-up built (torch, transformers, the model's modules) lives as long as the engine:
         # out of the collector's reach, a full collection no longer walks it while requests wait
         # (vLLM does the same).
@@ -155,6 +161,9 @@ class AsyncEngine:
             self._task = None
             _unfreeze_startup_objects()
         self._stopped.set()
+        if self._kv_events is not None:
+            publisher, self._kv_events = self._kv_events, None
+            await asyncio.get_running_loop().run_in_executor(None, publisher.close)
         if self._executor is not None:
             executor, self._executor = self._executor, None
             await asyncio.get_running_loop().run_in_executor(None, executor.shutdown)
@@ -539,6 +548,10 @@ class AsyncEngine:
         outputs = scheduler.update_from_output(scheduler_output, result)  # stop 11
         t1 = time.perf_counter()
         self._outputs.process(outputs, scheduler)  # stop 12: straight to each request's stream
+        if self._kv_events is not None:  # the prefix cache's changes this step, to the publisher's queue
+            self._kv_events.publish(
+                scheduler.kv_cache_manager.block_pool.take_events(), self._loras.names_by_id()
+            )
         host["update"] += t1 - t0
         host["outputs"] += time.perf_counter() - t1
         host["steps"] += 1
@@ -578,6 +591,15 @@ class AsyncEngine:
                 f"a step ran longer than the watchdog limit of {self.args.step_timeout_s} s"
             )
         return output.result()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (vLLM's reset_prefix_cache; KV events: AllBlocksCleared), only while no
+        request holds a block: returns whether it did."""
+        assert self.scheduler is not None, "the engine is not started"
+        done = self.scheduler.kv_cache_manager.block_pool.reset_prefix_cache()
+        if done and self._kv_events is not None:
+            self._kv_events.publish(self.scheduler.kv_cache_manager.block_pool.take_events(), {})
+        return done
 
     def run_on_worker(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
         """Run ``fn(*args)`` on rank 0's worker, after the steps already submitted (e.g. runner stats)."""

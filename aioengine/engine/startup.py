@@ -225,6 +225,7 @@ async def initialize_kv_cache(
             policy=args.scheduling_policy,
             kv_cache_groups=runner.kv_cache_groups,
             speculative=args.speculative(),
+            kv_events=args.kv_events() is not None,
         )
     )
     return capacity, scheduler
@@ -234,3 +235,17 @@ def _import_heavy_modules() -> None:
     from transformers import AutoConfig, AutoTokenizer  # noqa: F401  (resolves the lazy attributes)
 
     import aioengine.gpu.model_runner  # noqa: F401  (torch, the models, the loader)
+
+
+def kv_event_publisher(args: EngineArgs, device: str) -> Any:
+    """The KV-event publisher ``args.kv_events_config`` asks for (engine/kv_events.py), or None."""
+    cfg = args.kv_events()
+    if cfg is None:
+        return None
+    try:
+        from aioengine.engine.kv_events import ZmqEventPublisher
+    except ImportError as e:
+        raise ValueError(
+            f"KV events need pyzmq and msgspec (pip install 'aioengine[kv-events]'): {e}"
+        ) from None
+    return ZmqEventPublisher(cfg, "GPU" if device == "cuda" else "CPU")

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
+from aioengine.sched.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+
 NONE_HASH = 0
 
 
@@ -83,7 +85,8 @@ class FreeKVCacheBlockQueue:
 class BlockPool:
     """Owns every KV block. Block 0 is the null block, never handed out (a placeholder in block tables)."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, record_events: bool = False) -> None:
+        """``record_events``: keep the prefix cache's changes for ``take_events`` (KV events on)."""
         assert num_blocks >= 2, "need at least one usable block besides the null block"
         self.num_blocks = num_blocks
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
@@ -92,6 +95,25 @@ class BlockPool:
         self.cached_block_hash_to_block: dict[tuple[int, int], KVCacheBlock] = {}
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
+        self.events: list[KVEvent] | None = [] if record_events else None
+
+    def take_events(self) -> list[KVEvent]:
+        """The changes since the last call (none when not recording)."""
+        if not self.events:
+            return []
+        out, self.events = self.events, []
+        return out
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash, as vLLM's reset: only while no request holds a block (else False)."""
+        if self.get_num_free_blocks() != self.num_blocks - 1:
+            return False
+        for block in self.blocks:
+            block.block_hash = None
+        self.cached_block_hash_to_block.clear()
+        if self.events is not None:
+            self.events.append(AllBlocksCleared())
+        return True
 
     def get_num_free_blocks(self) -> int:
         return self.free_block_queue.num_free_blocks
@@ -120,6 +142,8 @@ class BlockPool:
             key = (block.block_hash, block.cache_group)
             if self.cached_block_hash_to_block.get(key) is block:
                 del self.cached_block_hash_to_block[key]
+                if self.events is not None:
+                    self.events.append(BlockRemoved([block.block_hash], block.cache_group))
             block.block_hash = None
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -144,8 +168,13 @@ class BlockPool:
         num_cached_blocks: int,
         num_full_blocks: int,
         group: int = 0,
+        token_ids: Sequence[int] = (),
+        block_size: int = 0,
+        lora_id: int | None = None,
     ) -> None:
-        """Publish blocks [num_cached_blocks, num_full_blocks) of a request under their chained hashes."""
+        """Publish blocks [num_cached_blocks, num_full_blocks) of a request under their chained hashes
+        (``token_ids``, ``block_size``, ``lora_id``: the request's, for the events)."""
+        stored: BlockStored | None = None
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
             if block.block_hash is not None or block.is_null:  # a hit (already published), or none held
@@ -153,4 +182,15 @@ class BlockPool:
             h = block_hashes[i]
             block.block_hash, block.cache_group = h, group
             # Keep the first block published under a hash; a duplicate stays private to its request.
-            self.cached_block_hash_to_block.setdefault((h, group), block)
+            if self.cached_block_hash_to_block.setdefault((h, group), block) is not block:
+                continue
+            if self.events is None:
+                continue
+            tokens = list(token_ids[i * block_size : (i + 1) * block_size])
+            if stored is not None and stored.block_hashes[-1] == block_hashes[i - 1]:  # the chain goes on
+                stored.block_hashes.append(h)
+                stored.token_ids += tokens
+                continue
+            parent = block_hashes[i - 1] if i else None
+            stored = BlockStored([h], parent, tokens, block_size, lora_id, group)
+            self.events.append(stored)

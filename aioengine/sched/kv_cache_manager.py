@@ -42,12 +42,14 @@ class KVCacheManager:
         max_model_len: int,
         enable_caching: bool = True,
         groups: tuple[KVCacheGroup, ...] = FULL,
+        kv_events: bool = False,
     ) -> None:
+        """``kv_events``: the block pool records the prefix cache's changes (``block_pool.take_events``)."""
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
         self.groups = groups
-        self.block_pool = BlockPool(num_blocks)
+        self.block_pool = BlockPool(num_blocks, record_events=kv_events and enable_caching)
         self.req_to_blocks: dict[str, GroupBlocks] = {}
         self.num_cached_block: dict[str, list[int]] = {}
         self.prefix_cache_stats = PrefixCacheStats()  # since the last take_prefix_cache_stats()
@@ -204,7 +206,14 @@ class KVCacheManager:
         for g in range(len(self.groups)):
             if num_full > num_cached[g]:
                 self.block_pool.cache_full_blocks(
-                    req_blocks[g], request.block_hashes, num_cached[g], num_full, g
+                    req_blocks[g],
+                    request.block_hashes,
+                    num_cached[g],
+                    num_full,
+                    g,
+                    request.all_token_ids,
+                    self.block_size,
+                    request.lora_id or None,
                 )
                 num_cached[g] = num_full
 

@@ -54,6 +54,7 @@ class SchedulerConfig:
     # ...or within this many times the predicted duration of the step's decodes alone (0: none; with both, the
     # larger limit holds).
     target_itl_ratio: float = 0.0
+    kv_events: bool = False  # the block pool records its changes for the KV-event publisher
 
     def __post_init__(self) -> None:
         assert self.max_num_batched_tokens >= 1 and self.max_num_seqs >= 1 and self.block_size >= 1
@@ -71,6 +72,7 @@ class Scheduler:
             config.max_model_len,
             config.enable_prefix_caching,
             config.kv_cache_groups,
+            config.kv_events,
         )
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(config.policy)
