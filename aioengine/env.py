@@ -61,3 +61,14 @@ def hf_offline() -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def replica_environment(index: int, num_replicas: int) -> dict[str, str]:
+    """The environment of data-parallel replica ``index`` of ``num_replicas``: this one, with its own GPU
+    (CUDA_VISIBLE_DEVICES) when there are at least as many visible ones as replicas."""
+    env = dict(os.environ)
+    gpus = env.get("CUDA_VISIBLE_DEVICES")
+    ids = gpus.split(",") if gpus else []
+    if len(ids) >= num_replicas:
+        env["CUDA_VISIBLE_DEVICES"] = ids[index]
+    return env

@@ -111,6 +111,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --reasoning-parser: structured outputs constrain the think block too (by default only the "
         "answer after it, as vLLM)",
     )
+    srv.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="serve N engine processes (replicas) on this node behind this one port; the cores (or GPUs) are "
+        "split between them",
+    )
+    srv.add_argument(
+        "--data-parallel-routing",
+        choices=["prefix", "round_robin"],
+        default="prefix",
+        help="with --data-parallel-size: send a request to the replica holding its longest prefix (unless "
+        "loads differ too much), or in turn",
+    )
     srv.add_argument("--allow-credentials", action="store_true", help="CORS: allow cookies and credentials")
     srv.add_argument("--log-requests", action="store_true", help="log every request and the access log")
     srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
@@ -141,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_bench(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = argv  # the replicas of --data-parallel-size run the same command line
     if args.command is None:
         parser.print_help()
         return 2
@@ -174,6 +189,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"aioengine serve: {e}", file=sys.stderr)
         return 2
+    if args.data_parallel_size < 1:
+        print("aioengine serve: --data-parallel-size must be at least 1", file=sys.stderr)
+        return 2
+    if args.data_parallel_size > 1:
+        return run_in_loop(_front_main(args))
     from aioengine.http.app import ServerConfig
     from aioengine.http.cors import CorsConfig
     from aioengine.http.schema import RequestLimits
@@ -231,6 +251,46 @@ async def _serve_main(args: argparse.Namespace, engine_args: Any, config: Any) -
         shutdown_timeout=args.shutdown_timeout,
         access_log=args.log_requests,
     )
+
+
+async def _front_main(args: argparse.Namespace) -> int:
+    """--data-parallel-size N: N replicas (this command line each) behind a routing front on host:port."""
+    from aioengine.http.app import bound_port, start_server
+    from aioengine.http.front.proxy import build_front
+    from aioengine.http.front.replicas import ReplicaSet, replica_argv
+    from aioengine.http.front.router import PrefixRouter
+    from aioengine.http.run import install_signal_handlers
+
+    stop = asyncio.Event()
+    install_signal_handlers(stop)
+    n = args.data_parallel_size
+    router = PrefixRouter(n, policy=args.data_parallel_routing)
+    replicas = ReplicaSet(replica_argv(args.argv), n, on_restart=router.forget)
+    starting = asyncio.create_task(replicas.start())
+    stopped = asyncio.create_task(stop.wait())
+    await asyncio.wait((starting, stopped), return_when=asyncio.FIRST_COMPLETED)
+    if not starting.done() or starting.exception() is not None:
+        starting.cancel()
+        await asyncio.gather(starting, return_exceptions=True)
+        error = None if starting.cancelled() else starting.exception()
+        if error is not None:
+            print(f"aioengine serve: {error}", file=sys.stderr)
+        await replicas.stop()
+        return 1 if error is not None else 0
+    try:
+        app = build_front(replicas, router, args.max_request_bytes)
+        runner = await start_server(app, args.host, args.port)
+    except OSError as e:
+        logger.error("cannot listen on %s:%d: %s", args.host, args.port, e)
+        await replicas.stop()
+        return 1
+    logger.info(
+        "Serving %d replicas on http://%s:%d (%s routing)", n, args.host, bound_port(runner), router.policy
+    )
+    await stop.wait()
+    await runner.cleanup()
+    await replicas.stop()
+    return 0
 
 
 def cmd_chat(args: argparse.Namespace) -> int:

@@ -108,7 +108,7 @@ class AsyncEngine:
             self.pooling, self._pooling_error = None, str(e)
         self._structured_build = s.structured_build
         try:
-            self._kv_events = startup.kv_event_publisher(self.args, s.config.device)
+            self._kv_events = startup.kv_event_publisher(self.args, s.backend.kv_event_medium)
         except BaseException:
             await asyncio.get_running_loop().run_in_executor(None, s.executor.shutdown)
             raise

@@ -237,7 +237,7 @@ def _import_heavy_modules() -> None:
     import aioengine.gpu.model_runner  # noqa: F401  (torch, the models, the loader)
 
 
-def kv_event_publisher(args: EngineArgs, device: str) -> Any:
+def kv_event_publisher(args: EngineArgs, medium: str) -> Any:
     """The KV-event publisher ``args.kv_events_config`` asks for (engine/kv_events.py), or None."""
     cfg = args.kv_events()
     if cfg is None:
@@ -248,4 +248,4 @@ def kv_event_publisher(args: EngineArgs, device: str) -> Any:
         raise ValueError(
             f"KV events need pyzmq and msgspec (pip install 'aioengine[kv-events]'): {e}"
         ) from None
-    return ZmqEventPublisher(cfg, "GPU" if device == "cuda" else "CPU")
+    return ZmqEventPublisher(cfg, medium)

@@ -167,6 +167,7 @@ class Backend(ABC):
     ray_bundle: tuple[tuple[str, float], ...] = (("CPU", 1.0),)
     peer_dtype: str = "float32"
     roofline_matmul_n: int = 2048
+    kv_event_medium: str = "CPU"  # where the KV blocks live, as vLLM's KV events name it ("GPU" on CUDA)
 
     def check_tensor_parallel_size(self, size: int) -> None:  # noqa: B027 (a hook: the CPU has no limit)
         """Raise ValueError when this node cannot hold ``size`` ranks of this device."""

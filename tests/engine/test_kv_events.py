@@ -93,6 +93,27 @@ class Subscriber:
         self.ctx.term()
 
 
+def _replay(endpoint: str, start: int) -> list[tuple[int, KVEventBatch]]:
+    """Every buffered batch from sequence ``start``, through the replay socket's protocol."""
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(endpoint)
+    dealer.send_multipart((b"", start.to_bytes(8, "big")))
+    decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+    got = []
+    try:
+        while True:
+            assert dealer.poll(10_000), "no replay answer"
+            _, seq, payload = dealer.recv_multipart()
+            if int.from_bytes(seq, "big", signed=True) == -1:
+                assert payload == b""
+                return got
+            got.append((int.from_bytes(seq, "big"), decoder.decode(payload)))
+    finally:
+        dealer.close()
+        ctx.term()
+
+
 def _apply(cached: set, batch: KVEventBatch, block_size: int) -> None:
     for e in batch.events:
         if isinstance(e, BlockStored):
@@ -133,22 +154,31 @@ def test_a_subscriber_rebuilds_the_cached_blocks_and_replays_what_it_missed(tiny
             pool = engine.scheduler.kv_cache_manager.block_pool
             truth = set(pool.cached_block_hash_to_block)
             await asyncio.sleep(0.5)  # the publisher's thread sends what is queued
+            # A subscriber misses what was sent before its connection (ZMQ's slow joiner): the replay
+            # socket fills the gap, from sequence 0
+            replayed.extend(await asyncio.to_thread(_replay, f"tcp://127.0.0.1:{replay}", 0))
             assert engine.reset_prefix_cache()
             await asyncio.sleep(0.5)
             dropped = engine._kv_events.dropped
             return truth, dropped
 
+    replayed: list[tuple[int, KVEventBatch]] = []
     truth, dropped = asyncio.run(run())
     time.sleep(0.3)
     sub.close()
-    seqs = [s for s, _ in sub.got]
-    assert seqs == list(range(len(seqs))) and dropped == 0
+    live = dict(sub.got)
+    assert live and list(live) == list(range(min(live), max(live) + 1)) and dropped == 0
+    both = dict(replayed) | live
+    assert list(both) == list(range(len(both))) and len(replayed) >= min(live)
+    for seq in set(live) & set(dict(replayed)):  # the same batch either way
+        assert dict(replayed)[seq] == live[seq]
+    batches = [both[s] for s in range(len(both))]
     cached: set = set()
-    for _, batch in sub.got[:-1]:
+    for batch in batches[:-1]:
         _apply(cached, batch, 4)
-    removed = sum(isinstance(e, BlockRemoved) for _, b in sub.got for e in b.events)
+    removed = sum(isinstance(e, BlockRemoved) for b in batches for e in b.events)
     assert removed > 0 and cached == truth and len(truth) > 0  # evictions happened; the set is exact
-    assert [type(e) for e in sub.got[-1][1].events] == [AllBlocksCleared]
+    assert [type(e) for e in batches[-1].events] == [AllBlocksCleared]
 
 
 def test_the_replay_socket_sends_buffered_batches_then_the_end_marker():
@@ -164,21 +194,7 @@ def test_the_replay_socket_sends_buffered_batches_then_the_end_marker():
         deadline = time.monotonic() + 5
         while publisher.published < 5 and time.monotonic() < deadline:
             time.sleep(0.01)
-        ctx = zmq.Context()
-        dealer = ctx.socket(zmq.DEALER)
-        dealer.connect(f"tcp://127.0.0.1:{replay}")
-        dealer.send_multipart((b"", (1).to_bytes(8, "big")))
-        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
-        got = []
-        while True:
-            assert dealer.poll(5000), "no replay answer"
-            _, seq, payload = dealer.recv_multipart()
-            if int.from_bytes(seq, "big", signed=True) == -1:
-                assert payload == b""
-                break
-            got.append((int.from_bytes(seq, "big"), decoder.decode(payload).events[0].block_hashes))
-        dealer.close()
-        ctx.term()
+        got = [(seq, b.events[0].block_hashes) for seq, b in _replay(f"tcp://127.0.0.1:{replay}", 1)]
         assert got == [(2, [102]), (3, [103]), (4, [104])]  # the buffer keeps the last 3; from seq 1 on
     finally:
         publisher.close()

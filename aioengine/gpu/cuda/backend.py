@@ -83,6 +83,7 @@ class CudaOps(Ops):
 
 class CudaBackend(Backend):
     name = "cuda"
+    kv_event_medium = "GPU"
     default_max_num_seqs = 1024
     default_max_num_batched_tokens = 8192
 

@@ -1,0 +1,163 @@
+"""The front's HTTP server: every request forwarded to a replica, its response streamed back byte for
+byte; /metrics gathers the replicas' (each sample labelled with its ``replica``) beside the router's own
+counters; /health is 200 while every replica serves.
+
+A generation request (a POST with a JSON body) goes where PrefixRouter says; anything else to the least
+loaded replica. A replica that dies mid-stream ends that stream with an error event in the stream's own
+format (SSE ``data: {"error": ...}``, or an NDJSON line); before any byte it is a 503. Other streams never
+notice. The front parses nothing but the body's prompt fields, and never touches a model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from aioengine.http.front.replicas import Replica, ReplicaSet
+from aioengine.http.front.router import PrefixRouter, prefix_text
+
+logger = logging.getLogger("aioengine.front")
+
+REPLICAS = web.AppKey("replicas", ReplicaSet)
+ROUTER = web.AppKey("router", PrefixRouter)
+SESSION = web.AppKey("session", aiohttp.ClientSession)
+# Hop-by-hop headers, and the ones aiohttp sets itself for the new message
+_DROP = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive", "upgrade"})
+
+
+def build_front(
+    replicas: ReplicaSet, router: PrefixRouter, client_max_size: int = 32 << 20
+) -> web.Application:
+    app = web.Application(client_max_size=client_max_size)
+    app[REPLICAS], app[ROUTER] = replicas, router
+    app.cleanup_ctx.append(_session)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/health", health)
+    app.router.add_route("*", "/{tail:.*}", forward)
+    return app
+
+
+async def _session(app: web.Application) -> Any:
+    # no total timeout: a stream lasts as long as its generation
+    app[SESSION] = aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=10), auto_decompress=False
+    )
+    yield
+    await app[SESSION].close()
+
+
+def _error(status: int, message: str) -> web.Response:
+    body = {"error": {"message": message, "type": "server_error", "code": status}}
+    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
+
+
+async def forward(request: web.Request) -> web.StreamResponse:
+    replicas, router = request.app[REPLICAS].replicas, request.app[ROUTER]
+    body = await request.read()
+    text = ""
+    if request.method == "POST" and body[:1] == b"{":
+        with contextlib.suppress(ValueError):
+            text = prefix_text(orjson.loads(body))
+    try:
+        d = router.choose(text, [r.load for r in replicas], [r.healthy for r in replicas])
+    except LookupError:
+        return _error(503, "no replica is serving (they are starting or restarting)")
+    r = replicas[d.replica]
+    r.load += 1
+    try:
+        return await _relay(request, r, body, text, router)
+    finally:
+        r.load -= 1
+
+
+async def _relay(
+    request: web.Request, r: Replica, body: bytes, text: str, router: PrefixRouter
+) -> web.StreamResponse:
+    headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROP}
+    url = r.url + request.rel_url.path_qs
+    resp: web.StreamResponse | None = None
+    kind = ""
+    try:
+        async with request.app[SESSION].request(
+            request.method, url, headers=headers, data=body, allow_redirects=False
+        ) as up:
+            out = {k: v for k, v in up.headers.items() if k.lower() not in _DROP}
+            resp = web.StreamResponse(status=up.status, reason=up.reason, headers=out)
+            kind = up.headers.get("Content-Type", "")
+            await resp.prepare(request)
+            async for chunk in up.content.iter_any():
+                await resp.write(chunk)
+            await resp.write_eof()
+            if up.status == 200 and text:
+                router.record(text, r.index)
+            return resp
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        message = f"replica {r.index} failed while serving the request ({type(e).__name__}): retry it"
+        logger.warning("%s %s: %s", request.method, request.path, message)
+        if resp is None or not resp.prepared:
+            return _error(503, message)
+        err = {"error": {"message": message, "type": "engine_dead", "code": 503}}
+        tail = orjson.dumps(err) + b"\n" if "ndjson" in kind else b"data: " + orjson.dumps(err) + b"\n\n"
+        with contextlib.suppress(ConnectionResetError):
+            await resp.write_eof(tail)
+        return resp
+
+
+async def health(request: web.Request) -> web.Response:
+    replicas = request.app[REPLICAS].replicas
+    if all(r.healthy for r in replicas):
+        return web.Response(status=200)
+    states = {str(r.index): "serving" if r.healthy else "down" for r in replicas}
+    return web.Response(
+        status=503,
+        body=orjson.dumps({"error": {"message": "a replica is down", "replicas": states}}),
+        content_type="application/json",
+    )
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """Every replica's samples with a ``replica`` label, then the router's and the replicas' states."""
+    replicas, router, session = request.app[REPLICAS].replicas, request.app[ROUTER], request.app[SESSION]
+
+    async def scrape(r: Replica) -> str:
+        if not r.healthy:
+            return ""
+        try:
+            async with session.get(r.url + "/metrics", timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                return await resp.text() if resp.status == 200 else ""
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return ""
+
+    texts = await asyncio.gather(*(scrape(r) for r in replicas))
+    seen: set[str] = set()
+    lines: list[str] = []
+    for r, text in zip(replicas, texts, strict=True):
+        for line in text.splitlines():
+            if line.startswith("#"):
+                if line not in seen:  # HELP and TYPE once
+                    seen.add(line)
+                    lines.append(line)
+            elif line:
+                lines.append(_labelled(line, r.index))
+    lines += ["# HELP aioengine:router_decisions_total Routing decisions of the data-parallel front"]
+    lines += ["# TYPE aioengine:router_decisions_total counter"]
+    lines += [f'aioengine:router_decisions_total{{decision="{k}"}} {v}' for k, v in router.decisions.items()]
+    lines += ["# TYPE aioengine:replica_up gauge", "# TYPE aioengine:replica_restarts_total counter"]
+    for r in replicas:
+        lines.append(f'aioengine:replica_up{{replica="{r.index}"}} {int(r.healthy)}')
+        lines.append(f'aioengine:replica_restarts_total{{replica="{r.index}"}} {r.restarts}')
+    return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+
+
+def _labelled(sample: str, replica: int) -> str:
+    name, sep, rest = sample.partition("{")
+    if sep:
+        return f'{name}{{replica="{replica}",{rest}'
+    name, _, value = sample.partition(" ")
+    return f'{name}{{replica="{replica}"}} {value}'
