@@ -1,5 +1,6 @@
 """aioengine.cli.bench: `aioengine bench throughput | latency | serve | hf-peer | allreduce | scheduler |
-structured | startup | attention | step-noise | linear-layouts | kv-cache-parity | itl-plot`, as vLLM's."""
+structured | startup | attention | step-noise | linear-layouts | kv-cache-parity | itl-plot | multi-turn`, as
+vLLM's."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ _MODES = (
     "linear-layouts",
     "kv-cache-parity",
     "itl-plot",
+    "multi-turn",
 )
 
 
@@ -57,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
         from aioengine.cli.bench.kv_cache_parity import main as run
     elif mode == "itl-plot":
         from aioengine.cli.bench.itl_plot import main as run
+    elif mode == "multi-turn":
+        from aioengine.cli.bench.multi_turn import main as run
     else:
         from aioengine.cli.bench.serve import main as run
     run(rest)
