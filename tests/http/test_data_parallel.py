@@ -1,8 +1,8 @@
 """`aioengine serve --data-parallel-size 2`: two replicas of the default model behind one port. Prefix-aware
 routing keeps each conversation on the replica holding its prefix (more prefix-cache hits than round robin on
 an interleaved multi-turn workload); a replica SIGKILLed mid-stream ends its stream with an error event while
-the other replica's stream completes, is restarted, and nothing is left running after shutdown. The router's
-rules have unit tests of their own."""
+the other replica's stream completes, is restarted, and nothing is left running after shutdown; the websocket
+passes through. The router's rules have unit tests of their own."""
 
 from __future__ import annotations
 
@@ -160,6 +160,17 @@ async def _multi_turn(url: str) -> tuple[float, float]:
     return hits / queries, float(decisions["prefix_hit"]) / (CONVERSATIONS * TURNS)
 
 
+async def _websocket_through_the_front(url: str) -> None:
+    async with aiohttp.ClientSession() as s, s.ws_connect(url + "/v1/ws") as ws:
+        await ws.send_json({"type": "completion", "id": 1, "body": {"prompt": "Hello", "max_tokens": 4}})
+        kinds = []
+        while not kinds or kinds[-1] != "done":
+            kinds.append((await asyncio.wait_for(ws.receive_json(), 60))["type"])
+        assert kinds[0] == "start" and "delta" in kinds, kinds
+        await ws.send_json({"type": "ping", "id": 2})
+        assert (await asyncio.wait_for(ws.receive_json(), 60))["type"] == "pong"
+
+
 async def _kill_one_mid_stream(url: str, proc: subprocess.Popen) -> None:
     replicas = [p for p in _descendants(proc.pid) if _alive(p)]
     assert len(replicas) >= 2
@@ -200,6 +211,7 @@ def test_prefix_routing_beats_round_robin_and_a_killed_replica_is_replaced():
         rr_rate, rr_share = asyncio.run(_multi_turn(url))
     with front("prefix") as (url, proc):
         prefix_rate, prefix_share = asyncio.run(_multi_turn(url))
+        asyncio.run(_websocket_through_the_front(url))
         asyncio.run(_kill_one_mid_stream(url, proc))
     assert rr_share == 0 and prefix_share > 0.5
     assert prefix_rate > rr_rate + 0.1, (prefix_rate, rr_rate)

@@ -59,6 +59,8 @@ def _error(status: int, message: str) -> web.Response:
 
 async def forward(request: web.Request) -> web.StreamResponse:
     replicas, router = request.app[REPLICAS].replicas, request.app[ROUTER]
+    if request.headers.get("Upgrade", "").lower() == "websocket":
+        return await _websocket(request)
     body = await request.read()
     text = ""
     if request.method == "POST" and body[:1] == b"{":
@@ -107,6 +109,50 @@ async def _relay(
         with contextlib.suppress(ConnectionResetError):
             await resp.write_eof(tail)
         return resp
+
+
+async def _websocket(request: web.Request) -> web.StreamResponse:
+    """A websocket (/v1/ws) joined to one replica's for its life: messages pumped both ways; the replica's
+    close (or death) closes the client's, and the other way round."""
+    replicas, router = request.app[REPLICAS].replicas, request.app[ROUTER]
+    try:
+        d = router.choose("", [r.load for r in replicas], [r.healthy for r in replicas])
+    except LookupError:
+        return _error(503, "no replica is serving (they are starting or restarting)")
+    r = replicas[d.replica]
+    headers = {
+        k: v for k, v in request.headers.items() if k.lower() in ("authorization", "x-api-key", "origin")
+    }
+    try:
+        upstream = await request.app[SESSION].ws_connect(r.url + request.rel_url.path_qs, headers=headers)
+    except aiohttp.WSServerHandshakeError as e:
+        return _error(e.status, e.message or "websocket refused")
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        return _error(503, f"replica {r.index} refused the websocket ({type(e).__name__})")
+    client = web.WebSocketResponse()
+    await client.prepare(request)
+    r.load += 1
+
+    async def pump(src: Any, dst: Any) -> None:
+        async for msg in src:
+            if msg.type == aiohttp.WSMsgType.TEXT:
+                await dst.send_str(msg.data)
+            elif msg.type == aiohttp.WSMsgType.BINARY:
+                await dst.send_bytes(msg.data)
+            else:
+                break
+
+    try:
+        tasks = [asyncio.create_task(pump(client, upstream)), asyncio.create_task(pump(upstream, client))]
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    finally:
+        r.load -= 1
+        await upstream.close()
+        await client.close()
+    return client
 
 
 async def health(request: web.Request) -> web.Response:
