@@ -19,8 +19,11 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from aioengine.http.anthropic.messages import anthropic_error, is_messages_path
+from aioengine.http.errors import APIError
 from aioengine.http.front.replicas import Replica, ReplicaSet
 from aioengine.http.front.router import PrefixRouter, prefix_text
+from aioengine.http.ollama.generate import ollama_error
 
 logger = logging.getLogger("aioengine.front")
 
@@ -52,7 +55,12 @@ async def _session(app: web.Application) -> Any:
     await app[SESSION].close()
 
 
-def _error(status: int, message: str) -> web.Response:
+def _error(status: int, message: str, path: str = "") -> web.Response:
+    """The front's own error, in the route family's shape (Anthropic's, Ollama's, else OpenAI's)."""
+    if is_messages_path(path):
+        return anthropic_error(APIError(status, message))
+    if path.startswith("/api/"):
+        return ollama_error(APIError(status, message))
     body = {"error": {"message": message, "type": "server_error", "code": status}}
     return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
 
@@ -69,7 +77,7 @@ async def forward(request: web.Request) -> web.StreamResponse:
     try:
         d = router.choose(text, [r.load for r in replicas], [r.healthy for r in replicas])
     except LookupError:
-        return _error(503, "no replica is serving (they are starting or restarting)")
+        return _error(503, "no replica is serving (they are starting or restarting)", request.path)
     r = replicas[d.replica]
     r.load += 1
     try:
@@ -103,12 +111,29 @@ async def _relay(
         message = f"replica {r.index} failed while serving the request ({type(e).__name__}): retry it"
         logger.warning("%s %s: %s", request.method, request.path, message)
         if resp is None or not resp.prepared:
-            return _error(503, message)
-        err = {"error": {"message": message, "type": "engine_dead", "code": 503}}
-        tail = orjson.dumps(err) + b"\n" if "ndjson" in kind else b"data: " + orjson.dumps(err) + b"\n\n"
+            return _error(503, message, request.path)
         with contextlib.suppress(ConnectionResetError):
-            await resp.write_eof(tail)
+            await resp.write_eof(_stream_error(request.path, kind, message))
         return resp
+
+
+def _stream_error(path: str, content_type: str, message: str) -> bytes:
+    """The last bytes of a stream whose replica died, in its API's stream format: Ollama's NDJSON line,
+    Anthropic's and the Responses API's named ``error`` event, or chat's ``data:`` error object."""
+    if "ndjson" in content_type:
+        return orjson.dumps({"error": message}) + b"\n"
+    event: dict[str, Any] | None = None
+    if is_messages_path(path):
+        event = {"type": "error", "error": {"type": "overloaded_error", "message": message}}
+    elif path.startswith("/v1/responses"):
+        event = {"type": "error", "code": "engine_dead", "message": message, "param": None}
+    if event is not None:
+        return b"event: error\ndata: " + orjson.dumps(event) + b"\n\n"
+    return (
+        b"data: "
+        + orjson.dumps({"error": {"message": message, "type": "engine_dead", "code": 503}})
+        + b"\n\n"
+    )
 
 
 async def _websocket(request: web.Request) -> web.StreamResponse:
