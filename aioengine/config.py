@@ -201,7 +201,9 @@ class EngineArgs:
     # (generate(lora=...), or the OpenAI "model" field). vLLM's names.
     enable_lora: bool = False
     lora_modules: dict[str, str] = field(default_factory=dict)  # name -> adapter folder
-    max_loras: int = 1  # adapters resident at once (every adapter named here is loaded at start)
+    # adapters that run at once, each in a slot on the device; more may be named: each is read and checked at
+    # start, kept on the host and copied into a slot when a step needs it (the least recently used out)
+    max_loras: int = 1
     max_lora_rank: int = 16
     enable_lora_runtime_updates: bool = False  # load_lora / unload_lora (and their HTTP routes) while serving
     kernels: KernelConfig = field(default_factory=KernelConfig)
@@ -257,11 +259,6 @@ class EngineArgs:
             )
         if (self.lora_modules or self.enable_lora_runtime_updates) and not self.enable_lora:
             raise ValueError("lora_modules and enable_lora_runtime_updates need enable_lora")
-        if len(self.lora_modules or {}) > self.max_loras:
-            raise ValueError(
-                f"{len(self.lora_modules)} LoRA adapters but max_loras is {self.max_loras}: every adapter is "
-                "resident (loading on demand is not supported); raise max_loras"
-            )
         if self.enable_lora and self.tensor_parallel_size > 1:
             raise ValueError("LoRA adapters are not supported with tensor parallelism yet")
 

@@ -226,6 +226,7 @@ async def initialize_kv_cache(
             kv_cache_groups=runner.kv_cache_groups,
             speculative=args.speculative(),
             kv_events=args.kv_events() is not None,
+            max_loras=args.max_loras if args.enable_lora else 0,
         )
     )
     return capacity, scheduler

@@ -93,12 +93,8 @@ class LoRASlots:
     def active(self) -> bool:
         return self.mask is not None
 
-    def load(self, adapter_id: int, adapter: LoRAAdapter) -> None:
-        """Put ``adapter`` in a free slot; raises LoRAError (nothing changed) when none is free or it does
-        not fit the model."""
-        free = sorted(set(range(self.max_loras)) - set(self.slot_of.values()))
-        if not free:
-            raise LoRAError(f"all {self.max_loras} LoRA slots hold adapters (max_loras): unload one first")
+    def check(self, adapter: LoRAAdapter) -> None:
+        """Raise LoRAError unless ``adapter`` fits this model's linears."""
         for (layer, module), (a, b) in adapter.weights.items():
             found = self.linears.get((layer, module))
             if found is None:
@@ -112,6 +108,14 @@ class LoRASlots:
                     f"{list(b.shape)}; the model's {module} maps {adapted.a.shape[-1]} inputs to "
                     f"{adapted.b[p].shape[1]} outputs"
                 )
+
+    def load(self, adapter_id: int, adapter: LoRAAdapter) -> None:
+        """Put ``adapter`` in a free slot; raises LoRAError (nothing changed) when none is free or it does
+        not fit the model."""
+        free = sorted(set(range(self.max_loras)) - set(self.slot_of.values()))
+        if not free:
+            raise LoRAError(f"all {self.max_loras} LoRA slots hold adapters (max_loras): unload one first")
+        self.check(adapter)
         slot = free[0]
         touched: dict[int, _Adapted] = {}  # a fused linear once, however many of its parts are adapted
         for (layer, module), (a, b) in adapter.weights.items():

@@ -24,7 +24,7 @@ from aioengine.gpu.pooler import Pooler
 from aioengine.gpu.sampler import Sampler, SamplerOutput, SamplingMetadata, gather_logprobs
 from aioengine.gpu.states import RequestStates
 from aioengine.kernels.metadata import AttentionMetadata
-from aioengine.model.lora import read_adapter
+from aioengine.model.lora import LoRAAdapter, read_adapter
 from aioengine.sched.kv_cache_spec import group_size, layer_slots
 from aioengine.sched.output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 
@@ -84,6 +84,10 @@ class ModelRunner:
         path = os.fspath(model_path)
         backend.prepare_model(self.model, quantization, path, activations_apart=lora is not None)
         self.lora: LoRASlots | None = None
+        # every registered adapter, read and checked, on the host: a slot takes one when a step needs it
+        self.lora_adapters: dict[int, LoRAAdapter] = {}
+        self.lora_loads = 0  # adapters copied into a slot (on demand, least recently used out)
+        self._lora_used: dict[int, int] = {}  # adapter id -> the last step that ran it
         if lora is not None:  # hooked on the linears as prepared (quantized, on codes)
             modules, max_loras, max_rank = lora
             self.lora = LoRASlots(self.model, self.hf_config, max_loras, max_rank, backend.ops, dtype, device)
@@ -123,13 +127,40 @@ class ModelRunner:
         self.host_s = cast("dict[str, float]", collections.Counter())  # (Counter's stubs: int counts only)
 
     def load_lora(self, adapter_id: int, name: str, path: str) -> None:
-        """Read the adapter at ``path`` into a free slot under ``adapter_id`` (LoRAError: nothing loaded)."""
+        """Read and check the adapter at ``path`` under ``adapter_id`` (LoRAError: nothing registered); it
+        takes a free slot now, or one when a step needs it."""
         assert self.lora is not None, "LoRA is not enabled"
-        self.lora.load(adapter_id, read_adapter(name, path, self.lora.max_rank))
+        adapter = read_adapter(name, path, self.lora.max_rank)
+        self.lora.check(adapter)
+        self.lora_adapters[adapter_id] = adapter
+        if len(self.lora.slot_of) < self.lora.max_loras:
+            self._lora_into_slot(adapter_id)
 
     def unload_lora(self, adapter_id: int) -> None:
         assert self.lora is not None, "LoRA is not enabled"
-        self.lora.unload(adapter_id)
+        del self.lora_adapters[adapter_id]
+        self._lora_used.pop(adapter_id, None)
+        if adapter_id in self.lora.slot_of:
+            self.lora.unload(adapter_id)
+
+    def _lora_into_slot(self, adapter_id: int, keep: frozenset[int] = frozenset()) -> None:
+        """Copy a registered adapter into a slot, emptying the least recently used one not in ``keep`` (the
+        step's own) when none is free: the scheduler never runs more than max_loras adapters at once."""
+        assert self.lora is not None
+        if len(self.lora.slot_of) >= self.lora.max_loras:
+            idle = [i for i in self.lora.slot_of if i not in keep]
+            assert idle, f"a step needs more than {self.lora.max_loras} LoRA adapters (max_loras)"
+            self.lora.unload(min(idle, key=lambda i: self._lora_used.get(i, -1)))
+        self.lora.load(adapter_id, self.lora_adapters[adapter_id])
+        self.lora_loads += 1
+
+    def _loras_for_step(self, token_adapters: np.ndarray) -> None:
+        assert self.lora is not None
+        needed = frozenset(int(i) for i in np.unique(token_adapters) if i)
+        for adapter_id in needed:
+            if adapter_id not in self.lora.slot_of:
+                self._lora_into_slot(adapter_id, keep=needed)
+            self._lora_used[adapter_id] = self.num_steps
 
     @property
     def lora_active(self) -> bool:
@@ -213,6 +244,7 @@ class ModelRunner:
         positions = np.repeat(start - cu[:-1], n) + np.arange(num_tokens)
         rows_tok = rows[tok_req]
         if self.lora is not None:
+            self._loras_for_step(states.lora_id[rows_tok])
             self.lora.set_step(states.lora_id[rows_tok], self.staging.to_device)
         seq_lens = start + n
         known = positions < prefill_len[tok_req]

@@ -55,6 +55,7 @@ class SchedulerConfig:
     # larger limit holds).
     target_itl_ratio: float = 0.0
     kv_events: bool = False  # the block pool records its changes for the KV-event publisher
+    max_loras: int = 0  # LoRA adapters that may run at once (the worker's slots); 0: no limit
 
     def __post_init__(self) -> None:
         assert self.max_num_batched_tokens >= 1 and self.max_num_seqs >= 1 and self.block_size >= 1
@@ -232,10 +233,20 @@ class Scheduler:
         if not preempted:
             skipped: list[Request] = []
             waiting = self.waiting
+            loras = {r.lora_id for r in running if r.lora_id}  # adapters holding the worker's slots
             while len(waiting) and token_budget > 0 and len(running) < cfg.max_num_seqs:
                 request = waiting.peek()
                 if request.num_output_placeholders:
                     # Preempted with a token still in flight: resume once it has arrived.
+                    skipped.append(waiting.pop())
+                    continue
+                if (
+                    cfg.max_loras
+                    and request.lora_id
+                    and request.lora_id not in loras
+                    and len(loras) >= cfg.max_loras
+                ):
+                    # vLLM's rule: no more adapters at once than slots; it waits for one to go idle
                     skipped.append(waiting.pop())
                     continue
                 if request.sampling_params.prompt_logprobs is None and request.pooling in (None, "last"):
@@ -258,6 +269,8 @@ class Scheduler:
                 if request.num_cached_tokens < 0:
                     request.num_cached_tokens = num_hit
                 running.append(request)
+                if request.lora_id:
+                    loras.add(request.lora_id)
                 scheduled_new.append(request)
                 num_scheduled[request.request_id] = need
                 prefill_cap.planned(need, num_hit)

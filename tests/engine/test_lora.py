@@ -141,8 +141,8 @@ def test_an_unknown_adapter_and_malformed_ones_are_refused(lora_model, tmp_path)
     (bad / "adapter_config.json").write_text(json.dumps({**config, "target_modules": ["lm_head", "q_proj"]}))
     with pytest.raises(LoRAError, match=r"target modules \['lm_head'\] are not ones the model has"):
         asyncio.run(start({"bad": str(bad)}, max_lora_rank=16))
-    with pytest.raises(ValueError, match="2 LoRA adapters but max_loras is 1"):
-        EngineArgs(model="x", enable_lora=True, lora_modules={"a": "a", "b": "b"}).validate()
+    with pytest.raises(ValueError, match="max_loras and max_lora_rank must be at least 1"):
+        EngineArgs(model="x", enable_lora=True, lora_modules={"a": "a"}, max_loras=0).validate()
 
 
 def test_the_openai_client_picks_adapters_by_model_name(lora_model):
@@ -211,6 +211,33 @@ def test_the_openai_client_picks_adapters_by_model_name(lora_model):
     asyncio.run(run())
 
 
+def test_more_adapters_than_slots_take_turns_in_them(lora_model):
+    """Three adapters, one slot: the scheduler runs one adapter at a time beside base requests, the worker
+    copies each into the slot when its turn comes (the least recently used out), and every request still
+    equals its merged model."""
+    root, base, merged = lora_model
+    gamma = make_adapter(root / "base", root / "gamma", 4, 8, False, ["o_proj", "up_proj"], seed=7)
+    rng = random.Random(9)
+    prompts = [[rng.randrange(3, 49152) for _ in range(rng.randint(5, 30))] for _ in range(3)]
+    models = {None: base, **merged, "gamma": gamma}
+    cases = [(lora, p) for p in prompts for lora in models]
+    expected = [hf_greedy(models[lora], p) for lora, p in cases]
+    modules = {name: str(root / name) for name in (*ADAPTERS, "gamma")}
+    args = lora_args(root, modules, max_loras=1, max_lora_rank=16, max_num_batched_tokens=64)
+
+    async def run():
+        async with AsyncEngine(args) as engine:
+            params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+            outs = await asyncio.gather(*(engine.generate(p, params, lora=lora) for lora, p in cases))
+            loads = await engine.run_on_worker(lambda: engine.runner.lora_loads)
+            return [o.outputs[0].token_ids for o in outs], loads
+
+    got, loads = asyncio.run(run())
+    for (lora, p), g, e in zip(cases, got, expected, strict=True):
+        assert g == e, (lora, len(p))
+    assert loads >= 3  # each adapter took the one slot at least once (alpha at start, then the others)
+
+
 def test_random_adapters_run_on_the_default_model_with_its_kernels(tmp_path):
     """The bench's random adapters on the default model at the machine's default dtype (bf16 packs the MLP's
     activation into its gate_up GEMM unless LoRA keeps it apart): the adapter's rows change the output, the
@@ -277,10 +304,13 @@ def test_adapters_load_and_unload_while_serving(lora_model):
                     assert (await engine.generate(prompt, params, lora="beta")).outputs[
                         0
                     ].token_ids == expected
-                    full = await post(
+                    # a third adapter in two slots: registered, and given a slot when a step needs it
+                    third = await post(
                         "load_lora_adapter", {"lora_name": "gamma", "lora_path": str(root / "beta")}
                     )
-                    assert full[0] == 400 and "all 2 LoRA slots" in full[1], full
+                    assert third[0] == 200, third
+                    gamma = await engine.generate(prompt, params, lora="gamma")
+                    assert gamma.outputs[0].token_ids == expected
                     taken = await post(
                         "load_lora_adapter", {"lora_name": "alpha", "lora_path": str(root / "beta")}
                     )
