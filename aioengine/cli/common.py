@@ -60,8 +60,8 @@ _ENGINE_HELP = {
     "pooling": "embeddings' pooling (default: the checkpoint's sentence-transformers config, else last)",
     "enable_lora": "serve LoRA adapters beside the base model (--lora-modules)",
     "lora_modules": "LoRA adapters (PEFT folders) as name=path; a request's model field picks one by name",
-    "max_loras": "LoRA adapters that run at once (slots); more may be named: the least recently used leaves its "
-    "slot for one a step needs",
+    "max_loras": "LoRA adapters that run at once (slots); more may be named: the least recently used "
+    "leaves its slot for one a step needs",
     "max_lora_rank": "the largest LoRA rank an adapter may have",
     "enable_lora_runtime_updates": "POST /v1/load_lora_adapter and /v1/unload_lora_adapter add and remove "
     "adapters while serving (behind the API key)",
