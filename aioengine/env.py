@@ -63,12 +63,13 @@ def hf_offline() -> Iterator[None]:
                 os.environ[k] = v
 
 
-def replica_environment(index: int, num_replicas: int) -> dict[str, str]:
-    """The environment of data-parallel replica ``index`` of ``num_replicas``: this one, with its own GPU
-    (CUDA_VISIBLE_DEVICES) when there are at least as many visible ones as replicas."""
+def replica_environment(index: int, num_replicas: int, gpus_per_replica: int = 1) -> dict[str, str]:
+    """The environment of data-parallel replica ``index`` of ``num_replicas``: this one, with its own
+    ``gpus_per_replica`` GPUs (CUDA_VISIBLE_DEVICES) when that many are listed for each replica. Unset, every
+    replica sees every GPU: list them to split them."""
     env = dict(os.environ)
     gpus = env.get("CUDA_VISIBLE_DEVICES")
     ids = gpus.split(",") if gpus else []
-    if len(ids) >= num_replicas:
-        env["CUDA_VISIBLE_DEVICES"] = ids[index]
+    if len(ids) >= num_replicas * gpus_per_replica:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(ids[index * gpus_per_replica : (index + 1) * gpus_per_replica])
     return env

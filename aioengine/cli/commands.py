@@ -265,32 +265,38 @@ async def _front_main(args: argparse.Namespace) -> int:
     install_signal_handlers(stop)
     n = args.data_parallel_size
     router = PrefixRouter(n, policy=args.data_parallel_routing)
-    replicas = ReplicaSet(replica_argv(args.argv), n, on_restart=router.forget)
-    starting = asyncio.create_task(replicas.start())
-    stopped = asyncio.create_task(stop.wait())
-    await asyncio.wait((starting, stopped), return_when=asyncio.FIRST_COMPLETED)
-    if not starting.done() or starting.exception() is not None:
-        starting.cancel()
-        await asyncio.gather(starting, return_exceptions=True)
-        error = None if starting.cancelled() else starting.exception()
-        if error is not None:
-            print(f"aioengine serve: {error}", file=sys.stderr)
-        await replicas.stop()
-        return 1 if error is not None else 0
-    try:
-        app = build_front(replicas, router, args.max_request_bytes)
-        runner = await start_server(app, args.host, args.port)
-    except OSError as e:
-        logger.error("cannot listen on %s:%d: %s", args.host, args.port, e)
-        await replicas.stop()
-        return 1
-    logger.info(
-        "Serving %d replicas on http://%s:%d (%s routing)", n, args.host, bound_port(runner), router.policy
+    replicas = ReplicaSet(
+        replica_argv(args.argv), n, on_restart=router.forget, gpus_per_replica=args.tensor_parallel_size
     )
-    await stop.wait()
-    await runner.cleanup()
-    await replicas.stop()
-    return 0
+    try:  # whatever ends the front (a second signal included) stops the replicas
+        starting = asyncio.create_task(replicas.start())
+        stopped = asyncio.create_task(stop.wait())
+        await asyncio.wait((starting, stopped), return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done() or starting.exception() is not None:
+            starting.cancel()
+            await asyncio.gather(starting, return_exceptions=True)
+            error = None if starting.cancelled() else starting.exception()
+            if error is not None:
+                print(f"aioengine serve: {error}", file=sys.stderr)
+            return 1 if error is not None else 0
+        try:
+            app = build_front(replicas, router, args.max_request_bytes)
+            runner = await start_server(app, args.host, args.port)
+        except OSError as e:
+            logger.error("cannot listen on %s:%d: %s", args.host, args.port, e)
+            return 1
+        logger.info(
+            "Serving %d replicas on http://%s:%d (%s routing)",
+            n,
+            args.host,
+            bound_port(runner),
+            router.policy,
+        )
+        await stop.wait()
+        await runner.cleanup()
+        return 0
+    finally:
+        await replicas.stop()
 
 
 def cmd_chat(args: argparse.Namespace) -> int:

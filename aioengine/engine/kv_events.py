@@ -15,6 +15,7 @@ subscriber that does not keep up.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -96,6 +97,7 @@ class ZmqEventPublisher:
         self.config, self.medium = config, medium
         self.dropped = 0  # batches the queue had no room for
         self.published = 0
+        self._dead = False  # the thread stopped on an error
         self._queue: queue.Queue[KVEventBatch | None] = queue.Queue(config.max_queue_size)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self._ctx = zmq.Context()
@@ -120,6 +122,9 @@ class ZmqEventPublisher:
         """Queue one step's events (nothing for none); never waits."""
         if not events:
             return
+        if self._dead:
+            self.dropped += 1
+            return
         batch = KVEventBatch(time.time(), [to_wire(e, self.medium, lora_names) for e in events])
         try:
             self._queue.put_nowait(batch)
@@ -127,9 +132,14 @@ class ZmqEventPublisher:
             self.dropped += 1
 
     def close(self) -> None:
-        """Send what is queued, then stop the thread and close the sockets."""
-        self._queue.put(None)
+        """Send what is queued, then stop the thread and close the sockets (the thread's own, once it is
+        done: a socket is never used by two threads)."""
+        with contextlib.suppress(queue.Full):
+            self._queue.put(None, timeout=5.0)
         self._thread.join(timeout=10.0)
+        if self._thread.is_alive():
+            logger.warning("the KV-event publisher did not stop within 10 s; its sockets are left open")
+            return
         self._close_sockets()
 
     def _close_sockets(self) -> None:
@@ -139,6 +149,13 @@ class ZmqEventPublisher:
         self._ctx.term()
 
     def _serve(self) -> None:
+        try:
+            self._publish_loop()
+        except Exception:  # the step never depends on it: log, and drop what comes (publish still counts)
+            logger.exception("the KV-event publisher stopped")
+            self._dead = True
+
+    def _publish_loop(self) -> None:
         encoder = msgspec.msgpack.Encoder()
         seq = 0
         while True:

@@ -133,6 +133,8 @@ def _harmony(req: ChatRequest) -> None:
             "thinking_token_budget is not supported with --reasoning-parser openai_gptoss",
             "thinking_token_budget",
         )
+    if req.tools is not None:  # harmony's calls (commentary to=functions.*) are not parsed into tool_calls
+        raise bad("tools are not supported with --reasoning-parser openai_gptoss yet", "tools")
     req.params.skip_special_tokens = False
 
 

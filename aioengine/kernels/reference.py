@@ -26,6 +26,9 @@ from aioengine.kernels.metadata import AttentionMetadata
 _HAS_ENABLE_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
 
 
+_SINK_SCORES = 1 << 26  # scores (entries) one slice of the sinks path computes at once: 256 MB in float32
+
+
 def _attend(
     q: torch.Tensor,
     key: torch.Tensor,
@@ -47,15 +50,25 @@ def _attend(
     if q.shape[-3] != key.shape[-3]:
         rep = q.shape[-3] // key.shape[-3]
         key, value = key.repeat_interleave(rep, -3), value.repeat_interleave(rep, -3)
-    scores = torch.matmul(q, key.transpose(-1, -2)) * scale
     if is_causal:
-        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    combined = torch.cat([scores, sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)], dim=-1)
-    combined = combined - combined.max(dim=-1, keepdim=True).values
-    probs = torch.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1]
-    return torch.matmul(probs.to(value.dtype), value)
+        mask = torch.ones(q.shape[-2], key.shape[-2], dtype=torch.bool, device=q.device).tril()
+    rows = q.shape[-2]
+    # a long chunk's score matrix, and its copies, one slice of query rows at a time
+    step = max(1, _SINK_SCORES // max(1, q[..., :1, :1].numel() * key.shape[-2]))
+    out = []
+    for r0 in range(0, rows, step):
+        m = mask
+        if m is not None and m.shape[-2] == rows:
+            m = m[..., r0 : r0 + step, :]
+        sk = sinks[..., r0 : r0 + step, :] if sinks.shape[-2] == rows and rows > 1 else sinks
+        scores = torch.matmul(q[..., r0 : r0 + step, :], key.transpose(-1, -2)) * scale
+        if m is not None:
+            scores = scores.masked_fill(~m, float("-inf"))
+        combined = torch.cat([scores, sk.to(scores.dtype).expand(*scores.shape[:-1], 1)], dim=-1)
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        probs = torch.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1]
+        out.append(torch.matmul(probs.to(value.dtype), value))
+    return out[0] if len(out) == 1 else torch.cat(out, dim=-2)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import re
 import signal
@@ -20,7 +21,7 @@ from collections.abc import Iterator
 import aiohttp
 import pytest
 
-from aioengine.http.front.replicas import replica_argv
+from aioengine.http.front.replicas import replica_argv, replica_kv_events
 from aioengine.http.front.router import PrefixRouter, prefix_text
 
 
@@ -55,18 +56,13 @@ def test_the_router_follows_prefixes_falls_back_on_load_and_forgets_a_restarted_
 
 
 def test_replicas_get_the_command_line_less_the_fronts_flags():
-    argv = [
-        "serve",
-        "m",
-        "--data-parallel-size",
-        "2",
-        "--port=9",
-        "--host",
-        "0.0.0.0",
-        "--max-model-len",
-        "64",
-    ]
-    assert replica_argv(argv) == ["serve", "m", "--max-model-len", "64"]
+    argv = ["serve", "m", "--data-parallel-s", "2", "--port=9", "--host", "0.0.0.0", "--max-model-len", "64"]
+    assert replica_argv(argv) == ["serve", "m", "--max-model-len", "64", "--data-parallel-size", "1"]
+    cfg = '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557"}'
+    moved = replica_kv_events(["serve", "--kv-events-config", cfg], 2)
+    assert json.loads(moved[2])["endpoint"] == "tcp://*:5559"  # vLLM's rule: the port plus the rank
+    same = ["serve", f"--kv-events-config={cfg}"]
+    assert json.loads(replica_kv_events(same, 0)[1].partition("=")[2]) == json.loads(cfg)
 
 
 def _descendants(pid: int) -> list[int]:

@@ -148,6 +148,11 @@ def test_what_harmony_cannot_serve_gets_the_routes_400():
 
     engine = HarmonyEngine()
     schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    ((s0, body0),) = _run(
+        engine, ("/v1/chat/completions", {"model": "fake", "messages": ASK, "tools": [tool]})
+    )
+    assert s0 == 400 and "tools are not supported" in body0  # harmony's calls are not parsed yet
     (s1, body1), (s2, body2), (s3, body3) = _run(
         engine,
         ("/v1/chat/completions", {"model": "fake", "messages": ASK, "response_format": schema}),

@@ -483,3 +483,19 @@ def test_sliding_window_attention_matches_reference_and_dense(batch, block_size,
             poisoned[:, int(meta.block_table[i, b])] = float("nan")
     out = OPS.attention(query, poisoned, meta, scale, window=window)
     torch.testing.assert_close(out, want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("slice_scores", [1 << 26, 16], ids=["whole", "row-slices"])
+def test_sinks_match_the_float64_reference_whole_or_in_row_slices(monkeypatch, window, slice_scores):
+    """gpt-oss's sinks through the torch path (every backend sends such layers there), decodes and prompt
+    chunks, with the score matrix computed whole or a few query rows at a time (a long prompt's)."""
+    monkeypatch.setattr(reference, "_SINK_SCORES", slice_scores)
+    query, kv_cache, meta, _ = _setup(BATCHES[0], 4, 3)
+    sinks = torch.randn(query.shape[1], generator=torch.Generator().manual_seed(3)) * 2
+    scale = HEAD_SIZE**-0.5
+    out = OPS.attention(query, kv_cache, meta, scale, window=window, sinks=sinks)
+    ref = paged_attention_reference(query, kv_cache, meta, scale, window=window, sinks=sinks)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+    plain = paged_attention_reference(query, kv_cache, meta, scale, window=window)
+    assert not torch.allclose(out, plain, atol=1e-3)  # the sinks moved the output

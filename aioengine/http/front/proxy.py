@@ -79,16 +79,16 @@ async def forward(request: web.Request) -> web.StreamResponse:
     except LookupError:
         return _error(503, "no replica is serving (they are starting or restarting)", request.path)
     r = replicas[d.replica]
+    if text:  # taken as held from now on, as SGLang's router does: a burst sharing a prefix follows it
+        router.record(text, r.index)
     r.load += 1
     try:
-        return await _relay(request, r, body, text, router)
+        return await _relay(request, r, body)
     finally:
         r.load -= 1
 
 
-async def _relay(
-    request: web.Request, r: Replica, body: bytes, text: str, router: PrefixRouter
-) -> web.StreamResponse:
+async def _relay(request: web.Request, r: Replica, body: bytes) -> web.StreamResponse:
     headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROP}
     url = r.url + request.rel_url.path_qs
     resp: web.StreamResponse | None = None
@@ -104,8 +104,6 @@ async def _relay(
             async for chunk in up.content.iter_any():
                 await resp.write(chunk)
             await resp.write_eof()
-            if up.status == 200 and text:
-                router.record(text, r.index)
             return resp
     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
         message = f"replica {r.index} failed while serving the request ({type(e).__name__}): retry it"
@@ -155,7 +153,6 @@ async def _websocket(request: web.Request) -> web.StreamResponse:
     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
         return _error(503, f"replica {r.index} refused the websocket ({type(e).__name__})")
     client = web.WebSocketResponse()
-    await client.prepare(request)
     r.load += 1
 
     async def pump(src: Any, dst: Any) -> None:
@@ -168,6 +165,7 @@ async def _websocket(request: web.Request) -> web.StreamResponse:
                 break
 
     try:
+        await client.prepare(request)
         tasks = [asyncio.create_task(pump(client, upstream)), asyncio.create_task(pump(upstream, client))]
         await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         for t in tasks:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import json
 import logging
 import os
 import signal
@@ -41,24 +43,58 @@ class Replica:
         return f"http://127.0.0.1:{self.port}"
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL when the front dies (Linux's PR_SET_PDEATHSIG; elsewhere nothing)."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 
+_FRONT_FLAGS = ("--data-parallel-size", "--data-parallel-routing", "--host", "--port")
+
+
 def replica_argv(argv: list[str]) -> list[str]:
-    """The serve command line less the front's own flags (data parallelism, host, port)."""
+    """The serve command line less the front's own flags (data parallelism, host, port; argparse's
+    abbreviations of them too), ending with ``--data-parallel-size 1`` (the last value wins, so a replica
+    never starts a front of its own)."""
     out, skip = [], False
     for a in argv:
         if skip:
             skip = False
             continue
         name = a.split("=", 1)[0]
-        if name in ("--data-parallel-size", "--data-parallel-routing", "--host", "--port"):
+        if len(name) > 3 and any(flag.startswith(name) for flag in _FRONT_FLAGS):
             skip = "=" not in a
             continue
         out.append(a)
+    return [*out, "--data-parallel-size", "1"]
+
+
+def replica_kv_events(argv: list[str], index: int) -> list[str]:
+    """``argv`` with its --kv-events-config endpoints' TCP ports moved up by ``index`` (vLLM's rule for
+    data-parallel ranks), so the replicas do not bind the same sockets."""
+    out = list(argv)
+    for i, a in enumerate(out):
+        name, eq, value = a.partition("=")
+        if name != "--kv-events-config":
+            continue
+        at, raw = (i, value) if eq else (i + 1, out[i + 1] if i + 1 < len(out) else "")
+        try:
+            cfg = json.loads(raw)
+        except ValueError:
+            return out  # the replica reports the bad value itself
+        for key in ("endpoint", "replay_endpoint"):
+            ep = cfg.get(key) if isinstance(cfg, dict) else None
+            if isinstance(ep, str) and ep.startswith("tcp://") and ep.rsplit(":", 1)[-1].isdigit():
+                host, port = ep.rsplit(":", 1)
+                cfg[key] = f"{host}:{int(port) + index}"
+        out[at] = f"--kv-events-config={json.dumps(cfg)}" if eq else json.dumps(cfg)
     return out
 
 
@@ -69,6 +105,7 @@ class ReplicaSet:
         num_replicas: int,
         on_restart: Callable[[int], None] = lambda r: None,
         startup_timeout_s: float = 900.0,
+        gpus_per_replica: int = 1,
     ) -> None:
         """``argv``: the serve command line for every replica (replica_argv's); ``on_restart(i)``: replica
         i came back with an empty cache."""
@@ -76,6 +113,7 @@ class ReplicaSet:
         self.replicas = [Replica(i) for i in range(num_replicas)]
         self.on_restart = on_restart
         self.startup_timeout_s = startup_timeout_s
+        self.gpus_per_replica = gpus_per_replica  # its tensor-parallel size
         self.stopping = False
         self._session: aiohttp.ClientSession | None = None
 
@@ -95,10 +133,14 @@ class ReplicaSet:
     async def _spawn(self, r: Replica) -> None:
         r.port = _free_port()
         r.healthy = False
-        cmd = [sys.executable, "-m", "aioengine", *self.argv, *self._threads()]  # argv: "serve", ...
+        argv = replica_kv_events(self.argv, r.index)  # argv: "serve", ...
+        cmd = [sys.executable, "-m", "aioengine", *argv, *self._threads()]
         cmd += ["--host", "127.0.0.1", "--port", str(r.port)]
+        env = replica_environment(r.index, len(self.replicas), self.gpus_per_replica)
+        # its own session (a terminal's Ctrl-C reaches the front alone, which stops it), and killed with
+        # the front should the front die without stopping it
         r.proc = await asyncio.create_subprocess_exec(
-            *cmd, env=replica_environment(r.index, len(self.replicas)), start_new_session=True
+            *cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent
         )
         logger.info("replica %d: pid %d on port %d", r.index, r.proc.pid, r.port)
 
@@ -117,23 +159,30 @@ class ReplicaSet:
         raise RuntimeError(f"replica {r.index} did not start within {self.startup_timeout_s:.0f} s")
 
     async def _watch(self, r: Replica) -> None:
-        """Restart ``r`` whenever it exits (its in-flight streams end with an error at the front)."""
+        """Restart ``r`` whenever it exits (its in-flight streams end with an error at the front), waiting
+        longer after each restart that did not come up (0.5 s doubling to a minute)."""
+        backoff = 0.5
         while not self.stopping:
             assert r.proc is not None
             rc = await r.proc.wait()
             r.healthy = False
             if self.stopping:
                 return
-            logger.error("replica %d exited with code %s: restarting it", r.index, rc)
+            logger.error("replica %d exited with code %s: restarting it in %.1f s", r.index, rc, backoff)
             r.restarts += 1
             self.on_restart(r.index)
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(backoff)
             try:
                 await self._spawn(r)
                 await self._until_healthy(r)
             except (RuntimeError, OSError) as e:
                 logger.error("replica %d: %s", r.index, e)
+                backoff = min(backoff * 2, 60.0)
+                if r.proc is not None and r.proc.returncode is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        r.proc.kill()  # never came up: the loop waits for it and tries again
             else:
+                backoff = 0.5
                 logger.info("replica %d is serving again", r.index)
 
     async def stop(self, timeout_s: float = 30.0) -> None:

@@ -75,7 +75,9 @@ def _object(data: Any) -> JSON:
         raise bad("The request body must be a JSON object.")
     for key, why in (("images", "images"), ("suffix", "suffix (fill-in-the-middle)"), ("context", "context")):
         if data.get(key):
-            more = "; send the conversation to /api/chat" if key == "context" else ""
+            more = (
+                " (Ollama has deprecated it); send the conversation to /api/chat" if key == "context" else ""
+            )
             raise bad(f"{why} is not supported{more}", key)
     return data
 
@@ -125,7 +127,10 @@ def _chat_body(data: JSON, model: str) -> JSON:
         turn: JSON = {"role": m["role"], "content": m.get("content") or ""}
         calls = m.get("tool_calls")
         well_formed = isinstance(calls, list) and all(
-            isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls
+            isinstance(c, dict)
+            and isinstance(c.get("function"), dict)
+            and isinstance(c["function"].get("name", ""), str)
+            for c in calls
         )
         if calls is not None and not well_formed:
             raise bad(
@@ -194,9 +199,9 @@ def _stats(out: RequestOutput | None, started: float) -> JSON:
     total = int((time.monotonic() - started) * ns)
     if out is None:
         return {"total_duration": total, "load_duration": 0}
-    m = out.metrics
-    first, end = m.get("first_token"), m.get("finished")
-    arrival = m.get("arrival", started)
+    m = out.metrics  # the engine's monotonic times: arrival and first token (the end is now)
+    first, end = m.get("first_token_time"), time.monotonic()
+    arrival = m.get("arrival_time") or started
     prompt_ns = int((first - arrival) * ns) if first is not None else 0
     eval_ns = int((end - first) * ns) if first is not None and end is not None else 0
     return {
@@ -271,8 +276,6 @@ async def _run(request: web.Request, chat: bool) -> web.StreamResponse:
         if parsed.reasoning is not None:
             reply["thinking"] = parsed.reasoning
     reply |= {"done": True, "done_reason": _DONE_REASONS.get(c.finish_reason or "stop", "stop")}
-    if not chat:
-        reply["context"] = [*out.prompt_token_ids, *c.token_ids]
     reply |= _stats(out, started)
     return json_response(reply, headers={"X-Request-Id": rid})
 
@@ -324,8 +327,6 @@ async def _stream(
             end["message"]["tool_calls"] = _calls(parser.tool_calls)
         finish = last.outputs[0].finish_reason if last is not None else None
         end |= {"done": True, "done_reason": _DONE_REASONS.get(finish or "stop", "stop")}
-        if not chat:
-            end["context"] = [*prompt_ids, *token_ids]
         if last is not None:
             last.prompt_token_ids = prompt_ids
             last.outputs[0].token_ids = token_ids

@@ -20,9 +20,10 @@ from aiohttp import web
 
 from aioengine.errors import AioEngineError
 from aioengine.http import admission
-from aioengine.http.context import ENGINE, json_response, model_names
+from aioengine.http.context import CONFIG, ENGINE, json_response, model_names
 from aioengine.http.errors import api_error, bad
 from aioengine.http.ollama.generate import served_model
+from aioengine.http.parsing import parse_prompt
 from aioengine.http.streaming import JSON
 from aioengine.version import __version__
 
@@ -127,11 +128,11 @@ async def embed(request: web.Request) -> web.Response:
         raise bad("The request body must be a JSON object.")
     model = served_model(app, data.get("model"))
     inputs = data.get("input")
-    single = isinstance(inputs, str)
-    if single:
+    if isinstance(inputs, str):
         inputs = [inputs]
     if not isinstance(inputs, list) or not inputs or not all(isinstance(x, str) and x for x in inputs):
         raise bad("input must be a non-empty string or a list of them", "input")
+    inputs = parse_prompt(inputs, app[CONFIG].limits, "input")  # /v1/embeddings' limits on count and size
     dims = data.get("dimensions")
     if dims is not None and (not isinstance(dims, int) or isinstance(dims, bool) or dims < 1):
         raise bad("dimensions must be a positive integer", "dimensions")
