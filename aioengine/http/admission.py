@@ -123,6 +123,12 @@ async def admit_body(
 def _harmony(req: ChatRequest) -> None:
     """gpt-oss's harmony markup is special tokens, decoded for the parser; the think-block tools (a
     thinking budget, a grammar that starts after the block) do not know its channels."""
+    if req.tools is not None and req.tools.choice in ("required", "named"):
+        # forcing a call constrains the whole output, harmony's markup included
+        raise bad(
+            "tool_choice required or a named function is not supported with --reasoning-parser openai_gptoss",
+            "tool_choice",
+        )
     if req.params.structured_outputs is not None:
         raise bad(
             "structured outputs are not supported with --reasoning-parser openai_gptoss",
@@ -133,8 +139,6 @@ def _harmony(req: ChatRequest) -> None:
             "thinking_token_budget is not supported with --reasoning-parser openai_gptoss",
             "thinking_token_budget",
         )
-    if req.tools is not None:  # harmony's calls (commentary to=functions.*) are not parsed into tool_calls
-        raise bad("tools are not supported with --reasoning-parser openai_gptoss yet", "tools")
     req.params.skip_special_tokens = False
 
 

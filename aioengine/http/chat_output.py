@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from aioengine.http.reasoning import make_parser
-from aioengine.http.tools import StreamParser, ToolSpec
+from aioengine.http.reasoning import HarmonyParser, make_parser
+from aioengine.http.tools import StreamParser, ToolSpec, new_call_id
 
 
 @dataclass(slots=True)
@@ -70,6 +70,7 @@ class ChatOutputParser:
         self._reasoning: list[str] = []
         self._content: list[str] = []
         self._calls: list[dict] = []
+        self._harmony_called = False
 
     @property
     def tool_calls(self) -> list[dict]:
@@ -96,6 +97,8 @@ class ChatOutputParser:
         if self.calls is not None:
             last, self.finish_reason = self.calls.finish(finish_reason)
             events += self._chat_events(last)
+        if self._harmony_called and self.finish_reason == "stop":
+            self.finish_reason = "tool_calls"
         self.finished = True
         return events
 
@@ -117,6 +120,12 @@ class ChatOutputParser:
             if thought:
                 self._reasoning.append(thought)
                 events.append(Reasoning(thought))
+            if isinstance(self.thinker, HarmonyParser):  # gpt-oss's calls come whole, from its own markup
+                for name, arguments in self.thinker.take_calls():
+                    fn = {"name": name, "arguments": arguments}
+                    call = {"index": len(self._calls), "id": new_call_id(), "function": fn}
+                    events += self._chat_events({"tool_calls": [call]})
+                    self._harmony_called = True
         self.answer_delta = text
         if self.calls is None:
             if text:

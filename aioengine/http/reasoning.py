@@ -10,11 +10,14 @@ split never depends on how the text was cut into deltas.
 openai_gptoss (vLLM's name): gpt-oss writes OpenAI's harmony format, its special tokens kept in the text
 (the chat route decodes them for this parser): messages ``<|channel|>NAME<|message|>BODY`` ended by
 ``<|end|>``, ``<|return|>`` or ``<|call|>``, each after the first opened by ``<|start|>assistant``. The
-analysis channel is reasoning; the final and commentary channels are the answer; the markup is dropped.
+analysis channel is reasoning; the final and commentary channels are the answer; the markup is dropped; a
+message to ``functions.NAME`` is a call of NAME with its body as the arguments.
 Output that does not open with a harmony marker is all answer.
 """
 
 from __future__ import annotations
+
+import re
 
 from aioengine.sampling_params import REASONING_PARSERS as PARSERS
 from aioengine.sampling_params import THINK_END as END
@@ -22,6 +25,7 @@ from aioengine.sampling_params import THINK_START as START
 
 HARMONY = "openai_gptoss"
 _MESSAGE, _ENDS = "<|message|>", ("<|end|>", "<|return|>", "<|call|>")
+_RECIPIENT = re.compile(r"to=functions\.([A-Za-z0-9_.\-]+)")
 
 
 def _held(text: str, tag: str) -> int:
@@ -79,7 +83,8 @@ class ReasoningParser:
 
 
 class HarmonyParser:
-    """The openai_gptoss split, with ReasoningParser's interface."""
+    """The openai_gptoss split, with ReasoningParser's interface; a message addressed ``to=functions.NAME``
+    is a tool call: its body (the arguments) is held and handed out whole by ``take_calls``."""
 
     def __init__(self) -> None:
         self.text = ""
@@ -87,6 +92,13 @@ class HarmonyParser:
         self.channel = ""
         self.start = 0
         self.reasoned = False  # an analysis message has opened
+        self.call: str | None = None  # the function the open message calls
+        self._args = ""
+        self._calls: list[tuple[str, str]] = []  # (name, arguments) not yet taken
+
+    def take_calls(self) -> list[tuple[str, str]]:
+        out, self._calls = self._calls, []
+        return out
 
     def feed(self, piece: str, final: bool = False) -> tuple[str, str]:
         self.text += piece
@@ -110,6 +122,8 @@ class HarmonyParser:
                 header = rest[:at]
                 channel = header.rpartition("<|channel|>")[2].split("<|", 1)[0].split()
                 self.channel = channel[0] if channel else ""
+                recipient = _RECIPIENT.search(header)
+                self.call = recipient.group(1) if recipient else None
                 self.reasoned |= self.channel == "analysis"
                 self.start += at + len(_MESSAGE)
                 self.mode = "body"
@@ -122,7 +136,12 @@ class HarmonyParser:
                 keep = 0 if final else max(_held(rest, end) for end in _ENDS)
                 body = rest[: len(rest) - keep]
                 self.start += len(body)
-            if self.channel == "analysis":
+            if self.call is not None:
+                self._args += body
+                if ends or final:  # a call cut short is handed out as far as it came
+                    self._calls.append((self.call, self._args))
+                    self.call, self._args = None, ""
+            elif self.channel == "analysis":
                 reasoning += body
             else:
                 content += body

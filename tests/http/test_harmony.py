@@ -22,7 +22,12 @@ HARMONY = (
     "<|channel|>analysis<|message|>The user wants the capital. It is Paris.<|end|>"
     "<|start|>assistant<|channel|>final<|message|>The capital is <b>Paris</b>."
 )
-MARKERS = ("<|channel|>", "<|message|>", "<|end|>", "<|start|>", "<|return|>")
+MARKERS = ("<|channel|>", "<|message|>", "<|end|>", "<|start|>", "<|return|>", "<|call|>", "<|constrain|>")
+CALL = (
+    "<|channel|>analysis<|message|>The user wants the weather: call the tool.<|end|>"
+    "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+    '{"city": "Paris"}<|call|>'
+)
 TEXTS = {
     HARMONY: ("The user wants the capital. It is Paris.", "The capital is <b>Paris</b>."),
     HARMONY + "<|return|>": ("The user wants the capital. It is Paris.", "The capital is <b>Paris</b>."),
@@ -78,16 +83,17 @@ class HarmonyEngine(FakeEngine):
     """Writes HARMONY in small pieces; its special tokens are text only when the request keeps them (as
     a tokenizer's decode does); records each request's sampling params."""
 
-    def __init__(self) -> None:
+    def __init__(self, script: str = HARMONY) -> None:
         super().__init__()
         self.tokenizer = ChatTokenizer(self.vocab_size)
         self.seen: list = []
+        self.script = script
 
     def chat(
         self, messages, sampling_params=None, request_id=None, priority=0, chat_template_kwargs=None, **kw
     ):
         self.seen.append(sampling_params)
-        text = HARMONY
+        text = self.script
         if sampling_params.skip_special_tokens:
             for marker in MARKERS:
                 text = text.replace(marker, "")
@@ -149,10 +155,9 @@ def test_what_harmony_cannot_serve_gets_the_routes_400():
     engine = HarmonyEngine()
     schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-    ((s0, body0),) = _run(
-        engine, ("/v1/chat/completions", {"model": "fake", "messages": ASK, "tools": [tool]})
-    )
-    assert s0 == 400 and "tools are not supported" in body0  # harmony's calls are not parsed yet
+    forced = {"model": "fake", "messages": ASK, "tools": [tool], "tool_choice": "required"}
+    ((s0, body0),) = _run(engine, ("/v1/chat/completions", forced))
+    assert s0 == 400 and orjson.loads(body0)["error"]["param"] == "tool_choice"  # a grammar over the markup
     (s1, body1), (s2, body2), (s3, body3) = _run(
         engine,
         ("/v1/chat/completions", {"model": "fake", "messages": ASK, "response_format": schema}),
@@ -172,3 +177,34 @@ def test_what_harmony_cannot_serve_gets_the_routes_400():
     assert orjson.loads(body2)["error"]["param"] == "thinking_token_budget"
     assert orjson.loads(body3)["type"] == "error"  # Anthropic's shape
     assert engine.seen == []
+
+
+def test_a_call_to_functions_comes_back_as_tool_calls_in_chat_and_messages():
+    import orjson
+
+    tool = {
+        "type": "function",
+        "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {}}}},
+    }
+    chat = {"model": "fake", "messages": ASK, "tools": [tool]}
+    anthropic_tool = {"name": "get_weather", "input_schema": {"type": "object"}}
+    msgs = {"model": "fake", "max_tokens": 64, "messages": ASK, "tools": [anthropic_tool]}
+    (s1, whole), (s2, streamed), (s3, message) = _run(
+        HarmonyEngine(CALL),
+        ("/v1/chat/completions", chat),
+        ("/v1/chat/completions", chat | {"stream": True}),
+        ("/v1/messages", msgs),
+    )
+    assert (s1, s2, s3) == (200, 200, 200), (whole, streamed, message)
+    choice = orjson.loads(whole)["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assert choice["message"]["reasoning_content"] == "The user wants the weather: call the tool."
+    chunks = [orjson.loads(line[6:]) for line in streamed.splitlines() if line.startswith("data: {")]
+    calls = [c for ch in chunks for x in ch["choices"] for c in x["delta"].get("tool_calls", [])]
+    assert [c["function"]["name"] for c in calls] == ["get_weather"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    blocks = orjson.loads(message)["content"]
+    assert [b["type"] for b in blocks] == ["thinking", "tool_use"] and blocks[1]["input"] == {"city": "Paris"}
+    assert orjson.loads(message)["stop_reason"] == "tool_use"
