@@ -61,6 +61,7 @@ __all__ = [
     "bound_port",
     "build_app",
     "check_api_key",
+    "route_error",
     "start_server",
 ]
 
@@ -259,8 +260,13 @@ async def _middleware(request: web.Request, handler: Handler) -> web.StreamRespo
 
 
 def _error(request: web.Request, err: APIError) -> web.Response:
-    if anthropic_messages.is_messages_path(request.path):
+    return route_error(request.path, err)
+
+
+def route_error(path: str, err: APIError) -> web.Response:
+    """``err`` as the error JSON of the API family ``path`` belongs to (the data-parallel front's too)."""
+    if anthropic_messages.is_messages_path(path):
         return anthropic_messages.anthropic_error(err)
-    if request.path.startswith("/api/"):
+    if path.startswith("/api/"):
         return ollama_generate.ollama_error(err)
     return error_response(err)

@@ -179,6 +179,15 @@ def template_tool_calls(calls: list[dict]) -> list[dict]:
     return out
 
 
+def call_arguments(call: dict) -> Any:
+    """A chat call's arguments (a JSON string) parsed, for the APIs that give them as an object (Anthropic's
+    input, Ollama's arguments); ``{}`` where they do not parse (a call cut short)."""
+    try:
+        return json.loads(call["function"]["arguments"] or "{}")
+    except ValueError:
+        return {}
+
+
 def new_call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -21,6 +20,7 @@ from aioengine.config import KernelConfig
 from aioengine.http.app import ServerConfig, bound_port, build_app, start_server
 from aioengine.http.run import serve_engine
 from tests.http.fake_engine import FakeEngine
+from tests.processes import wait_for_port
 
 GRACE_S = (
     5.0  # shutdown_timeout: how long a stopping server waits for live requests and aiohttp for connections
@@ -279,15 +279,7 @@ def test_serve_subprocess_sigterm_exits_0():
     )
     lines: list[str] = []
     try:
-        port = None
-        deadline = time.monotonic() + 120
-        while port is None and time.monotonic() < deadline:
-            line = proc.stderr.readline()
-            if not line:
-                break
-            lines.append(line)
-            m = re.search(r"Serving tiny on http://127\.0\.0\.1:(\d+)", line)
-            port = int(m.group(1)) if m else None
+        port = wait_for_port(proc, r"Serving tiny on http://127\.0\.0\.1:(\d+)", 120, lines)
         assert port, "".join(lines)
 
         async def traffic():

@@ -15,20 +15,9 @@ import time
 import aiohttp
 import pytest
 
+from tests.processes import alive, children, wait_for_port
+
 pytestmark = pytest.mark.timeout(300)
-
-
-def _children(pid: int) -> list[int]:
-    with open(f"/proc/{pid}/task/{pid}/children") as f:
-        return [int(x) for x in f.read().split()]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[-1][0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="reads the process tree from /proc")
@@ -43,17 +32,9 @@ def test_serve_tp2_answers_then_a_killed_rank_gives_errors_503_and_a_nonzero_exi
     )
     lines: list[str] = []
     try:
-        port = None
-        deadline = time.monotonic() + 180
-        while port is None and time.monotonic() < deadline:
-            line = proc.stderr.readline()
-            if not line:
-                break
-            lines.append(line)
-            m = re.search(r"on http://127\.0\.0\.1:(\d+)", line)
-            port = int(m.group(1)) if m else None
+        port = wait_for_port(proc, r"on http://127\.0\.0\.1:(\d+)", 180, lines)
         assert port, "".join(lines)
-        (rank1,) = _children(proc.pid)
+        (rank1,) = children(proc.pid)
 
         async def traffic() -> tuple[str, int]:
             url = f"http://127.0.0.1:{port}"
@@ -91,7 +72,7 @@ def test_serve_tp2_answers_then_a_killed_rank_gives_errors_503_and_a_nonzero_exi
             proc.wait()
     out = "".join(lines) + proc.stderr.read()
     assert rc != 0, out
-    assert not _alive(rank1)
+    assert not alive(rank1)
 
 
 def _serve_tiny(path) -> tuple[subprocess.Popen, int, list[str]]:
@@ -104,14 +85,8 @@ def _serve_tiny(path) -> tuple[subprocess.Popen, int, list[str]]:
         text=True,
     )
     lines: list[str] = []
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        line = proc.stderr.readline()
-        if not line:
-            break
-        lines.append(line)
-        if re.search(r"on http://127\.0\.0\.1:(\d+)", line):
-            return proc, _children(proc.pid)[0], lines
+    if wait_for_port(proc, r"on http://127\.0\.0\.1:(\d+)", 120, lines):
+        return proc, children(proc.pid)[0], lines
     proc.kill()
     raise AssertionError("".join(lines))
 
@@ -123,15 +98,15 @@ def test_sigterm_reaps_the_ranks_and_a_killed_parent_takes_them_along(tiny_check
     try:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0, "".join(lines) + proc.stderr.read()
-        assert not _alive(rank1)
+        assert not alive(rank1)
         # SIGKILL leaves no handler to run: rank 1 sees its stdin close and leaves by itself
         proc, rank1, lines = _serve_tiny(path)
         proc.kill()
         proc.wait(30)
         deadline = time.monotonic() + 10
-        while _alive(rank1) and time.monotonic() < deadline:
+        while alive(rank1) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not _alive(rank1)
+        assert not alive(rank1)
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -23,6 +23,7 @@ import pytest
 
 from aioengine.http.front.replicas import replica_argv, replica_kv_events
 from aioengine.http.front.router import PrefixRouter, prefix_text
+from tests.processes import alive, wait_for_port
 
 
 def test_prefix_text_of_a_conversation_extends_its_previous_turn():
@@ -78,14 +79,6 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[-1][0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 @contextlib.contextmanager
 def front(policy: str) -> Iterator[tuple[str, subprocess.Popen]]:
     proc = subprocess.Popen(
@@ -99,15 +92,7 @@ def front(policy: str) -> Iterator[tuple[str, subprocess.Popen]]:
     lines: list[str] = []
     everyone: list[int] = []
     try:
-        port = None
-        deadline = time.monotonic() + 240
-        while port is None and time.monotonic() < deadline:
-            line = proc.stderr.readline()
-            if not line:
-                break
-            lines.append(line)
-            m = re.search(r"Serving 2 replicas on http://127\.0\.0\.1:(\d+)", line)
-            port = int(m.group(1)) if m else None
+        port = wait_for_port(proc, r"Serving 2 replicas on http://127\.0\.0\.1:(\d+)", 240, lines)
         assert port, "".join(lines[-30:])
         # keep reading: the replicas share this pipe, and a full one would stop them
         threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()
@@ -122,7 +107,7 @@ def front(policy: str) -> Iterator[tuple[str, subprocess.Popen]]:
             if proc.poll() is None:
                 proc.kill()
         time.sleep(0.5)
-        assert not [p for p in everyone if _alive(p)], "a replica outlived the front"
+        assert not [p for p in everyone if alive(p)], "a replica outlived the front"
 
 
 CONVERSATIONS, TURNS = 7, 3  # odd: round robin moves a conversation between the two replicas each turn
@@ -168,7 +153,7 @@ async def _websocket_through_the_front(url: str) -> None:
 
 
 async def _kill_one_mid_stream(url: str, proc: subprocess.Popen) -> None:
-    replicas = [p for p in _descendants(proc.pid) if _alive(p)]
+    replicas = [p for p in _descendants(proc.pid) if alive(p)]
     assert len(replicas) >= 2
     async with aiohttp.ClientSession() as s:
         long = {"prompt": "Once upon a time", "max_tokens": 300, "ignore_eos": True, "stream": True}

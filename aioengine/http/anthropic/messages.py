@@ -28,6 +28,7 @@ from aioengine.http.parsing import ChatRequest
 from aioengine.http.schema import SchemaContext
 from aioengine.http.shapes import Array, Either, Obj, Shape, Tagged, Unsupported, Value
 from aioengine.http.streaming import JSON, SSEWriter, Tally, guarded_sse, merged
+from aioengine.http.tools import call_arguments
 from aioengine.outputs import CompletionOutput
 
 # Anthropic's error types by HTTP status (https://docs.anthropic.com/en/api/errors).
@@ -313,11 +314,12 @@ def _blocks_of(
 
 
 def _tool_use(call: dict) -> JSON:
-    try:
-        args = json.loads(call["function"]["arguments"] or "{}")
-    except ValueError:
-        args = {}
-    return {"type": "tool_use", "id": _tool_id(call["id"]), "name": call["function"]["name"], "input": args}
+    return {
+        "type": "tool_use",
+        "id": _tool_id(call["id"]),
+        "name": call["function"]["name"],
+        "input": call_arguments(call),
+    }
 
 
 def _tool_id(call_id: str) -> str:

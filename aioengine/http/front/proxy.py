@@ -19,11 +19,11 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from aioengine.http.anthropic.messages import anthropic_error, is_messages_path
+from aioengine.http.anthropic.messages import is_messages_path
+from aioengine.http.app import route_error
 from aioengine.http.errors import APIError
 from aioengine.http.front.replicas import Replica, ReplicaSet
 from aioengine.http.front.router import PrefixRouter, prefix_text
-from aioengine.http.ollama.generate import ollama_error
 
 logger = logging.getLogger("aioengine.front")
 
@@ -57,12 +57,7 @@ async def _session(app: web.Application) -> Any:
 
 def _error(status: int, message: str, path: str = "") -> web.Response:
     """The front's own error, in the route family's shape (Anthropic's, Ollama's, else OpenAI's)."""
-    if is_messages_path(path):
-        return anthropic_error(APIError(status, message))
-    if path.startswith("/api/"):
-        return ollama_error(APIError(status, message))
-    body = {"error": {"message": message, "type": "server_error", "code": status}}
-    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
+    return route_error(path, APIError(status, message))
 
 
 async def forward(request: web.Request) -> web.StreamResponse:

@@ -26,7 +26,8 @@ from aioengine.http.errors import APIError, bad
 from aioengine.http.openai.chat import parse_chat_request
 from aioengine.http.openai.completions import parse_completion_request
 from aioengine.http.parsing import ChatRequest, CompletionRequest
-from aioengine.http.streaming import JSON, NDJSON_HEADERS, NDJSONWriter, guarded_stream, merged
+from aioengine.http.streaming import JSON, NDJSON_HEADERS, NDJSONWriter, Tally, guarded_stream, merged
+from aioengine.http.tools import call_arguments
 from aioengine.outputs import RequestOutput
 
 # Ollama's options -> the OpenAI body's fields (vLLM's extras for the penalties and min_p)
@@ -193,36 +194,28 @@ def _load_reply(model: str, chat: bool) -> JSON:
     return reply
 
 
-def _stats(out: RequestOutput | None, started: float) -> JSON:
-    """The last line's counts and durations (nanoseconds; the queue's wait counts as prompt time)."""
+def _stats(metrics: dict, tally: Tally, started: float) -> JSON:
+    """The last line's counts and durations (nanoseconds; the queue's wait counts as prompt time), from the
+    engine's monotonic times (arrival, first token; the end is now)."""
     ns = 1_000_000_000
-    total = int((time.monotonic() - started) * ns)
-    if out is None:
-        return {"total_duration": total, "load_duration": 0}
-    m = out.metrics  # the engine's monotonic times: arrival and first token (the end is now)
-    first, end = m.get("first_token_time"), time.monotonic()
-    arrival = m.get("arrival_time") or started
-    prompt_ns = int((first - arrival) * ns) if first is not None else 0
-    eval_ns = int((end - first) * ns) if first is not None and end is not None else 0
+    now = time.monotonic()
+    first = metrics.get("first_token_time")
+    arrival = metrics.get("arrival_time") or started
     return {
-        "total_duration": total,
+        "total_duration": int((now - started) * ns),
         "load_duration": 0,
-        "prompt_eval_count": len(out.prompt_token_ids),
-        "prompt_eval_duration": max(prompt_ns, 0),
-        "eval_count": out.num_generated_tokens,
-        "eval_duration": max(eval_ns, 0),
+        "prompt_eval_count": sum(tally.prompt_tokens),
+        "prompt_eval_duration": max(int((first - arrival) * ns), 0) if first is not None else 0,
+        "eval_count": tally.completion_tokens,
+        "eval_duration": max(int((now - first) * ns), 0) if first is not None else 0,
     }
 
 
 def _calls(parsed_calls: list[dict]) -> list[JSON]:
-    out = []
-    for call in parsed_calls:
-        try:
-            args = json.loads(call["function"]["arguments"] or "{}")
-        except ValueError:
-            args = {}
-        out.append({"function": {"name": call["function"]["name"], "arguments": args}})
-    return out
+    """Chat's calls in Ollama's shape: the arguments an object."""
+    return [
+        {"function": {"name": c["function"]["name"], "arguments": call_arguments(c)}} for c in parsed_calls
+    ]
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
@@ -276,7 +269,7 @@ async def _run(request: web.Request, chat: bool) -> web.StreamResponse:
         if parsed.reasoning is not None:
             reply["thinking"] = parsed.reasoning
     reply |= {"done": True, "done_reason": _DONE_REASONS.get(c.finish_reason or "stop", "stop")}
-    reply |= _stats(out, started)
+    reply |= _stats(out.metrics, Tally.of([out]), started)
     return json_response(reply, headers={"X-Request-Id": rid})
 
 
@@ -307,14 +300,12 @@ async def _stream(
 
     async def write(nd: NDJSONWriter) -> None:
         last: RequestOutput | None = None
-        prompt_ids: list[int] = []
-        token_ids: list[int] = []
+        tally = Tally([0], [0])
         async with aclosing(merged([handle])) as deltas:
-            async for _, out in deltas:
+            async for i, out in deltas:
                 last = out
-                prompt_ids = out.prompt_token_ids or prompt_ids
+                tally.add(i, out)
                 c = out.outputs[0]
-                token_ids += c.token_ids
                 events = parser.feed(c.text)
                 if c.finish_reason:
                     events += parser.finish(c.finish_reason)
@@ -327,10 +318,7 @@ async def _stream(
             end["message"]["tool_calls"] = _calls(parser.tool_calls)
         finish = last.outputs[0].finish_reason if last is not None else None
         end |= {"done": True, "done_reason": _DONE_REASONS.get(finish or "stop", "stop")}
-        if last is not None:
-            last.prompt_token_ids = prompt_ids
-            last.outputs[0].token_ids = token_ids
-        await nd.done(end | _stats(last, started))
+        await nd.done(end | _stats(last.metrics if last is not None else {}, tally, started))
 
     async def write_error(nd: NDJSONWriter, err: APIError) -> None:
         await nd.done({"error": err.message})
