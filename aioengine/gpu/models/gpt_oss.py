@@ -9,10 +9,9 @@ from typing import Any, cast
 
 import torch
 from torch import nn
-from torch.nn.utils import skip_init
 
 from aioengine.gpu.backend import Ops
-from aioengine.gpu.models.moe import Experts, FusedMoE, Router, _MoEForCausalLM, _Stacked
+from aioengine.gpu.models.moe import Experts, FusedMoE, _MoEForCausalLM, _Stacked
 from aioengine.kernels.reference_moe import clamped_swiglu, select_topk_softmax
 from aioengine.model.mxfp4 import dequantize_mxfp4
 
@@ -36,42 +35,29 @@ class GptOssExperts(Experts):
         self.alpha, self.limit = alpha, limit
 
     def mlp(self, e: int, rows: torch.Tensor) -> torch.Tensor:
-        # transformers' order: the product, then the bias
+        # transformers' order: each product, then its bias (quantized linears carry none)
         if self.linears is not None:
             gate_up = self.linears[2 * e](rows) + self.b13[e]
-            return cast(
-                torch.Tensor, self.linears[2 * e + 1](clamped_swiglu(gate_up, self.alpha, self.limit))
-            )
+            down = self.linears[2 * e + 1](clamped_swiglu(gate_up, self.alpha, self.limit))
+            return cast(torch.Tensor, down) + self.b2[e]
         assert self.w13 is not None and self.w2 is not None  # stacked until quantized
         gate_up = rows @ self.w13.weight[e].t() + self.b13[e]
         return clamped_swiglu(gate_up, self.alpha, self.limit) @ self.w2.weight[e].t() + self.b2[e]
-
-    def quantize(self, make: Any) -> int:
-        n = super().quantize(make)
-        # the down bias joins after the quantized product (the linears carry none)
-        for e in range(self.num_experts):
-            self.linears[2 * e + 1].register_forward_hook(  # type: ignore[index]
-                lambda _m, _i, out, e=e: out + self.b2[e]
-            )
-        return n
 
 
 class GptOssMoE(FusedMoE):
     """A router with a bias, top-k of its logits softmaxed (no renormalisation), and GptOssExperts."""
 
     def __init__(self, config: Any, dtype: torch.dtype, device: Any, ops: Ops) -> None:
-        nn.Module.__init__(self)
         hidden, inter = int(config.hidden_size), int(config.intermediate_size)
-        self.num_experts, self.top_k = int(config.num_local_experts), int(config.num_experts_per_tok)
-        assert 0 < self.top_k <= self.num_experts, f"top-{self.top_k} of {self.num_experts} experts"
-        self.renormalize = False
-        self.expert_parameters = self.num_experts * (3 * hidden * inter + 2 * inter + hidden)
-        self.gate = skip_init(Router, hidden, self.num_experts, bias=True, dtype=dtype, device=device)
+        n, top_k = int(config.num_local_experts), int(config.num_experts_per_tok)
         alpha = float(getattr(config, "swiglu_alpha", None) or 1.702)
         limit = float(getattr(config, "swiglu_limit", None) or 7.0)
-        self.experts = GptOssExperts(self.num_experts, hidden, inter, alpha, limit, dtype, device)
-        self.ops = ops
-        self.shared_expert = self.shared_expert_gate = None
+        experts = GptOssExperts(n, hidden, inter, alpha, limit, dtype, device)
+        super().__init__(
+            hidden, inter, n, top_k, False, dtype, device, ops, experts=experts, router_bias=True
+        )
+        self.expert_parameters += n * (2 * inter + hidden)  # the experts' biases
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = select_topk_softmax(self.gate(x), self.top_k)

@@ -75,20 +75,26 @@ class FusedMoE(nn.Module):
         dtype: torch.dtype,
         device: Any,
         ops: Ops,
+        experts: Experts | None = None,
+        router_bias: bool = False,
     ) -> None:
+        """``experts``: a model's own kind (gpt-oss's, with biases); by default SwiGLU experts stacked from
+        the checkpoint's per-expert tensors."""
         super().__init__()
         assert 0 < top_k <= num_experts, f"top-{top_k} of {num_experts} experts"
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.expert_parameters = num_experts * 3 * hidden * intermediate
-        self.gate = skip_init(Router, hidden, num_experts, bias=False, dtype=dtype, device=device)
-        e_range = range(num_experts)
-        gate_up = {f"{e}.gate_proj": (e, 0, intermediate) for e in e_range}
-        gate_up |= {f"{e}.up_proj": (e, intermediate, intermediate) for e in e_range}
-        down = {f"{e}.down_proj": (e, 0, hidden) for e in e_range}
-        self.experts = Experts(
-            _Stacked((num_experts, 2 * intermediate, hidden), gate_up, dtype, device),
-            _Stacked((num_experts, hidden, intermediate), down, dtype, device),
-        )
+        self.gate = skip_init(Router, hidden, num_experts, bias=router_bias, dtype=dtype, device=device)
+        if experts is None:
+            e_range = range(num_experts)
+            gate_up = {f"{e}.gate_proj": (e, 0, intermediate) for e in e_range}
+            gate_up |= {f"{e}.up_proj": (e, intermediate, intermediate) for e in e_range}
+            down = {f"{e}.down_proj": (e, 0, hidden) for e in e_range}
+            experts = Experts(
+                _Stacked((num_experts, 2 * intermediate, hidden), gate_up, dtype, device),
+                _Stacked((num_experts, hidden, intermediate), down, dtype, device),
+            )
+        self.experts = experts
         self.ops = ops
         # Qwen2-MoE's shared expert, added to every token's output behind a sigmoid gate
         self.shared_expert: nn.Module | None = None
