@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -16,6 +17,7 @@ from aioengine.gpu.models import get_model_class
 from aioengine.gpu.models.llama import LlamaForCausalLM, head_dim_of, num_kv_heads_of
 from aioengine.gpu.parallel import TPShard, shard_config, shard_of, shard_reader
 from aioengine.gpu.random_model import build_random_model, is_random_model
+from aioengine.model import gguf_codes
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SINGLE = "model.safetensors"
@@ -70,6 +72,9 @@ def load_model(
     if is_random_model(os.fspath(path)):
         return build_random_model(os.fspath(path), dtype, device, ops=ops)
     hf_config = AutoConfig.from_pretrained(os.fspath(path), local_files_only=True)
+    files = safetensors_files(path)
+    # a GGUF mixture's experts converted as block codes (model/gguf_codes.py): the model holds them so
+    hf_config.expert_block_codes = gguf_codes.has_codes(Path(path))
     model_cls = get_model_class(hf_config)
     shard = None
     if tp is not None:
@@ -78,7 +83,7 @@ def load_model(
     with torch.no_grad():
         model = model_cls(hf_config, dtype=dtype, device=device, ops=ops)
         # copy_ casts dtype and device
-        model.load_weights(iterate_weights(safetensors_files(path), shard, head_dim_of(hf_config)))
+        model.load_weights(iterate_weights(files, shard, head_dim_of(hf_config)))
     model.requires_grad_(False)
     return model.eval(), hf_config
 

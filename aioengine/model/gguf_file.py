@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from aioengine.model import gguf_codes
+
 GGUF_MAGIC = b"GGUF"
 GGUF_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32  # llama.cpp's, when general.alignment is absent
@@ -289,24 +291,45 @@ def _reverse_llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def num_hf_tensors(hf_shapes: dict[str, tuple[int, ...]], arch: str = "") -> int:
-    """How many tensors ``hf_tensors`` yields for these shapes (stacked experts come one per expert, but
-    gpt-oss's stay stacked)."""
+def num_hf_tensors(hf_shapes: dict[str, tuple[int, ...]], arch: str = "", codes: bool = False) -> int:
+    """How many tensors ``hf_tensors`` yields for these shapes (stacked experts come one per expert, or as
+    a layer's codes, scales and mins with ``codes``; gpt-oss's stay stacked)."""
     n = 0
     for name, shape in hf_shapes.items():
         fused = _FUSED_EXPERTS.match(name)
         if fused is None or arch == "gpt-oss":
             n += 1
         else:
-            n += shape[0] * (2 if fused["proj"] == "gate_up" else 1)
+            n += 3 if codes else shape[0] * (2 if fused["proj"] == "gate_up" else 1)
     return n
 
 
+_EXPERT_TENSOR = re.compile(r"^blk\.(?P<bid>\d+)\.ffn_(?P<part>gate|up|down)_exps\.weight$")
+
+
+def expert_codes(header: GGUFHeader) -> bool:
+    """Whether the file's routed experts load as block codes (``gguf_codes``): every ``ffn_*_exps`` tensor
+    of a type with codes, and a layer's gate and up of one kind (they are stacked into one weight)."""
+    if header.architecture == "gpt-oss":
+        return False
+    kinds: dict[tuple[str, str], tuple[int, bool]] = {}
+    for name, info in header.tensors.items():
+        m = _EXPERT_TENSOR.match(name)
+        if m is None:
+            continue
+        if not gguf_codes.codes_type(info.type_id, info.shape[-1]):
+            return False
+        kinds[m["bid"], m["part"]] = gguf_codes.kind(info.type_id)
+    gates = [bid for bid, part in kinds if part == "gate"]
+    return bool(kinds) and all(kinds[bid, "gate"] == kinds.get((bid, "up")) for bid in gates)
+
+
 def hf_tensors(
-    header: GGUFHeader, hf_shapes: dict[str, tuple[int, ...]], config: Any
+    header: GGUFHeader, hf_shapes: dict[str, tuple[int, ...]], config: Any, codes: bool = False
 ) -> Iterator[tuple[str, np.ndarray]]:
     """(Hugging Face name, float32 array) for each parameter in ``hf_shapes`` (a skeleton's state dict);
-    raises GGUFError when the file lacks one or holds one of the wrong shape."""
+    raises GGUFError when the file lacks one or holds one of the wrong shape. With ``codes``
+    (``expert_codes``), a layer's routed experts come as its stacked block codes (``_expert_codes``)."""
     from gguf import get_tensor_name_map
     from gguf.constants import MODEL_ARCH_NAMES
 
@@ -328,6 +351,9 @@ def hf_tensors(
             yield hf_name, dequantize(header, info)
             continue
         fused = _FUSED_EXPERTS.match(hf_name)
+        if fused is not None and codes:
+            yield from _expert_codes(header, fused["layer"], fused["proj"], tuple(shape))
+            continue
         if fused is not None:  # transformers' stacked experts: the file's [E, rows, cols] tensors, per expert
             yield from _experts(header, fused["layer"], fused["proj"], tuple(shape), mixtral)
             continue
@@ -400,14 +426,13 @@ def _gpt_oss_experts(header: GGUFHeader, hf_name: str, shape: tuple[int, ...]) -
     return np.ascontiguousarray(out)
 
 
-def _experts(
-    header: GGUFHeader, layer: str, proj: str, shape: tuple[int, ...], mixtral: bool
-) -> Iterator[tuple[str, np.ndarray]]:
-    """A layer's experts from the file's stacked ``ffn_{gate,up,down}_exps`` under the per-expert names of
-    the Hub's checkpoints (Qwen-MoE's ``mlp.experts.<e>.gate_proj``, Mixtral's ``block_sparse_moe...w1``)."""
+def _expert_infos(header: GGUFHeader, layer: str, proj: str, shape: tuple[int, ...]) -> list[TensorInfo]:
+    """The file's ``ffn_{gate,up}_exps`` (for a layer's gate_up ``[E, 2I, H]``) or ``ffn_down_exps``, checked
+    against the shape the config gives."""
     n, rows, cols = shape
     parts = [("gate", rows // 2), ("up", rows // 2)] if proj == "gate_up" else [("down", rows)]
     blk = f"blk.{layer.rsplit('.', 1)[1]}"
+    infos = []
     for part, part_rows in parts:
         gguf_name = f"{blk}.ffn_{part}_exps.weight"
         info = header.tensors.get(gguf_name)
@@ -418,6 +443,36 @@ def _experts(
                 f"{header.path}: tensor {gguf_name} has shape {list(info.shape)}, but the model's config "
                 f"needs {[n, part_rows, cols]}: wrong shape"
             )
+        infos.append(info)
+    return infos
+
+
+def _expert_codes(
+    header: GGUFHeader, layer: str, proj: str, shape: tuple[int, ...]
+) -> Iterator[tuple[str, np.ndarray]]:
+    """A layer's routed experts as block codes, stacked ``[E, rows, cols]`` as transformers stacks them
+    (gate rows, then up rows): ``<layer>.mlp.experts.<gate_up|down>.codes`` (int8, or affine 4-bit codes
+    two to a byte), ``.scales`` and, affine, ``.mins`` (float32, per block)."""
+    parts = []
+    for info in _expert_infos(header, layer, proj, shape):
+        raw = np.memmap(header.path, dtype=np.uint8, mode="r", offset=info.offset, shape=(info.nbytes,))
+        parts.append(gguf_codes.unpack(raw, info.type_id, info.shape))
+    name = f"{layer}.mlp.experts.{proj}"
+    codes = np.concatenate([p.codes for p in parts], axis=1)
+    yield f"{name}.codes", gguf_codes.pack_nibbles(codes) if parts[0].mins is not None else codes
+    yield f"{name}.scales", np.concatenate([p.scales for p in parts], axis=1)
+    if parts[0].mins is not None:
+        yield f"{name}.mins", np.concatenate([p.mins for p in parts if p.mins is not None], axis=1)
+
+
+def _experts(
+    header: GGUFHeader, layer: str, proj: str, shape: tuple[int, ...], mixtral: bool
+) -> Iterator[tuple[str, np.ndarray]]:
+    """A layer's experts from the file's stacked ``ffn_{gate,up,down}_exps`` under the per-expert names of
+    the Hub's checkpoints (Qwen-MoE's ``mlp.experts.<e>.gate_proj``, Mixtral's ``block_sparse_moe...w1``)."""
+    n = shape[0]
+    for info in _expert_infos(header, layer, proj, shape):
+        part = info.name.split(".")[2].removeprefix("ffn_").removesuffix("_exps")
         stacked = dequantize(header, info)
         for e in range(n):
             if mixtral:

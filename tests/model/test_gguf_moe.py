@@ -24,6 +24,7 @@ from safetensors.numpy import load_file  # noqa: E402
 from aioengine import AsyncEngine, EngineArgs, SamplingParams  # noqa: E402
 from aioengine.model import files  # noqa: E402
 from aioengine.model.files import convert_gguf  # noqa: E402
+from aioengine.model.gguf_codes import dequantized_tensors, reference_checkpoint  # noqa: E402
 from tests.engine.test_parity import NEW_TOKENS, hf_greedy  # noqa: E402
 from tests.gguf_writer import TINY_VOCAB, write_tiny_llama  # noqa: E402
 
@@ -43,7 +44,10 @@ def test_the_stacked_experts_load_per_expert_to_the_dequantized_reference(tmp_pa
     path = tmp_path / f"tiny-{arch}.gguf"
     expected = write_tiny_llama(path, qtype, arch=arch, experts=4)
     folder = convert_gguf(path, root=tmp_path / "cache")
-    loaded = load_file(str(folder / "model.safetensors"))
+    stored = load_file(str(folder / "model.safetensors"))
+    # experts of a type with block codes are stored as them (never as float32); MXFP4's as float32
+    assert any(name.endswith(".experts.gate_up.codes") for name in stored) == (qtype != Q.MXFP4)
+    loaded = dequantized_tensors(folder)
     assert set(loaded) == set(expected)
     for name, want in expected.items():
         assert loaded[name].dtype == np.float32 and loaded[name].shape == want.shape, name
@@ -61,12 +65,13 @@ def test_the_stacked_experts_load_per_expert_to_the_dequantized_reference(tmp_pa
 
 @pytest.mark.parametrize("arch", sorted(MIXTURES))
 def test_the_engine_on_the_gguf_equals_transformers_on_the_converted_checkpoint(tmp_path, monkeypatch, arch):
-    """Greedy parity through the GGUF path: the file converted once (into shards of 4 MiB, as a large
-    model's conversion writes them), then run with chunked prefill."""
+    """Greedy parity through the GGUF path: the file converted once (into shards of 1 MiB, as a large
+    model's conversion writes them; the experts as block codes), then run with chunked prefill, against
+    transformers on the same weights dequantized."""
     from transformers import AutoModelForCausalLM
 
     monkeypatch.setenv("AIOENGINE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(files, "SHARD_BYTES", 4 << 20)
+    monkeypatch.setattr(files, "SHARD_BYTES", 1 << 20)
     path = tmp_path / f"tiny-{arch}.gguf"
     # Q6_K's random blocks (sub-block scales up to 127) make weights of +-40, whose activations overflow
     # float32 within two layers: that file is the loading test's; parity runs qwen2moe on Q8_0.
@@ -75,7 +80,8 @@ def test_the_engine_on_the_gguf_equals_transformers_on_the_converted_checkpoint(
     folder = convert_gguf(path)
     index = json.loads((folder / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 2 and not (folder / "model.safetensors").exists()
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    reference = reference_checkpoint(folder, tmp_path / "reference")
+    hf = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).eval()
     rng = random.Random(2)
     ps = [[rng.randrange(3, TINY_VOCAB) for _ in range(rng.randint(5, 60))] for _ in range(4)]
     expected = [hf_greedy(hf, p) for p in ps]

@@ -104,9 +104,13 @@ def load_peer_model(name: str, device: str, dtype_name: str) -> Any:
         return build_random_hf_model(name, dtype, device)
     from transformers import AutoModelForCausalLM
 
+    from aioengine.model import gguf_codes
     from aioengine.model.files import resolve_model
 
-    model: Any = AutoModelForCausalLM.from_pretrained(str(resolve_model(name)), dtype=dtype)
+    folder = resolve_model(name)
+    if gguf_codes.has_codes(folder):  # a GGUF mixture's experts are codes: transformers reads float32
+        folder = gguf_codes.reference_checkpoint(folder)
+    model: Any = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype)
     return model.to(device).eval()  # (Any: transformers types its to() as unbound)
 
 

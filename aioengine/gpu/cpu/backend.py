@@ -18,6 +18,7 @@ from torch import nn
 
 from aioengine.config import EngineArgs, KernelConfig
 from aioengine.gpu.backend import Backend, Ops, RunnerParts
+from aioengine.gpu.cpu.coded_experts import attach_coded_experts
 from aioengine.gpu.cpu.codes_cache import checkpoint_codes
 from aioengine.gpu.cpu.decode_stack import CpuDecodeStack
 from aioengine.gpu.cpu.linear import pack_linears
@@ -299,6 +300,7 @@ class CpuBackend(Backend):
                     attach_q8_linears(model, codes)
         if self.kernels.cpu_kernels:
             clib.load(self.kernels.cpu_isa)  # built now (seconds), not inside the first step
+            attach_coded_experts(model)  # a GGUF mixture's experts: on their codes, in the kernels
 
     def allocate_kv_caches(
         self,

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from aioengine.gpu.cpu.linear import PackedLinear, c_gemm_enabled, packing_enabled
-from aioengine.gpu.models.moe import Experts
+from aioengine.gpu.models.moe import CodedExperts, Experts
 from aioengine.kernels.cpu import clib, q8
 
 logger = logging.getLogger(__name__)
@@ -183,6 +183,9 @@ def quantize_model(model: nn.Module, method: str, linear: str = "auto", c_kernel
         )
 
     for module in list(model.modules()):
+        if isinstance(module, CodedExperts):  # a GGUF's experts: on the file's codes already
+            skipped += 2 * module.num_experts
+            continue
         if isinstance(module, Experts):  # a mixture's experts: each expert's own linears
             assert module.w13 is not None and module.w2 is not None  # quantized once
             w13, w2 = module.w13.weight, module.w2.weight
@@ -214,6 +217,9 @@ def quantize_model(model: nn.Module, method: str, linear: str = "auto", c_kernel
             skipped += 1
     if skipped:
         logger.warning(
-            "quantization %s: %d linear layers kept unquantized (shapes the kernel rejects)", method, skipped
+            "quantization %s: %d linear layers kept unquantized (shapes the kernel rejects, or experts on "
+            "a GGUF's block codes already)",
+            method,
+            skipped,
         )
     return done

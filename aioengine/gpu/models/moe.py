@@ -5,17 +5,18 @@ from __future__ import annotations
 
 import copy
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, cast
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import skip_init
 
 from aioengine.gpu.backend import Ops
 from aioengine.gpu.models.llama import LlamaForCausalLM, LlamaMLP
 from aioengine.kernels.reference import silu_and_mul
-from aioengine.kernels.reference_moe import StackedExperts, select_experts
+from aioengine.kernels.reference_moe import StackedExperts, dequantize_codes, select_experts
 
 
 class Router(nn.Linear):
@@ -61,6 +62,81 @@ class Experts(nn.Module):
         return len(self.linears)
 
 
+# A backend's linear on block codes: (codes [N, K], scales, mins or None, block) -> module
+MakeCoded = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, int], nn.Module]
+
+
+class CodedExperts(Experts):
+    """A layer's experts on a GGUF's block codes (model/gguf_codes.py), never held as float weights: the
+    checkpoint's stacked codes, scales and mins per projection (4-bit codes two to a byte), each expert
+    dequantized for its own rows only on the torch path, until a backend turns them into its kernels' linears
+    (``to_linears``)."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, device: Any) -> None:
+        nn.Module.__init__(self)  # no stacked weights
+        self.num_experts = num_experts
+        self.w13 = self.w2 = None
+        self.linears = None
+        self.device = device
+        # [rows, inputs] of each projection
+        self.shapes = {"gate_up": (2 * intermediate, hidden), "down": (hidden, intermediate)}
+        self.parts: dict[str, dict[str, torch.Tensor]] = {"gate_up": {}, "down": {}}
+
+    def load(self, proj: str, part: str, tensor: torch.Tensor) -> None:
+        """A checkpoint tensor ``<proj>.<codes|scales|mins>``, checked against the layer's shape."""
+        rows, cols = self.shapes[proj]
+        units = (1, 2) if part == "codes" else (16, 32)  # inputs per column: codes (4-bit: 2), or per block
+        if (
+            tensor.dim() != 3
+            or tensor.shape[:2] != (self.num_experts, rows)
+            or all(tensor.shape[2] * u != cols for u in units)
+        ):
+            raise ValueError(
+                f"experts' {proj}.{part} has shape {list(tensor.shape)}, but the config needs "
+                f"[{self.num_experts}, {rows}, {cols} inputs in units of {' or '.join(map(str, units))}]"
+            )
+        self.parts[proj][part] = tensor.to(self.device)
+
+    def missing(self) -> list[str]:
+        """The tensors not loaded yet (affine 4-bit codes, uint8, need their mins)."""
+        out = []
+        for proj, parts in self.parts.items():
+            codes = parts.get("codes")
+            affine = codes is not None and codes.dtype == torch.uint8
+            need = {"codes", "scales"} | ({"mins"} if affine else set())
+            out += [f"{proj}.{part}" for part in sorted(need - parts.keys())]
+        return out
+
+    def codes(self, e: int, proj: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
+        """Expert ``e``'s (codes ``[N, K]``, scales, mins or None, block) of ``proj``."""
+        parts = self.parts[proj]
+        codes, scales, mins = parts["codes"][e], parts["scales"][e], parts.get("mins")
+        if mins is not None:
+            codes = torch.stack((codes & 15, codes >> 4), -1).reshape(codes.shape[0], -1)
+            mins = mins[e]
+        return codes, scales, mins, codes.shape[1] // scales.shape[1]
+
+    def mlp(self, e: int, rows: torch.Tensor) -> torch.Tensor:
+        if self.linears is not None:
+            return super().mlp(e, rows)
+        w13 = dequantize_codes(*self.codes(e, "gate_up")).to(rows.dtype)
+        w2 = dequantize_codes(*self.codes(e, "down")).to(rows.dtype)
+        return F.linear(silu_and_mul(F.linear(rows, w13)), w2)
+
+    def to_linears(self, make: MakeCoded) -> int:
+        """Each expert's gate_up and down become ``make(codes, scales, mins, block)`` (a backend's linear on
+        codes); the stacked tensors go. Returns how many linears."""
+        assert not self.missing(), self.missing()
+        self.linears = nn.ModuleList(
+            make(*self.codes(e, proj)) for e in range(self.num_experts) for proj in ("gate_up", "down")
+        )
+        self.parts = {"gate_up": {}, "down": {}}
+        return len(self.linears)
+
+    def quantize(self, make: Callable[[torch.Tensor], nn.Module]) -> int:
+        raise ValueError("experts on a GGUF's block codes are quantized already")
+
+
 class FusedMoE(nn.Module):
     """A router (``gate``) and E experts: ``experts.w13`` ``[E, 2 * I, H]`` (gate rows, then up rows) and
     ``experts.w2`` ``[E, H, I]``. A token runs its top-k experts, weighted by the router."""
@@ -77,14 +153,17 @@ class FusedMoE(nn.Module):
         ops: Ops,
         experts: Experts | None = None,
         router_bias: bool = False,
+        coded: bool = False,
     ) -> None:
         """``experts``: a model's own kind (gpt-oss's, with biases); by default SwiGLU experts stacked from
-        the checkpoint's per-expert tensors."""
+        the checkpoint's per-expert tensors, or with ``coded`` held as its block codes (``CodedExperts``)."""
         super().__init__()
         assert 0 < top_k <= num_experts, f"top-{top_k} of {num_experts} experts"
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.expert_parameters = num_experts * 3 * hidden * intermediate
         self.gate = skip_init(Router, hidden, num_experts, bias=router_bias, dtype=dtype, device=device)
+        if experts is None and coded:
+            experts = CodedExperts(num_experts, hidden, intermediate, device)
         if experts is None:
             e_range = range(num_experts)
             gate_up = {f"{e}.gate_proj": (e, 0, intermediate) for e in e_range}
@@ -119,14 +198,21 @@ def num_active_parameters(model: nn.Module) -> int:
     roofline's and the bytes-per-token figure's count for a mixture)."""
     total = sum(p.numel() for p in model.parameters())
     for m in model.modules():
-        if isinstance(m, FusedMoE):
-            total -= m.expert_parameters * (m.num_experts - m.top_k) // m.num_experts
+        if isinstance(m, FusedMoE):  # its experts' weights, however held (floats, codes), count by shape
+            total -= sum(p.numel() for p in m.experts.parameters() if p.dim() > 1)
+            total += m.expert_parameters * m.top_k // m.num_experts
     return total
 
 
 # A checkpoint's per-expert tensor: "<layer>.<block>.experts.<e>.<proj>.weight"
 _EXPERT = re.compile(
     r"^(?P<layer>.*\.layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(?P<e>\d+)\.(?P<proj>\w+)\.weight$"
+)
+
+
+# A layer's experts as block codes: "<layer>.mlp.experts.<gate_up|down>.<codes|scales|mins>"
+_CODES = re.compile(
+    r"^(?P<experts>.*\.layers\.\d+\.mlp\.experts)\.(?P<proj>gate_up|down)\.(?P<part>codes|scales|mins)$"
 )
 
 
@@ -169,7 +255,34 @@ class _MoEForCausalLM(LlamaForCausalLM):
             dtype,
             device,
             ops,
+            coded=bool(getattr(config, "expert_block_codes", False)),
         )
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """The Llama loader's, with a GGUF's expert codes (``<layer>.mlp.experts.<proj>.<part>``) going to
+        the layers' ``CodedExperts``."""
+        modules = dict(self.named_modules())
+
+        def others() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                m = _CODES.match(name)
+                if m is None:
+                    yield name, tensor
+                    continue
+                experts = modules.get(m["experts"])
+                if not isinstance(experts, CodedExperts):
+                    raise ValueError(f"unexpected weight {name!r}: this layer's experts are not block codes")
+                experts.load(m["proj"], m["part"], tensor)
+
+        super().load_weights(others())
+        missing = [
+            f"{name}.{part}"
+            for name, m in modules.items()
+            if isinstance(m, CodedExperts)
+            for part in m.missing()
+        ]
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:8])}")
 
     def _param_name(self, hf_name: str) -> tuple[str, str | None]:
         m = _EXPERT.match(hf_name)
@@ -237,6 +350,7 @@ class MixtralForCausalLM(_MoEForCausalLM):
 
 
 __all__ = [
+    "CodedExperts",
     "Experts",
     "FusedMoE",
     "MixtralForCausalLM",

@@ -67,7 +67,7 @@ def test_hf_peer_time_limit_counts_the_tokens_made_so_far(tmp_path):
                 "--sharegpt-max-len",
                 "400",
                 "--time-limit",
-                "2",
+                "5",
                 "--output-json",
                 str(out),
             ]
@@ -76,5 +76,6 @@ def test_hf_peer_time_limit_counts_the_tokens_made_so_far(tmp_path):
     )
     r = json.loads(out.read_text())
     assert r["finished_requests"] < 64 and "time limit" in r["note"]
-    # transformers joins its generation thread for up to 5 s; a loaded CI machine adds to that
-    assert r["output_tokens"] > r["finished_requests"] and 1.9 < r["elapsed_s"] < 30
+    # transformers joins its generation thread for up to 5 s; a loaded CI machine adds to that (5 s: a
+    # machine busy with other tests made no token in a 2 s limit)
+    assert r["output_tokens"] > r["finished_requests"] and 4.9 < r["elapsed_s"] < 40

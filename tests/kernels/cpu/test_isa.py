@@ -156,10 +156,10 @@ def test_the_kernel_tests_pass_at_each_level_this_machine_runs(level, pytestconf
 @needs_kernels
 @pytest.mark.parametrize("level", LEVELS)
 def test_greedy_parity_with_transformers_at_each_level_this_machine_runs(level, pytestconfig):
-    """The parity configs (chunked, prefix hits, preemption; each architecture) and the default model through
-    its Q4_1 codes: greedy tokens equal transformers' at every level; the decode stack gives the Python path's
-    bits at every level (float32 where bf16 has no dots), and the linears on codes and the int4 rows take the
-    kernels each level prefers."""
+    """The parity configs (chunked, prefix hits, preemption; each architecture), the default model through
+    its Q4_1 codes and a Q4_K mixture's experts on theirs: greedy tokens equal transformers' at every level;
+    the decode stack gives the Python path's bits at every level (float32 where bf16 has no dots), and the
+    linears on codes and the int4 rows take the kernels each level prefers."""
     paths = [
         "tests/engine/test_parity.py",
         "tests/engine/test_default_model_codes.py",
@@ -167,9 +167,10 @@ def test_greedy_parity_with_transformers_at_each_level_this_machine_runs(level, 
         "tests/gpu/cpu/test_decode_stack.py",
         "tests/gpu/cpu/test_q8_linear.py",
         "tests/engine/test_quant.py",
+        "tests/gpu/cpu/test_coded_experts.py",
     ]
-    # The mixtures of experts run no kernel of their own yet (their experts are the torch reference's):
-    # the suite's own run covers them.
+    # A GGUF mixture's experts run the level's kernels on their codes (test_coded_experts.py); the mixtures
+    # from float checkpoints run the torch reference's experts: the suite's own run covers them.
     _pytest_at_level(level, pytestconfig, paths, "at_each_level or moe or mixtral")
 
 

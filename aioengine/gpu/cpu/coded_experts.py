@@ -1,0 +1,71 @@
+"""A mixture's experts on their GGUF block codes in the CPU's C kernels: each expert's gate_up and down read
+only the expert's own codes, for whatever rows chose it.
+
+The tokens are grouped by expert (``reference_moe.fused_moe_by_expert``), so a decode step of B tokens reads
+at most B x top-k experts, each once. The codes are the file's (model/gguf_codes.py), in the kernels' layout
+(cpu_q8.c's integer dots, or cpu_q4_f32.c's float32 FMAs where the level prefers them, as ``Q8Linear``
+chooses), and no float copy is kept: an expert sees few rows in decode, and a prompt's rows split over the
+experts as well.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from aioengine.gpu.cpu import huge_pages
+from aioengine.gpu.models.moe import CodedExperts
+from aioengine.kernels.cpu import q8
+
+logger = logging.getLogger(__name__)
+
+
+class CodedLinear(nn.Module):
+    """``x @ W.T`` for ``W = codes * scales (+ mins)`` per block, on the codes alone, for any rows."""
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, block: int):
+        super().__init__()
+        self.out_features, self.in_features = codes.shape
+        self.block = block
+        self.fma = mins is not None and q8.f32_fma()
+        codes = codes.contiguous()
+        if mins is None:
+            self.packed = q8.pack(codes, block, out=huge_pages.zeros(codes.numel(), torch.uint8))
+        else:
+            pack = q8.pack4_f32 if self.fma else q8.pack4
+            self.packed = pack(codes, out=huge_pages.zeros(codes.numel() // 2, torch.uint8))
+        self.scales = scales.contiguous()
+        self.mins = None if mins is None else mins.contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
+        if self.fma:
+            assert self.mins is not None  # fma: affine codes
+            y = q8.q4f_gemv(rows, self.packed, self.scales, self.mins)
+        else:
+            y = q8.qgemv_f32(rows, self.packed, self.scales, self.block, limbs=3, mins=self.mins)
+        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        kind = "4-bit affine" if self.mins is not None else "int8"
+        return f"{self.in_features}, {self.out_features}, {kind} block codes of {self.block}"
+
+
+def attach_coded_experts(model: nn.Module) -> int:
+    """Turn each layer's ``CodedExperts`` into C-kernel linears, where this CPU runs the kernels vectorized
+    (else they stay on the torch path, dequantizing each expert for its rows); returns how many linears."""
+    if not q8.available():
+        return 0
+    done = nbytes = 0
+    for module in model.modules():
+        if isinstance(module, CodedExperts) and module.linears is None:
+            done += module.to_linears(CodedLinear)
+            assert module.linears is not None
+            for linear in module.linears:
+                extra = 0 if linear.mins is None else linear.mins.numel() * 4
+                nbytes += linear.packed.numel() + linear.scales.numel() * 4 + extra
+    if done:
+        logger.info("%d experts' linears on their GGUF block codes (%d MB)", done, nbytes >> 20)
+    return done
