@@ -18,7 +18,7 @@ from torch import nn
 
 from aioengine.config import EngineArgs, KernelConfig
 from aioengine.gpu.backend import Backend, Ops, RunnerParts
-from aioengine.gpu.cpu.coded_experts import attach_coded_experts
+from aioengine.gpu.cpu.coded_experts import FusedCodes, attach_coded_experts
 from aioengine.gpu.cpu.codes_cache import checkpoint_codes
 from aioengine.gpu.cpu.decode_stack import CpuDecodeStack
 from aioengine.gpu.cpu.linear import pack_linears
@@ -28,8 +28,8 @@ from aioengine.gpu.cpu.q8_linear import attach_q8_linears
 from aioengine.gpu.cpu.quant import quantize_model
 from aioengine.gpu.cpu.worker import CpuWorker
 from aioengine.gpu.loader import kv_cache_shape
-from aioengine.kernels import reference
-from aioengine.kernels.cpu import clib, isa
+from aioengine.kernels import reference, reference_moe
+from aioengine.kernels.cpu import clib, isa, q8
 from aioengine.kernels.metadata import AttentionMetadata
 from aioengine.sched.output import ModelRunnerOutput
 
@@ -161,6 +161,20 @@ class CpuOps(Ops):
             decodes = functools.partial(_c_decodes, window=window)
             return reference.paged_attention(query, kv_cache, meta, scale, decodes=decodes, window=window)
         return reference.paged_attention(query, kv_cache, meta, scale, window=window)
+
+    def fused_moe(
+        self,
+        x: torch.Tensor,
+        experts: reference_moe.ExpertSet,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        """A GGUF's affine 4-bit experts in one C call (cpu_q4_f32.c's moe_q4f_f32), else expert by expert."""
+        fused = getattr(experts, "fused", None)
+        if isinstance(fused, FusedCodes) and x.dim() == 2:
+            rows = x.to(torch.float32).contiguous()
+            return q8.moe_q4f(rows, topk_ids, topk_weights, fused.tables, fused.intermediate).to(x.dtype)
+        return super().fused_moe(x, experts, topk_weights, topk_ids)
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """Widening bf16 is exact (the same winner), and torch's CPU argmax is much faster on float32 than

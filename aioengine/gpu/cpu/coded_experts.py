@@ -11,6 +11,7 @@ experts as well.
 from __future__ import annotations
 
 import logging
+from typing import cast
 
 import torch
 from torch import nn
@@ -25,19 +26,28 @@ logger = logging.getLogger(__name__)
 class CodedLinear(nn.Module):
     """``x @ W.T`` for ``W = codes * scales (+ mins)`` per block, on the codes alone, for any rows."""
 
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, block: int):
+    def __init__(
+        self,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        mins: torch.Tensor | None,
+        block: int,
+        fma: bool | None = None,
+    ):
+        """``fma``: affine codes in cpu_q4_f32.c's layout for its FMAs (default: where the level wants)."""
         super().__init__()
         self.out_features, self.in_features = codes.shape
         self.block = block
-        self.fma = mins is not None and q8.f32_fma()
+        self.fma = mins is not None and (q8.f32_fma() if fma is None else fma)
         codes = codes.contiguous()
         if mins is None:
             self.packed = q8.pack(codes, block, out=huge_pages.zeros(codes.numel(), torch.uint8))
         else:
             pack = q8.pack4_f32 if self.fma else q8.pack4
             self.packed = pack(codes, out=huge_pages.zeros(codes.numel() // 2, torch.uint8))
-        self.scales = scales.contiguous()
-        self.mins = None if mins is None else mins.contiguous()
+        # copies, not views: the checkpoint's stacked tensors (its file's mapping) go once all are built
+        self.scales = _copy(scales)
+        self.mins = None if mins is None else _copy(mins)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
@@ -53,6 +63,25 @@ class CodedLinear(nn.Module):
         return f"{self.in_features}, {self.out_features}, {kind} block codes of {self.block}"
 
 
+class FusedCodes:
+    """A layer's experts for cpu_q4_f32.c's fused op (``q8.moe_q4f``): the address table of every expert's
+    codes, scales and mins, and the intermediate size. Its linears own the memory."""
+
+    __slots__ = ("intermediate", "linears", "tables")
+
+    def __init__(self, linears: nn.ModuleList) -> None:
+        gate_up, down = list(linears[0::2]), list(linears[1::2])
+        self.linears = linears
+        self.intermediate = int(cast(CodedLinear, down[0]).in_features)
+        attrs = ("packed", "scales", "mins")
+        rows = [[getattr(lin, a).data_ptr() for lin in group] for group in (gate_up, down) for a in attrs]
+        self.tables = torch.tensor(rows, dtype=torch.int64)
+
+
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    return huge_pages.zeros(t.numel(), t.dtype).view(t.shape).copy_(t)
+
+
 def attach_coded_experts(model: nn.Module) -> int:
     """Turn each layer's ``CodedExperts`` into C-kernel linears, where this CPU runs the kernels vectorized
     (else they stay on the torch path, dequantizing each expert for its rows); returns how many linears."""
@@ -63,6 +92,8 @@ def attach_coded_experts(model: nn.Module) -> int:
         if isinstance(module, CodedExperts) and module.linears is None:
             done += module.to_linears(CodedLinear)
             assert module.linears is not None
+            if all(linear.fma for linear in module.linears):  # affine 4-bit codes in FMA layout: one C call
+                module.fused = FusedCodes(module.linears)
             for linear in module.linears:
                 extra = 0 if linear.mins is None else linear.mins.numel() * 4
                 nbytes += linear.packed.numel() + linear.scales.numel() * 4 + extra

@@ -81,6 +81,7 @@ class CodedExperts(Experts):
         # [rows, inputs] of each projection
         self.shapes = {"gate_up": (2 * intermediate, hidden), "down": (hidden, intermediate)}
         self.parts: dict[str, dict[str, torch.Tensor]] = {"gate_up": {}, "down": {}}
+        self.fused: object | None = None  # a backend's whole-layer form of the linears, for its fused_moe op
 
     def load(self, proj: str, part: str, tensor: torch.Tensor) -> None:
         """A checkpoint tensor ``<proj>.<codes|scales|mins>``, checked against the layer's shape."""

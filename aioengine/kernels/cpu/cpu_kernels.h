@@ -75,6 +75,9 @@ int q4f_gemv_f32(const float *x, int64_t ldx, const uint8_t *u, const float *d, 
 void q8f_pack(const int8_t *q, uint8_t *out, int64_t n, int64_t k, int num_threads);
 int q8f_gemv_f32(const float *x, int64_t ldx, const uint8_t *u, const float *d, const float *bias, float *y,
                  int64_t ldy, int64_t m, int64_t n, int64_t k, int num_threads);
+int moe_q4f_f32(const float *x, int64_t T, int64_t H, int64_t I, int64_t k, const int64_t *ids,
+                const float *weights, const int64_t *w13, const int64_t *d13, const int64_t *m13, const int64_t *w2,
+                const int64_t *d2, const int64_t *m2, int64_t E, float *out, int num_threads);
 
 /* cpu_isa.c: the level this library was compiled for (clib.py's _LEVEL_CODES) */
 int aioengine_isa_level(void);

@@ -13,6 +13,7 @@
  * 16 i + t (low nibble) and 16 i + 8 + t (high). Scales and offsets are float32 [N, K / 32].
  * Layout (q8f_pack): per output, per 32-input block, 32 bytes: byte 4 t + j holds the code of input 8 j + t,
  * widened by a shift left and an arithmetic shift right. */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -161,4 +162,143 @@ int q4f_gemv_f32(const float *x, int64_t ldx, const uint8_t *u, const float *d, 
 int q8f_gemv_f32(const float *x, int64_t ldx, const uint8_t *u, const float *d, const float *bias, float *y,
                  int64_t ldy, int64_t m, int64_t n, int64_t k, int num_threads) {
     return qf_gemv(x, ldx, u, d, NULL, bias, y, ldy, m, n, k, num_threads, 8);
+}
+
+/* one output of M rows (1..Q4F_MAXR, a constant per call so that the sums stay in registers) */
+static void q4f_rows(const float *const *xs, const int M, const uint8_t *uo, const float *dq, int64_t k, float *out) {
+    switch (M) {
+    case 1: q4f_output(xs, uo, dq, k, 1, 4, out); break;
+    case 2: q4f_output(xs, uo, dq, k, 2, 4, out); break;
+    case 3: q4f_output(xs, uo, dq, k, 3, 4, out); break;
+    default: q4f_output(xs, uo, dq, k, 4, 4, out); break;
+    }
+}
+
+/* each row's sum per block of 32 of r [n, k] into s [n, k / 32] (the offsets' share: m sum x) */
+static inline void q4f_block_sums(const float *r, int64_t k, float *s) {
+    for (int64_t b = 0; b < k / 32; b++) {
+        float acc = 0.0f;
+        for (int64_t i = 0; i < 32; i++) acc += r[32 * b + i];
+        s[b] = acc;
+    }
+}
+
+#define MOE_CHUNK 16 /* outputs a work unit: a chosen expert's outputs split among the threads in these */
+
+/* One expert group's outputs [o0, o1) for its rows: rows r of the group read in[row(r)], write res[(first + r) *
+ * ldr + o] = sum d q in + m sums (codes q4f_pack'd [n_out, k / 2], d and mn float32 [n_out, k / 32]). */
+static void moe_unit(const float *in, int64_t ldi, const int64_t *rows, const float *sums, int64_t n_rows,
+                     const uint8_t *u, const float *d, const float *mn, int64_t k, int64_t o0, int64_t o1, float *res,
+                     int64_t ldr) {
+    const int64_t blocks = k / 32;
+    for (int64_t r0 = 0; r0 < n_rows; r0 += Q4F_MAXR) {
+        const int M = n_rows - r0 < Q4F_MAXR ? (int)(n_rows - r0) : Q4F_MAXR;
+        const float *xs[Q4F_MAXR];
+        for (int r = 0; r < M; r++) xs[r] = in + rows[r0 + r] * ldi;
+        for (int64_t o = o0; o < o1; o++) {
+            float out[Q4F_MAXR];
+            q4f_rows(xs, M, u + o * k / 2, d + o * blocks, k, out);
+            const float *mq = mn + o * blocks;
+            for (int r = 0; r < M; r++) {
+                const float *s = sums + rows[r0 + r] * blocks;
+                float off = 0.0f;
+                for (int64_t b = 0; b < blocks; b++) off += mq[b] * s[b];
+                res[(r0 + r) * ldr + o] = out[r] + off;
+            }
+        }
+    }
+}
+
+/* A mixture's routed experts on their q4f_pack codes for T tokens, each choosing k of E experts (ids, weights
+ * [T, k]): out [T, H] = sum over a token's experts, in increasing id, of weight * down(silu(gate x) * up x).
+ * Expert e's gate_up is w13[e] (packed [2I, H / 2], gate rows then up rows; d13[e], m13[e] float32 [2I, H / 32])
+ * and its down w2[e] ([H, I / 2]; d2[e], m2[e] [H, I / 32]), given as address tables [E]. The token-expert
+ * pairs are grouped by expert (a counting sort, token order within one), so an expert chosen by several tokens
+ * streams its codes once for all of them and an unchosen one is never read. One parallel region: the gate_up
+ * outputs of all chosen experts split among the threads, then the activations, then the down outputs, then
+ * each token's sum. Returns 0, -2 for a call it cannot take (an id out of range, H or I not a multiple of 64,
+ * k over 64),
+ * -3 out of memory. */
+int moe_q4f_f32(const float *x, int64_t T, int64_t H, int64_t I, int64_t k, const int64_t *ids,
+                const float *weights, const int64_t *w13, const int64_t *d13, const int64_t *m13, const int64_t *w2,
+                const int64_t *d2, const int64_t *m2, int64_t E, float *out, int num_threads) {
+    if (H % 64 || I % 64 || T < 0 || k <= 0 || k > 64 || E <= 0) return -2;
+    if (T == 0) return 0;
+    const int64_t P = T * k;
+    for (int64_t p = 0; p < P; p++)
+        if (ids[p] < 0 || ids[p] >= E) return -2;
+    int64_t *start = calloc((size_t)(E + 1), sizeof *start), *fill = malloc((size_t)E * sizeof *fill);
+    int64_t *tok = malloc((size_t)P * sizeof *tok), *pos = malloc((size_t)P * sizeof *pos);
+    int64_t *gexp = malloc((size_t)E * sizeof *gexp), *self = malloc((size_t)P * sizeof *self);
+    float *h = malloc((size_t)(P * 2 * I) * sizeof *h), *a = malloc((size_t)(P * I) * sizeof *a);
+    float *yp = malloc((size_t)(P * H) * sizeof *yp), *sx = malloc((size_t)(T * H / 32) * sizeof *sx);
+    float *sa = malloc((size_t)(P * I / 32) * sizeof *sa);
+    int status = 0;
+    if (!start || !fill || !tok || !pos || !gexp || !self || !h || !a || !yp || !sx || !sa) {
+        status = -3;
+        goto done;
+    }
+    for (int64_t p = 0; p < P; p++) start[ids[p] + 1]++;
+    for (int64_t e = 0; e < E; e++) start[e + 1] += start[e];
+    int64_t G = 0;
+    for (int64_t e = 0; e < E; e++) {
+        fill[e] = start[e];
+        if (start[e + 1] > start[e]) gexp[G++] = e;
+    }
+    for (int64_t p = 0; p < P; p++) { /* sorted position of each pair; the token of each position */
+        pos[p] = fill[ids[p]]++;
+        tok[pos[p]] = p / k;
+        self[pos[p]] = pos[p];
+    }
+    const int64_t c1 = (2 * I + MOE_CHUNK - 1) / MOE_CHUNK, c2 = (H + MOE_CHUNK - 1) / MOE_CHUNK;
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++) q4f_block_sums(x + t * H, H, sx + t * (H / 32));
+#pragma omp for schedule(static)
+        for (int64_t w = 0; w < G * c1; w++) { /* gate_up of every chosen expert, for its tokens */
+            const int64_t e = gexp[w / c1], o0 = (w % c1) * MOE_CHUNK, first = start[e];
+            const int64_t o1 = o0 + MOE_CHUNK < 2 * I ? o0 + MOE_CHUNK : 2 * I;
+            moe_unit(x, H, tok + first, sx, start[e + 1] - first, (const uint8_t *)w13[e], (const float *)d13[e],
+                     (const float *)m13[e], H, o0, o1, h + first * 2 * I, 2 * I);
+        }
+#pragma omp for schedule(static)
+        for (int64_t q = 0; q < P; q++) { /* silu(gate) * up, then its block sums */
+            const float *g = h + q * 2 * I;
+            float *aq = a + q * I;
+            for (int64_t i = 0; i < I; i++) aq[i] = g[i] / (1.0f + expf(-g[i])) * g[I + i];
+            q4f_block_sums(aq, I, sa + q * (I / 32));
+        }
+#pragma omp for schedule(static)
+        for (int64_t w = 0; w < G * c2; w++) { /* down of every chosen expert */
+            const int64_t e = gexp[w / c2], o0 = (w % c2) * MOE_CHUNK, first = start[e];
+            const int64_t o1 = o0 + MOE_CHUNK < H ? o0 + MOE_CHUNK : H;
+            moe_unit(a, I, self + first, sa, start[e + 1] - first, (const uint8_t *)w2[e], (const float *)d2[e],
+                     (const float *)m2[e], I, o0, o1, yp + first * H, H);
+        }
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++) { /* the token's experts in increasing id, as the torch path adds them */
+            int64_t js[64];
+            const int64_t n = k;
+            for (int64_t j = 0; j < n; j++) {
+                int64_t i = j;
+                while (i > 0 && ids[t * k + js[i - 1]] > ids[t * k + j]) {
+                    js[i] = js[i - 1];
+                    i--;
+                }
+                js[i] = j;
+            }
+            float *ot = out + t * H;
+            for (int64_t c = 0; c < H; c++) ot[c] = 0.0f;
+            for (int64_t j = 0; j < n; j++) {
+                const float wj = weights[t * k + js[j]];
+                const float *y = yp + pos[t * k + js[j]] * H;
+                for (int64_t c = 0; c < H; c++) ot[c] += y[c] * wj;
+            }
+        }
+    }
+done:
+    free(start); free(fill); free(tok); free(pos); free(gexp); free(self);
+    free(h); free(a); free(yp); free(sx); free(sa);
+    return status;
 }

@@ -94,6 +94,33 @@ def _fma_gemv(
     return y
 
 
+def moe_q4f(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    tables: torch.Tensor,
+    intermediate: int,
+) -> torch.Tensor:
+    """A mixture's routed experts for float32 tokens ``x [T, H]`` (cpu_q4_f32.c's ``moe_q4f_f32``): each
+    token's sum over its experts ``topk_ids [T, k]`` of ``topk_weights`` times the expert's SwiGLU, on the
+    experts' ``pack4_f32`` codes. ``tables``: int64 ``[6, E]``, the addresses of each expert's gate_up codes,
+    scales and mins (``[2I, H]``) and its down's (``[H, I]``); the caller keeps those tensors alive."""
+    t, h = x.shape
+    assert x.dtype == torch.float32 and x.is_contiguous()
+    assert tables.dtype == torch.int64 and tables.shape[0] == 6 and tables.is_contiguous()
+    ids = topk_ids.to(torch.int64).contiguous()
+    weights = topk_weights.to(torch.float32).contiguous()
+    assert ids.shape == weights.shape and ids.shape[0] == t
+    out = torch.empty_like(x)
+    rows = [tables[i].data_ptr() for i in range(6)]
+    status = _lib().moe_q4f_f32(
+        x.data_ptr(), t, h, intermediate, ids.shape[1], ids.data_ptr(), weights.data_ptr(), *rows,
+        tables.shape[1], out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    _check(status)
+    return out
+
+
 def pack4_tiles(
     q: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor, out: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

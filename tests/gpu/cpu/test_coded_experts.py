@@ -7,13 +7,15 @@ copy of any expert."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib.util
 import random
 
 import pytest
 import torch
 
-from aioengine.gpu.cpu.coded_experts import CodedLinear
+from aioengine.gpu.cpu.backend import CpuBackend
+from aioengine.gpu.cpu.coded_experts import CodedLinear, FusedCodes
 from aioengine.gpu.models.moe import CodedExperts, FusedMoE
 from aioengine.kernels.cpu import q8
 from aioengine.kernels.reference_moe import (
@@ -94,6 +96,46 @@ def test_the_routed_block_on_codes_equals_the_reference_on_the_dequantized_weigh
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("top_k", [1, 2, 4, 8])
+@pytest.mark.parametrize("load", ["random", "one_takes_all", "some_idle"])
+@pytest.mark.parametrize("tokens", [1, 5, 13])
+def test_the_fused_c_op_equals_the_reference_expert_by_expert(top_k, load, tokens):
+    """cpu_q4_f32.c's moe_q4f_f32 (one call a layer, the FMA layout, at any level) against the torch path's
+    experts on the same codes, tokens grouped by expert whatever the load."""
+    g = torch.Generator().manual_seed(10 * top_k + tokens)
+    num, hidden, inter = 8, 128, 64
+    experts = _experts(num, hidden, inter, True, g)
+    x = torch.randn(tokens, hidden, generator=g)
+    logits = torch.randn(tokens, num, generator=g)
+    if load == "one_takes_all":
+        logits[:, 5] += 100
+    elif load == "some_idle":
+        logits[:, [0, 3, 7]] -= 100
+    weights, ids = select_experts(logits, top_k, renormalize=True)
+    want = fused_moe_by_expert(x, experts, weights, ids)
+    experts.to_linears(functools.partial(CodedLinear, fma=True))
+    assert experts.linears is not None
+    fused = FusedCodes(experts.linears)
+    got = q8.moe_q4f(x, ids, weights, fused.tables, fused.intermediate)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    # the backend's op takes it, in bf16 too
+    ops = CpuBackend().ops
+    experts.fused = fused
+    torch.testing.assert_close(ops.fused_moe(x, experts, weights, ids), got)
+    assert ops.fused_moe(x.bfloat16(), experts, weights, ids).dtype == torch.bfloat16
+
+
+def test_the_fused_c_op_refuses_an_expert_id_out_of_range():
+    g = torch.Generator().manual_seed(0)
+    experts = _experts(4, 128, 64, True, g)
+    experts.to_linears(functools.partial(CodedLinear, fma=True))
+    assert experts.linears is not None
+    fused = FusedCodes(experts.linears)
+    ids = torch.tensor([[0, 4]])
+    with pytest.raises(AssertionError, match="rejected the call"):
+        q8.moe_q4f(torch.randn(1, 128), ids, torch.ones(1, 2), fused.tables, fused.intermediate)
+
+
 def test_codes_of_the_wrong_shape_are_refused_naming_the_tensor():
     experts = CodedExperts(4, 128, 64, "cpu")
     with pytest.raises(ValueError, match=r"gate_up\.codes has shape \[4, 64, 128\]"):
@@ -136,9 +178,10 @@ def test_a_tiny_q4_k_mixture_decodes_on_its_codes_equal_to_transformers(tmp_path
             blocks = [m for m in model.modules() if isinstance(m, FusedMoE)]
             assert blocks and all(isinstance(b.experts, CodedExperts) for b in blocks)
             for b in blocks:
-                assert b.experts.linears is not None and all(
-                    isinstance(m, CodedLinear) for m in b.experts.linears
-                )
+                linears = b.experts.linears
+                assert linears is not None and all(isinstance(m, CodedLinear) for m in linears)
+                # one C call a layer where the level takes the FMA layout (the avx2 level), else per expert
+                assert isinstance(b.experts.fused, FusedCodes) == q8.f32_fma()
                 assert not [p for p in b.experts.parameters() if p.dim() > 1]
             params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
             outs = await asyncio.gather(*(engine.generate(p, params) for p in ps))
