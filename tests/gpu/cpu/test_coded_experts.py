@@ -180,8 +180,8 @@ def test_a_tiny_q4_k_mixture_decodes_on_its_codes_equal_to_transformers(tmp_path
             for b in blocks:
                 linears = b.experts.linears
                 assert linears is not None and all(isinstance(m, CodedLinear) for m in linears)
-                # one C call a layer where the level takes the FMA layout (the avx2 level), else per expert
-                assert isinstance(b.experts.fused, FusedCodes) == q8.f32_fma()
+                # affine 4-bit experts: one C call a layer, at every level
+                assert isinstance(b.experts.fused, FusedCodes)
                 assert not [p for p in b.experts.parameters() if p.dim() > 1]
             params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
             outs = await asyncio.gather(*(engine.generate(p, params) for p in ps))
