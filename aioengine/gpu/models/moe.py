@@ -200,7 +200,7 @@ def num_active_parameters(model: nn.Module) -> int:
     total = sum(p.numel() for p in model.parameters())
     for m in model.modules():
         if isinstance(m, FusedMoE):  # its experts' weights, however held (floats, codes), count by shape
-            total -= sum(p.numel() for p in m.experts.parameters() if p.dim() > 1)
+            total -= sum(p.numel() for p in m.experts.parameters() if p.dim() == 3)
             total += m.expert_parameters * m.top_k // m.num_experts
     return total
 

@@ -112,10 +112,11 @@ def moe_q4f(
     weights = topk_weights.to(torch.float32).contiguous()
     assert ids.shape == weights.shape and ids.shape[0] == t
     out = torch.empty_like(x)
-    rows = [tables[i].data_ptr() for i in range(6)]
+    e = tables.shape[1]
+    rows = [tables.data_ptr() + 8 * e * i for i in range(6)]  # each table's row, without a view apiece
     status = _lib().moe_q4f_f32(
         x.data_ptr(), t, h, intermediate, ids.shape[1], ids.data_ptr(), weights.data_ptr(), *rows,
-        tables.shape[1], out.data_ptr(), torch.get_num_threads(),
+        e, out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     _check(status)
     return out

@@ -10,14 +10,14 @@
 #include "cpu_kernels.h"
 
 static int64_t p[16];
-static void *arr[8];
-static int64_t len[8];
+static void *arr[12];
+static int64_t len[12];
 
 static int read_input(const char *path) {
     FILE *f = fopen(path, "rb");
     int64_t n = 0;
     if (f == NULL || fread(&n, 8, 1, f) != 1 || n > 16 || fread(p, 8, (size_t)n, f) != (size_t)n) return -1;
-    for (int i = 0; i < 8 && fread(&len[i], 8, 1, f) == 1; i++) {
+    for (int i = 0; i < 12 && fread(&len[i], 8, 1, f) == 1; i++) {
         arr[i] = malloc((size_t)len[i] + 64);
         if (arr[i] == NULL || fread(arr[i], 1, (size_t)len[i], f) != (size_t)len[i]) return -1;
     }
@@ -51,6 +51,20 @@ int main(int argc, char **argv) {
         const int status = qgemv_q8_bf16(arr[0], k, arr[1], arr[2], p[4] ? arr[3] : NULL, p[3], NULL, y, n, m, n, k,
                                          OUT_BF16, NULL, 1);
         return status != 0 ? 3 : write_output(argv[3], y, (size_t)(m * n) * 2);
+    }
+    if (strcmp(kernel, "moe_q4f_f32") == 0) { /* p: T H I k E; arr: x ids weights, then stacked [E, ...]
+                                                 * gate_up codes scales mins, down codes scales mins */
+        const int64_t T = p[0], H = p[1], I = p[2], k = p[3], E = p[4];
+        int64_t tables[6][64];
+        const int64_t per[6] = {2 * I * H / 2, 2 * I * H / 32 * 4, 2 * I * H / 32 * 4, H * I / 2, H * I / 32 * 4,
+                                H * I / 32 * 4}; /* bytes an expert */
+        if (E > 64) return 2;
+        for (int t = 0; t < 6; t++)
+            for (int64_t e = 0; e < E; e++) tables[t][e] = (int64_t)((uint8_t *)arr[3 + t] + e * per[t]);
+        float *y = malloc((size_t)(T * H) * 4);
+        const int status = moe_q4f_f32(arr[0], T, H, I, k, arr[1], arr[2], tables[0], tables[1], tables[2],
+                                       tables[3], tables[4], tables[5], E, y, 1);
+        return status != 0 ? 3 : write_output(argv[3], y, (size_t)(T * H) * 4);
     }
     if (strcmp(kernel, "qgemv_int8_f32") == 0) { /* p: m n k; arr: x q scale */
         const int64_t m = p[0], n = p[1], k = p[2];

@@ -216,3 +216,27 @@ def test_decode_attention(harness, tmp_path, window):
         probs = torch.softmax(torch.einsum("hd,thd->ht", query[r].double(), keys.double()) * scale, -1)
         want = torch.einsum("ht,thd->hd", probs, values.double()).float()
         torch.testing.assert_close(got[r], want, rtol=1e-4, atol=1e-5)
+
+
+def test_fused_moe_on_affine_4bit_codes(harness, tmp_path):
+    """cpu_q4_f32.c's moe_q4f_f32 (a GGUF's Q4_K experts, one call a layer): uneven loads, an idle expert."""
+    from aioengine.kernels.reference_moe import StackedExperts, fused_moe_by_expert
+
+    g = torch.Generator().manual_seed(7)
+    num, hidden, inter, tokens, top_k = 4, 128, 64, 3, 2
+    x = torch.randn(tokens, hidden, generator=g)
+    ids = torch.tensor([[2, 0], [2, 1], [0, 2]])  # expert 2 takes every token, expert 3 none
+    weights = torch.rand(tokens, top_k, generator=g)
+    arrays: list[torch.Tensor] = [x, ids, weights]
+    dense = []
+    for n, k in ((2 * inter, hidden), (hidden, inter)):
+        q = torch.randint(0, 16, (num, n, k), generator=g, dtype=torch.uint8)
+        scale = torch.rand(num, n, k // 32, generator=g) * 0.02 + 1e-3
+        mins = -torch.rand(num, n, k // 32, generator=g) * 0.1
+        arrays += [torch.stack([q8.pack4_f32(q[e].contiguous()) for e in range(num)]), scale, mins]
+        dense.append(q.double().view(num, n, -1, 32) * scale.double()[..., None] + mins.double()[..., None])
+    w13, w2 = (d.reshape(num, d.shape[1], -1) for d in dense)
+    got = _run(harness, "moe_q4f_f32", [tokens, hidden, inter, top_k, num], arrays, torch.float32,
+               (tokens, hidden), tmp_path)  # fmt: skip
+    want = fused_moe_by_expert(x.double(), StackedExperts(w13, w2), weights.double(), ids)
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
