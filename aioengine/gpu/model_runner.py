@@ -19,7 +19,7 @@ from aioengine.gpu.backend import Backend
 from aioengine.gpu.drafter import Drafter
 from aioengine.gpu.loader import kv_cache_bytes_per_block, load_model
 from aioengine.gpu.lora import LoRASlots
-from aioengine.gpu.models.moe import num_active_parameters
+from aioengine.gpu.models.moe import active_weight_bytes, num_active_parameters, num_parameters
 from aioengine.gpu.pooler import Pooler
 from aioengine.gpu.sampler import Sampler, SamplerOutput, SamplingMetadata, gather_logprobs
 from aioengine.gpu.states import RequestStates
@@ -78,9 +78,11 @@ class ModelRunner:
         self.model, self.hf_config = load_model(model_path, dtype=dtype, device=device, ops=backend.ops)
         self.model.cover_positions(max_model_len)  # a max_model_len past max_position_embeddings extrapolates
         self.kv_cache_groups = self.model.kv_cache_groups  # layers grouped by attention window
-        self._num_parameters = sum(p.numel() for p in self.model.parameters())  # before any repacking
+        self._num_parameters = num_parameters(self.model)  # before any repacking
         self._num_active_parameters = num_active_parameters(self.model)
-        self._bytes_per_parameter = torch.empty((), dtype=dtype).element_size()
+        self._active_weight_bytes = active_weight_bytes(
+            self.model, torch.empty((), dtype=dtype).element_size()
+        )
         path = os.fspath(model_path)
         backend.prepare_model(self.model, quantization, path, activations_apart=lora is not None)
         self.lora: LoRASlots | None = None
@@ -176,8 +178,9 @@ class ModelRunner:
         return self._num_active_parameters
 
     def active_weight_bytes_per_token(self) -> int:
-        """The weight bytes one token reads at the model's dtype (the file's block codes read fewer)."""
-        return self._num_active_parameters * self._bytes_per_parameter
+        """The weight bytes one token reads at the model's dtype, a GGUF mixture's experts at their codes'
+        bytes (the file's block codes of the dense layers read fewer)."""
+        return self._active_weight_bytes
 
     def kv_cache_bytes_per_block(self) -> int:
         """A block id costs one slot in each of the groups' shared cache tensors (and the draft model's)."""

@@ -82,6 +82,7 @@ class CodedExperts(Experts):
         self.shapes = {"gate_up": (2 * intermediate, hidden), "down": (hidden, intermediate)}
         self.parts: dict[str, dict[str, torch.Tensor]] = {"gate_up": {}, "down": {}}
         self.fused: object | None = None  # a backend's whole-layer form of the linears, for its fused_moe op
+        self.nbytes = 0  # the codes, scales and mins as loaded (what all the experts take)
 
     def load(self, proj: str, part: str, tensor: torch.Tensor) -> None:
         """A checkpoint tensor ``<proj>.<codes|scales|mins>``, checked against the layer's shape."""
@@ -97,6 +98,7 @@ class CodedExperts(Experts):
                 f"[{self.num_experts}, {rows}, {cols} inputs in units of {' or '.join(map(str, units))}]"
             )
         self.parts[proj][part] = tensor.to(self.device)
+        self.nbytes += tensor.nbytes
 
     def missing(self) -> list[str]:
         """The tensors not loaded yet (affine 4-bit codes, uint8, need their mins)."""
@@ -203,6 +205,27 @@ def num_active_parameters(model: nn.Module) -> int:
             total -= sum(p.numel() for p in m.experts.parameters() if p.dim() == 3)
             total += m.expert_parameters * m.top_k // m.num_experts
     return total
+
+
+def num_parameters(model: nn.Module) -> int:
+    """The model's parameters, a mixture's experts on codes counted by their shape (not parameters)."""
+    total = sum(p.numel() for p in model.parameters())
+    return total + sum(m.expert_parameters for m in _coded_blocks(model))
+
+
+def active_weight_bytes(model: nn.Module, bytes_per_parameter: int) -> int:
+    """The weight bytes a token reads: its active parameters at ``bytes_per_parameter``, but experts on codes
+    at their codes' bytes (the chosen top-k's share of them)."""
+    active = num_active_parameters(model)
+    coded = 0
+    for m in _coded_blocks(model):
+        active -= m.expert_parameters * m.top_k // m.num_experts
+        coded += cast(CodedExperts, m.experts).nbytes * m.top_k // m.num_experts
+    return active * bytes_per_parameter + coded
+
+
+def _coded_blocks(model: nn.Module) -> list[FusedMoE]:
+    return [m for m in model.modules() if isinstance(m, FusedMoE) and isinstance(m.experts, CodedExperts)]
 
 
 # A checkpoint's per-expert tensor: "<layer>.<block>.experts.<e>.<proj>.weight"
@@ -357,6 +380,8 @@ __all__ = [
     "MixtralForCausalLM",
     "Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM",
+    "active_weight_bytes",
     "num_active_parameters",
     "num_experts_of",
+    "num_parameters",
 ]

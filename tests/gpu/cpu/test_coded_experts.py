@@ -183,6 +183,12 @@ def test_a_tiny_q4_k_mixture_decodes_on_its_codes_equal_to_transformers(tmp_path
                 # affine 4-bit experts: one C call a layer, at every level
                 assert isinstance(b.experts.fused, FusedCodes)
                 assert not [p for p in b.experts.parameters() if p.dim() > 1]
+            # the bench's figures: experts on codes count by shape, a token reads its experts' codes' share
+            runner = engine.runner
+            moe_active = sum(b.expert_parameters * b.top_k // b.num_experts for b in blocks)
+            assert runner.num_parameters() > runner.num_active_parameters() > moe_active
+            dense_bytes = (runner.num_active_parameters() - moe_active) * 4
+            assert dense_bytes < runner.active_weight_bytes_per_token() < dense_bytes + moe_active * 4
             params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
             outs = await asyncio.gather(*(engine.generate(p, params) for p in ps))
         return [o.outputs[0].token_ids for o in outs]
