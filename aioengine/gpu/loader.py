@@ -72,10 +72,10 @@ def load_model(
     if is_random_model(os.fspath(path)):
         return build_random_model(os.fspath(path), dtype, device, ops=ops)
     hf_config = AutoConfig.from_pretrained(os.fspath(path), local_files_only=True)
+    model_cls = get_model_class(hf_config)
     files = safetensors_files(path)
     # a GGUF mixture's experts converted as block codes (model/gguf_codes.py): the model holds them so
     hf_config.expert_block_codes = gguf_codes.has_codes(Path(path))
-    model_cls = get_model_class(hf_config)
     shard = None
     if tp is not None:
         shard = shard_of(hf_config, tp.rank, tp.size)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import copy
 import datetime
 import pickle
-import re
 import socket
 import time
 from collections.abc import Callable
@@ -28,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from aioengine import env
+from aioengine.model import gguf_codes
 
 if TYPE_CHECKING:
     from aioengine.gpu.backend import Backend
@@ -225,10 +225,6 @@ def _stacked_expert_index(kind: str, shard: TPShard) -> tuple[slice, ...] | None
     raise TensorParallelError(f"unexpected gpt-oss expert tensor {kind!r}")
 
 
-# A mixture's experts as block codes (model/gguf_codes.py), stacked by layer: [E, rows, inputs in units]
-_EXPERT_CODES = re.compile(r"\.experts\.(?P<proj>gate_up|down)\.(?:codes|scales|mins)$")
-
-
 def _expert_codes_part(proj: str, shape: tuple[int, ...], read: Reader, shard: TPShard) -> torch.Tensor:
     """This rank's part of a layer's expert codes, scales or mins: gate_up's rows are the gate's I, then the
     up's I, and a rank reads ``[s, e)`` of each; down's inputs are I in units of 1 (int8 codes), 2 (4-bit
@@ -253,7 +249,7 @@ def shard_reader(
     """This rank's part of one checkpoint tensor, read through ``read``."""
     if shard is None or shard.size == 1:
         return read(None)
-    coded = _EXPERT_CODES.search(name)
+    coded = gguf_codes.EXPERT_CODES.match(name)  # a mixture's experts as block codes, stacked by layer
     if coded is not None:
         return _expert_codes_part(coded["proj"], shape, read, shard)
     index = weight_index(name, shape, shard, head_dim)

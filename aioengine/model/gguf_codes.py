@@ -131,14 +131,17 @@ def unpack_nibbles(packed: np.ndarray) -> np.ndarray:
     return np.stack([packed & 15, packed >> 4], axis=-1).reshape(*packed.shape[:-1], -1)
 
 
-_EXPERT_CODES = re.compile(r"^(?P<layer>.*)\.mlp\.experts\.(?P<proj>gate_up|down)\.codes$")
+# A layer's experts as block codes in a converted checkpoint: "<layer>.mlp.experts.<proj>.<part>"
+EXPERT_CODES = re.compile(
+    r"^(?P<layer>.*\.layers\.\d+)\.mlp\.experts\.(?P<proj>gate_up|down)\.(?P<part>codes|scales|mins)$"
+)
 _MIXTRAL = {"gate": "w1", "up": "w3", "down": "w2"}
 REFERENCE_DIR = "float32-reference"
 
 
 def has_codes(folder: Path) -> bool:
     """Whether a converted checkpoint holds a mixture's experts as codes."""
-    return any(_EXPERT_CODES.match(name) for name in _tensor_names(folder))
+    return any(EXPERT_CODES.match(name) for name in _tensor_names(folder))
 
 
 def dequantized_tensors(folder: Path) -> dict[str, np.ndarray]:
@@ -152,8 +155,8 @@ def dequantized_tensors(folder: Path) -> dict[str, np.ndarray]:
     mixtral = json.loads((folder / "config.json").read_text()).get("model_type") == "mixtral"
     out = {name: t for name, t in loaded.items() if ".mlp.experts." not in name or name.endswith(".weight")}
     for name in loaded:
-        m = _EXPERT_CODES.match(name)
-        if m is None:
+        m = EXPERT_CODES.match(name)
+        if m is None or m["part"] != "codes":
             continue
         base = name.removesuffix(".codes")
         mins = loaded.get(f"{base}.mins")
@@ -184,10 +187,11 @@ def reference_checkpoint(folder: Path, out: Path | None = None) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=".reference-", dir=out.parent))
     try:
         for f in folder.iterdir():
-            if f.is_file() and not f.name.startswith((".", "model")):
+            if f.is_file() and not f.name.startswith((".", "model")) and f.suffix != ".safetensors":
                 shutil.copy(f, tmp / f.name)
         tensors = {k: torch.from_numpy(v) for k, v in dequantized_tensors(folder).items()}
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        shutil.rmtree(out, ignore_errors=True)  # an earlier attempt's leftovers
         os.replace(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

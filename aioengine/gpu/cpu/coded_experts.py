@@ -90,7 +90,9 @@ def attach_coded_experts(model: nn.Module) -> int:
         return 0
     done = nbytes = 0
     for module in model.modules():
-        if isinstance(module, CodedExperts) and module.linears is None:
+        # the kernels take inputs in runs of 64: a tensor-parallel rank's part may not be (the torch path)
+        runs = isinstance(module, CodedExperts) and all(k % 64 == 0 for _, k in module.shapes.values())
+        if isinstance(module, CodedExperts) and module.linears is None and runs:
             # affine 4-bit codes in the FMA layout at every level, for the fused op (measured faster than the
             # integer dots expert by expert at the avx2 and avx512-bf16 levels, batch 1 and 16)
             done += module.to_linears(functools.partial(CodedLinear, fma=True))

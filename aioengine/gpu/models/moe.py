@@ -17,6 +17,7 @@ from aioengine.gpu.backend import Ops
 from aioengine.gpu.models.llama import LlamaForCausalLM, LlamaMLP
 from aioengine.kernels.reference import silu_and_mul
 from aioengine.kernels.reference_moe import StackedExperts, dequantize_codes, select_experts
+from aioengine.model import gguf_codes
 
 
 class Router(nn.Linear):
@@ -110,6 +111,28 @@ class CodedExperts(Experts):
             out += [f"{proj}.{part}" for part in sorted(need - parts.keys())]
         return out
 
+    def check(self) -> None:
+        """Every part loaded and of one kind: int8 codes with float32 scales per 16 or 32 inputs, or affine
+        4-bit codes two to a byte (uint8) with float32 scales and mins per 32."""
+        if self.missing():
+            raise ValueError(f"checkpoint is missing weights: experts' {', '.join(self.missing())}")
+        for proj, parts in self.parts.items():
+            codes, scales, mins = parts["codes"], parts["scales"], parts.get("mins")
+            cols = self.shapes[proj][1]
+            if codes.dtype == torch.uint8:
+                ok = codes.shape[2] * 2 == cols and mins is not None and scales.shape[2] * 32 == cols
+                ok = ok and mins is not None and mins.shape == scales.shape and mins.dtype == torch.float32
+            else:
+                ok = codes.dtype == torch.int8 and codes.shape[2] == cols and mins is None
+                ok = ok and scales.shape[2] in (cols // 16, cols // 32) and cols % scales.shape[2] == 0
+            if not ok or scales.dtype != torch.float32:
+                raise ValueError(
+                    f"experts' {proj} codes ({codes.dtype}, {list(codes.shape)}), scales "
+                    f"({scales.dtype}, {list(scales.shape)}) and mins are not one kind of block codes for "
+                    f"{cols} inputs: int8 codes with float32 scales per 16 or 32, or 4-bit codes two to a "
+                    "byte (uint8) with float32 scales and mins per 32"
+                )
+
     def codes(self, e: int, proj: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
         """Expert ``e``'s (codes ``[N, K]``, scales, mins or None, block) of ``proj``."""
         parts = self.parts[proj]
@@ -129,7 +152,7 @@ class CodedExperts(Experts):
     def to_linears(self, make: MakeCoded) -> int:
         """Each expert's gate_up and down become ``make(codes, scales, mins, block)`` (a backend's linear on
         codes); the stacked tensors go. Returns how many linears."""
-        assert not self.missing(), self.missing()
+        self.check()
         self.linears = nn.ModuleList(
             make(*self.codes(e, proj)) for e in range(self.num_experts) for proj in ("gate_up", "down")
         )
@@ -201,9 +224,9 @@ def num_active_parameters(model: nn.Module) -> int:
     roofline's and the bytes-per-token figure's count for a mixture)."""
     total = sum(p.numel() for p in model.parameters())
     for m in model.modules():
-        if isinstance(m, FusedMoE):  # its experts' weights, however held (floats, codes), count by shape
-            total -= sum(p.numel() for p in m.experts.parameters() if p.dim() == 3)
-            total += m.expert_parameters * m.top_k // m.num_experts
+        if isinstance(m, FusedMoE):  # its experts however held (floats with biases, codes): a k / E share
+            held = sum(p.numel() for p in m.experts.parameters())
+            total += (held or m.expert_parameters) * m.top_k // m.num_experts - held
     return total
 
 
@@ -231,12 +254,6 @@ def _coded_blocks(model: nn.Module) -> list[FusedMoE]:
 # A checkpoint's per-expert tensor: "<layer>.<block>.experts.<e>.<proj>.weight"
 _EXPERT = re.compile(
     r"^(?P<layer>.*\.layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(?P<e>\d+)\.(?P<proj>\w+)\.weight$"
-)
-
-
-# A layer's experts as block codes: "<layer>.mlp.experts.<gate_up|down>.<codes|scales|mins>"
-_CODES = re.compile(
-    r"^(?P<experts>.*\.layers\.\d+\.mlp\.experts)\.(?P<proj>gate_up|down)\.(?P<part>codes|scales|mins)$"
 )
 
 
@@ -289,24 +306,22 @@ class _MoEForCausalLM(LlamaForCausalLM):
 
         def others() -> Iterator[tuple[str, torch.Tensor]]:
             for name, tensor in weights:
-                m = _CODES.match(name)
+                m = gguf_codes.EXPERT_CODES.match(name)
                 if m is None:
                     yield name, tensor
                     continue
-                experts = modules.get(m["experts"])
+                experts = modules.get(f"{m['layer']}.mlp.experts")
                 if not isinstance(experts, CodedExperts):
                     raise ValueError(f"unexpected weight {name!r}: this layer's experts are not block codes")
                 experts.load(m["proj"], m["part"], tensor)
 
         super().load_weights(others())
-        missing = [
-            f"{name}.{part}"
-            for name, m in modules.items()
-            if isinstance(m, CodedExperts)
-            for part in m.missing()
-        ]
-        if missing:
-            raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:8])}")
+        for name, m in modules.items():
+            if isinstance(m, CodedExperts):
+                try:
+                    m.check()
+                except ValueError as e:
+                    raise ValueError(f"{name}: {e}") from None
 
     def _param_name(self, hf_name: str) -> tuple[str, str | None]:
         m = _EXPERT.match(hf_name)

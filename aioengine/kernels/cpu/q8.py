@@ -106,14 +106,22 @@ def moe_q4f(
     experts' ``pack4_f32`` codes. ``tables``: int64 ``[6, E]``, the addresses of each expert's gate_up codes,
     scales and mins (``[2I, H]``) and its down's (``[H, I]``); the caller keeps those tensors alive."""
     t, h = x.shape
-    assert x.dtype == torch.float32 and x.is_contiguous()
-    assert tables.dtype == torch.int64 and tables.shape[0] == 6 and tables.is_contiguous()
+    e = tables.shape[1]
     ids = topk_ids.to(torch.int64).contiguous()
     weights = topk_weights.to(torch.float32).contiguous()
-    assert ids.shape == weights.shape and ids.shape[0] == t
+    if (
+        x.dtype != torch.float32
+        or not x.is_contiguous()
+        or tables.dtype != torch.int64
+        or tables.shape[0] != 6
+    ):
+        raise ValueError("moe_q4f takes contiguous float32 tokens and an int64 [6, E] table")
+    if ids.shape != weights.shape or ids.dim() != 2 or ids.shape[0] != t:
+        raise ValueError(f"expert ids {list(ids.shape)} and weights {list(weights.shape)} for {t} tokens")
+    if t and not (int(ids.min()) >= 0 and int(ids.max()) < e):
+        raise ValueError(f"an expert id out of range 0..{e - 1}")
     out = torch.empty_like(x)
-    e = tables.shape[1]
-    rows = [tables.data_ptr() + 8 * e * i for i in range(6)]  # each table's row, without a view apiece
+    rows = [tables.contiguous().data_ptr() + 8 * e * i for i in range(6)]  # each row, without a view apiece
     status = _lib().moe_q4f_f32(
         x.data_ptr(), t, h, intermediate, ids.shape[1], ids.data_ptr(), weights.data_ptr(), *rows,
         e, out.data_ptr(), torch.get_num_threads(),

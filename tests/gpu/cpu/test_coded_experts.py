@@ -132,16 +132,25 @@ def test_the_fused_c_op_refuses_an_expert_id_out_of_range():
     assert experts.linears is not None
     fused = FusedCodes(experts.linears)
     ids = torch.tensor([[0, 4]])
-    with pytest.raises(AssertionError, match="rejected the call"):
+    with pytest.raises(ValueError, match="an expert id out of range 0..3"):
         q8.moe_q4f(torch.randn(1, 128), ids, torch.ones(1, 2), fused.tables, fused.intermediate)
 
 
-def test_codes_of_the_wrong_shape_are_refused_naming_the_tensor():
+def test_codes_of_the_wrong_shape_or_kind_are_refused_naming_the_tensor():
     experts = CodedExperts(4, 128, 64, "cpu")
     with pytest.raises(ValueError, match=r"gate_up\.codes has shape \[4, 64, 128\]"):
         experts.load("gate_up", "codes", torch.zeros(4, 64, 128, dtype=torch.int8))
     experts.load("down", "codes", torch.zeros(4, 128, 32, dtype=torch.uint8))
     assert sorted(experts.missing()) == ["down.mins", "down.scales", "gate_up.codes", "gate_up.scales"]
+    with pytest.raises(ValueError, match="missing weights"):
+        experts.check()
+    # uint8 codes not two to a byte (a whole byte an input) with scales per 32: not one kind of codes
+    experts.load("gate_up", "codes", torch.zeros(4, 128, 128, dtype=torch.uint8))
+    for proj, k in (("gate_up", 128), ("down", 64)):
+        experts.load(proj, "scales", torch.ones(4, experts.shapes[proj][0], k // 32))
+        experts.load(proj, "mins", torch.zeros(4, experts.shapes[proj][0], k // 32))
+    with pytest.raises(ValueError, match="gate_up codes .* are not one kind of block codes"):
+        experts.check()
 
 
 @pytest.mark.skipif(
@@ -182,7 +191,9 @@ def test_a_tiny_q4_k_mixture_decodes_on_its_codes_equal_to_transformers(tmp_path
                 assert linears is not None and all(isinstance(m, CodedLinear) for m in linears)
                 # affine 4-bit experts: one C call a layer, at every level
                 assert isinstance(b.experts.fused, FusedCodes)
-                assert not [p for p in b.experts.parameters() if p.dim() > 1]
+                # the checkpoint's stacked tensors are gone: the linears hold packed codes only
+                assert b.experts.parts == {"gate_up": {}, "down": {}}
+                assert all(m.packed.dtype == torch.uint8 and not list(m.parameters()) for m in linears)
             # the bench's figures: experts on codes count by shape, a token reads its experts' codes' share
             runner = engine.runner
             moe_active = sum(b.expert_parameters * b.top_k // b.num_experts for b in blocks)
