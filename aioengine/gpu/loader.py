@@ -17,7 +17,7 @@ from aioengine.gpu.models import get_model_class
 from aioengine.gpu.models.llama import LlamaForCausalLM, head_dim_of, num_kv_heads_of
 from aioengine.gpu.parallel import TPShard, shard_config, shard_of, shard_reader
 from aioengine.gpu.random_model import build_random_model, is_random_model
-from aioengine.model import gguf_codes
+from aioengine.model import float_checkpoint
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SINGLE = "model.safetensors"
@@ -75,7 +75,7 @@ def load_model(
     model_cls = get_model_class(hf_config)
     files = safetensors_files(path)
     # a GGUF mixture's experts converted as block codes (model/gguf_codes.py): the model holds them so
-    hf_config.expert_block_codes = gguf_codes.has_codes(Path(path))
+    hf_config.expert_block_codes = float_checkpoint.has_codes(Path(path))
     shard = None
     if tp is not None:
         shard = shard_of(hf_config, tp.rank, tp.size)

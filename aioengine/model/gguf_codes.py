@@ -1,5 +1,4 @@
-"""A GGUF's stacked expert tensors as block codes, unpacked straight from the file's blocks, never as float32;
-and the float32 checkpoint transformers reads in their place (a reference, and the bench's peer).
+"""A GGUF's stacked expert tensors as block codes, unpacked straight from the file's blocks, never as float32.
 
 A mixture's experts are most of its bytes (a 30B-A3B model's are ~29B of its 30B weights), so the converter
 keeps them in the file's own precision: each block type below is ``code * scale`` per block (symmetric: Q8_0,
@@ -11,13 +10,8 @@ test checks each type). Other types (Q5_K, Q2_K, Q3_K, IQ*, MXFP4) have no such 
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import shutil
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
@@ -135,82 +129,3 @@ def unpack_nibbles(packed: np.ndarray) -> np.ndarray:
 EXPERT_CODES = re.compile(
     r"^(?P<layer>.*\.layers\.\d+)\.mlp\.experts\.(?P<proj>gate_up|down)\.(?P<part>codes|scales|mins)$"
 )
-_MIXTRAL = {"gate": "w1", "up": "w3", "down": "w2"}
-REFERENCE_DIR = "float32-reference"
-
-
-def has_codes(folder: Path) -> bool:
-    """Whether a converted checkpoint holds a mixture's experts as codes."""
-    return any(EXPERT_CODES.match(name) for name in _tensor_names(folder))
-
-
-def dequantized_tensors(folder: Path) -> dict[str, np.ndarray]:
-    """A converted checkpoint's tensors in float32 under the Hub's names, its expert codes dequantized per
-    expert (Qwen-MoE's ``mlp.experts.<e>.gate_proj``; Mixtral's ``block_sparse_moe.experts.<e>.w1``)."""
-    from safetensors.numpy import load_file
-
-    loaded: dict[str, np.ndarray] = {}
-    for file in _files(folder):
-        loaded |= load_file(str(file))
-    mixtral = json.loads((folder / "config.json").read_text()).get("model_type") == "mixtral"
-    out = {name: t for name, t in loaded.items() if ".mlp.experts." not in name or name.endswith(".weight")}
-    for name in loaded:
-        m = EXPERT_CODES.match(name)
-        if m is None or m["part"] != "codes":
-            continue
-        base = name.removesuffix(".codes")
-        mins = loaded.get(f"{base}.mins")
-        codes = loaded[name] if mins is None else unpack_nibbles(loaded[name])
-        scales = loaded[f"{base}.scales"]
-        w = Codes(codes, scales, codes.shape[-1] // scales.shape[-1], mins).dequantize()
-        parts = ("gate", "up") if m["proj"] == "gate_up" else ("down",)
-        rows = w.shape[1] // len(parts)
-        for i, part in enumerate(parts):
-            for e in range(w.shape[0]):
-                if mixtral:
-                    hf = f"{m['layer']}.block_sparse_moe.experts.{e}.{_MIXTRAL[part]}.weight"
-                else:
-                    hf = f"{m['layer']}.mlp.experts.{e}.{part}_proj.weight"
-                out[hf] = np.ascontiguousarray(w[e, i * rows : (i + 1) * rows])
-    return out
-
-
-def reference_checkpoint(folder: Path, out: Path | None = None) -> Path:
-    """``folder`` (a converted checkpoint) as transformers loads it: its config and tokenizer files and every
-    tensor in float32 (``dequantized_tensors``), written once into ``out`` (default: a folder inside it)."""
-    import torch
-    from safetensors.torch import save_file
-
-    out = folder / REFERENCE_DIR if out is None else out
-    if (out / "model.safetensors").is_file():
-        return out
-    tmp = Path(tempfile.mkdtemp(prefix=".reference-", dir=out.parent))
-    try:
-        for f in folder.iterdir():
-            if f.is_file() and not f.name.startswith((".", "model")) and f.suffix != ".safetensors":
-                shutil.copy(f, tmp / f.name)
-        tensors = {k: torch.from_numpy(v) for k, v in dequantized_tensors(folder).items()}
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        shutil.rmtree(out, ignore_errors=True)  # an earlier attempt's leftovers
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
-
-
-def _files(folder: Path) -> list[Path]:
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        return [folder / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
-    return [folder / "model.safetensors"]
-
-
-def _tensor_names(folder: Path) -> list[str]:
-    from safetensors import safe_open
-
-    names: list[str] = []
-    for file in _files(folder):
-        if file.is_file():
-            with safe_open(str(file), framework="np") as f:
-                names += list(f.keys())
-    return names

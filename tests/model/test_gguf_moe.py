@@ -24,7 +24,7 @@ from safetensors.numpy import load_file  # noqa: E402
 from aioengine import AsyncEngine, EngineArgs, SamplingParams  # noqa: E402
 from aioengine.model import files  # noqa: E402
 from aioengine.model.files import convert_gguf  # noqa: E402
-from aioengine.model.gguf_codes import dequantized_tensors, reference_checkpoint  # noqa: E402
+from aioengine.model.float_checkpoint import dequantized_tensors, reference_checkpoint  # noqa: E402
 from tests.engine.test_parity import NEW_TOKENS, hf_greedy  # noqa: E402
 from tests.gguf_writer import TINY_VOCAB, write_tiny_llama  # noqa: E402
 

@@ -104,12 +104,12 @@ def load_peer_model(name: str, device: str, dtype_name: str) -> Any:
         return build_random_hf_model(name, dtype, device)
     from transformers import AutoModelForCausalLM
 
-    from aioengine.model import gguf_codes
+    from aioengine.model import float_checkpoint
     from aioengine.model.files import resolve_model
 
     folder = resolve_model(name)
-    if gguf_codes.has_codes(folder):  # a GGUF mixture's experts are codes: transformers reads float32
-        folder = gguf_codes.reference_checkpoint(folder)
+    if float_checkpoint.has_codes(folder):  # a GGUF mixture's experts are codes: transformers reads float32
+        folder = float_checkpoint.reference_checkpoint(folder)
     model: Any = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype)
     return model.to(device).eval()  # (Any: transformers types its to() as unbound)
 

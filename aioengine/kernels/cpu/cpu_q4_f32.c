@@ -99,6 +99,25 @@ static inline __attribute__((always_inline)) void q4f_output(const float *const 
     for (int r = 0; r < M; r++) out[r] = q4f_sum(acc[r]);
 }
 
+/* one output of M rows (1..Q4F_MAXR, a constant per call so that the sums stay in registers) */
+static void q4f_rows(const float *const *xs, const int M, const uint8_t *uo, const float *dq, int64_t k, float *out) {
+    switch (M) {
+    case 1: q4f_output(xs, uo, dq, k, 1, 4, out); break;
+    case 2: q4f_output(xs, uo, dq, k, 2, 4, out); break;
+    case 3: q4f_output(xs, uo, dq, k, 3, 4, out); break;
+    default: q4f_output(xs, uo, dq, k, 4, 4, out); break;
+    }
+}
+
+/* each row's sum per block of 32 of r [n, k] into s [n, k / 32] (the offsets' share: m sum x) */
+static inline void q4f_block_sums(const float *r, int64_t k, float *s) {
+    for (int64_t b = 0; b < k / 32; b++) {
+        float acc = 0.0f;
+        for (int64_t i = 0; i < 32; i++) acc += r[32 * b + i];
+        s[b] = acc;
+    }
+}
+
 /* y = x [M, K] W^T (+ bias), float32, W = d q (+ m) per block of 32 from q4f_pack's codes (bits 4, mn given)
  * or q8f_pack's (bits 8, mn NULL), K a multiple of 64, d and mn float32 [N, K / 32]. */
 static int qf_gemv(const float *x, int64_t ldx, const uint8_t *u, const float *d, const float *mn, const float *bias,
@@ -110,12 +129,7 @@ static int qf_gemv(const float *x, int64_t ldx, const uint8_t *u, const float *d
     if (mn != NULL) {
         sums = malloc((size_t)(m * blocks) * sizeof *sums);
         if (sums == NULL) return -3;
-        for (int64_t r = 0; r < m; r++)
-            for (int64_t b = 0; b < blocks; b++) {
-                float s = 0.0f;
-                for (int64_t i = 0; i < 32; i++) s += x[r * ldx + 32 * b + i];
-                sums[r * blocks + b] = s;
-            }
+        for (int64_t r = 0; r < m; r++) q4f_block_sums(x + r * ldx, k, sums + r * blocks);
     }
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t o = 0; o < n; o++) {
@@ -127,12 +141,7 @@ static int qf_gemv(const float *x, int64_t ldx, const uint8_t *u, const float *d
             float out[Q4F_MAXR];
             for (int r = 0; r < M; r++) xs[r] = x + (r0 + r) * ldx;
             /* a constant M and width per call: the rows' sums stay in registers, the widening is unrolled */
-            if (bits == 4) switch (M) {
-                case 1: q4f_output(xs, uo, dq, k, 1, 4, out); break;
-                case 2: q4f_output(xs, uo, dq, k, 2, 4, out); break;
-                case 3: q4f_output(xs, uo, dq, k, 3, 4, out); break;
-                default: q4f_output(xs, uo, dq, k, 4, 4, out); break;
-                }
+            if (bits == 4) q4f_rows(xs, M, uo, dq, k, out);
             else switch (M) {
                 case 1: q4f_output(xs, uo, dq, k, 1, 8, out); break;
                 case 2: q4f_output(xs, uo, dq, k, 2, 8, out); break;
@@ -163,25 +172,6 @@ int q4f_gemv_f32(const float *x, int64_t ldx, const uint8_t *u, const float *d, 
 int q8f_gemv_f32(const float *x, int64_t ldx, const uint8_t *u, const float *d, const float *bias, float *y,
                  int64_t ldy, int64_t m, int64_t n, int64_t k, int num_threads) {
     return qf_gemv(x, ldx, u, d, NULL, bias, y, ldy, m, n, k, num_threads, 8);
-}
-
-/* one output of M rows (1..Q4F_MAXR, a constant per call so that the sums stay in registers) */
-static void q4f_rows(const float *const *xs, const int M, const uint8_t *uo, const float *dq, int64_t k, float *out) {
-    switch (M) {
-    case 1: q4f_output(xs, uo, dq, k, 1, 4, out); break;
-    case 2: q4f_output(xs, uo, dq, k, 2, 4, out); break;
-    case 3: q4f_output(xs, uo, dq, k, 3, 4, out); break;
-    default: q4f_output(xs, uo, dq, k, 4, 4, out); break;
-    }
-}
-
-/* each row's sum per block of 32 of r [n, k] into s [n, k / 32] (the offsets' share: m sum x) */
-static inline void q4f_block_sums(const float *r, int64_t k, float *s) {
-    for (int64_t b = 0; b < k / 32; b++) {
-        float acc = 0.0f;
-        for (int64_t i = 0; i < 32; i++) acc += r[32 * b + i];
-        s[b] = acc;
-    }
 }
 
 #define MOE_CHUNK 16 /* outputs a work unit: a chosen expert's outputs split among the threads in these */

@@ -165,7 +165,7 @@ def test_a_tiny_q4_k_mixture_decodes_on_its_codes_equal_to_transformers(tmp_path
 
     from aioengine import AsyncEngine, EngineArgs, SamplingParams
     from aioengine.model.files import convert_gguf
-    from aioengine.model.gguf_codes import reference_checkpoint
+    from aioengine.model.float_checkpoint import reference_checkpoint
     from tests.engine.test_parity import NEW_TOKENS, hf_greedy
     from tests.gguf_writer import TINY_VOCAB, write_tiny_llama
 
