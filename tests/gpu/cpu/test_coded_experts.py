@@ -70,6 +70,16 @@ def _experts(num: int, hidden: int, inter: int, affine: bool, g: torch.Generator
     return experts
 
 
+def _routing(tokens: int, num: int, top_k: int, load: str, g: torch.Generator):
+    """Top-k weights and ids: random, expert 5 every token's first choice, or experts 0, 3, 7 left idle."""
+    logits = torch.randn(tokens, num, generator=g)
+    if load == "one_takes_all":
+        logits[:, 5] += 100
+    elif load == "some_idle":
+        logits[:, [0, 3, 7]] -= 100
+    return select_experts(logits, top_k, renormalize=True)
+
+
 @pytest.mark.parametrize("top_k", [1, 2, 4, 8])
 @pytest.mark.parametrize("load", ["random", "one_takes_all", "some_idle"])
 @pytest.mark.parametrize("affine", [True, False])
@@ -82,12 +92,7 @@ def test_the_routed_block_on_codes_equals_the_reference_on_the_dequantized_weigh
         torch.stack([dequantize_codes(*experts.codes(e, "down")) for e in range(num)]),
     )
     x = torch.randn(tokens, hidden, generator=g)
-    logits = torch.randn(tokens, num, generator=g)
-    if load == "one_takes_all":
-        logits[:, 5] += 100
-    elif load == "some_idle":
-        logits[:, [0, 3, 7]] -= 100
-    weights, ids = select_experts(logits, top_k, renormalize=True)
+    weights, ids = _routing(tokens, num, top_k, load, g)
     torch_path = fused_moe_by_expert(x, experts, weights, ids)  # each expert dequantized for its rows
     want = fused_moe_by_expert(x, stacked, weights, ids)
     torch.testing.assert_close(torch_path, want, rtol=1e-5, atol=1e-5)
@@ -106,12 +111,7 @@ def test_the_fused_c_op_equals_the_reference_expert_by_expert(top_k, load, token
     num, hidden, inter = 8, 128, 64
     experts = _experts(num, hidden, inter, True, g)
     x = torch.randn(tokens, hidden, generator=g)
-    logits = torch.randn(tokens, num, generator=g)
-    if load == "one_takes_all":
-        logits[:, 5] += 100
-    elif load == "some_idle":
-        logits[:, [0, 3, 7]] -= 100
-    weights, ids = select_experts(logits, top_k, renormalize=True)
+    weights, ids = _routing(tokens, num, top_k, load, g)
     want = fused_moe_by_expert(x, experts, weights, ids)
     experts.to_linears(functools.partial(CodedLinear, fma=True))
     assert experts.linears is not None
