@@ -260,8 +260,8 @@ def test_bad_parallel_args_are_refused_before_anything_starts(field, value, mess
 
 def test_tp2_on_a_ggufs_expert_codes_equals_tp1(tmp_path, monkeypatch):
     """A Qwen3-MoE GGUF whose experts stay Q4_K codes: each rank reads its rows of gate_up and its blocks
-    of down's inputs (codes two to a byte, scales and mins per 32), and TP=2 gives TP=1's tokens; a split
-    off a block boundary is refused naming it."""
+    of down's inputs (codes two to a byte, scales and mins per 32), and TP=2 gives TP=1's tokens under
+    chunked prefill, prefix hits and preemption; a split off a block boundary is refused naming it."""
     from aioengine.gpu.parallel import shard_reader
 
     pytest.importorskip("gguf")
@@ -274,8 +274,9 @@ def test_tp2_on_a_ggufs_expert_codes_equals_tp1(tmp_path, monkeypatch):
     monkeypatch.setenv("AIOENGINE_CACHE_DIR", str(tmp_path / "cache"))
     path = tmp_path / "tiny-qwen3moe.gguf"
     write_tiny_llama(path, Q.Q4_K, arch="qwen3moe", experts=4, seed=5)
-    ref, _ = asyncio.run(_greedy(path, 1))
+    ref, ref_stats = asyncio.run(_greedy(path, 1))
     got, stats = asyncio.run(_greedy(path, 2))
+    assert ref_stats["preempted"] > 0 and ref_stats["hits"] > 0  # chunked, prefix hits and preemption
     assert got == ref and stats["rank_calls"][0] > 0
     shard = plan_shard(4, 2, 64, 0, 2, expert_intermediate_size=96)  # 48 columns a rank: 1.5 blocks of 32
     with pytest.raises(TensorParallelError, match="blocks of 32 columns; this rank's 0..48"):

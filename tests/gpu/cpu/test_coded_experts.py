@@ -204,4 +204,13 @@ def test_a_tiny_q4_k_mixture_decodes_on_its_codes_equal_to_transformers(tmp_path
             outs = await asyncio.gather(*(engine.generate(p, params) for p in ps))
         return [o.outputs[0].token_ids for o in outs]
 
+    async def speculating() -> list[list[int]]:  # n-gram drafts verified on the fused op: rows of 1 + k
+        spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+        args = EngineArgs(model=str(path), dtype="float32", max_model_len=256, speculative_config=spec)
+        async with AsyncEngine(args) as engine:
+            params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+            outs = await asyncio.gather(*(engine.generate(p + p, params) for p in ps))  # repeats: drafts
+        return [o.outputs[0].token_ids for o in outs]
+
     assert asyncio.run(run()) == [hf_greedy(hf, p) for p in ps]
+    assert asyncio.run(speculating()) == [hf_greedy(hf, p + p) for p in ps]
