@@ -7,7 +7,7 @@ import functools
 import logging
 from collections.abc import Callable
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -22,7 +22,8 @@ from aioengine.gpu.cuda.staging import HostStaging
 from aioengine.gpu.cuda.timeline import GpuTimeline
 from aioengine.gpu.cuda.worker import CudaWorker
 from aioengine.gpu.loader import kv_cache_shape
-from aioengine.kernels import reference
+from aioengine.gpu.models.moe import Experts
+from aioengine.kernels import reference, reference_moe
 from aioengine.kernels.metadata import AttentionMetadata
 from aioengine.sched.output import ModelRunnerOutput
 
@@ -35,6 +36,7 @@ def _triton() -> SimpleNamespace:
     from aioengine.kernels.triton.activation import silu_and_mul_triton
     from aioengine.kernels.triton.attention import paged_attention_triton
     from aioengine.kernels.triton.kv_store import store_kv_triton
+    from aioengine.kernels.triton.moe import fused_moe_triton
     from aioengine.kernels.triton.norm_rope import rms_norm_triton, rotary_triton
 
     return SimpleNamespace(
@@ -43,6 +45,7 @@ def _triton() -> SimpleNamespace:
         silu_and_mul=silu_and_mul_triton,
         store_kv=store_kv_triton,
         attention=paged_attention_triton,
+        fused_moe=fused_moe_triton,
     )
 
 
@@ -66,6 +69,20 @@ class CudaOps(Ops):
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:
         _triton().store_kv(key, value, kv_cache, slot_mapping)
+
+    def fused_moe(
+        self,
+        x: torch.Tensor,
+        experts: reference_moe.ExpertSet,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        """Plain SwiGLU experts stacked as floats: Triton's grouped GEMMs; others (gpt-oss's biased, clamped
+        experts, a GGUF's codes) expert by expert."""
+        w13, w2 = getattr(experts, "w13", None), getattr(experts, "w2", None)
+        if type(experts) is Experts and w13 is not None and w2 is not None:
+            return cast(torch.Tensor, _triton().fused_moe(x, w13.weight, w2.weight, topk_weights, topk_ids))
+        return super().fused_moe(x, experts, topk_weights, topk_ids)
 
     def attention(
         self,

@@ -25,6 +25,7 @@ from aioengine.kernels.triton.activation import _silu_and_mul_kernel
 from aioengine.kernels.triton.kv_store import _store_kv_kernel
 from aioengine.kernels.triton.norm_rope import _rms_norm_kernel, _rope_kernel
 from aioengine.kernels.triton.attention import _paged_attention_kernel
+from aioengine.kernels.triton.moe import _grouped_gemm_kernel
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -69,6 +70,9 @@ for dtype, ptr in ((tl.bfloat16, "*bf16"), (tl.float32, "*fp32")):
     build(_rope_kernel, {**rope, "positions_ptr": "*i64"},
           dict(HALF=64, HALF_P=64, Q_HEADS_P=32, K_HEADS_P=8, INTERPRET=False))
     build(_silu_and_mul_kernel, {"out_ptr": ptr, "x_ptr": ptr}, dict(BLOCK=1024, INTERPRET=False))
+    moe = {"a_ptr": ptr, "w_ptr": ptr, "c_ptr": ptr, "pairs_ptr": "*i64", "block_expert_ptr": "*i64"}
+    build(_grouped_gemm_kernel, moe, dict(BLOCK_N=64, BLOCK_K=64, TILE_M=16, DOT_DTYPE=dtype,
+          DOT_PRECISION="ieee" if dtype == tl.float32 else "tf32", INTERPRET=False))
 print("compiled")
 """
 
