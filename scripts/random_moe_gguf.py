@@ -1,7 +1,7 @@
 """Write a random-weight Qwen3-MoE GGUF of a realistic shape, for benchmarks against llama.cpp on one file.
 
 usage: python scripts/random_moe_gguf.py OUT.gguf [--layers 16 --experts 64 --top-k 8 --hidden 2048
-       --expert-ffn 1024 --heads 16 --kv-heads 4]
+       --expert-ffn 1024 --heads 16 --kv-heads 4 --expert-type q4_k|q8_0]
 
 The default is OLMoE-1B-7B's size in Qwen3-MoE's layout (16 layers, 64 experts, top-8, hidden 2048, expert FFN
 1024): 6.4B expert weights in Q4_K (3.6 GB), attention and the head in Q8_0, routers and norms float32, the
@@ -41,6 +41,16 @@ def q4_k_blocks(shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
     return blocks.reshape(*shape[:-1], shape[-1] // 256 * 144)
 
 
+def q8_0_blocks(shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    """Random Q8_0 blocks for a ``shape`` tensor: codes uniform in -127..127, d making the weights' standard
+    deviation about STD: ``[..., inputs / 32 * 34]``."""
+    n = int(np.prod(shape)) // 32
+    blocks = np.empty((n, 34), dtype=np.uint8)
+    blocks[:, 0:2] = np.frombuffer(np.float16(STD / (127 / np.sqrt(3))).tobytes(), dtype=np.uint8)
+    blocks[:, 2:] = rng.integers(-127, 128, size=(n, 32), dtype=np.int8).view(np.uint8)
+    return blocks.reshape(*shape[:-1], shape[-1] // 32 * 34)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
@@ -52,6 +62,7 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--kv-heads", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--expert-type", choices=("q4_k", "q8_0"), default="q4_k")
     a = ap.parse_args()
     rng = np.random.default_rng(a.seed)
     src = read_header(default_gguf_path(), keep_arrays=TOKENIZER_ARRAYS)
@@ -103,7 +114,10 @@ def main() -> None:
         w.add_tensor(b + "attn_output.weight", q8((hidden, q)), raw_dtype=q8_0)
         w.add_tensor(b + "ffn_gate_inp.weight", rng.standard_normal((e, hidden)).astype(np.float32) * 0.05)
         for part, shape in (("gate", (e, f, hidden)), ("up", (e, f, hidden)), ("down", (e, hidden, f))):
-            w.add_tensor(b + f"ffn_{part}_exps.weight", q4_k_blocks(shape, rng), raw_dtype=q4_k)
+            if a.expert_type == "q8_0":
+                w.add_tensor(b + f"ffn_{part}_exps.weight", q8_0_blocks(shape, rng), raw_dtype=q8_0)
+            else:
+                w.add_tensor(b + f"ffn_{part}_exps.weight", q4_k_blocks(shape, rng), raw_dtype=q4_k)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
