@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,23 +17,7 @@ from aioengine.gpu.models.llama import LlamaForCausalLM, head_dim_of, num_kv_hea
 from aioengine.gpu.parallel import TPShard, shard_config, shard_of, shard_reader
 from aioengine.gpu.random_model import build_random_model, is_random_model
 from aioengine.model import float_checkpoint
-
-SAFETENSORS_INDEX = "model.safetensors.index.json"
-SAFETENSORS_SINGLE = "model.safetensors"
-
-
-def safetensors_files(path: str | os.PathLike[str]) -> list[str]:
-    """The checkpoint's safetensors files: the shards of the index, or the single file."""
-    path = os.fspath(path)
-    index = os.path.join(path, SAFETENSORS_INDEX)
-    if os.path.exists(index):
-        with open(index) as f:
-            shards = sorted(set(json.load(f)["weight_map"].values()))
-        return [os.path.join(path, shard) for shard in shards]
-    single = os.path.join(path, SAFETENSORS_SINGLE)
-    if os.path.exists(single):
-        return [single]
-    raise FileNotFoundError(f"no {SAFETENSORS_SINGLE} or {SAFETENSORS_INDEX} in {path}")
+from aioengine.model.checkpoint import safetensors_files
 
 
 def iterate_weights(

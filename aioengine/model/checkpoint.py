@@ -13,6 +13,24 @@ from aioengine.model.tokenizer import NullTokenizer, load_tokenizer, read_chat_t
 RANDOM_PREFIX = "random:"  # aioengine.gpu.random_model.RANDOM_PREFIX (not imported here: it needs torch)
 
 
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+SAFETENSORS_SINGLE = "model.safetensors"
+
+
+def safetensors_files(path: str | os.PathLike[str]) -> list[str]:
+    """The checkpoint's safetensors files: the shards of the index, or the single file."""
+    path = os.fspath(path)
+    index = os.path.join(path, SAFETENSORS_INDEX)
+    if os.path.exists(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(path, shard) for shard in shards]
+    single = os.path.join(path, SAFETENSORS_SINGLE)
+    if os.path.exists(single):
+        return [single]
+    raise FileNotFoundError(f"no {SAFETENSORS_SINGLE} or {SAFETENSORS_INDEX} in {path}")
+
+
 def load_engine_tokenizer(args: EngineArgs, model_path: str, vocab_size: int) -> Any:
     """The tokenizer directory's, else the model's; none (a NullTokenizer) with skip_tokenizer_init, or for
     a random-weight model given no tokenizer."""

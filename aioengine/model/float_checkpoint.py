@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from aioengine.model.checkpoint import safetensors_files
 from aioengine.model.gguf_codes import EXPERT_CODES, Codes, unpack_nibbles
 
 _MIXTRAL = {"gate": "w1", "up": "w3", "down": "w2"}  # the Hub's Mixtral names of an expert's projections
@@ -78,10 +79,10 @@ def reference_checkpoint(folder: Path, out: Path | None = None) -> Path:
 
 
 def _files(folder: Path) -> list[Path]:
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        return [folder / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
-    return [folder / "model.safetensors"]
+    try:
+        return [Path(f) for f in safetensors_files(folder)]
+    except FileNotFoundError:  # no weights at all: no codes
+        return []
 
 
 def _tensor_names(folder: Path) -> list[str]:
@@ -89,7 +90,6 @@ def _tensor_names(folder: Path) -> list[str]:
 
     names: list[str] = []
     for file in _files(folder):
-        if file.is_file():
-            with safe_open(str(file), framework="np") as f:
-                names += list(f.keys())
+        with safe_open(str(file), framework="np") as f:
+            names += list(f.keys())
     return names

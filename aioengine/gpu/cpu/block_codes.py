@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from aioengine.gpu.loader import safetensors_files
+from aioengine.model.checkpoint import safetensors_files
 
 # (block size, the largest codes to try, most likely first): Q8_0, Q5_0, Q4_0; then Q6_K, whose blocks'
 # largest code varies (its sub-block scales are rounded to int8 before the codes are chosen).

@@ -90,18 +90,19 @@ def attach_coded_experts(model: nn.Module) -> int:
         return 0
     done = nbytes = 0
     for module in model.modules():
-        # the kernels take inputs in runs of 64: a tensor-parallel rank's part may not be (the torch path)
-        runs = isinstance(module, CodedExperts) and all(k % 64 == 0 for _, k in module.shapes.values())
-        if isinstance(module, CodedExperts) and module.linears is None and runs:
-            # affine 4-bit codes in the FMA layout at every level, for the fused op (measured faster than the
-            # integer dots expert by expert at the avx2 and avx512-bf16 levels, batch 1 and 16)
-            done += module.to_linears(functools.partial(CodedLinear, fma=True))
-            assert module.linears is not None
-            if all(linear.fma for linear in module.linears):
-                module.fused = FusedCodes(module.linears)
-            for linear in module.linears:
-                extra = 0 if linear.mins is None else linear.mins.numel() * 4
-                nbytes += linear.packed.numel() + linear.scales.numel() * 4 + extra
+        if not isinstance(module, CodedExperts) or module.linears is not None:
+            continue
+        if any(k % 64 for _, k in module.shapes.values()):
+            continue  # the kernels take inputs in runs of 64; a tensor-parallel rank's part may not be
+        # affine 4-bit codes in the FMA layout at every level, for the fused op (measured faster than the
+        # integer dots expert by expert at the avx2 and avx512-bf16 levels, batch 1 and 16)
+        done += module.to_linears(functools.partial(CodedLinear, fma=True))
+        assert module.linears is not None
+        if all(linear.fma for linear in module.linears):
+            module.fused = FusedCodes(module.linears)
+        for linear in module.linears:
+            extra = 0 if linear.mins is None else linear.mins.numel() * 4
+            nbytes += linear.packed.numel() + linear.scales.numel() * 4 + extra
     if done:
         logger.info("%d experts' linears on their GGUF block codes (%d MB)", done, nbytes >> 20)
     return done

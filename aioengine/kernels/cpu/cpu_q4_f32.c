@@ -109,6 +109,13 @@ static void q4f_rows(const float *const *xs, const int M, const uint8_t *uo, con
     }
 }
 
+/* the offsets' share of one output for one row: sum over the blocks of m times the row's block sum */
+static inline float q4f_offset(const float *mq, const float *s, int64_t blocks) {
+    float off = 0.0f;
+    for (int64_t b = 0; b < blocks; b++) off += mq[b] * s[b];
+    return off;
+}
+
 /* each row's sum per block of 32 of r [n, k] into s [n, k / 32] (the offsets' share: m sum x) */
 static inline void q4f_block_sums(const float *r, int64_t k, float *s) {
     for (int64_t b = 0; b < k / 32; b++) {
@@ -149,11 +156,7 @@ static int qf_gemv(const float *x, int64_t ldx, const uint8_t *u, const float *d
                 default: q4f_output(xs, uo, dq, k, 4, 8, out); break;
                 }
             for (int r = 0; r < M; r++) {
-                float off = 0.0f;
-                if (mn != NULL) {
-                    const float *s = sums + (r0 + r) * blocks, *mq = mn + o * blocks;
-                    for (int64_t b = 0; b < blocks; b++) off += mq[b] * s[b];
-                }
+                const float off = mn != NULL ? q4f_offset(mn + o * blocks, sums + (r0 + r) * blocks, blocks) : 0.0f;
                 y[(r0 + r) * ldy + o] = out[r] + off + (bias != NULL ? bias[o] : 0.0f);
             }
         }
@@ -189,13 +192,8 @@ static void moe_unit(const float *in, int64_t ldi, const int64_t *rows, const fl
         for (int64_t o = o0; o < o1; o++) {
             float out[Q4F_MAXR];
             q4f_rows(xs, M, u + o * k / 2, d + o * blocks, k, out);
-            const float *mq = mn + o * blocks;
-            for (int r = 0; r < M; r++) {
-                const float *s = sums + rows[r0 + r] * blocks;
-                float off = 0.0f;
-                for (int64_t b = 0; b < blocks; b++) off += mq[b] * s[b];
-                res[(r0 + r) * ldr + o] = out[r] + off;
-            }
+            for (int r = 0; r < M; r++)
+                res[(r0 + r) * ldr + o] = out[r] + q4f_offset(mn + o * blocks, sums + rows[r0 + r] * blocks, blocks);
         }
     }
 }
