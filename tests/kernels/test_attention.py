@@ -235,6 +235,35 @@ def test_c_decode_kernel_matches_reference(dtype, block_size, group, head_dim, w
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("window", [None, 300, 511])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_c_decode_kernel_cuts_long_sequences_into_runs(dtype, window):
+    """Sequences past 256 positions are cut into runs spread over the threads and merged: equal to the
+    reference, and each request's output is the same bits alone as in the batch (its runs depend on its
+    length only)."""
+    from aioengine.kernels.cpu import clib as cpu_kernels
+
+    block_size, group, head_dim = 16, 3, 64
+    gen = torch.Generator().manual_seed(11)
+    seq_lens = [1, 256, 257, 700, 1030, 40]
+    max_blocks = -(-max(seq_lens) // block_size)
+    num_blocks = len(seq_lens) * max_blocks
+    kv_cache = _in_layout(torch.randn(2, num_blocks, block_size, 2, head_dim, generator=gen).to(dtype))
+    block_table = torch.randperm(num_blocks, generator=gen).view(len(seq_lens), max_blocks)
+    meta = AttentionMetadata.build([1] * len(seq_lens), seq_lens, block_table, block_size)
+    query = (4 * torch.randn(len(seq_lens), 2 * group, head_dim, generator=gen)).to(dtype)
+    out = cpu_kernels.decode_attention(query, kv_cache, meta.block_table, meta.seq_lens, 0.125, window)
+    ref = paged_attention_reference(query, kv_cache, meta, 0.125, window=window)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+    for i, n in enumerate(seq_lens):
+        alone = AttentionMetadata.build([1], [n], block_table[i : i + 1], block_size)
+        one = cpu_kernels.decode_attention(
+            query[i : i + 1], kv_cache, alone.block_table, alone.seq_lens, 0.125, window
+        )
+        assert torch.equal(one, out[i : i + 1]), n
+
+
 @pytest.mark.parametrize("block_size", [16, 32, 8])
 def test_c_decode_kernel_ignores_stale_slots_holding_nan(block_size):
     """Slots past a request's length (freed by another request, never written) may hold any bits."""

@@ -40,9 +40,9 @@ MAX_ROWS_BF16 = 4
 # NEON (no VNNI, no FMAs on codes preferred): below the 16 rows where the float32 GEMM measured faster at avx2
 # (at 1 row the codes' sample took about a third of the GEMM's); not measured on an ARM core.
 MAX_ROWS_FLOAT32 = 4
-# Where the level prefers FMAs on codes (x86 without VNNI): the dots up to 2 rows, the FMAs from 3 to 16, the
-# GEMM past 16 (the crossovers measured at avx2, docs/benchmarks.md).
-FMA_FROM_ROWS, MAX_ROWS_FMA = 3, 16
+# Where the level prefers FMAs on codes (x86 without VNNI): the dots up to 2 rows, the FMAs from 3 to 32, the
+# GEMM past 32 (the crossovers measured at avx2, docs/benchmarks.md).
+FMA_FROM_ROWS, MAX_ROWS_FMA = 3, 32
 _HEAD_NAMES = ("lm_head.weight", "model.embed_tokens.weight")  # a tied head is the embedding
 
 

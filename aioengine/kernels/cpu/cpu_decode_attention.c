@@ -18,6 +18,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "cpu_bf16.h"
@@ -27,82 +28,178 @@
 #define MAX_GROUP 16
 #define MAX_BLOCK 64
 
-#define DEFINE_KERNEL(NAME, T, LOAD, STORE)                                                              \
-    int NAME(const T *query, int64_t query_stride, const T *key_cache, const T *value_cache,            \
-             const int32_t *block_table, int64_t table_stride, const int32_t *seq_lens, T *out,           \
-             int num_reqs, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,    \
-             int window, int64_t block_stride, int64_t token_stride, int64_t head_stride,                 \
-             int num_threads) {                                                                           \
-        const int group = num_heads / num_kv_heads;                                                      \
-        if (head_dim > MAX_HEAD_DIM || group > MAX_GROUP || block_size > MAX_BLOCK) return -1;           \
-        _Pragma("omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)")            \
-        for (int r = 0; r < num_reqs; r++) {                                                             \
-            for (int kvh = 0; kvh < num_kv_heads; kvh++) {                                               \
-                float q[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM];                          \
-                float row[MAX_HEAD_DIM], scores[MAX_GROUP][MAX_BLOCK];                                   \
-                float run_max[MAX_GROUP], run_sum[MAX_GROUP];                                            \
-                for (int g = 0; g < group; g++) {                                                        \
-                    const T *qp = query + r * query_stride + (int64_t)(kvh * group + g) * head_dim;       \
-                    for (int d = 0; d < head_dim; d++) {                                                 \
-                        q[g][d] = LOAD(qp[d]) * scale;                                                   \
-                        acc[g][d] = 0.0f;                                                                \
-                    }                                                                                    \
-                    run_max[g] = -INFINITY;                                                              \
-                    run_sum[g] = 0.0f;                                                                   \
-                }                                                                                        \
-                const int seq_len = seq_lens[r];                                                         \
-                const int32_t *blocks = block_table + (int64_t)r * table_stride;                         \
-                /* a window sees the last `window` positions: blocks before them are never read */       \
-                const int lo = window > 0 && seq_len > window ? seq_len - window : 0;                   \
-                for (int start = lo - lo % block_size; start < seq_len; start += block_size) {           \
-                    const int n = seq_len - start < block_size ? seq_len - start : block_size;           \
-                    const int t0 = start < lo ? lo - start : 0;                                          \
-                    const int64_t base = (int64_t)blocks[start / block_size] * block_stride               \
-                                         + (int64_t)kvh * head_stride;                                   \
-                    for (int t = t0; t < n; t++) {                                                       \
-                        const T *kp = key_cache + base + t * token_stride;                               \
-                        for (int d = 0; d < head_dim; d++) row[d] = LOAD(kp[d]);                         \
-                        for (int g = 0; g < group; g++) {                                                \
-                            float s = 0.0f;                                                              \
-                            for (int d = 0; d < head_dim; d++) s += q[g][d] * row[d];                    \
-                            scores[g][t] = s;                                                            \
-                        }                                                                                \
-                    }                                                                                    \
-                    for (int g = 0; g < group; g++) {                                                    \
-                        float m = run_max[g];                                                            \
-                        for (int t = t0; t < n; t++) m = scores[g][t] > m ? scores[g][t] : m;            \
-                        const float correction = expf(run_max[g] - m);                                   \
-                        run_sum[g] *= correction;                                                        \
-                        for (int d = 0; d < head_dim; d++) acc[g][d] *= correction;                      \
-                        for (int t = t0; t < n; t++) {                                                   \
-                            scores[g][t] = expf(scores[g][t] - m);                                       \
-                            run_sum[g] += scores[g][t];                                                  \
-                        }                                                                                \
-                        run_max[g] = m;                                                                  \
-                    }                                                                                    \
-                    for (int t = t0; t < n; t++) {                                                       \
-                        const T *vp = value_cache + base + t * token_stride;                             \
-                        for (int d = 0; d < head_dim; d++) row[d] = LOAD(vp[d]);                         \
-                        for (int g = 0; g < group; g++) {                                                \
-                            const float p = scores[g][t];                                                \
-                            for (int d = 0; d < head_dim; d++) acc[g][d] += p * row[d];                  \
-                        }                                                                                \
-                    }                                                                                    \
-                }                                                                                        \
-                for (int g = 0; g < group; g++) {                                                        \
-                    T *op = out + ((int64_t)r * num_heads + kvh * group + g) * head_dim;                 \
-                    const float inv = seq_len > 0 ? 1.0f / run_sum[g] : 0.0f;                            \
-                    for (int d = 0; d < head_dim; d++) op[d] = STORE(acc[g][d] * inv);                   \
-                }                                                                                        \
-            }                                                                                            \
-        }                                                                                                \
-        return 0;                                                                                        \
+#define SPLIT 256 /* positions a task: see DEFINE_KERNEL */
+
+/* a request's first visible position: a window sees the last `window` (blocks before are never read) */
+static inline int first_position(int seq_len, int window) {
+    return window > 0 && seq_len > window ? seq_len - window : 0;
+}
+
+/* the request whose runs hold `run` (first: each request's first run, ascending) */
+static inline int request_of(const int64_t *first, int num_reqs, int64_t run) {
+    int lo = 0, hi = num_reqs - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (first[mid] <= run) lo = mid;
+        else hi = mid - 1;
     }
+    return lo;
+}
+
+/* One query head's output from its runs' partial states (acc[D], max, sum; `stride` floats apart), rescaled to
+ * the largest max; written as float32 (elem 4) or bf16 (2). */
+static void merge_runs(const float *part, int64_t runs, int64_t stride, int head_dim, void *out, size_t elem) {
+    float m = -INFINITY, sum = 0.0f, acc[MAX_HEAD_DIM] = {0};
+    for (int64_t i = 0; i < runs; i++) m = part[i * stride + head_dim] > m ? part[i * stride + head_dim] : m;
+    for (int64_t i = 0; i < runs; i++) {
+        const float *p = part + i * stride;
+        if (p[head_dim + 1] == 0.0f) continue; /* an empty run (its max is -inf) */
+        const float c = expf(p[head_dim] - m);
+        sum += c * p[head_dim + 1];
+        for (int d = 0; d < head_dim; d++) acc[d] += c * p[d];
+    }
+    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+    for (int d = 0; d < head_dim; d++) {
+        if (elem == 4) ((float *)out)[d] = acc[d] * inv;
+        else ((uint16_t *)out)[d] = float_to_bf16(acc[d] * inv);
+    }
+}
+
+/* One (request, KV head) over positions [p0, p1) of its sequence, for the query heads of its GQA group: each
+ * head's output accumulators, running max and sum (flash-decoding's rescaling per block). */
+#define DEFINE_PART(NAME, T, LOAD, ROW)                                                                         \
+    static void NAME(const T *query, const T *key_cache, const T *value_cache, const int32_t *blocks, int p0,   \
+                     int p1, int group, int head_dim, int block_size, float scale, int64_t base_head,           \
+                     int64_t block_stride, int64_t token_stride, float acc[][MAX_HEAD_DIM], float *run_max,     \
+                     float *run_sum) {                                                                          \
+        float q[MAX_GROUP][MAX_HEAD_DIM], row[MAX_HEAD_DIM], scores[MAX_GROUP][MAX_BLOCK];                      \
+        for (int g = 0; g < group; g++) {                                                                       \
+            for (int d = 0; d < head_dim; d++) {                                                                \
+                q[g][d] = LOAD(query[g * head_dim + d]) * scale;                                                \
+                acc[g][d] = 0.0f;                                                                               \
+            }                                                                                                   \
+            run_max[g] = -INFINITY;                                                                             \
+            run_sum[g] = 0.0f;                                                                                  \
+        }                                                                                                       \
+        for (int start = p0 - p0 % block_size; start < p1; start += block_size) {                               \
+            const int n = p1 - start < block_size ? p1 - start : block_size;                                    \
+            const int t0 = start < p0 ? p0 - start : 0;                                                         \
+            const int64_t base = (int64_t)blocks[start / block_size] * block_stride + base_head;                \
+            for (int t = t0; t < n; t++) {                                                                      \
+                const float *kr = ROW(key_cache + base + t * token_stride, row, head_dim);                      \
+                for (int g = 0; g < group; g++) {                                                               \
+                    float s = 0.0f;                                                                             \
+                    for (int d = 0; d < head_dim; d++) s += q[g][d] * kr[d];                                    \
+                    scores[g][t] = s;                                                                           \
+                }                                                                                               \
+            }                                                                                                   \
+            for (int g = 0; g < group; g++) {                                                                   \
+                float m = run_max[g];                                                                           \
+                for (int t = t0; t < n; t++) m = scores[g][t] > m ? scores[g][t] : m;                           \
+                const float correction = expf(run_max[g] - m);                                                  \
+                run_sum[g] *= correction;                                                                       \
+                for (int d = 0; d < head_dim; d++) acc[g][d] *= correction;                                     \
+                for (int t = t0; t < n; t++) {                                                                  \
+                    scores[g][t] = expf(scores[g][t] - m);                                                      \
+                    run_sum[g] += scores[g][t];                                                                 \
+                }                                                                                               \
+                run_max[g] = m;                                                                                 \
+            }                                                                                                   \
+            for (int t = t0; t < n; t++) {                                                                      \
+                const float *vr = ROW(value_cache + base + t * token_stride, row, head_dim);                    \
+                for (int g = 0; g < group; g++) {                                                               \
+                    const float p = scores[g][t];                                                               \
+                    for (int d = 0; d < head_dim; d++) acc[g][d] += p * vr[d];                                  \
+                }                                                                                               \
+            }                                                                                                   \
+        }                                                                                                       \
+    }
+
+/* Tasks are (run of SPLIT positions of a request, KV head): a long sequence's keys are spread over the threads
+ * whatever the batch (a single request has as few tasks as it has KV heads otherwise, which leaves threads idle),
+ * and how a request's positions are cut depends on its length alone, so its output is the same in any batch.
+ * The runs of a request cut in several are merged after the loop. Returns 0, -1 for shapes past the limits, -3
+ * out of memory. */
+#define DEFINE_KERNEL(NAME, PART, T, STORE)                                                                     \
+    int NAME(const T *query, int64_t query_stride, const T *key_cache, const T *value_cache,                    \
+             const int32_t *block_table, int64_t table_stride, const int32_t *seq_lens, T *out, int num_reqs,   \
+             int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, int window,            \
+             int64_t block_stride, int64_t token_stride, int64_t head_stride, int num_threads) {                \
+        const int group = num_heads / num_kv_heads;                                                             \
+        if (head_dim > MAX_HEAD_DIM || group > MAX_GROUP || block_size > MAX_BLOCK || num_reqs < 0) return -1;  \
+        int64_t *first = malloc((size_t)(num_reqs + 1) * sizeof *first); /* request r's first run */            \
+        if (first == NULL) return -3;                                                                           \
+        first[0] = 0;                                                                                           \
+        for (int r = 0; r < num_reqs; r++) {                                                                    \
+            const int n = seq_lens[r] - first_position(seq_lens[r], window);                                    \
+            first[r + 1] = first[r] + (n > SPLIT ? (n + SPLIT - 1) / SPLIT : 1);                                \
+        }                                                                                                       \
+        const int64_t runs = first[num_reqs], width = head_dim + 2; /* a partial state: acc, max, sum */        \
+        float *parts = NULL;                                                                                    \
+        if (runs > num_reqs) {                                                                                  \
+            parts = malloc((size_t)(runs * num_heads * width) * sizeof *parts);                                 \
+            if (parts == NULL) {                                                                                \
+                free(first);                                                                                    \
+                return -3;                                                                                      \
+            }                                                                                                   \
+        }                                                                                                       \
+        _Pragma("omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)")                   \
+        for (int64_t run = 0; run < runs; run++) {                                                              \
+            for (int kvh = 0; kvh < num_kv_heads; kvh++) {                                                      \
+                float acc[MAX_GROUP][MAX_HEAD_DIM], run_max[MAX_GROUP], run_sum[MAX_GROUP];                     \
+                const int r = request_of(first, num_reqs, run), lo = first_position(seq_lens[r], window);       \
+                const int cut = first[r + 1] - first[r] > 1, p0 = lo + (int)(run - first[r]) * SPLIT;           \
+                const int p1 = cut && p0 + SPLIT < seq_lens[r] ? p0 + SPLIT : seq_lens[r];                      \
+                PART(query + r * query_stride + (int64_t)kvh * group * head_dim, key_cache, value_cache,        \
+                     block_table + (int64_t)r * table_stride, p0, p1, group, head_dim, block_size, scale,       \
+                     (int64_t)kvh * head_stride, block_stride, token_stride, acc, run_max, run_sum);            \
+                for (int g = 0; g < group; g++) {                                                               \
+                    const int64_t h = (int64_t)kvh * group + g;                                                 \
+                    if (cut) {                                                                                  \
+                        float *part = parts + (run * num_heads + h) * width;                                    \
+                        memcpy(part, acc[g], (size_t)head_dim * sizeof *part);                                  \
+                        part[head_dim] = run_max[g];                                                            \
+                        part[head_dim + 1] = run_sum[g];                                                        \
+                        continue;                                                                               \
+                    }                                                                                           \
+                    T *op = out + ((int64_t)r * num_heads + h) * head_dim;                                      \
+                    const float inv = run_sum[g] > 0.0f ? 1.0f / run_sum[g] : 0.0f;                             \
+                    for (int d = 0; d < head_dim; d++) op[d] = STORE(acc[g][d] * inv);                          \
+                }                                                                                               \
+            }                                                                                                   \
+        }                                                                                                       \
+        if (parts != NULL) {                                                                                    \
+            _Pragma("omp parallel for collapse(2) num_threads(num_threads)")                                    \
+            for (int r = 0; r < num_reqs; r++)                                                                  \
+                for (int h = 0; h < num_heads; h++)                                                             \
+                    if (first[r + 1] - first[r] > 1)                                                            \
+                        merge_runs(parts + (first[r] * num_heads + h) * width, first[r + 1] - first[r],         \
+                                   num_heads * width, head_dim, out + ((int64_t)r * num_heads + h) * head_dim,  \
+                                   sizeof *out);                                                                \
+        }                                                                                                       \
+        free(parts);                                                                                            \
+        free(first);                                                                                            \
+        return 0;                                                                                               \
+    }
+
+/* A cached key or value row as float32: float32 ones are read in place (a copy was a libc call a token, most
+ * of a long context's step), bf16 ones widened into buf. */
+static inline const float *row_f32(const float *p, float *buf, int n) {
+    (void)buf, (void)n;
+    return p;
+}
+
+static inline const float *row_bf16(const uint16_t *p, float *buf, int n) {
+    for (int d = 0; d < n; d++) buf[d] = bf16_to_float(p[d]);
+    return buf;
+}
 
 #define LOAD_F32(x) (x)
 #define STORE_F32(x) (x)
-DEFINE_KERNEL(decode_attention_f32, float, LOAD_F32, STORE_F32)
-DEFINE_KERNEL(decode_attention_bf16_generic, uint16_t, bf16_to_float, float_to_bf16)
+DEFINE_PART(part_f32, float, LOAD_F32, row_f32)
+DEFINE_PART(part_bf16, uint16_t, bf16_to_float, row_bf16)
+DEFINE_KERNEL(decode_attention_f32, part_f32, float, STORE_F32)
+DEFINE_KERNEL(decode_attention_bf16_generic, part_bf16, uint16_t, float_to_bf16)
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include "cpu_avx512.h"

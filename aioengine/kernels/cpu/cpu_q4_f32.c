@@ -125,12 +125,98 @@ static inline void q4f_block_sums(const float *r, int64_t k, float *s) {
     }
 }
 
+/* From QF_TILED_FROM rows a thread widens QF_TILE_O outputs' weights into a buffer once, d q + m in one rounding (d q
+ * is exact: a float16-sized scale times a small code), which is the float32 weight the codes were recovered from
+ * (gpu/cpu/block_codes.py), then meets every row with them QF_TILE_R rows at a time: the widening is paid once
+ * for all rows instead of once a pass, each x vector serves QF_TILE_O outputs, and no offsets are left to add. */
+#define QF_TILE_O 3
+#define QF_TILE_R 4 /* 12 sums, 3 weight vectors and an x vector: AVX2's 16 registers */
+#define QF_TILED_FROM 10 /* rows; below, the passes of Q4F_MAXR rows were as fast or faster (docs/benchmarks.md) */
+
+/* one output's d q (+ m) over k inputs, widened into w (bits 4: q4f_pack's layout; 8: q8f_pack's) */
+static void qf_widen(const uint8_t *u, const float *d, const float *mn, int64_t k, const int bits, float *w) {
+    for (int64_t c = 0; c < k; c += 64) {
+        q4f_vf f[8];
+        if (bits == 4) {
+            q4f_vi v;
+            memcpy(&v, u + c / 2, sizeof v);
+            for (int j = 0; j < 8; j++) f[j] = __builtin_convertvector((v >> (4 * j)) & 15, q4f_vf);
+        } else {
+            q4f_vi v[2];
+            memcpy(v, u + c, sizeof v);
+            for (int j = 0; j < 8; j++) f[j] = __builtin_convertvector((v[j / 4] << (24 - 8 * (j % 4))) >> 24, q4f_vf);
+        }
+        for (int j = 0; j < 8; j++) {
+            const q4f_vf wj = f[j] * d[c / 32 + j / 4] + (mn != NULL ? mn[c / 32 + j / 4] : 0.0f);
+            memcpy(w + c + 8 * j, &wj, sizeof wj);
+        }
+    }
+}
+
+/* out[r][i] = sum over k of x row r times widened output i, for M rows (a constant per call) */
+static inline __attribute__((always_inline)) void qf_tile(const float *x, int64_t ldx, const float *w, int64_t k,
+                                                           const int M, float out[QF_TILE_R][QF_TILE_O]) {
+    q4f_vf acc[QF_TILE_R][QF_TILE_O];
+    for (int r = 0; r < M; r++)
+        for (int i = 0; i < QF_TILE_O; i++) acc[r][i] = (q4f_vf){0};
+    for (int64_t c = 0; c < k; c += 8) {
+        q4f_vf wv[QF_TILE_O];
+        for (int i = 0; i < QF_TILE_O; i++) wv[i] = q4f_load(w + i * k + c);
+        for (int r = 0; r < M; r++) {
+            const q4f_vf xv = q4f_load(x + r * ldx + c);
+            for (int i = 0; i < QF_TILE_O; i++) acc[r][i] += xv * wv[i];
+        }
+    }
+    for (int r = 0; r < M; r++)
+        for (int i = 0; i < QF_TILE_O; i++) out[r][i] = q4f_sum(acc[r][i]);
+}
+
+static int qf_gemm(const float *x, int64_t ldx, const uint8_t *u, const float *d, const float *mn, const float *bias, float *y, int64_t ldy, int64_t m, int64_t n, int64_t k, int num_threads,
+                   const int bits) {
+    const int64_t blocks = k / 32, tiles = (n + QF_TILE_O - 1) / QF_TILE_O;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *w = malloc((size_t)(QF_TILE_O * k) * sizeof *w);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) {
+            if (w == NULL) {
+                failed = 1;
+                continue;
+            }
+            const int64_t o0 = t * QF_TILE_O;
+            const int no = n - o0 < QF_TILE_O ? (int)(n - o0) : QF_TILE_O;
+            for (int i = 0; i < QF_TILE_O; i++) { /* a short last tile repeats its last output (not written) */
+                const int64_t o = o0 + (i < no ? i : no - 1);
+                qf_widen(u + o * k * bits / 8, d + o * blocks, mn != NULL ? mn + o * blocks : NULL, k, bits, w + i * k);
+            }
+            for (int64_t r0 = 0; r0 < m; r0 += QF_TILE_R) {
+                const int M = m - r0 < QF_TILE_R ? (int)(m - r0) : QF_TILE_R;
+                float out[QF_TILE_R][QF_TILE_O];
+                const float *xr = x + r0 * ldx;
+                switch (M) { /* a constant M: the sums stay in registers */
+                case 1: qf_tile(xr, ldx, w, k, 1, out); break;
+                case 2: qf_tile(xr, ldx, w, k, 2, out); break;
+                case 3: qf_tile(xr, ldx, w, k, 3, out); break;
+                default: qf_tile(xr, ldx, w, k, 4, out); break;
+                }
+                for (int r = 0; r < M; r++)
+                    for (int i = 0; i < no; i++)
+                        y[(r0 + r) * ldy + o0 + i] = out[r][i] + (bias != NULL ? bias[o0 + i] : 0.0f);
+            }
+        }
+        free(w);
+    }
+    return failed ? -3 : 0;
+}
+
 /* y = x [M, K] W^T (+ bias), float32, W = d q (+ m) per block of 32 from q4f_pack's codes (bits 4, mn given)
  * or q8f_pack's (bits 8, mn NULL), K a multiple of 64, d and mn float32 [N, K / 32]. */
 static int qf_gemv(const float *x, int64_t ldx, const uint8_t *u, const float *d, const float *mn, const float *bias,
                    float *y, int64_t ldy, int64_t m, int64_t n, int64_t k, int num_threads, const int bits) {
     if (k % 64 != 0 || m < 0) return -2;
     if (m == 0) return 0;
+    if (m >= QF_TILED_FROM) return qf_gemm(x, ldx, u, d, mn, bias, y, ldy, m, n, k, num_threads, bits);
     const int64_t blocks = k / 32;
     float *sums = NULL; /* each row's sum of x per block, for the offsets */
     if (mn != NULL) {

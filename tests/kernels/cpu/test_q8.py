@@ -251,12 +251,27 @@ def test_affine_4bit_codes_come_only_in_blocks_of_32():
         q8.qgemv_f32(x, q8.pack4(q), torch.ones(8, 4), 16, mins=torch.ones(8, 4))
 
 
-@pytest.mark.parametrize("rows", [0, 1, 3, 4, 5, 9, 16])
+TILED_FROM = 10  # cpu_q4_f32.c's QF_TILED_FROM: from this many rows the weights are widened once for all
+
+
+def _same_bits_alone(gemv, x: torch.Tensor, got: torch.Tensor) -> None:
+    """Below TILED_FROM rows each row alone gives the batch's bits; from it, any TILED_FROM of the rows do."""
+    rows = x.shape[0]
+    if rows < TILED_FROM:
+        for r in range(0, rows, 4):
+            assert torch.equal(gemv(x[r : r + 1].contiguous())[0], got[r].float())
+    else:
+        tail = x[rows - TILED_FROM :].contiguous()
+        assert torch.equal(gemv(tail), got[rows - TILED_FROM :].float())
+
+
+@pytest.mark.parametrize("rows", [0, 1, 3, 4, 5, 9, 10, 16, 33])
 @pytest.mark.parametrize(("n", "k"), [(37, 64), (300, 640), (64, 1536)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_affine_4bit_float32_fmas_take_x_as_it_is(rows, n, k, with_bias):
     """cpu_q4_f32.c: float32 rows (strided) against the exact weights with no cut of x: the exact dot but
-    for float32's sums, for every row past its 4 a pass; each row alone gives the same bits."""
+    for float32's sums, for every row past its 4 a pass and in the tiles of many rows (odd output counts
+    leave a short last tile); a row's bits do not depend on the rows beside it (within each path)."""
     x, q, scale, mins, w = _affine_case(max(rows, 1), n, k, rows * 11 + n + k)
     x = x[:rows]
     bias = torch.randn(n) if with_bias else None
@@ -270,17 +285,15 @@ def test_affine_4bit_float32_fmas_take_x_as_it_is(rows, n, k, with_bias):
     dq = (q.double().view(n, -1, 32) * scale.double()[..., None]).view(n, k)
     bound = 2e-6 * (xd.abs() @ (dq.abs() + w.abs()).t() + 1)
     assert got.shape == (rows, n) and ((got - want).abs() <= bound).all()
-    for r in range(0, rows, 4):
-        alone = q8.q4f_gemv(x[r : r + 1].contiguous(), packed, scale, mins, bias)
-        assert torch.equal(alone[0], got[r].float())
+    _same_bits_alone(lambda rows_: q8.q4f_gemv(rows_, packed, scale, mins, bias), x, got)
 
 
-@pytest.mark.parametrize("rows", [0, 1, 3, 4, 5, 9, 16])
+@pytest.mark.parametrize("rows", [0, 1, 3, 4, 5, 9, 10, 16, 33])
 @pytest.mark.parametrize(("n", "k"), [(37, 64), (300, 640), (64, 1536)])
 def test_symmetric_8bit_float32_fmas_take_x_as_it_is(rows, n, k):
     """cpu_q4_f32.c's 8-bit codes (Q8_0's: w = d q, q in [-127, 127], the head's): float32 rows (strided)
-    against the exact weights with no cut of x, for every row past its 4 a pass; each row alone gives the
-    same bits."""
+    against the exact weights with no cut of x, in passes of 4 rows and in tiles; a row's bits do not
+    depend on the rows beside it (within each path)."""
     g = torch.Generator().manual_seed(rows * 7 + n + k)
     q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
     scale = torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3
@@ -294,6 +307,4 @@ def test_symmetric_8bit_float32_fmas_take_x_as_it_is(rows, n, k):
     xd = x.double()
     bound = 2e-6 * (xd.abs() @ w.abs().t() + 1)
     assert got.shape == (rows, n) and ((got - xd @ w.t()).abs() <= bound).all()
-    for r in range(0, rows, 4):
-        alone = q8.q8f_gemv(x[r : r + 1].contiguous(), packed, scale)
-        assert torch.equal(alone[0], got[r].float())
+    _same_bits_alone(lambda rows_: q8.q8f_gemv(rows_, packed, scale), x, got)
