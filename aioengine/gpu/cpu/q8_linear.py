@@ -44,6 +44,9 @@ MAX_ROWS = {
 # bf16 rows against 4-bit codes with bf16 dots (cpu_q4_bf16.c): their arithmetic is near the GEMM's, so they
 # lead up to about 8 rows, cover a verified query of 1 + 8 and lose at 16 (docs/benchmarks.md)
 MAX_ROWS_TILES = 9
+# float32 rows on 4-bit codes with FMAs: from 10 rows cpu_q4_f32.c widens the weights once for all rows, which
+# led the float32 GEMM at 32 rows and lost at 64 (avx2, docs/benchmarks.md)
+MAX_ROWS_FMA = 32
 _LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
@@ -81,7 +84,9 @@ class Q8Linear(nn.Module):
         self.tiles = mins is not None and self.dtype == torch.bfloat16 and q8.bf16_dots()
         # float32 rows on 4-bit codes: float32 FMAs where they beat the integer dots (cpu_q4_f32.c)
         self.fma = mins is not None and self.dtype == torch.float32 and q8.f32_fma()
-        default_rows = MAX_ROWS_TILES if self.tiles else MAX_ROWS[self.dtype, self.block]
+        default_rows = (
+            MAX_ROWS_TILES if self.tiles else MAX_ROWS_FMA if self.fma else MAX_ROWS[self.dtype, self.block]
+        )
         self.max_rows = default_rows if max_rows is None else max_rows
         if self.activation is not None:  # gate/up row pairs: the kernel's epilogue sees both halves at once
             codes, scales = _pairs(codes), _pairs(scales)
