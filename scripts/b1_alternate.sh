@@ -5,6 +5,8 @@
 # usage: LLAMA_SERVER=path/to/llama-server [GGUF=...] scripts/b1_alternate.sh [RESULTS_DIR] [ROUNDS=8] [aioengine flags]
 # AIO_B="--no-cpu-q8-linears" adds a second aioengine server with those flags to every round (an A/B of a lever).
 # CLIENTS=16 runs that many streaming clients at once (4 requests each; llama-server gets as many slots).
+# The offline workload through both servers: CLIENTS=64 PROMPTS=64 DATASET=shared OUTPUT_LEN=128 SLOT_CTX=512
+# (every prompt sent at once; SLOT_CTX is llama-server's context a slot, 4096 unless set).
 set -u
 cd "$(dirname "$0")/.."
 out=${1:-b1-alternate}; rounds=${2:-8}; shift $(($# < 2 ? $# : 2)); mkdir -p "$out"
@@ -15,7 +17,7 @@ case "${GGUF:-gemma}" in
 esac
 FOLDER=$(python -c "from aioengine.model.files import resolve_model; print(resolve_model('$GGUF'))" 2>/dev/null | tail -1)
 wait_up() { for _ in $(seq 1 180); do curl -sf http://127.0.0.1:$1/v1/models >/dev/null && return 0; sleep 1; done; return 1; }
-"$LLAMA_SERVER" -m "$GGUF" -t 2 -np "$clients" -c $((clients * 4096)) --port 8141 > "$out/llama-server.log" 2>&1 &
+"$LLAMA_SERVER" -m "$GGUF" -t 2 -np "$clients" -c $((clients * ${SLOT_CTX:-4096})) --port 8141 > "$out/llama-server.log" 2>&1 &
 lpid=$!
 python -m aioengine serve "$GGUF" --max-model-len 2048 --port 8142 --disable-log-stats "$@" > "$out/aio-server.log" 2>&1 &
 apid=$!
@@ -30,7 +32,8 @@ wait_up 8141 && wait_up 8142 || { kill $lpid $apid; exit 1; }
 for r in $(seq 1 "$rounds"); do
   for side in $sides; do
     python -m aioengine bench serve --base-url http://127.0.0.1:${side#*:} --tokenizer "$FOLDER" --temperature 0 \
-      --ignore-eos --num-prompts $((4 * clients)) --output-len 64 --max-concurrency "$clients" \
+      --ignore-eos --num-prompts "${PROMPTS:-$((4 * clients))}" --output-len "${OUTPUT_LEN:-64}" \
+      --max-concurrency "$clients" ${DATASET:+--dataset "$DATASET"} \
       > "$out/${side%:*}-$r.txt" 2>&1
   done
 done

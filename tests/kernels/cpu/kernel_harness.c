@@ -52,6 +52,12 @@ int main(int argc, char **argv) {
                                          OUT_BF16, NULL, 1);
         return status != 0 ? 3 : write_output(argv[3], y, (size_t)(m * n) * 2);
     }
+    if (strcmp(kernel, "q4f_gemv_f32") == 0) { /* p: m n k; arr: x u scale mins */
+        const int64_t m = p[0], n = p[1], k = p[2];
+        float *y = malloc((size_t)(m * n) * 4);
+        const int status = q4f_gemv_f32(arr[0], k, arr[1], arr[2], arr[3], NULL, y, n, m, n, k, 1);
+        return status != 0 ? 3 : write_output(argv[3], y, (size_t)(m * n) * 4);
+    }
     if (strcmp(kernel, "moe_q4f_f32") == 0) { /* p: T H I k E; arr: x ids weights, then stacked [E, ...]
                                                  * gate_up codes scales mins, down codes scales mins */
         const int64_t T = p[0], H = p[1], I = p[2], k = p[3], E = p[4];

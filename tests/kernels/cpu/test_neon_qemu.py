@@ -186,12 +186,16 @@ def test_rotary(harness, tmp_path):
     torch.testing.assert_close(got, reference.rotary(positions, x, x, cache)[0], rtol=1e-6, atol=1e-5)
 
 
-@pytest.mark.parametrize("window", [0, 5])
-def test_decode_attention(harness, tmp_path, window):
-    """Paged decode attention (GQA, a partial last block, a sliding window) against softmax(q K^T) V."""
+@pytest.mark.parametrize(
+    ("window", "lens"), [(0, (1, 20, 48)), (5, (1, 20, 48)), (0, (1, 300, 600)), (290, (1, 300, 600))]
+)
+def test_decode_attention(harness, tmp_path, window, lens):
+    """Paged decode attention (GQA, a partial last block, a sliding window; sequences past 256 positions cut
+    into runs and merged) against softmax(q K^T) V."""
     g = torch.Generator().manual_seed(2)
-    reqs, hq, hkv, d, bs, per_req = 3, 6, 2, 64, 16, 3
-    seq_lens = torch.tensor([1, 20, 48], dtype=torch.int32)
+    reqs, hq, hkv, d, bs = 3, 6, 2, 64, 16
+    per_req = -(-max(lens) // bs)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
     blocks = reqs * per_req
     k_cache, v_cache = (torch.randn(blocks, bs, hkv, d, generator=g) for _ in range(2))
     table = torch.randperm(blocks, generator=g).view(reqs, per_req).to(torch.int32)
@@ -240,3 +244,19 @@ def test_fused_moe_on_affine_4bit_codes(harness, tmp_path):
                (tokens, hidden), tmp_path)  # fmt: skip
     want = fused_moe_by_expert(x.double(), StackedExperts(w13, w2), weights.double(), ids)
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [3, 12])
+def test_affine_4bit_float32_fmas(harness, tmp_path, rows):
+    """cpu_q4_f32.c's q4f_gemv_f32: x as it is against d q + m, in passes of 4 rows (3) and in tiles with
+    the weights widened once (12 rows; 37 outputs leave a short last tile)."""
+    g = torch.Generator().manual_seed(rows)
+    n, k = 37, 128
+    x = torch.randn(rows, k, generator=g)
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    scale = torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3
+    mins = -torch.rand(n, k // 32, generator=g) * 0.1
+    got = _run(harness, "q4f_gemv_f32", [rows, n, k], [x, q8.pack4_f32(q), scale, mins], torch.float32,
+               (rows, n), tmp_path)  # fmt: skip
+    w = (q.double().view(n, -1, 32) * scale.double()[..., None] + mins.double()[..., None]).view(n, k)
+    torch.testing.assert_close(got.double(), x.double() @ w.t(), rtol=1e-5, atol=1e-5)
