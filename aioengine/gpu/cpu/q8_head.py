@@ -15,8 +15,9 @@ it (avx2, avx512, neon: several instructions a dot instead of one) the codes cos
 64 rows the float32 GEMM measured faster (docs/benchmarks.md, per-ISA defaults): there the head keeps its GEMM
 past ``MAX_ROWS_FLOAT32`` rows too. Where the level prefers float32 FMAs on codes (``q8.f32_fma``: x86
 without VNNI), rows from ``FMA_FROM_ROWS`` to ``MAX_ROWS_FMA`` take cpu_q4_f32.c's 8-bit FMAs instead (x
-uncut, the widened codes shared by 4 rows a pass), which measured faster than both the integer dots and the
-GEMM there. A checkpoint whose head is not an exact Q8_0 dequantization keeps its GEMM.
+uncut, the widened codes shared by 4 rows a pass, or panels widened once for all rows from 10), which
+measured faster than both the integer dots and the GEMM there. A checkpoint whose head is not an exact Q8_0
+dequantization keeps its GEMM.
 """
 
 from __future__ import annotations
@@ -40,9 +41,10 @@ MAX_ROWS_BF16 = 4
 # NEON (no VNNI, no FMAs on codes preferred): below the 16 rows where the float32 GEMM measured faster at avx2
 # (at 1 row the codes' sample took about a third of the GEMM's); not measured on an ARM core.
 MAX_ROWS_FLOAT32 = 4
-# Where the level prefers FMAs on codes (x86 without VNNI): the dots up to 2 rows, the FMAs from 3 to 32, the
-# GEMM past 32 (the crossovers measured at avx2, docs/benchmarks.md).
-FMA_FROM_ROWS, MAX_ROWS_FMA = 3, 32
+# Where the level prefers FMAs on codes (x86 without VNNI): the dots up to 2 rows, the FMAs from 3 (on widened
+# panels from 10, which led the float32 GEMM up to 128 rows), the GEMM past 256 (measured at avx2,
+# docs/benchmarks.md).
+FMA_FROM_ROWS, MAX_ROWS_FMA = 3, 256
 _HEAD_NAMES = ("lm_head.weight", "model.embed_tokens.weight")  # a tied head is the embedding
 
 

@@ -10,7 +10,8 @@ span more than 2^8; 4-bit codes on AVX512-BF16 take them uncut, cpu_q4_bf16.c) a
 float32's own rounding).
 The kernel's arithmetic per weight is several times the bf16 GEMM's, so past a few rows (``MAX_ROWS``, the
 crossovers measured per dtype and block size) the model's own linear, kept beside the codes, runs: the
-packed bf16 GEMM, or float32's transposed one (which reads 4 bytes a weight and loses until about 16 rows).
+packed bf16 GEMM, or float32's transposed one (which reads 4 bytes a weight: where the level takes FMAs on
+4-bit codes it runs only prompts, which never take the codes, and decode steps past MAX_ROWS_FMA rows).
 Only steps of decodes take the codes (``CodedSteps``): a prompt's rows go through the GEMM however few they
 are, so its KV, pooled embedding and prompt logprobs do not depend on what else shared its step. The bf16
 decode stack (cpu_decode_stack.c) makes the same choice with the same kernels, so both paths keep one
@@ -44,9 +45,10 @@ MAX_ROWS = {
 # bf16 rows against 4-bit codes with bf16 dots (cpu_q4_bf16.c): their arithmetic is near the GEMM's, so they
 # lead up to about 8 rows, cover a verified query of 1 + 8 and lose at 16 (docs/benchmarks.md)
 MAX_ROWS_TILES = 9
-# float32 rows on 4-bit codes with FMAs: from 10 rows cpu_q4_f32.c widens the weights once for all rows, which
-# led the float32 GEMM at 32 rows and lost at 64 (avx2, docs/benchmarks.md)
-MAX_ROWS_FMA = 32
+# float32 rows on 4-bit codes with FMAs: from 10 rows cpu_q4_f32.c widens panels of the weights once for all
+# rows and runs a GEMM micro-kernel on them, which led the float32 GEMM at 16 to 128 rows (avx2,
+# docs/benchmarks.md); a decode step wider than this keeps the GEMM
+MAX_ROWS_FMA = 256
 _LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 

@@ -7,7 +7,8 @@
  * only roundings are float32's own, as in torch's GEMM over the dequantized weight. The codes are widened in
  * registers by shifts and masks, no shuffles: each 32-bit lane holds 8 codes, and code j of lane t is input
  * 8 j + t of its 64-input chunk, so the j-th widened vector meets x[8 j .. 8 j + 8) as it lies in memory. The
- * widened codes serve every row of a pass (up to Q4F_MAXR), so an extra row costs 8 FMAs per 64 weights.
+ * widened codes serve every row of a pass (up to Q4F_MAXR), so an extra row costs 8 FMAs per 64 weights; from
+ * QP_FROM rows the weights are widened into panels once for all rows instead (qp_gemm).
  * Written with GCC's vector extensions: AVX2 and NEON (two registers a vector) from one source.
  *
  * Layout (q4f_pack): per output, per 64-input chunk, 32 bytes: byte 4 t + i holds the codes of inputs
@@ -125,87 +126,103 @@ static inline void q4f_block_sums(const float *r, int64_t k, float *s) {
     }
 }
 
-/* From QF_TILED_FROM rows a thread widens QF_TILE_O outputs' weights into a buffer once, d q + m in one rounding (d q
- * is exact: a float16-sized scale times a small code), which is the float32 weight the codes were recovered from
- * (gpu/cpu/block_codes.py), then meets every row with them QF_TILE_R rows at a time: the widening is paid once
- * for all rows instead of once a pass, each x vector serves QF_TILE_O outputs, and no offsets are left to add. */
-#define QF_TILE_O 3
-#define QF_TILE_R 4 /* 12 sums, 3 weight vectors and an x vector: AVX2's 16 registers */
-#define QF_TILED_FROM 10 /* rows; below, the passes of Q4F_MAXR rows were as fast or faster (docs/benchmarks.md) */
+/* From QP_FROM rows a thread widens a panel of QP_WIDTH outputs' weights into a buffer once, d q + m in one
+ * rounding (d q is exact: a float16-sized scale times a small code), which is the float32 weight the codes were
+ * recovered from (gpu/cpu/block_codes.py), laid out k-major, and meets every row with it QP_ROWS rows at a
+ * time, as a GEMM's micro-kernel does: each input of a row is broadcast against 16 outputs' weights, so there
+ * is no sum across lanes and no offsets are left to add, and the widening is paid once for all rows. */
+#define QP_FROM 10  /* rows; below, the passes of Q4F_MAXR rows were as fast or faster (docs/benchmarks.md) */
+#define QP_WIDTH 16 /* outputs a panel: two vectors */
+#define QP_ROWS 6   /* rows a tile: 12 sums, 2 weight vectors and a broadcast x in AVX2's 16 registers */
 
-/* one output's d q (+ m) over k inputs, widened into w (bits 4: q4f_pack's layout; 8: q8f_pack's) */
-static void qf_widen(const uint8_t *u, const float *d, const float *mn, int64_t k, const int bits, float *w) {
-    for (int64_t c = 0; c < k; c += 64) {
-        q4f_vf f[8];
-        if (bits == 4) {
-            q4f_vi v;
-            memcpy(&v, u + c / 2, sizeof v);
-            for (int j = 0; j < 8; j++) f[j] = __builtin_convertvector((v >> (4 * j)) & 15, q4f_vf);
-        } else {
-            q4f_vi v[2];
-            memcpy(v, u + c, sizeof v);
-            for (int j = 0; j < 8; j++) f[j] = __builtin_convertvector((v[j / 4] << (24 - 8 * (j % 4))) >> 24, q4f_vf);
-        }
-        for (int j = 0; j < 8; j++) {
-            const q4f_vf wj = f[j] * d[c / 32 + j / 4] + (mn != NULL ? mn[c / 32 + j / 4] : 0.0f);
-            memcpy(w + c + 8 * j, &wj, sizeof wj);
+/* Outputs o0 .. o0 + QP_WIDTH's weights d q (+ m), k-major: p[c * QP_WIDTH + i] is output o0 + i's weight at
+ * input c (outputs at or past n repeat the last one, never written out). A vector gathers the same 32-bit word
+ * of 8 outputs' codes, so the widening shifts and masks meet 8 outputs at one input. */
+static void qp_widen(const uint8_t *u, const float *d, const float *mn, int64_t n, int64_t o0, int64_t k,
+                     const int bits, float *p) {
+    const int64_t blocks = k / 32;
+    for (int h = 0; h < QP_WIDTH / 8; h++) {
+        int64_t o[8];
+        for (int i = 0; i < 8; i++) o[i] = o0 + 8 * h + i < n ? o0 + 8 * h + i : n - 1;
+        for (int64_t c = 0; c < k; c += 64) {
+            q4f_vf dv[2], mv[2];
+            for (int b = 0; b < 2; b++)
+                for (int i = 0; i < 8; i++) {
+                    dv[b][i] = d[o[i] * blocks + c / 32 + b];
+                    mv[b][i] = mn != NULL ? mn[o[i] * blocks + c / 32 + b] : 0.0f;
+                }
+            for (int t = 0; t < 8; t++) /* word t of a 32-byte group holds inputs 8 j + t (q4f_pack, q8f_pack) */
+                for (int g = 0; g < bits / 4; g++) {
+                    q4f_vi v;
+                    for (int i = 0; i < 8; i++) {
+                        uint32_t word;
+                        memcpy(&word, u + (o[i] * k + c) * bits / 8 + 32 * g + 4 * t, sizeof word);
+                        v[i] = (int32_t)word;
+                    }
+                    for (int j = 0; j < 32 / bits; j++) { /* 8 codes (4-bit) or 4 (8-bit) a word */
+                        const int at = bits == 4 ? 8 * j + t : 32 * g + 8 * j + t;
+                        const q4f_vi code = bits == 4 ? (v >> (4 * j)) & 15 : (v << (24 - 8 * j)) >> 24;
+                        const q4f_vf w = __builtin_convertvector(code, q4f_vf) * dv[at / 32] + mv[at / 32];
+                        memcpy(p + (c + at) * QP_WIDTH + 8 * h, &w, sizeof w);
+                    }
+                }
         }
     }
 }
 
-/* out[r][i] = sum over k of x row r times widened output i, for M rows (a constant per call) */
-static inline __attribute__((always_inline)) void qf_tile(const float *x, int64_t ldx, const float *w, int64_t k,
-                                                           const int M, float out[QF_TILE_R][QF_TILE_O]) {
-    q4f_vf acc[QF_TILE_R][QF_TILE_O];
-    for (int r = 0; r < M; r++)
-        for (int i = 0; i < QF_TILE_O; i++) acc[r][i] = (q4f_vf){0};
-    for (int64_t c = 0; c < k; c += 8) {
-        q4f_vf wv[QF_TILE_O];
-        for (int i = 0; i < QF_TILE_O; i++) wv[i] = q4f_load(w + i * k + c);
+/* M rows (a constant per call) against a widened panel: y[r][o0 + i] for i < no, plus bias */
+static inline __attribute__((always_inline)) void qp_tile(const float *x, int64_t ldx, const float *p, int64_t k,
+                                                           const int M, const float *bias, float *y, int64_t ldy,
+                                                           int no) {
+    q4f_vf acc[QP_ROWS][2];
+    for (int r = 0; r < M; r++) acc[r][0] = acc[r][1] = (q4f_vf){0};
+    for (int64_t c = 0; c < k; c++) {
+        const q4f_vf w0 = q4f_load(p + c * QP_WIDTH), w1 = q4f_load(p + c * QP_WIDTH + 8);
         for (int r = 0; r < M; r++) {
-            const q4f_vf xv = q4f_load(x + r * ldx + c);
-            for (int i = 0; i < QF_TILE_O; i++) acc[r][i] += xv * wv[i];
+            const float xs = x[r * ldx + c];
+            acc[r][0] += xs * w0;
+            acc[r][1] += xs * w1;
         }
     }
-    for (int r = 0; r < M; r++)
-        for (int i = 0; i < QF_TILE_O; i++) out[r][i] = q4f_sum(acc[r][i]);
+    for (int r = 0; r < M; r++) {
+        float out[QP_WIDTH];
+        memcpy(out, &acc[r][0], sizeof acc[r][0]);
+        memcpy(out + 8, &acc[r][1], sizeof acc[r][1]);
+        for (int i = 0; i < no; i++) y[r * ldy + i] = out[i] + (bias != NULL ? bias[i] : 0.0f);
+    }
 }
 
-static int qf_gemm(const float *x, int64_t ldx, const uint8_t *u, const float *d, const float *mn, const float *bias, float *y, int64_t ldy, int64_t m, int64_t n, int64_t k, int num_threads,
-                   const int bits) {
-    const int64_t blocks = k / 32, tiles = (n + QF_TILE_O - 1) / QF_TILE_O;
+static int qp_gemm(const float *x, int64_t ldx, const uint8_t *u, const float *d, const float *mn, const float *bias,
+                   float *y, int64_t ldy, int64_t m, int64_t n, int64_t k, int num_threads, const int bits) {
+    const int64_t panels = (n + QP_WIDTH - 1) / QP_WIDTH;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        float *w = malloc((size_t)(QF_TILE_O * k) * sizeof *w);
+        float *p = malloc((size_t)(QP_WIDTH * k) * sizeof *p);
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < tiles; t++) {
-            if (w == NULL) {
+        for (int64_t t = 0; t < panels; t++) {
+            if (p == NULL) {
                 failed = 1;
                 continue;
             }
-            const int64_t o0 = t * QF_TILE_O;
-            const int no = n - o0 < QF_TILE_O ? (int)(n - o0) : QF_TILE_O;
-            for (int i = 0; i < QF_TILE_O; i++) { /* a short last tile repeats its last output (not written) */
-                const int64_t o = o0 + (i < no ? i : no - 1);
-                qf_widen(u + o * k * bits / 8, d + o * blocks, mn != NULL ? mn + o * blocks : NULL, k, bits, w + i * k);
-            }
-            for (int64_t r0 = 0; r0 < m; r0 += QF_TILE_R) {
-                const int M = m - r0 < QF_TILE_R ? (int)(m - r0) : QF_TILE_R;
-                float out[QF_TILE_R][QF_TILE_O];
+            const int64_t o0 = t * QP_WIDTH;
+            const int no = n - o0 < QP_WIDTH ? (int)(n - o0) : QP_WIDTH;
+            qp_widen(u, d, mn, n, o0, k, bits, p);
+            const float *b = bias != NULL ? bias + o0 : NULL;
+            for (int64_t r0 = 0; r0 < m; r0 += QP_ROWS) {
                 const float *xr = x + r0 * ldx;
-                switch (M) { /* a constant M: the sums stay in registers */
-                case 1: qf_tile(xr, ldx, w, k, 1, out); break;
-                case 2: qf_tile(xr, ldx, w, k, 2, out); break;
-                case 3: qf_tile(xr, ldx, w, k, 3, out); break;
-                default: qf_tile(xr, ldx, w, k, 4, out); break;
+                float *yr = y + r0 * ldy + o0;
+                switch (m - r0 < QP_ROWS ? (int)(m - r0) : QP_ROWS) { /* a constant M: the sums stay in registers */
+                case 1: qp_tile(xr, ldx, p, k, 1, b, yr, ldy, no); break;
+                case 2: qp_tile(xr, ldx, p, k, 2, b, yr, ldy, no); break;
+                case 3: qp_tile(xr, ldx, p, k, 3, b, yr, ldy, no); break;
+                case 4: qp_tile(xr, ldx, p, k, 4, b, yr, ldy, no); break;
+                case 5: qp_tile(xr, ldx, p, k, 5, b, yr, ldy, no); break;
+                default: qp_tile(xr, ldx, p, k, 6, b, yr, ldy, no); break;
                 }
-                for (int r = 0; r < M; r++)
-                    for (int i = 0; i < no; i++)
-                        y[(r0 + r) * ldy + o0 + i] = out[r][i] + (bias != NULL ? bias[o0 + i] : 0.0f);
             }
         }
-        free(w);
+        free(p);
     }
     return failed ? -3 : 0;
 }
@@ -216,7 +233,7 @@ static int qf_gemv(const float *x, int64_t ldx, const uint8_t *u, const float *d
                    float *y, int64_t ldy, int64_t m, int64_t n, int64_t k, int num_threads, const int bits) {
     if (k % 64 != 0 || m < 0) return -2;
     if (m == 0) return 0;
-    if (m >= QF_TILED_FROM) return qf_gemm(x, ldx, u, d, mn, bias, y, ldy, m, n, k, num_threads, bits);
+    if (m >= QP_FROM) return qp_gemm(x, ldx, u, d, mn, bias, y, ldy, m, n, k, num_threads, bits);
     const int64_t blocks = k / 32;
     float *sums = NULL; /* each row's sum of x per block, for the offsets */
     if (mn != NULL) {

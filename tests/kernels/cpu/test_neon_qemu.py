@@ -248,8 +248,8 @@ def test_fused_moe_on_affine_4bit_codes(harness, tmp_path):
 
 @pytest.mark.parametrize("rows", [3, 12])
 def test_affine_4bit_float32_fmas(harness, tmp_path, rows):
-    """cpu_q4_f32.c's q4f_gemv_f32: x as it is against d q + m, in passes of 4 rows (3) and in tiles with
-    the weights widened once (12 rows; 37 outputs leave a short last tile)."""
+    """cpu_q4_f32.c's q4f_gemv_f32: x as it is against d q + m, in passes of 4 rows (3) and on panels
+    of 16 outputs widened once (12 rows: two tiles of 6; 37 outputs leave a short last panel)."""
     g = torch.Generator().manual_seed(rows)
     n, k = 37, 128
     x = torch.randn(rows, k, generator=g)

@@ -251,7 +251,7 @@ def test_affine_4bit_codes_come_only_in_blocks_of_32():
         q8.qgemv_f32(x, q8.pack4(q), torch.ones(8, 4), 16, mins=torch.ones(8, 4))
 
 
-TILED_FROM = 10  # cpu_q4_f32.c's QF_TILED_FROM: from this many rows the weights are widened once for all
+TILED_FROM = 10  # cpu_q4_f32.c's QP_FROM: from this many rows the weights are widened once for all
 
 
 def _same_bits_alone(gemv, x: torch.Tensor, got: torch.Tensor) -> None:
@@ -270,8 +270,8 @@ def _same_bits_alone(gemv, x: torch.Tensor, got: torch.Tensor) -> None:
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_affine_4bit_float32_fmas_take_x_as_it_is(rows, n, k, with_bias):
     """cpu_q4_f32.c: float32 rows (strided) against the exact weights with no cut of x: the exact dot but
-    for float32's sums, for every row past its 4 a pass and in the tiles of many rows (odd output counts
-    leave a short last tile); a row's bits do not depend on the rows beside it (within each path)."""
+    for float32's sums, for every row past its 4 a pass and on widened panels past 10 rows (odd output
+    counts leave a short last panel); a row's bits do not depend on the rows beside it (within each path)."""
     x, q, scale, mins, w = _affine_case(max(rows, 1), n, k, rows * 11 + n + k)
     x = x[:rows]
     bias = torch.randn(n) if with_bias else None
@@ -292,7 +292,7 @@ def test_affine_4bit_float32_fmas_take_x_as_it_is(rows, n, k, with_bias):
 @pytest.mark.parametrize(("n", "k"), [(37, 64), (300, 640), (64, 1536)])
 def test_symmetric_8bit_float32_fmas_take_x_as_it_is(rows, n, k):
     """cpu_q4_f32.c's 8-bit codes (Q8_0's: w = d q, q in [-127, 127], the head's): float32 rows (strided)
-    against the exact weights with no cut of x, in passes of 4 rows and in tiles; a row's bits do not
+    against the exact weights with no cut of x, in passes of 4 rows and on widened panels; a row's bits do not
     depend on the rows beside it (within each path)."""
     g = torch.Generator().manual_seed(rows * 7 + n + k)
     q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
