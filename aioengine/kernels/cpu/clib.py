@@ -653,6 +653,8 @@ def decode_attention(
         kv_cache.stride(3),
         torch.get_num_threads(),
     )
+    if status == -3:
+        raise MemoryError("decode attention: no memory for the runs' partial states")
     assert status == 0, "kernel rejected the shapes"
     return out
 

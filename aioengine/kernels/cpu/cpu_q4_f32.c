@@ -202,6 +202,7 @@ static int qp_gemm(const float *x, int64_t ldx, const uint8_t *u, const float *d
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < panels; t++) {
             if (p == NULL) {
+#pragma omp atomic write
                 failed = 1;
                 continue;
             }
