@@ -134,17 +134,18 @@ static inline void q4f_block_sums(const float *r, int64_t k, float *s) {
 #define QP_FROM 10  /* rows; below, the passes of Q4F_MAXR rows were as fast or faster (docs/benchmarks.md) */
 #define QP_WIDTH 16 /* outputs a panel: two vectors */
 #define QP_ROWS 6   /* rows a tile: 12 sums, 2 weight vectors and a broadcast x in AVX2's 16 registers */
+#define QP_KC 2048  /* inputs a panel holds (128 KB): wider layers are summed chunk by chunk, the panel in L2 */
 
-/* Outputs o0 .. o0 + QP_WIDTH's weights d q (+ m), k-major: p[c * QP_WIDTH + i] is output o0 + i's weight at
- * input c (outputs at or past n repeat the last one, never written out). A vector gathers the same 32-bit word
+/* Outputs o0 .. o0 + QP_WIDTH's weights d q (+ m) at inputs c0 .. c1, k-major: p[(c - c0) * QP_WIDTH + i] is
+ * output o0 + i's weight at input c (outputs at or past n repeat the last one, never written out). A vector gathers the same 32-bit word
  * of 8 outputs' codes, so the widening shifts and masks meet 8 outputs at one input. */
 static void qp_widen(const uint8_t *u, const float *d, const float *mn, int64_t n, int64_t o0, int64_t k,
-                     const int bits, float *p) {
+                     int64_t c0, int64_t c1, const int bits, float *p) {
     const int64_t blocks = k / 32;
     for (int h = 0; h < QP_WIDTH / 8; h++) {
         int64_t o[8];
         for (int i = 0; i < 8; i++) o[i] = o0 + 8 * h + i < n ? o0 + 8 * h + i : n - 1;
-        for (int64_t c = 0; c < k; c += 64) {
+        for (int64_t c = c0; c < c1; c += 64) {
             q4f_vf dv[2], mv[2];
             for (int b = 0; b < 2; b++)
                 for (int i = 0; i < 8; i++) {
@@ -163,17 +164,18 @@ static void qp_widen(const uint8_t *u, const float *d, const float *mn, int64_t 
                         const int at = bits == 4 ? 8 * j + t : 32 * g + 8 * j + t;
                         const q4f_vi code = bits == 4 ? (v >> (4 * j)) & 15 : (v << (24 - 8 * j)) >> 24;
                         const q4f_vf w = __builtin_convertvector(code, q4f_vf) * dv[at / 32] + mv[at / 32];
-                        memcpy(p + (c + at) * QP_WIDTH + 8 * h, &w, sizeof w);
+                        memcpy(p + (c - c0 + at) * QP_WIDTH + 8 * h, &w, sizeof w);
                     }
                 }
         }
     }
 }
 
-/* M rows (a constant per call) against a widened panel: y[r][o0 + i] for i < no, plus bias */
+/* M rows (a constant per call) against a widened panel of k inputs: y[r][o0 + i] for i < no, plus bias for the
+ * first chunk of inputs, plus what y holds for the others */
 static inline __attribute__((always_inline)) void qp_tile(const float *x, int64_t ldx, const float *p, int64_t k,
                                                            const int M, const float *bias, float *y, int64_t ldy,
-                                                           int no) {
+                                                           int no, int first) {
     q4f_vf acc[QP_ROWS][2];
     for (int r = 0; r < M; r++) acc[r][0] = acc[r][1] = (q4f_vf){0};
     for (int64_t c = 0; c < k; c++) {
@@ -188,7 +190,8 @@ static inline __attribute__((always_inline)) void qp_tile(const float *x, int64_
         float out[QP_WIDTH];
         memcpy(out, &acc[r][0], sizeof acc[r][0]);
         memcpy(out + 8, &acc[r][1], sizeof acc[r][1]);
-        for (int i = 0; i < no; i++) y[r * ldy + i] = out[i] + (bias != NULL ? bias[i] : 0.0f);
+        for (int i = 0; i < no; i++)
+            y[r * ldy + i] = out[i] + (!first ? y[r * ldy + i] : bias != NULL ? bias[i] : 0.0f);
     }
 }
 
@@ -198,7 +201,7 @@ static int qp_gemm(const float *x, int64_t ldx, const uint8_t *u, const float *d
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        float *p = malloc((size_t)(QP_WIDTH * k) * sizeof *p);
+        float *p = malloc((size_t)(QP_WIDTH * (k < QP_KC ? k : QP_KC) + 1) * sizeof *p);
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < panels; t++) {
             if (p == NULL) {
@@ -208,18 +211,22 @@ static int qp_gemm(const float *x, int64_t ldx, const uint8_t *u, const float *d
             }
             const int64_t o0 = t * QP_WIDTH;
             const int no = n - o0 < QP_WIDTH ? (int)(n - o0) : QP_WIDTH;
-            qp_widen(u, d, mn, n, o0, k, bits, p);
             const float *b = bias != NULL ? bias + o0 : NULL;
-            for (int64_t r0 = 0; r0 < m; r0 += QP_ROWS) {
-                const float *xr = x + r0 * ldx;
-                float *yr = y + r0 * ldy + o0;
-                switch (m - r0 < QP_ROWS ? (int)(m - r0) : QP_ROWS) { /* a constant M: the sums stay in registers */
-                case 1: qp_tile(xr, ldx, p, k, 1, b, yr, ldy, no); break;
-                case 2: qp_tile(xr, ldx, p, k, 2, b, yr, ldy, no); break;
-                case 3: qp_tile(xr, ldx, p, k, 3, b, yr, ldy, no); break;
-                case 4: qp_tile(xr, ldx, p, k, 4, b, yr, ldy, no); break;
-                case 5: qp_tile(xr, ldx, p, k, 5, b, yr, ldy, no); break;
-                default: qp_tile(xr, ldx, p, k, 6, b, yr, ldy, no); break;
+            for (int64_t c0 = 0; c0 < k || c0 == 0; c0 += QP_KC) { /* k = 0: one empty chunk writes the bias */
+                const int64_t kc = k - c0 < QP_KC ? k - c0 : QP_KC;
+                qp_widen(u, d, mn, n, o0, k, c0, c0 + kc, bits, p);
+                for (int64_t r0 = 0; r0 < m; r0 += QP_ROWS) {
+                    const float *xr = x + r0 * ldx + c0;
+                    float *yr = y + r0 * ldy + o0;
+                    const int f = c0 == 0;
+                    switch (m - r0 < QP_ROWS ? (int)(m - r0) : QP_ROWS) { /* a constant M: sums in registers */
+                    case 1: qp_tile(xr, ldx, p, kc, 1, b, yr, ldy, no, f); break;
+                    case 2: qp_tile(xr, ldx, p, kc, 2, b, yr, ldy, no, f); break;
+                    case 3: qp_tile(xr, ldx, p, kc, 3, b, yr, ldy, no, f); break;
+                    case 4: qp_tile(xr, ldx, p, kc, 4, b, yr, ldy, no, f); break;
+                    case 5: qp_tile(xr, ldx, p, kc, 5, b, yr, ldy, no, f); break;
+                    default: qp_tile(xr, ldx, p, kc, 6, b, yr, ldy, no, f); break;
+                    }
                 }
             }
         }

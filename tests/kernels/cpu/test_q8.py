@@ -266,7 +266,7 @@ def _same_bits_alone(gemv, x: torch.Tensor, got: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("rows", [0, 1, 3, 4, 5, 9, 10, 16, 33])
-@pytest.mark.parametrize(("n", "k"), [(37, 64), (300, 640), (64, 1536)])
+@pytest.mark.parametrize(("n", "k"), [(37, 64), (300, 640), (64, 1536), (20, 4160)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_affine_4bit_float32_fmas_take_x_as_it_is(rows, n, k, with_bias):
     """cpu_q4_f32.c: float32 rows (strided) against the exact weights with no cut of x: the exact dot but
@@ -289,7 +289,7 @@ def test_affine_4bit_float32_fmas_take_x_as_it_is(rows, n, k, with_bias):
 
 
 @pytest.mark.parametrize("rows", [0, 1, 3, 4, 5, 9, 10, 16, 33])
-@pytest.mark.parametrize(("n", "k"), [(37, 64), (300, 640), (64, 1536)])
+@pytest.mark.parametrize(("n", "k"), [(37, 64), (300, 640), (64, 1536), (20, 4160)])
 def test_symmetric_8bit_float32_fmas_take_x_as_it_is(rows, n, k):
     """cpu_q4_f32.c's 8-bit codes (Q8_0's: w = d q, q in [-127, 127], the head's): float32 rows (strided)
     against the exact weights with no cut of x, in passes of 4 rows and on widened panels; a row's bits do not
