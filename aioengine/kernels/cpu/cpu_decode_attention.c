@@ -65,6 +65,43 @@ static void merge_runs(const float *part, int64_t runs, int64_t stride, int head
     }
 }
 
+/* Each request's first run (first[r]; first[num_reqs]: all runs) and, where some request is cut in several,
+ * room for the runs' partial states (*parts, else NULL). 0, or -3 out of memory (nothing left allocated). */
+static int plan_runs(const int32_t *seq_lens, int num_reqs, int window, int num_heads, int head_dim,
+                     int64_t **first_out, float **parts_out) {
+    int64_t *first = malloc((size_t)(num_reqs + 1) * sizeof *first);
+    if (first == NULL) return -3;
+    first[0] = 0;
+    for (int r = 0; r < num_reqs; r++) {
+        const int n = seq_lens[r] - first_position(seq_lens[r], window);
+        first[r + 1] = first[r] + (n > SPLIT ? (n + SPLIT - 1) / SPLIT : 1);
+    }
+    float *parts = NULL;
+    if (first[num_reqs] > num_reqs) {
+        parts = malloc((size_t)(first[num_reqs] * num_heads * (head_dim + 2)) * sizeof *parts);
+        if (parts == NULL) {
+            free(first);
+            return -3;
+        }
+    }
+    *first_out = first;
+    *parts_out = parts;
+    return 0;
+}
+
+/* Every cut request's heads merged from their runs' states (acc, max, sum a head, a run's heads side by side)
+ * into out (elem 4: float32, 2: bf16). */
+static void merge_cut(const int64_t *first, const float *parts, int num_reqs, int num_heads, int head_dim, void *out,
+                      size_t elem, int num_threads) {
+    const int64_t width = head_dim + 2;
+#pragma omp parallel for collapse(2) num_threads(num_threads)
+    for (int r = 0; r < num_reqs; r++)
+        for (int h = 0; h < num_heads; h++)
+            if (first[r + 1] - first[r] > 1)
+                merge_runs(parts + (first[r] * num_heads + h) * width, first[r + 1] - first[r], num_heads * width,
+                           head_dim, (char *)out + ((int64_t)r * num_heads + h) * head_dim * (int64_t)elem, elem);
+}
+
 /* One (request, KV head) over positions [p0, p1) of its sequence, for the query heads of its GQA group: each
  * head's output accumulators, running max and sum (flash-decoding's rescaling per block). */
 #define DEFINE_PART(NAME, T, LOAD, ROW)                                                                         \
@@ -127,22 +164,10 @@ static void merge_runs(const float *part, int64_t runs, int64_t stride, int head
              int64_t block_stride, int64_t token_stride, int64_t head_stride, int num_threads) {                \
         const int group = num_heads / num_kv_heads;                                                             \
         if (head_dim > MAX_HEAD_DIM || group > MAX_GROUP || block_size > MAX_BLOCK || num_reqs < 0) return -1;  \
-        int64_t *first = malloc((size_t)(num_reqs + 1) * sizeof *first); /* request r's first run */            \
-        if (first == NULL) return -3;                                                                           \
-        first[0] = 0;                                                                                           \
-        for (int r = 0; r < num_reqs; r++) {                                                                    \
-            const int n = seq_lens[r] - first_position(seq_lens[r], window);                                    \
-            first[r + 1] = first[r] + (n > SPLIT ? (n + SPLIT - 1) / SPLIT : 1);                                \
-        }                                                                                                       \
+        int64_t *first;                                                                                         \
+        float *parts;                                                                                           \
+        if (plan_runs(seq_lens, num_reqs, window, num_heads, head_dim, &first, &parts)) return -3;              \
         const int64_t runs = first[num_reqs], width = head_dim + 2; /* a partial state: acc, max, sum */        \
-        float *parts = NULL;                                                                                    \
-        if (runs > num_reqs) {                                                                                  \
-            parts = malloc((size_t)(runs * num_heads * width) * sizeof *parts);                                 \
-            if (parts == NULL) {                                                                                \
-                free(first);                                                                                    \
-                return -3;                                                                                      \
-            }                                                                                                   \
-        }                                                                                                       \
         _Pragma("omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)")                   \
         for (int64_t run = 0; run < runs; run++) {                                                              \
             for (int kvh = 0; kvh < num_kv_heads; kvh++) {                                                      \
@@ -168,15 +193,7 @@ static void merge_runs(const float *part, int64_t runs, int64_t stride, int head
                 }                                                                                               \
             }                                                                                                   \
         }                                                                                                       \
-        if (parts != NULL) {                                                                                    \
-            _Pragma("omp parallel for collapse(2) num_threads(num_threads)")                                    \
-            for (int r = 0; r < num_reqs; r++)                                                                  \
-                for (int h = 0; h < num_heads; h++)                                                             \
-                    if (first[r + 1] - first[r] > 1)                                                            \
-                        merge_runs(parts + (first[r] * num_heads + h) * width, first[r + 1] - first[r],         \
-                                   num_heads * width, head_dim, out + ((int64_t)r * num_heads + h) * head_dim,  \
-                                   sizeof *out);                                                                \
-        }                                                                                                       \
+        if (parts != NULL) merge_cut(first, parts, num_reqs, num_heads, head_dim, out, sizeof *out, num_threads);\
         free(parts);                                                                                            \
         free(first);                                                                                            \
         return 0;                                                                                               \
@@ -307,7 +324,8 @@ static inline __attribute__((always_inline)) void tile_bf16_avx512(
             }                                                                                            \
     } while (0)
 
-/* One task per (request, KV head), so even a single request keeps every thread busy. */
+/* One task per (run of a request's positions, KV head), the runs as in the generic loop: a single long request
+ * keeps every thread busy, and its output is the same alone as in a batch. */
 static int decode_attention_bf16_avx512(const uint16_t *query, int64_t query_stride, const uint16_t *key_cache,
                                         const uint16_t *value_cache, const int32_t *block_table,
                                         int64_t table_stride, const int32_t *seq_lens, uint16_t *out, int num_reqs,
@@ -316,9 +334,16 @@ static int decode_attention_bf16_avx512(const uint16_t *query, int64_t query_str
                                         int64_t head_stride, int num_threads) {
     const int group = num_heads / num_kv_heads;
     const int halves = head_dim / 32;
+    int64_t *first;
+    float *parts;
+    if (plan_runs(seq_lens, num_reqs, window, num_heads, head_dim, &first, &parts)) return -3;
+    const int64_t runs = first[num_reqs];
 #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)
-    for (int r = 0; r < num_reqs; r++) {
+    for (int64_t run = 0; run < runs; run++) {
         for (int kvh = 0; kvh < num_kv_heads; kvh++) {
+            const int r = request_of(first, num_reqs, run), lo = first_position(seq_lens[r], window);
+            const int cut = first[r + 1] - first[r] > 1, p0 = lo + (int)(run - first[r]) * SPLIT;
+            const int seq_len = cut && p0 + SPLIT < seq_lens[r] ? p0 + SPLIT : seq_lens[r]; /* this run's end */
             head_state st[MAX_GROUP];
             for (int g = 0; g < group; g++) {
                 memcpy(st[g].qd, query + r * query_stride + (int64_t)(kvh * group + g) * head_dim, 2 * head_dim);
@@ -326,11 +351,10 @@ static int decode_attention_bf16_avx512(const uint16_t *query, int64_t query_str
                 st[g].run_max = -INFINITY;
                 st[g].run_sum = 0.0f;
             }
-            const int seq_len = seq_lens[r];
             const int32_t *blocks = block_table + (int64_t)r * table_stride;
             const int last = (seq_len - 1) / block_size;
             const uint16_t *k_head = key_cache + (int64_t)kvh * head_stride, *v_head = value_cache + (int64_t)kvh * head_stride;
-            for (int pos = window > 0 && seq_len > window ? seq_len - window : 0; pos < seq_len;) {
+            for (int pos = p0; pos < seq_len;) {
                 const int in_block = pos % block_size, j = pos / block_size;
                 if (in_block == 0) { /* scattered blocks defeat the hardware prefetchers: without these the
                                         loop waits on DRAM. Far blocks go to L2 first, which keeps more lines in
@@ -373,10 +397,26 @@ static int decode_attention_bf16_avx512(const uint16_t *query, int64_t query_str
                     _mm512_store_ps(acc + 32 * h, st[g].acc_lo[h]);
                     _mm512_store_ps(acc + 32 * h + 16, st[g].acc_hi[h]);
                 }
-                store_row(out + ((int64_t)r * num_heads + kvh * group + g) * head_dim, acc, st[g].run_sum, head_dim);
+                const int64_t h = (int64_t)kvh * group + g;
+                if (!cut) {
+                    store_row(out + ((int64_t)r * num_heads + h) * head_dim, acc, st[g].run_sum, head_dim);
+                    continue;
+                }
+                float *part = parts + (run * num_heads + h) * (head_dim + 2); /* store_row's order, unscaled */
+                for (int d0 = 0; d0 < head_dim; d0 += 32)
+                    for (int L = 0; L < 4; L++)
+                        for (int i = 0; i < 4; i++) {
+                            part[d0 + 8 * L + i] = acc[d0 + 4 * L + i];
+                            part[d0 + 8 * L + 4 + i] = acc[d0 + 16 + 4 * L + i];
+                        }
+                part[head_dim] = st[g].run_max;
+                part[head_dim + 1] = st[g].run_sum;
             }
         }
     }
+    if (parts != NULL) merge_cut(first, parts, num_reqs, num_heads, head_dim, out, sizeof *out, num_threads);
+    free(parts);
+    free(first);
     return 0;
 }
 #endif
