@@ -327,6 +327,8 @@ class CpuDecodeStack:
             hidden.data_ptr(),
             residual.data_ptr(),
         )
+        if status == -3:
+            raise MemoryError(f"{fn.__name__}: a kernel found no memory for its scratch")
         assert status == 0, f"{fn.__name__} failed ({status})"
         return hidden, residual
 

@@ -66,9 +66,11 @@ static void merge_runs(const float *part, int64_t runs, int64_t stride, int head
 }
 
 /* Each request's first run (first[r]; first[num_reqs]: all runs) and, where some request is cut in several,
- * room for the runs' partial states (*parts, else NULL). 0, or -3 out of memory (nothing left allocated). */
+ * room for the runs' partial states (*parts, else NULL). 0, -1 for a negative count, or -3 out of memory
+ * (nothing left allocated). */
 static int plan_runs(const int32_t *seq_lens, int num_reqs, int window, int num_heads, int head_dim,
                      int64_t **first_out, float **parts_out) {
+    if (num_reqs < 0) return -1;
     int64_t *first = malloc((size_t)(num_reqs + 1) * sizeof *first);
     if (first == NULL) return -3;
     first[0] = 0;
@@ -166,7 +168,8 @@ static void merge_cut(const int64_t *first, const float *parts, int num_reqs, in
         if (head_dim > MAX_HEAD_DIM || group > MAX_GROUP || block_size > MAX_BLOCK || num_reqs < 0) return -1;  \
         int64_t *first;                                                                                         \
         float *parts;                                                                                           \
-        if (plan_runs(seq_lens, num_reqs, window, num_heads, head_dim, &first, &parts)) return -3;              \
+        const int planned = plan_runs(seq_lens, num_reqs, window, num_heads, head_dim, &first, &parts);         \
+        if (planned) return planned;                                                                            \
         const int64_t runs = first[num_reqs], width = head_dim + 2; /* a partial state: acc, max, sum */        \
         _Pragma("omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)")                   \
         for (int64_t run = 0; run < runs; run++) {                                                              \
@@ -336,7 +339,8 @@ static int decode_attention_bf16_avx512(const uint16_t *query, int64_t query_str
     const int halves = head_dim / 32;
     int64_t *first;
     float *parts;
-    if (plan_runs(seq_lens, num_reqs, window, num_heads, head_dim, &first, &parts)) return -3;
+    const int planned = plan_runs(seq_lens, num_reqs, window, num_heads, head_dim, &first, &parts);
+    if (planned) return planned;
     const int64_t runs = first[num_reqs];
 #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t run = 0; run < runs; run++) {

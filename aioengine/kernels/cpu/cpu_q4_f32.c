@@ -137,8 +137,9 @@ static inline void q4f_block_sums(const float *r, int64_t k, float *s) {
 #define QP_KC 2048  /* inputs a panel holds (128 KB): wider layers are summed chunk by chunk, the panel in L2 */
 
 /* Outputs o0 .. o0 + QP_WIDTH's weights d q (+ m) at inputs c0 .. c1, k-major: p[(c - c0) * QP_WIDTH + i] is
- * output o0 + i's weight at input c (outputs at or past n repeat the last one, never written out). A vector gathers the same 32-bit word
- * of 8 outputs' codes, so the widening shifts and masks meet 8 outputs at one input. */
+ * output o0 + i's weight at input c (outputs at or past n repeat the last one, never written out). A vector
+ * gathers the same 32-bit word of 8 outputs' codes, so the widening shifts and masks meet 8 outputs at one
+ * input. */
 static void qp_widen(const uint8_t *u, const float *d, const float *mn, int64_t n, int64_t o0, int64_t k,
                      int64_t c0, int64_t c1, const int bits, float *p) {
     const int64_t blocks = k / 32;
