@@ -223,9 +223,9 @@ def test_bench_serve_reports_against_a_live_server(tiny, tmp_path):
                     "--max-concurrency",
                     "3",
                     "--num-prompts",
-                    "6",
+                    "12",
                     "--output-len",
-                    "5",
+                    "40",
                     "--ignore-eos",
                     "--save-result",
                     str(out),
@@ -239,7 +239,9 @@ def test_bench_serve_reports_against_a_live_server(tiny, tmp_path):
             == 0
         )
         r = json.loads(out.read_text())
-        cpu = r["server_cpu"]  # the server's threads over the run: its loop, and the worker that computed
+        # the server's threads over the run: its loop, and the worker that computed (/proc counts clock ticks:
+        # the run streams enough tokens for the loop's share to pass one)
+        cpu = r["server_cpu"]
         assert cpu["pid"] == server.pid and 0 < cpu["loop_s"] < cpu["server_s"]
         # /proc counts each thread in clock ticks: on a run this short their sum may pass the wall time by a
         # tick a thread
@@ -247,9 +249,9 @@ def test_bench_serve_reports_against_a_live_server(tiny, tmp_path):
         assert cpu["server_s"] <= cpu["machine_s"] + tick * (1 + len(cpu["other_threads_s"]))
         assert cpu["other_threads_s"] and cpu["other_threads_s"][0] > 0 and cpu["client_s"] > 0
         detail = r["requests"]  # --save-detailed: every request's own timings
-        assert len(detail) == 6 and all(d["output_tokens"] == 5 and len(d["itl_s"]) == 4 for d in detail)
+        assert len(detail) == 12 and all(d["output_tokens"] == 40 and len(d["itl_s"]) == 39 for d in detail)
         assert all(d["start_s"] >= 0 and 0 < d["ttft_s"] <= d["e2el_s"] and not d["error"] for d in detail)
-        assert r["completed"] == 6 and r["failed"] == 0 and r["output_tokens"] == 30
+        assert r["completed"] == 12 and r["failed"] == 0 and r["output_tokens"] == 480
         for key in ("ttft_s", "tpot_s", "itl_s", "e2el_s"):
             assert set(r[key]) == {"mean", "p50", "p90", "p99"}
             assert 0 < r[key]["p50"] <= r[key]["p99"]
