@@ -74,17 +74,17 @@ static inline __m512 exp16(__m512 x) {
 /* e^x for one float, by exp16: a libm expf call would spill the caller's live zmm registers. */
 static inline float exp1(float x) { return _mm512_cvtss_f32(exp16(_mm512_set1_ps(x))); }
 
-/* A row's output: acc / run_sum in bf16 (0 for an empty row). acc's vectors 2h and 2h + 1 hold dims
- * 32h..32h + 31 in the order vpunpck{l,h}wd leaves value pairs in, which both kernels use (lane 4L + i:
- * dim 32h + 8L + i, then 32h + 8L + 4 + i). */
+/* acc's vectors 2h and 2h + 1 hold dims 32h..32h + 31 in the order vpunpck{l,h}wd leaves value pairs in,
+ * which both kernels use: the index of output dim d (lane 4L + i: dim 32h + 8L + i, then 32h + 8L + 4 + i). */
+static inline int acc_index(int d) {
+    const int w = d & 31;
+    return (d & ~31) + ((w & 7) >= 4 ? 16 : 0) + 4 * (w >> 3) + (w & 3);
+}
+
+/* A row's output: acc / run_sum in bf16 (0 for an empty row), in dim order. */
 static inline void store_row(uint16_t *op, const float *acc, float run_sum, int head_dim) {
     const float inv = run_sum > 0.0f ? 1.0f / run_sum : 0.0f;
-    for (int h = 0; h < head_dim; h += 32)
-        for (int L = 0; L < 4; L++)
-            for (int i = 0; i < 4; i++) {
-                op[h + 8 * L + i] = float_to_bf16(acc[h + 4 * L + i] * inv);
-                op[h + 8 * L + 4 + i] = float_to_bf16(acc[h + 16 + 4 * L + i] * inv);
-            }
+    for (int d = 0; d < head_dim; d++) op[d] = float_to_bf16(acc[acc_index(d)] * inv);
 }
 
 #endif

@@ -46,6 +46,16 @@ static inline int request_of(const int64_t *first, int num_reqs, int64_t run) {
     return lo;
 }
 
+/* Run `run`'s request (*r) and positions [*p0, *p1); whether that request is cut in several runs. */
+static inline int run_span(const int64_t *first, int num_reqs, const int32_t *seq_lens, int window, int64_t run,
+                           int *r, int *p0, int *p1) {
+    *r = request_of(first, num_reqs, run);
+    const int cut = first[*r + 1] - first[*r] > 1;
+    *p0 = first_position(seq_lens[*r], window) + (int)(run - first[*r]) * SPLIT;
+    *p1 = cut && *p0 + SPLIT < seq_lens[*r] ? *p0 + SPLIT : seq_lens[*r];
+    return cut;
+}
+
 /* One query head's output from its runs' partial states (acc[D], max, sum; `stride` floats apart), rescaled to
  * the largest max; written as float32 (elem 4) or bf16 (2). */
 static void merge_runs(const float *part, int64_t runs, int64_t stride, int head_dim, void *out, size_t elem) {
@@ -165,7 +175,7 @@ static void merge_cut(const int64_t *first, const float *parts, int num_reqs, in
              int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, int window,            \
              int64_t block_stride, int64_t token_stride, int64_t head_stride, int num_threads) {                \
         const int group = num_heads / num_kv_heads;                                                             \
-        if (head_dim > MAX_HEAD_DIM || group > MAX_GROUP || block_size > MAX_BLOCK || num_reqs < 0) return -1;  \
+        if (head_dim > MAX_HEAD_DIM || group > MAX_GROUP || block_size > MAX_BLOCK) return -1;                  \
         int64_t *first;                                                                                         \
         float *parts;                                                                                           \
         const int planned = plan_runs(seq_lens, num_reqs, window, num_heads, head_dim, &first, &parts);         \
@@ -175,9 +185,8 @@ static void merge_cut(const int64_t *first, const float *parts, int num_reqs, in
         for (int64_t run = 0; run < runs; run++) {                                                              \
             for (int kvh = 0; kvh < num_kv_heads; kvh++) {                                                      \
                 float acc[MAX_GROUP][MAX_HEAD_DIM], run_max[MAX_GROUP], run_sum[MAX_GROUP];                     \
-                const int r = request_of(first, num_reqs, run), lo = first_position(seq_lens[r], window);       \
-                const int cut = first[r + 1] - first[r] > 1, p0 = lo + (int)(run - first[r]) * SPLIT;           \
-                const int p1 = cut && p0 + SPLIT < seq_lens[r] ? p0 + SPLIT : seq_lens[r];                      \
+                int r, p0, p1;                                                                                  \
+                const int cut = run_span(first, num_reqs, seq_lens, window, run, &r, &p0, &p1);                 \
                 PART(query + r * query_stride + (int64_t)kvh * group * head_dim, key_cache, value_cache,        \
                      block_table + (int64_t)r * table_stride, p0, p1, group, head_dim, block_size, scale,       \
                      (int64_t)kvh * head_stride, block_stride, token_stride, acc, run_max, run_sum);            \
@@ -345,9 +354,8 @@ static int decode_attention_bf16_avx512(const uint16_t *query, int64_t query_str
 #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t run = 0; run < runs; run++) {
         for (int kvh = 0; kvh < num_kv_heads; kvh++) {
-            const int r = request_of(first, num_reqs, run), lo = first_position(seq_lens[r], window);
-            const int cut = first[r + 1] - first[r] > 1, p0 = lo + (int)(run - first[r]) * SPLIT;
-            const int seq_len = cut && p0 + SPLIT < seq_lens[r] ? p0 + SPLIT : seq_lens[r]; /* this run's end */
+            int r, p0, seq_len; /* seq_len: this run's end */
+            const int cut = run_span(first, num_reqs, seq_lens, window, run, &r, &p0, &seq_len);
             head_state st[MAX_GROUP];
             for (int g = 0; g < group; g++) {
                 memcpy(st[g].qd, query + r * query_stride + (int64_t)(kvh * group + g) * head_dim, 2 * head_dim);
@@ -407,12 +415,7 @@ static int decode_attention_bf16_avx512(const uint16_t *query, int64_t query_str
                     continue;
                 }
                 float *part = parts + (run * num_heads + h) * (head_dim + 2); /* store_row's order, unscaled */
-                for (int d0 = 0; d0 < head_dim; d0 += 32)
-                    for (int L = 0; L < 4; L++)
-                        for (int i = 0; i < 4; i++) {
-                            part[d0 + 8 * L + i] = acc[d0 + 4 * L + i];
-                            part[d0 + 8 * L + 4 + i] = acc[d0 + 16 + 4 * L + i];
-                        }
+                for (int d = 0; d < head_dim; d++) part[d] = acc[acc_index(d)];
                 part[head_dim] = st[g].run_max;
                 part[head_dim + 1] = st[g].run_sum;
             }

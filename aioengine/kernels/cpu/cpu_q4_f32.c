@@ -64,6 +64,12 @@ static inline q4f_vf q4f_load(const float *p) {
     return v;
 }
 
+/* each lane's code j of a word of codes: 4-bit (j < 8: nibble j, q4f_pack) or 8-bit (j < 4: signed byte j,
+ * q8f_pack) */
+static inline q4f_vi qf_code(q4f_vi v, const int bits, int j) {
+    return bits == 4 ? (v >> (4 * j)) & 15 : (v << (24 - 8 * j)) >> 24;
+}
+
 static inline float q4f_sum(q4f_vf v) {
     float s = 0.0f;
     for (int i = 0; i < 8; i++) s += v[i];
@@ -81,11 +87,11 @@ static inline __attribute__((always_inline)) void q4f_output(const float *const 
         if (bits == 4) {
             q4f_vi w;
             memcpy(&w, u + c / 2, sizeof w);
-            for (int j = 0; j < 8; j++) f[j] = __builtin_convertvector((w >> (4 * j)) & 15, q4f_vf);
+            for (int j = 0; j < 8; j++) f[j] = __builtin_convertvector(qf_code(w, 4, j), q4f_vf);
         } else {
             q4f_vi w[2];
             memcpy(w, u + c, sizeof w);
-            for (int j = 0; j < 8; j++) f[j] = __builtin_convertvector((w[j / 4] << (24 - 8 * (j % 4))) >> 24, q4f_vf);
+            for (int j = 0; j < 8; j++) f[j] = __builtin_convertvector(qf_code(w[j / 4], 8, j % 4), q4f_vf);
         }
         const float d0 = d[c / 32], d1 = d[c / 32 + 1];
         for (int r = 0; r < M; r++) {
@@ -163,7 +169,7 @@ static void qp_widen(const uint8_t *u, const float *d, const float *mn, int64_t 
                     }
                     for (int j = 0; j < 32 / bits; j++) { /* 8 codes (4-bit) or 4 (8-bit) a word */
                         const int at = bits == 4 ? 8 * j + t : 32 * g + 8 * j + t;
-                        const q4f_vi code = bits == 4 ? (v >> (4 * j)) & 15 : (v << (24 - 8 * j)) >> 24;
+                        const q4f_vi code = qf_code(v, bits, j);
                         const q4f_vf w = __builtin_convertvector(code, q4f_vf) * dv[at / 32] + mv[at / 32];
                         memcpy(p + (c - c0 + at) * QP_WIDTH + 8 * h, &w, sizeof w);
                     }
