@@ -18,6 +18,12 @@ without VNNI), rows from ``FMA_FROM_ROWS`` to ``MAX_ROWS_FMA`` take cpu_q4_f32.c
 uncut, the widened codes shared by 4 rows a pass, or panels widened once for all rows from 10), which
 measured faster than both the integer dots and the GEMM there. A checkpoint whose head is not an exact Q8_0
 dequantization keeps its GEMM.
+
+A plain greedy step needs only each row's argmax: the dots screen every output with x cut to one byte and sum
+exactly (the dots' limbs) only the outputs that could still win, so the pick is the exact dots' (cpu_q8.c).
+That costs a third of the exact dots or less, and where the FMAs give the logits it stays faster up to
+``SCREEN_MAX_ROWS_FMA`` rows (docs/benchmarks.md); there the pick is the dots' sums', which round apart from
+the FMAs' logits by float32's rounding alone.
 """
 
 from __future__ import annotations
@@ -45,6 +51,8 @@ MAX_ROWS_FLOAT32 = 4
 # panels from 10, which led the float32 GEMM up to 128 rows), the GEMM past 256 (measured at avx2,
 # docs/benchmarks.md).
 FMA_FROM_ROWS, MAX_ROWS_FMA = 3, 256
+# Where the FMAs give the logits, the screened argmax led their logits' argmax up to 24 rows (at avx2).
+SCREEN_MAX_ROWS_FMA = 24
 _HEAD_NAMES = ("lm_head.weight", "model.embed_tokens.weight")  # a tied head is the embedding
 
 
@@ -68,8 +76,9 @@ def read_head_codes(codes: CheckpointCodes, tied: bool) -> tuple[torch.Tensor, t
 
 class Q8Head(nn.Module):
     """float32 logits (or each row's argmax) from the head's Q8_0 codes, activations cut to ``limbs``
-    bytes; from ``fma_from`` rows (None: never) the 8-bit FMAs on x as it is; past ``max_rows`` rows (None:
-    never) ``fallback``, the head's GEMM on its rounded weights, runs instead."""
+    bytes; from ``fma_from`` rows (None: never) the 8-bit FMAs on x as it is, and the screened argmax up to
+    ``screen_max`` rows; past ``max_rows`` rows (None: never) ``fallback``, the head's GEMM on its rounded
+    weights, runs instead."""
 
     def __init__(
         self,
@@ -79,6 +88,7 @@ class Q8Head(nn.Module):
         fallback: nn.Module | None = None,
         max_rows: int | None = None,
         fma_from: int | None = None,
+        screen_max: int = SCREEN_MAX_ROWS_FMA,
     ) -> None:
         super().__init__()
         assert limbs in (2, 3) and (fallback is None) == (max_rows is None)
@@ -87,6 +97,8 @@ class Q8Head(nn.Module):
         # On huge pages, as the GEMMs' weights: every decode step streams the whole head.
         self.packed = q8.pack(codes, out=huge_pages.zeros(codes.numel(), torch.uint8))
         self.scales = scales.contiguous()
+        self.scale_max = q8.screen_scales(self.scales)
+        self.screen_max = screen_max
         self.limbs = limbs
         self.fallback = fallback
         self.max_rows = max_rows
@@ -107,15 +119,23 @@ class Q8Head(nn.Module):
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
-        """Each row's argmax of ``forward(x)`` (first maximum; NaN wins) without writing the logits; None
-        where the fallback runs and cannot pick it itself."""
+        """Each row's argmax of the exact dots' sums (``forward(x)``'s below ``fma_from`` rows; first maximum,
+        NaN wins) without writing the logits; None where the fallback runs and cannot pick it itself, or past
+        ``screen_max`` rows where the FMAs give the logits."""
         flat = x.reshape(-1, self.in_features)
         if self.fallback is not None and self.max_rows is not None and flat.shape[0] > self.max_rows:
             argmax = getattr(self.fallback, "argmax", None)
             return argmax(x) if argmax is not None else None
-        if self._fma(flat.shape[0]):  # no fused argmax there: the caller takes it from forward's logits
+        if self._fma(flat.shape[0]) and flat.shape[0] > self.screen_max:  # the caller takes forward's logits'
             return None
-        return q8.qgemv_f32(self._rows(flat), self.packed, self.scales, argmax=True, limbs=self.limbs)
+        return q8.qgemv_f32(
+            self._rows(flat),
+            self.packed,
+            self.scales,
+            argmax=True,
+            limbs=self.limbs,
+            scale_max=self.scale_max,
+        )
 
     @staticmethod
     def _rows(flat: torch.Tensor) -> torch.Tensor:

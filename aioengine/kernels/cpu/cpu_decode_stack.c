@@ -150,7 +150,7 @@ static int linear_f32(const q8_codes *q, const stack_args *a, const float *x, in
     }
     if (q->fma)
         return q4f_gemv_f32(x, ldx, q->codes, q->scales, q->mins, bias, y, ldy, a->rows, n, k, a->num_threads);
-    return qgemv_q8_f32(x, ldx, q->codes, q->scales, q->mins, q->block, bias, y, ldy, a->rows, n, k, NULL, 3,
+    return qgemv_q8_f32(x, ldx, q->codes, q->scales, q->mins, q->block, bias, y, ldy, a->rows, n, k, NULL, NULL, 3,
                         a->num_threads);
 }
 

@@ -52,8 +52,8 @@ void qgemv_int8_f32(const float *x, int64_t ldx, const int8_t *q, const float *s
 void q8_pack(const int8_t *q, uint8_t *out, int64_t n, int64_t k, int64_t block, int num_threads);
 void q4_pack(const uint8_t *q, uint8_t *out, int64_t n, int64_t k, int num_threads);
 int qgemv_q8_f32(const float *x, int64_t ldx, const uint8_t *u, const float *scale, const float *mins, int64_t block,
-                 const float *bias, float *y, int64_t ldy, int64_t m, int64_t n, int64_t k, int64_t *argmax, int limbs,
-                 int num_threads);
+                 const float *bias, float *y, int64_t ldy, int64_t m, int64_t n, int64_t k, int64_t *argmax,
+                 const float *scale_max, int limbs, int num_threads);
 int qgemv_q8_vectorized(void); /* cpu_q8_dot.h: 1 where this level's dots are vectorized */
 int qgemv_q8_bf16(const uint16_t *x, int64_t ldx, const uint8_t *u, const float *scale, const float *mins,
                   int64_t block, const uint16_t *bias, uint16_t *y, int64_t ldy, int64_t m, int64_t n, int64_t k,

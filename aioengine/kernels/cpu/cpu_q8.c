@@ -23,6 +23,7 @@
  * beside the dots: one more FMA a chunk). The dots themselves, per ISA level, are cpu_q8_dot.h's. Where the
  * CPU has AVX512-BF16, bf16 rows against affine codes take cpu_q4_bf16.c's bf16 dots instead, with x uncut and
  * the codes in its own layout (q4t_pack). */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -32,7 +33,9 @@
 #include "cpu_bf16.h"
 #include "cpu_kernels.h"
 
-static const float q8_xq_max[4] = {0.0f, 0.0f, 32639.0f, 8355711.0f}; /* 127 (256 + 1), 127 (65536 + 256 + 1) */
+/* 63 for the argmax screen's one byte (u x b then fits maddubs' int16 without saturating), 127 (256 + 1),
+ * 127 (65536 + 256 + 1) */
+static const float q8_xq_max[4] = {0.0f, 63.0f, 32639.0f, 8355711.0f};
 
 /* packed byte p of a chunk <- its input index in the chunk; per: blocks per chunk (64 / block) */
 static inline int64_t q8_src(int64_t p, int64_t per) {
@@ -116,6 +119,10 @@ static void q8dot2_any(const q8_row *rows, const uint8_t *a, const uint8_t *b, c
         Q8_ROWS(2, 2, 1)
     else if (nib)
         Q8_ROWS(3, 2, 1)
+    else if (limbs == 1 && per == 2) /* the argmax screen's one byte */
+        Q8_ROWS(1, 2, 0)
+    else if (limbs == 1)
+        Q8_ROWS(1, 4, 0)
     else if (limbs == 2 && per == 2)
         Q8_ROWS(2, 2, 0)
     else if (limbs == 2)
@@ -240,17 +247,146 @@ static q8_row *q8_rows(int64_t m, int64_t k, char **scratch, float **wide) {
     return rows;
 }
 
+static inline int q8_finite(float f) { /* by its bits, as q8_isnan */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return (u & 0x7fffffffu) < 0x7f800000u;
+}
+
+/* A greedy row's argmax without every output's exact sum. A first pass cuts x to one byte a lane (4
+ * inputs) and takes every output's sum a with one dot a weight byte instead of 2 or 3, and a bound B on
+ * |a - e|, e the exact path's sum (limbs bytes): |sum w (x - x1)| <= the output's largest |w| (128 times its
+ * largest |scale|, scale_max) times the row's sum of |x - x1|, plus the exact path's own cut and both paths'
+ * float32 roundings (some k / 32 steps of 2^-24 of sum |w x|, bounded the same way). Then e is taken only
+ * where a + B reaches the largest a - B: every output whose e could be the maximum, ties included. So the
+ * pick is the exact path's, bit for bit: the same dots, in the same order, on those outputs. A row with a
+ * non-finite x, or a sum or bound that is not finite, takes e everywhere (its first NaN wins as before). */
+#define QS_ROWS 16 /* rows a screening pass: its first sums [rows, N] stay small */
+
+/* a row's error mass after the one-byte cut (row: the cut): sum |x - x1| plus the exact cut's and both paths'
+ * roundings' share */
+static float q8_screen_mass(const float *x, int64_t k, int64_t per, int limbs, const q8_row *row) {
+    /* both paths' roundings: some k / 32 + 16 float32 steps each (the lanes' chain and the last sum) */
+    const double slop = (double)(k / 32 + 32) * 0x1p-23, cut = 2.0 / q8_xq_max[limbs];
+    double mass = 0.0;
+    for (int64_t c = 0; c < k; c += 64)
+        for (int64_t lane = 0; lane < 16; lane++) {
+            const int64_t off = c + q8_src(4 * lane, per); /* the lane's 4 inputs, adjacent in x */
+            const double sx = row->sx[c / 4 + lane];
+            double err = 0.0, mag = 0.0, top = 0.0;
+            for (int i = 0; i < 4; i++) {
+                const double xi = x[off + i];
+                err += fabs(xi - row->b0[c + 4 * lane + i] * sx);
+                mag += fabs(xi);
+                top = fabs(xi) > top ? fabs(xi) : top;
+            }
+            mass += err + slop * (mag + err) + cut * top;
+        }
+    return (float)(mass * (1.0 + 0x1p-20));
+}
+
+static int q8_argmax_screened(const float *x, int64_t ldx, int64_t m, const uint8_t *u, const float *scale,
+                              const float *scale_max, int64_t n, int64_t k, int64_t block, int limbs,
+                              int64_t *argmax, int num_threads) {
+    const int64_t per = 64 / block, groups = k / block, pairs = (n + 1) / 2;
+    const int64_t mg_max = m < QS_ROWS ? m : QS_ROWS;
+    char *scratch;
+    float *wide;
+    q8_row *rows = q8_rows(2 * mg_max, k, &scratch, &wide); /* the one-byte cuts, then the exact ones */
+    float *mass = malloc(sizeof *mass * (size_t)(mg_max + 1));
+    float *hi = malloc(sizeof *hi * (size_t)(mg_max * n + 1)), *lows = malloc(sizeof *lows * (size_t)(num_threads * mg_max + 1));
+    float *floor_ = malloc(sizeof *floor_ * (size_t)(mg_max + 1));
+    int *every = malloc(sizeof *every * (size_t)(mg_max + 1));
+    q8_best *bests = malloc(sizeof *bests * (size_t)(num_threads * mg_max + 1));
+    int status = 0;
+    if (rows == NULL || !mass || !hi || !lows || !floor_ || !every || !bests) {
+        status = -3;
+        goto done;
+    }
+    for (int64_t r0 = 0; r0 < m; r0 += QS_ROWS) {
+        const int64_t mg = m - r0 < QS_ROWS ? m - r0 : QS_ROWS;
+        for (int64_t r = 0; r < mg; r++) {
+            const float *xr = x + (r0 + r) * ldx;
+            every[r] = 0;
+            for (int64_t i = 0; i < k; i++) every[r] |= !q8_finite(xr[i]);
+            q8_cut_row(xr, k, per, 1, rows[r]);
+            q8_cut_row(xr, k, per, limbs, rows[mg_max + r]);
+            mass[r] = 128.0f * q8_screen_mass(xr, k, per, limbs, rows + r) * (1.0f + 0x1p-10f);
+        }
+        for (int64_t i = 0; i < num_threads * mg; i++) bests[i] = (q8_best){0.0f, -1, -1};
+#pragma omp parallel num_threads(num_threads)
+        {
+            const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+            float low[QS_ROWS]; /* this thread's largest a - B a row, kept local: the threads' slots share a line */
+            for (int64_t r = 0; r < mg; r++) low[r] = -FLT_MAX;
+            for (int64_t p = pairs * t / nt; p < pairs * (t + 1) / nt; p++) {
+                const int64_t j = 2 * p, j2 = j + 1 < n ? j + 1 : j;
+                float dots[2 * Q8_MAXR];
+                for (int64_t s0 = 0; s0 < mg; s0 += Q8_MAXR) {
+                    const int mm = (int)(mg - s0 < Q8_MAXR ? mg - s0 : Q8_MAXR);
+                    q8dot2_any(rows + s0, u + j * k, u + j2 * k, scale + j * groups, scale + j2 * groups, NULL, NULL,
+                               mm, k, 1, (int)per, 0, dots);
+                    for (int r = 0; r < mm; r++)
+                        for (int h = 0; h < (j2 != j ? 2 : 1); h++) {
+                            const int64_t row = s0 + r, o = j + h;
+                            const float a = dots[2 * r + h], b = fabsf(scale_max[o]) * mass[row];
+                            if (!q8_finite(a) || !q8_finite(b) || !q8_finite(a + b)) {
+#pragma omp atomic write
+                                every[row] = 1;
+                            }
+                            hi[row * n + o] = a + b;
+                            low[row] = a - b > low[row] ? a - b : low[row];
+                        }
+                }
+            }
+            for (int64_t r = 0; r < mg; r++) lows[(int64_t)t * mg + r] = low[r];
+#pragma omp barrier
+#pragma omp single
+            for (int64_t r = 0; r < mg; r++) {
+                floor_[r] = -FLT_MAX;
+                for (int i = 0; i < nt; i++) floor_[r] = lows[i * mg + r] > floor_[r] ? lows[i * mg + r] : floor_[r];
+            }
+            q8_best *mine = bests + (int64_t)t * mg;
+            for (int64_t o = n * t / nt; o < n * (t + 1) / nt; o++)
+                for (int64_t r = 0; r < mg; r++) {
+                    if (!every[r] && hi[r * n + o] < floor_[r]) continue;
+                    float e[2];
+                    q8dot2_any(rows + mg_max + r, u + o * k, u + o * k, scale + o * groups, scale + o * groups, NULL,
+                               NULL, 1, k, limbs, (int)per, 0, e);
+                    q8_best_see(mine + r, e[0], o);
+                }
+        }
+        for (int64_t r = 0; r < mg; r++) { /* threads in order: ties go to the earlier one */
+            q8_best all = {0.0f, -1, -1};
+            for (int t = 0; t < num_threads && all.first_nan < 0; t++) {
+                const q8_best *b = bests + (int64_t)t * mg + r;
+                if (b->first_nan >= 0)
+                    all.first_nan = b->first_nan;
+                else if (b->index >= 0 && (all.index < 0 || b->value > all.value))
+                    all.value = b->value, all.index = b->index;
+            }
+            argmax[r0 + r] = all.first_nan >= 0 ? all.first_nan : all.index >= 0 ? all.index : 0;
+        }
+    }
+done:
+    free(scratch), free(rows), free(mass), free(hi), free(lows), free(floor_), free(every), free(bests);
+    return status;
+}
+
 /* y [M, N] = x [M, K] W^T (+ bias), W = q * scale per block of 16 or 32 inputs: u [N, K] from q8_pack,
  * scale [N, K / block] float32, both contiguous; k a multiple of 64. With argmax (int64 [M]) each row's argmax
- * as torch picks it (the first NaN, else the first maximum) instead of y (which may then be NULL). limbs: 2
+ * as torch picks it (the first NaN, else the first maximum) instead of y (which may then be NULL), screened
+ * first where scale_max [N] (each output's largest |scale|) is given. limbs: 2
  * or 3 bytes a cut input (bf16 or float32 activations). Returns 0, -2 for a call it cannot take, or -3 out
  * of memory. With mins [N, K / 32] the weight is affine, W = q * scale + mins per block of 32, and u comes
  * from q4_pack. */
 int qgemv_q8_f32(const float *x, int64_t ldx, const uint8_t *u, const float *scale, const float *mins, int64_t block,
-                 const float *bias, float *y, int64_t ldy, int64_t m, int64_t n, int64_t k, int64_t *argmax, int limbs,
-                 int num_threads) {
+                 const float *bias, float *y, int64_t ldy, int64_t m, int64_t n, int64_t k, int64_t *argmax,
+                 const float *scale_max, int limbs, int num_threads) {
     if ((limbs != 2 && limbs != 3) || (block != 16 && block != 32) || k % 64 != 0) return -2;
     if (mins != NULL && block != 32) return -2;
+    if (argmax != NULL && mins == NULL && scale_max != NULL)
+        return q8_argmax_screened(x, ldx, m, u, scale, scale_max, n, k, block, limbs, argmax, num_threads);
     char *scratch;
     float *wide;
     q8_row *rows = q8_rows(m, k, &scratch, &wide);

@@ -17,6 +17,7 @@ int qgemv_q8_vectorized(void) { return 1; }
 /* one chunk of one row against one output's codes: its 16 lane sums, as float32 in units of xq */
 static inline __attribute__((always_inline)) __m512 q8_lanes(__m512i u, __m512i b2, __m512i b1, __m512i b0,
                                                              __m512i corr_hi, __m512i corr_lo, const int limbs) {
+    if (limbs == 1) return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(corr_lo, u, b0));
     const __m512i lo = _mm512_add_epi32(_mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u, b1), 8),
                                         _mm512_dpbusd_epi32(corr_lo, u, b0));
     if (limbs == 2) return _mm512_cvtepi32_ps(lo);
@@ -63,7 +64,8 @@ static inline __attribute__((always_inline)) void q8dot2(const q8_row *rows, con
             }
             const __m512i b2 = limbs == 3 ? _mm512_loadu_si512(w->b2 + c) : _mm512_setzero_si512();
             const __m512i ch = limbs == 3 && !nib ? _mm512_loadu_si512(w->corr_hi + c / 4) : _mm512_setzero_si512();
-            const __m512i b1 = _mm512_loadu_si512(w->b1 + c), b0 = _mm512_loadu_si512(w->b0 + c);
+            const __m512i b1 = limbs > 1 ? _mm512_loadu_si512(w->b1 + c) : _mm512_setzero_si512();
+            const __m512i b0 = _mm512_loadu_si512(w->b0 + c);
             const __m512i cl = nib ? _mm512_setzero_si512() : _mm512_loadu_si512(w->corr_lo + c / 4);
             const __m512 sx = _mm512_loadu_ps(w->sx + c / 4);
             acc_a[r] = _mm512_fmadd_ps(q8_lanes(ua, b2, b1, b0, ch, cl, limbs), _mm512_mul_ps(da, sx), acc_a[r]);
@@ -83,7 +85,7 @@ int qgemv_q8_vectorized(void) { return 1; }
 #define Q8_PF 8
 #endif
 #define Q8_INLINE static inline __attribute__((always_inline))
-/* each 4-byte lane's sum of u x b (u unsigned, b signed) as int32; small: every u < 16 */
+/* each 4-byte lane's sum of u x b (u unsigned, b signed) as int32; small: every u < 16, or every |b| < 64 */
 Q8_INLINE __m256i q8_dot(__m256i u, __m256i b, const int small) {
 #ifdef __AVXVNNI__
     (void)small;
@@ -101,6 +103,8 @@ Q8_INLINE __m256i q8_dot(__m256i u, __m256i b, const int small) {
 /* one half-chunk (32 inputs, 8 lanes) of one row against one output's codes, as float32 in units of xq */
 Q8_INLINE __m256 q8_lanes(__m256i u, __m256i b2, __m256i b1, __m256i b0, __m256i corr_hi, __m256i corr_lo,
                           const int limbs, const int small) {
+    if (limbs == 1) /* the screen's bytes are within +-63: maddubs cannot saturate, whatever u */
+        return _mm256_cvtepi32_ps(_mm256_add_epi32(corr_lo, q8_dot(u, b0, 1)));
     const __m256i lo = _mm256_add_epi32(_mm256_slli_epi32(q8_dot(u, b1, small), 8),
                                         _mm256_add_epi32(corr_lo, q8_dot(u, b0, small)));
     if (limbs == 2) return _mm256_cvtepi32_ps(lo);
@@ -158,7 +162,7 @@ Q8_INLINE void q8dot2(const q8_row *rows, const uint8_t *a, const uint8_t *b, co
                 const __m256i b2 = limbs == 3 ? _mm256_loadu_si256((const __m256i *)(w->b2 + at)) : zero;
                 const __m256i ch =
                     limbs == 3 && !nib ? _mm256_loadu_si256((const __m256i *)(w->corr_hi + lane)) : zero;
-                const __m256i b1 = _mm256_loadu_si256((const __m256i *)(w->b1 + at));
+                const __m256i b1 = limbs > 1 ? _mm256_loadu_si256((const __m256i *)(w->b1 + at)) : zero;
                 const __m256i b0 = _mm256_loadu_si256((const __m256i *)(w->b0 + at));
                 const __m256i cl = nib ? zero : _mm256_loadu_si256((const __m256i *)(w->corr_lo + lane));
                 acc_a[r] = _mm256_fmadd_ps(q8_lanes(ua, b2, b1, b0, ch, cl, limbs, nib), _mm256_mul_ps(da, sx),
@@ -188,6 +192,7 @@ Q8_INLINE int32x4_t q8_dot(int8x16_t q, int8x16_t b) {
 
 /* one quarter-chunk (16 inputs, 4 lanes) of one row against one output's codes, in units of xq */
 Q8_INLINE float32x4_t q8_lanes(int8x16_t q, int8x16_t b2, int8x16_t b1, int8x16_t b0, const int limbs) {
+    if (limbs == 1) return vcvtq_f32_s32(q8_dot(q, b0));
     const int32x4_t lo = vaddq_s32(vshlq_n_s32(q8_dot(q, b1), 8), q8_dot(q, b0));
     if (limbs == 2) return vcvtq_f32_s32(lo);
     return vfmaq_n_f32(vcvtq_f32_s32(lo), vcvtq_f32_s32(q8_dot(q, b2)), 65536.0f);
@@ -226,7 +231,7 @@ Q8_INLINE void q8dot2(const q8_row *rows, const uint8_t *a, const uint8_t *b, co
                     acc_a[r] = vfmaq_f32(acc_a[r], oa, xs), acc_b[r] = vfmaq_f32(acc_b[r], ob, xs);
                 }
                 const int8x16_t b2 = limbs == 3 ? vld1q_s8(w->b2 + at) : vdupq_n_s8(0);
-                const int8x16_t b1 = vld1q_s8(w->b1 + at), b0 = vld1q_s8(w->b0 + at);
+                const int8x16_t b1 = limbs > 1 ? vld1q_s8(w->b1 + at) : vdupq_n_s8(0), b0 = vld1q_s8(w->b0 + at);
                 acc_a[r] = vfmaq_f32(acc_a[r], q8_lanes(qa, b2, b1, b0, limbs), vmulq_f32(da, sx));
                 acc_b[r] = vfmaq_f32(acc_b[r], q8_lanes(qb, b2, b1, b0, limbs), vmulq_f32(db, sx));
             }
@@ -247,7 +252,7 @@ static inline int64_t q8_code(const uint8_t *row, int64_t p, int nib) {
 static inline void q8dot2(const q8_row *rows, const uint8_t *a, const uint8_t *b, const float *sa, const float *sb,
                           const float *ma, const float *mb, const int M, int64_t k, const int limbs, const int per,
                           const int nib, float *out) {
-    (void)limbs; /* the digits of 2 limbs leave b2 0 */
+    (void)limbs; /* the digits of 1 or 2 limbs leave b2 (and b1) 0 */
     for (int r = 0; r < M; r++) {
         float ta = 0.0f, tb = 0.0f;
         for (int64_t c = 0; c < k; c += 4) {

@@ -188,6 +188,7 @@ def qgemv_f32(
     argmax: bool = False,
     limbs: int = 3,
     mins: torch.Tensor | None = None,
+    scale_max: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x @ W.T (+ bias)`` with ``W = q * scale`` per ``block`` inputs, for float32 ``x [M, K]`` (unit
     inner stride, a few rows), ``packed = pack(q, block)`` and float32 ``scale [N, K / block]``
@@ -195,8 +196,13 @@ def qgemv_f32(
     without writing the logits. x is rounded once, per 4 inputs, to ``limbs`` bytes: 3 (float32 activations,
     2^-24 of the 4's largest) or 2 (bf16 ones, 2^-16); cpu_q8.c says how. Nothing else is rounded.
     With ``mins`` (float32 ``[N, K / 32]``) the weight is affine, ``W = q * scale + mins`` per block of 32,
-    and ``packed = pack4(q)``."""
+    and ``packed = pack4(q)``. With ``argmax`` and ``scale_max`` (float32 ``[N]``, each output's largest
+    ``|scale|``: ``screen_scales(scale)``) codes without mins are screened with x cut to one byte first, and
+    only the outputs that could win are summed exactly: the same pick (cpu_q8.c)."""
     m, k, n = _shapes(x, torch.float32, packed, scale, block, bias, mins)
+    if scale_max is not None:
+        assert argmax and scale_max.shape == (n,) and scale_max.dtype == torch.float32
+        assert scale_max.is_contiguous()
     y = torch.empty(m, dtype=torch.int64) if argmax else torch.empty((m, n), dtype=torch.float32)
     status = _lib().qgemv_q8_f32(
         x.data_ptr(),
@@ -212,11 +218,17 @@ def qgemv_f32(
         n,
         k,
         y.data_ptr() if argmax else 0,
+        0 if scale_max is None else scale_max.data_ptr(),
         limbs,
         torch.get_num_threads(),
     )
     _check(status)
     return y
+
+
+def screen_scales(scale: torch.Tensor) -> torch.Tensor:
+    """Each output's largest ``|scale|`` (float32 ``[N]``): what ``qgemv_f32``'s argmax screen bounds by."""
+    return scale.abs().amax(1).float().contiguous()
 
 
 def qgemv_bf16(

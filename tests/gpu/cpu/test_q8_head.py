@@ -97,13 +97,14 @@ def test_head_runs_its_codes_for_few_rows_and_the_fallback_for_more():
 @pytest.mark.skipif(not q8.available(), reason="qgemv_q8_0 is vectorized for AVX512-VNNI only")
 def test_head_takes_the_fmas_on_its_codes_between_the_dots_and_the_gemm():
     """From ``fma_from`` rows the 8-bit FMAs run on x as it is (within float32's sums of the exact product,
-    apart from the dots' bits); below it the dots; past ``max_rows`` the fallback; no fused argmax there."""
+    apart from the dots' bits); below it the dots; past ``max_rows`` the fallback. The greedy pick is the
+    exact dots' (screened) up to ``screen_max`` rows; past it the sampler takes the FMAs' logits."""
     _, w = _q8_0(1000, 128, seed=1)
     weight = torch.from_numpy(w)
     codes, scales = q8_0_codes(weight)
     fallback = nn.Linear(128, 1000, bias=False)
     fallback.weight.data.copy_(weight)
-    head = Q8Head(codes, scales, limbs=3, fallback=fallback, max_rows=16, fma_from=3)
+    head = Q8Head(codes, scales, limbs=3, fallback=fallback, max_rows=16, fma_from=3, screen_max=4)
     dots = Q8Head(codes, scales, limbs=3)
     x = torch.randn(16, 128)
     exact = x.double() @ weight.double().t()
@@ -111,7 +112,8 @@ def test_head_takes_the_fmas_on_its_codes_between_the_dots_and_the_gemm():
         got = head(x[:rows])
         torch.testing.assert_close(got.double(), exact[:rows], rtol=0, atol=1e-5)
         assert torch.equal(got, q8.q8f_gemv(x[:rows], head.fma_packed, scales))
-        assert head.argmax(x[:rows]) is None
+        picked = head.argmax(x[:rows])
+        assert picked is None if rows > 4 else picked.tolist() == dots(x[:rows]).argmax(-1).tolist()
     assert torch.equal(head(x[:2]), dots(x[:2]))  # below fma_from: the dots
     assert head.argmax(x[:2]).tolist() == dots(x[:2]).argmax(-1).tolist()
     assert not torch.equal(head(x[:3]), dots(x[:3]))  # x uncut: other bits than the dots'

@@ -42,8 +42,15 @@ int main(int argc, char **argv) {
         const int64_t m = p[0], n = p[1], k = p[2];
         float *y = malloc((size_t)(m * n) * 4);
         const int status = qgemv_q8_f32(arr[0], k, arr[1], arr[2], p[5] ? arr[3] : NULL, p[3], NULL, y, n, m, n, k,
-                                        NULL, (int)p[4], 1);
+                                        NULL, NULL, (int)p[4], 1);
         return status != 0 ? 3 : write_output(argv[3], y, (size_t)(m * n) * 4);
+    }
+    if (strcmp(kernel, "qgemv_q8_argmax") == 0) { /* p: m n k block limbs; arr: x u scale scale_max (screened) */
+        const int64_t m = p[0], n = p[1], k = p[2];
+        int64_t *picks = malloc((size_t)m * 8);
+        const int status = qgemv_q8_f32(arr[0], k, arr[1], arr[2], NULL, p[3], NULL, NULL, n, m, n, k, picks,
+                                        arr[3], (int)p[4], 1);
+        return status != 0 ? 3 : write_output(argv[3], picks, (size_t)m * 8);
     }
     if (strcmp(kernel, "qgemv_q8_bf16") == 0) { /* p: m n k block affine; arr: x (bf16) u scale [mins] */
         const int64_t m = p[0], n = p[1], k = p[2];

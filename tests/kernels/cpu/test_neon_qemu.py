@@ -19,7 +19,7 @@ import torch
 
 from aioengine.kernels import reference
 from aioengine.kernels.cpu import clib, q8
-from tests.kernels.cpu.test_q8 import XQ_MAX, _affine_case, _q8_0_case, cut_bound
+from tests.kernels.cpu.test_q8 import XQ_MAX, _affine_case, _near_ties, _q8_0_case, cut_bound
 
 CROSS, QEMU = "aarch64-linux-gnu-gcc", "qemu-aarch64"
 pytestmark = [
@@ -91,6 +91,29 @@ def test_q8_codes_float32_rows(harness, tmp_path, block, limbs, rows):
     bound = cut_bound(xd, w, limbs)
     want = xd @ w.t()
     assert ((got - want).abs() <= bound).all(), float(((got - want).abs() / bound).max())
+
+
+@pytest.mark.parametrize("limbs", [3, 2])
+def test_screened_argmax_is_the_exact_sums_argmax(harness, tmp_path, limbs):
+    """The greedy screen's one-byte dots (NEON's own) then the exact sums of the outputs that could win: the
+    argmax of the same build's exact logits, over near ties."""
+    rows, n, k = 16, 3001, 576
+    q, scale = _near_ties(n, k, 32, limbs)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(limbs))
+    x *= torch.logspace(-3, 1, k // 32).repeat_interleave(32)
+    arrays = [x, q8.pack(q), scale]
+    params = [rows, n, k, 32, limbs]
+    logits = _run(harness, "qgemv_q8_f32", [*params, 0], arrays, torch.float32, (rows, n), tmp_path)
+    picks = _run(
+        harness,
+        "qgemv_q8_argmax",
+        params,
+        [*arrays, q8.screen_scales(scale)],
+        torch.int64,
+        (rows,),
+        tmp_path,
+    )
+    assert picks.tolist() == logits.argmax(-1).tolist()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -93,6 +93,64 @@ def test_q8_0_argmax_takes_the_first_maximum_across_threads_and_the_first_nan():
     assert got.tolist() == q8.qgemv_f32(x, q8.pack(q), scale).argmax(-1).tolist()
 
 
+def _near_ties(n: int, k: int, block: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes whose largest sums come in near ties: copies of one loud output, each with one code moved by one
+    (its sum then differs from the original's by one scale times one input: less than the one-byte cut's
+    error, so a screen that trusted its first sums would pick wrong)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    scale = torch.rand(n, k // block, generator=g) * 0.01 + 1e-4
+    scale[5] *= 4
+    for j in range(100, n - 1, 97):
+        q[j], scale[j] = q[5], scale[5]
+        i = int(torch.randint(0, k, (1,), generator=g))
+        q[j, i] = max(-127, min(127, int(q[j, i]) + (1 if j % 2 else -1)))
+    q[n - 1], scale[n - 1] = q[5], scale[5]  # an exact tie with 5, in the last thread's range: 5 wins
+    return q, scale
+
+
+@pytest.mark.skipif(not q8.available(), reason="cpu_q8.c is not vectorized at this level")
+@pytest.mark.parametrize("rows", [1, 2, 5, 17])
+@pytest.mark.parametrize("limbs", [2, 3])
+@pytest.mark.parametrize(("block", "k"), [(32, 576), (16, 128)])
+def test_screened_argmax_is_the_exact_sums_argmax(rows, limbs, block, k):
+    """The screen (x cut to one byte, every output bounded) then the exact sums of the outputs that could
+    win: each row's pick equals the argmax of the exact path's logits, near ties and exact ties included,
+    past one pass of 16 rows too. Without the bound's margin some of these rows pick wrong."""
+    for seed in range(6):
+        q, scale = _near_ties(3001 + seed, k, block, seed)
+        g = torch.Generator().manual_seed(100 + seed)
+        x = torch.randn(rows, k, generator=g) * torch.logspace(-3, 1, k // 32).repeat_interleave(32)
+        u = q8.pack(q, block)
+        want = q8.qgemv_f32(x, u, scale, block, limbs=limbs).argmax(-1)
+        got = q8.qgemv_f32(x, u, scale, block, argmax=True, limbs=limbs, scale_max=q8.screen_scales(scale))
+        assert got.tolist() == want.tolist(), seed
+
+
+@pytest.mark.skipif(not q8.available(), reason="cpu_q8.c is not vectorized at this level")
+def test_screened_argmax_keeps_torchs_ties_nans_and_zero_rows():
+    """Ties across the threads' ranges go to the first; a non-finite x or scale falls back to the exact sums
+    everywhere (the first NaN logit wins, as torch's argmax); an all-zero row ties everywhere at 0."""
+    n, k = 6000, 64
+    q = torch.zeros(n, k, dtype=torch.int8)
+    q[:, 0] = 1
+    scale = torch.full((n, 2), 0.5)
+    x = torch.zeros(4, k)
+    x[:3, 0] = 1.0
+    x[2, 5] = float("inf")  # inf x 0 codes: NaN logits everywhere, the first (0) wins
+    scale[[10, 5000], 0] = 2.0
+    u = q8.pack(q)
+
+    def screened() -> list[int]:
+        return q8.qgemv_f32(x, u, scale, argmax=True, scale_max=q8.screen_scales(scale)).tolist()
+
+    want = q8.qgemv_f32(x, u, scale).argmax(-1).tolist()
+    assert screened() == want == [10, 10, 0, 0]
+    scale[[4000, 5500], 1] = float("nan")
+    want = q8.qgemv_f32(x, u, scale).argmax(-1).tolist()
+    assert screened() == want == [4000, 4000, 0, 4000]
+
+
 def _blocks_case(
     rows: int, n: int, k: int, block: int, seed: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
