@@ -27,3 +27,18 @@ class EngineNotStartedError(AioEngineError, RuntimeError):
 
 class RequestAbortedError(AioEngineError, RuntimeError):
     """A request whose result is one value (an embedding) was aborted before it had that value."""
+
+
+class UnknownModelError(AioEngineError, KeyError):
+    """A model name that a server of several models does not serve."""
+
+    def __init__(self, name: str, names: list[str]) -> None:
+        super().__init__(name)
+        self.message = f"The model `{name}` does not exist. Served: {', '.join(names) or 'none'}."
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class ModelLoadError(AioEngineError, RuntimeError):
+    """A served model that failed to load (a bad file, too little memory); its requests fail with this."""

@@ -13,6 +13,7 @@ from aioengine import env
 from aioengine.cli.common import (
     add_engine_args,
     engine_args_from,
+    named_models,
     parse_bytes,
     run_in_loop,
 )
@@ -125,6 +126,31 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --data-parallel-size: send a request to the replica holding its longest prefix (unless "
         "loads differ too much), or in turn",
     )
+    many = serve.add_argument_group("several models (as Ollama and llama.cpp's router serve them)")
+    many.add_argument(
+        "--models-dir",
+        default=None,
+        help="serve every model in this folder: each .gguf file by its name, each Hugging Face folder by its "
+        "name (with --model NAME=PATH entries too); each loads on its first request",
+    )
+    many.add_argument(
+        "--max-loaded-models",
+        type=int,
+        default=None,
+        help="models resident at once; the least recently used idle one is unloaded first (default: no cap)",
+    )
+    many.add_argument(
+        "--max-loaded-memory",
+        type=parse_bytes,
+        default=None,
+        help="resident bytes of the loaded models at once, e.g. 8G (each model's own load measured)",
+    )
+    many.add_argument(
+        "--keep-alive",
+        default="5m",
+        help="how long an idle model stays loaded (a duration or seconds; 0: unload after each reply; "
+        "-1: never); a request's keep_alive overrides it",
+    )
     srv.add_argument("--allow-credentials", action="store_true", help="CORS: allow cookies and credentials")
     srv.add_argument("--log-requests", action="store_true", help="log every request and the access log")
     srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
@@ -184,8 +210,9 @@ def configure_logging(level: str) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     configure_logging(args.log_level)
     try:
-        engine_args = engine_args_from(args)
+        engine_args = engine_args_from(args, named_ok=True)
         engine_args.validate()
+        pool = _pool_config(args)
     except ValueError as e:
         print(f"aioengine serve: {e}", file=sys.stderr)
         return 2
@@ -214,7 +241,36 @@ def cmd_serve(args: argparse.Namespace) -> int:
             args.allow_credentials,
         ),
     )
+    if pool is not None:
+        return run_in_loop(_serve_pool_main(args, engine_args, config, pool))
     return run_in_loop(_serve_main(args, engine_args, config))
+
+
+def _pool_config(args: argparse.Namespace) -> Any:
+    """The several models to serve (``--models-dir``, ``--model NAME=PATH``), or None for one model."""
+    from aioengine.engine.pool import PoolConfig, parse_keep_alive
+    from aioengine.model.catalog import scan_models_dir
+
+    named = named_models(args)
+    if args.models_dir is None and not named:
+        return None
+    models = scan_models_dir(args.models_dir) if args.models_dir is not None else {}
+    models.update(named)  # an alias, or a model outside the folder
+    if not models:
+        raise ValueError(f"--models-dir {args.models_dir}: no .gguf file or Hugging Face folder in it")
+    if args.data_parallel_size > 1:
+        raise ValueError(
+            "several models (--models-dir, --model NAME=PATH) run in one process: no --data-parallel-size"
+        )
+    if args.served_model_name or args.enable_lora:
+        raise ValueError(
+            "several models are named by their files or NAME=PATH: no --served-model-name or LoRA"
+        )
+    if args.max_loaded_models is not None and args.max_loaded_models < 1:
+        raise ValueError("--max-loaded-models must be at least 1")
+    keep = parse_keep_alive(args.keep_alive)
+    assert keep is not None
+    return PoolConfig(args.max_loaded_models, args.max_loaded_memory, keep, models)
 
 
 async def _serve_main(args: argparse.Namespace, engine_args: Any, config: Any) -> int:
@@ -251,6 +307,16 @@ async def _serve_main(args: argparse.Namespace, engine_args: Any, config: Any) -
         shutdown_timeout=args.shutdown_timeout,
         access_log=args.log_requests,
     )
+
+
+async def _serve_pool_main(args: argparse.Namespace, engine_args: Any, config: Any, pool_config: Any) -> int:
+    from aioengine.engine.pool import ModelPool, model_engine_args
+    from aioengine.http.run import install_signal_handlers, serve_pool
+
+    stop = asyncio.Event()
+    install_signal_handlers(stop)
+    pool = ModelPool(pool_config, model_engine_args(engine_args))
+    return await serve_pool(pool, config, args.host, args.port, stop, shutdown_timeout=args.shutdown_timeout)
 
 
 async def _front_main(args: argparse.Namespace) -> int:

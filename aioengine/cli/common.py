@@ -22,7 +22,8 @@ from aioengine.config import (
 # Help for the EngineArgs fields; a field added to EngineArgs later still gets a flag (with generic help).
 _ENGINE_HELP = {
     "model": "'default' (the embedded SmolLM2-135M-Instruct), a Hugging Face checkpoint directory, "
-    "or random:NAME (random weights of a known shape made on the device: random:llama-3.1-8b, random:tiny)",
+    "or random:NAME (random weights of a known shape made on the device: random:llama-3.1-8b, random:tiny); "
+    "serve: NAME=PATH, repeated, serves several models",
     "tokenizer": "tokenizer directory (default: the model's)",
     "skip_tokenizer_init": "no tokenizer: prompts must be token ids and outputs carry no text",
     "served_model_name": "name(s) the API answers to; the first is reported (default: the model)",
@@ -146,7 +147,9 @@ def _add_fields(group: argparse._ArgumentGroup, cls: type, skip: set[str]) -> No
         flag = "--" + f.name.replace("_", "-")
         default = None if f.default is dataclasses.MISSING else f.default
         help_text = _ENGINE_HELP.get(f.name, f.name.replace("_", " "))
-        if f.name == "served_model_name":
+        if f.name == "model":  # repeated NAME=PATH (serve): several models in one server
+            group.add_argument(flag, action="append", default=None, metavar="MODEL", help=help_text)
+        elif f.name == "served_model_name":
             group.add_argument(flag, nargs="+", default=None, metavar="NAME", help=help_text)
         elif f.name == "lora_modules":
             group.add_argument(
@@ -160,8 +163,29 @@ def _add_fields(group: argparse._ArgumentGroup, cls: type, skip: set[str]) -> No
             )
 
 
-def engine_args_from(args: argparse.Namespace) -> EngineArgs:
+def named_models(args: argparse.Namespace) -> dict[str, str]:
+    """The ``--model NAME=PATH`` entries, in order (ValueError for an empty name or path, or a name twice)."""
+    named: dict[str, str] = {}
+    for value in args.model or ():
+        name, sep, path = value.partition("=")
+        if not sep:
+            continue
+        if not name or not path:
+            raise ValueError(f"--model NAME=PATH: got {value!r}")
+        if name in named:
+            raise ValueError(f"--model {name}= is given twice")
+        named[name] = path
+    return named
+
+
+def engine_args_from(args: argparse.Namespace, named_ok: bool = False) -> EngineArgs:
+    """The EngineArgs the flags give (the last plain ``--model``; NAME=PATH entries are ``named_models``',
+    which only ``serve`` takes: ValueError elsewhere)."""
+    if not named_ok and named_models(args):
+        raise ValueError("--model NAME=PATH serves several models: `aioengine serve` only")
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs) if f.name != "kernels"}
+    plain = [m for m in values["model"] or () if "=" not in m]
+    values["model"] = plain[-1] if plain else "default"
     if getattr(args, "model_tag", None):
         values["model"] = args.model_tag
     if values["served_model_name"]:

@@ -43,5 +43,15 @@ def unfreeze() -> None:
         gc.unfreeze()
 
 
+def refreeze() -> None:
+    """Something frozen died (an engine unloaded while others still hold the freeze): collect it and freeze
+    what is still alive again. Nothing to do while no one holds it."""
+    if _holders == 0:
+        return
+    gc.unfreeze()
+    gc.collect()
+    gc.freeze()
+
+
 def holders() -> int:
     return _holders

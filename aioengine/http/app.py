@@ -12,6 +12,7 @@ websocket, routes.py the rest (models, tokenize, health, metrics, the page); cor
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import time
@@ -23,6 +24,7 @@ from aiohttp.abc import AbstractAccessLogger
 
 from aioengine.engine import gc_freeze
 from aioengine.engine.client import EngineClient, RequestInfo
+from aioengine.engine.pool import ModelPool, PooledModel
 from aioengine.errors import AioEngineError
 from aioengine.http import cors, routes
 from aioengine.http.anthropic import messages as anthropic_messages
@@ -30,6 +32,7 @@ from aioengine.http.context import (
     CONFIG,
     DEFAULT_MAX_BODY,
     ENGINE,
+    POOL,
     STATE,
     AppState,
     ServerConfig,
@@ -38,6 +41,14 @@ from aioengine.http.context import (
 )
 from aioengine.http.errors import APIError, api_error
 from aioengine.http.metrics import EngineMetrics
+from aioengine.http.model_pool import (
+    PooledEngine,
+    PoolMetrics,
+    add_load_header,
+    load_model,
+    pool_middleware,
+    unload_model,
+)
 from aioengine.http.ollama import generate as ollama_generate
 from aioengine.http.ollama import models as ollama_models
 from aioengine.http.openai import embeddings as openai_embeddings
@@ -71,10 +82,22 @@ DEFAULT_BACKLOG = 2048  # a burst of connections beyond the listen backlog waits
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def build_app(engine: EngineClient, config: ServerConfig | None = None, **kwargs: Any) -> web.Application:
-    """An aiohttp app serving a started (or soon started) engine; kwargs are ServerConfig fields."""
+def build_app(
+    engine: EngineClient | None,
+    config: ServerConfig | None = None,
+    pool: ModelPool | None = None,
+    **kwargs: Any,
+) -> web.Application:
+    """An aiohttp app serving a started (or soon started) engine, or with ``pool`` (and no engine) the pool's
+    models, each request in the one it names; kwargs are ServerConfig fields."""
     cfg = config if config is not None else ServerConfig(**kwargs)
-    app = web.Application(client_max_size=cfg.client_max_size, middlewares=[_middleware])
+    app = web.Application(client_max_size=cfg.client_max_size, middlewares=[_middleware, pool_middleware])
+    if pool is not None:
+        assert engine is None, "a pool's app serves the pool's engines"
+        app[POOL] = pool
+        engine = PooledEngine(pool)  # each attribute is the request's engine's
+        app.on_response_prepare.append(add_load_header)
+    assert engine is not None
     app[ENGINE] = engine
     app[CONFIG] = cfg
     app[STATE] = AppState()
@@ -91,6 +114,9 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None, **kwargs
     r.add_post("/v1/embeddings", openai_embeddings.embeddings)
     r.add_post("/v1/load_lora_adapter", openai_lora.load_lora_adapter)
     r.add_post("/v1/unload_lora_adapter", openai_lora.unload_lora_adapter)
+    if pool is not None:
+        r.add_post("/models/load", load_model)
+        r.add_post("/models/unload", unload_model)
     r.add_post("/api/generate", ollama_generate.generate)
     r.add_post("/api/chat", ollama_generate.chat)
     r.add_post("/api/embed", ollama_models.embed)
@@ -163,6 +189,11 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     # What is alive now (the loaded model, tokenizer, libraries) leaves the cyclic GC while the app serves:
     # a full collection over it stalls the loop, a 503 burst or a token stream with it.
     gc_freeze.freeze(collect=False)
+    pool = app.get(POOL)
+    if pool is not None:
+        async with _serving_pool(app, pool):
+            yield
+        return
     state, engine = app[STATE], app[ENGINE]
     metrics = state.metrics = EngineMetrics(engine, model_names(app)[0])
     state.lag_task = asyncio.create_task(
@@ -177,6 +208,28 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         metrics.close()
         if _log_finished in engine.request_listeners:
             engine.request_listeners.remove(_log_finished)
+        gc_freeze.unfreeze()
+
+
+@contextlib.asynccontextmanager
+async def _serving_pool(app: web.Application, pool: ModelPool) -> AsyncIterator[None]:
+    """Several models: the pool's metrics, its keep_alive reaper, request logs on each engine it loads; its
+    models unloaded when the app stops."""
+    state = app[STATE]
+    state.pool_metrics = PoolMetrics(pool)
+
+    def on_pool(event: str, model: PooledModel) -> None:
+        if event == "load" and model.engine is not None and app[CONFIG].log_requests:
+            model.engine.request_listeners.append(_log_finished)
+
+    pool.listeners.append(on_pool)
+    pool.start()
+    try:
+        yield
+    finally:
+        await pool.close()
+        pool.listeners.remove(on_pool)
+        state.pool_metrics.close()
         gc_freeze.unfreeze()
 
 
@@ -204,7 +257,7 @@ def _log_finished(out: RequestOutput, state: RequestInfo) -> None:
 
 # ---- middleware: auth and errors ---------------------------------------------------------------------
 def _needs_auth(path: str) -> bool:
-    return path.startswith(("/v1/", "/api/")) or path == "/v1" or path in ("/tokenize", "/detokenize")
+    return path.startswith(("/v1/", "/api/", "/models/")) or path in ("/v1", "/tokenize", "/detokenize")
 
 
 def check_api_key(request: web.Request, key: str) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -12,12 +13,14 @@ import orjson
 from aiohttp import web
 
 from aioengine.engine.client import EngineClient
+from aioengine.engine.pool import ModelPool
 from aioengine.http.cors import CorsConfig
 from aioengine.http.errors import APIError
 from aioengine.http.schema import RequestLimits
 
 if TYPE_CHECKING:  # metrics.py imports prometheus_client; only its type is named here
     from aioengine.http.metrics import EngineMetrics
+    from aioengine.http.model_pool import PoolMetrics
 
 DEFAULT_MAX_BODY = 4 << 20
 
@@ -46,6 +49,7 @@ class AppState:
     """What the app learns at startup and changes while serving (the app itself is frozen by then)."""
 
     metrics: EngineMetrics | None = None
+    pool_metrics: PoolMetrics | None = None  # serving several models (http/model_pool.py)
     lag_task: asyncio.Task[None] | None = None
     websockets: set[web.WebSocketResponse] = field(default_factory=set)
     draining: bool = False  # shutting down: new generations get 503
@@ -58,15 +62,34 @@ STATIC_FILES = frozenset({"marked.umd.js", "purify.min.js"})
 ENGINE = web.AppKey[EngineClient]("aioengine_engine")
 CONFIG = web.AppKey("aioengine_config", ServerConfig)
 STATE = web.AppKey("aioengine_state", AppState)
+# Serving several models (--models-dir): the pool, and the engine of the request being served, which
+# app[ENGINE] (http/model_pool.py's PooledEngine) hands each call to.
+POOL = web.AppKey("aioengine_pool", ModelPool)
+CURRENT_ENGINE: contextvars.ContextVar[EngineClient | None] = contextvars.ContextVar(
+    "aioengine_current_engine", default=None
+)
+LOAD_SECONDS = "aioengine_load_seconds"  # request key: the seconds this request waited for its model to load
 
 
 def model_names(app: web.Application) -> list[str]:
-    """The base model's served names, then the LoRA adapters' (a request's model picks one)."""
+    """The base model's served names, then the LoRA adapters' (a request's model picks one); with several
+    models, each one's name."""
+    pool = app.get(POOL)
+    if pool is not None:
+        return pool.names()
     return [*(app[CONFIG].served_model_names or [app[ENGINE].model_name]), *app[ENGINE].lora_modules]
+
+
+def served_path(app: web.Application, name: str) -> str | None:
+    """The file or folder a served name loads."""
+    pool = app.get(POOL)
+    return pool.get(name).path if pool is not None else app[ENGINE].model_path
 
 
 def lora_of(app: web.Application, model: str) -> str | None:
     """The LoRA adapter a (checked) model name picks, or None for the base model."""
+    if POOL in app:
+        return None
     return model if model in app[ENGINE].lora_modules else None
 
 

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from aioengine.errors import AioEngineError, InvalidRequestError, RequestAbortedError
+from aioengine.errors import (
+    AioEngineError,
+    InvalidRequestError,
+    ModelLoadError,
+    RequestAbortedError,
+    UnknownModelError,
+)
 
 _ERROR_TYPES = {
     400: "BadRequestError",
@@ -62,6 +68,10 @@ def api_error(e: AioEngineError) -> APIError:
     (InvalidRequestError) -> 400 with its param and code; a dead or stopped engine -> 503."""
     if isinstance(e, InvalidRequestError):
         return APIError(400, e.message, e.param, e.code)
+    if isinstance(e, UnknownModelError):
+        return APIError(404, e.message, "model", "model_not_found")
+    if isinstance(e, ModelLoadError):
+        return APIError(500, str(e), "model", "model_load_failed")
     if isinstance(e, RequestAbortedError):
         return APIError(503, f"The request was aborted: {e}", code="request_aborted")
     return APIError(503, f"The engine is not serving: {e}", code="engine_dead")

@@ -110,10 +110,22 @@ STRUCTURED_OUTPUTS: Table = {
     "disable_any_whitespace": Spec(bool),
 }
 
+# Ollama's keep_alive, taken by every route that names a model: how long the model stays loaded once idle
+# (seconds or a duration; 0 unloads after the reply, negative never). A server of several models reads and
+# checks it before the route (http/model_pool.py); one model stays loaded for the server's life.
+KEEP_ALIVE = Spec(
+    None,
+    schema={
+        "oneOf": [{"type": "string"}, {"type": "number"}],
+        "description": "seconds or a duration (30s, 5m, 1h); 0: unload after the reply; -1: never",
+    },
+)
+
 # ---- /v1/chat/completions and /v1/completions --------------------------------------------------------------
 MAX_TOKENS_NOTE = "prompt + max_tokens must fit max_model_len"
 SAMPLING: Table = {
     "model": Spec(str),
+    "keep_alive": KEEP_ALIVE,
     "n": Spec(
         int, lo=BOUNDS["n"].lo, hi=lambda limits: limits.max_n, description="above 1 needs temperature > 0"
     ),

@@ -7,10 +7,12 @@ from pathlib import Path
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from aioengine.http import model_pool
 from aioengine.http.admission import read_json
 from aioengine.http.context import (
     CONFIG,
     ENGINE,
+    POOL,
     STATE,
     STATIC_FILES,
     check_model,
@@ -28,6 +30,8 @@ STATIC_DIR = Path(__file__).with_name("static")
 
 
 def _model_card(app: web.Application, name: str) -> JSON:
+    if POOL in app:
+        return model_pool.model_card(app, name, app[STATE].created)
     engine = app[ENGINE]
     adapter = engine.lora_modules.get(name)  # a LoRA adapter's card names its base model as parent
     return {
@@ -84,6 +88,8 @@ async def detokenize(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
+    if POOL in request.app:  # several models: the server is up; a model's own failure is its requests'
+        return web.Response(status=200)
     engine = request.app[ENGINE]
     if engine.dead_error is not None:
         return error_response(APIError(503, f"The engine is dead: {engine.dead_error}", code="engine_dead"))
@@ -98,13 +104,17 @@ async def version(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    assert state.metrics is not None, "set at startup"
-    return web.Response(
-        body=generate_latest(state.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
-    )
+    if state.pool_metrics is not None:  # several models: each loaded one's, merged
+        body = generate_latest(state.pool_metrics)  # it collects as a registry does
+    else:
+        assert state.metrics is not None, "set at startup"
+        body = generate_latest(state.metrics.registry)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 async def openapi(request: web.Request) -> web.Response:
+    if POOL in request.app:  # several models: token ids bounded by none of them in particular
+        return json_response(openapi_spec(__version__, request.app[CONFIG].limits))
     engine = request.app[ENGINE]
     vocab = engine.vocab_size or len(engine.tokenizer)
     return json_response(openapi_spec(__version__, request.app[CONFIG].limits, vocab, engine.allow_priority))

@@ -1,4 +1,5 @@
-"""Run a started engine behind the HTTP server until a signal or engine death; shut down gracefully.
+"""Run a started engine (or a pool of models) behind the HTTP server until a signal or engine death; shut down
+gracefully.
 
 Exit codes: 0 after SIGINT/SIGTERM (in-flight requests finish within the grace period, the rest are
 aborted), 1 when the engine dies, so that a supervisor restarts the process.
@@ -13,6 +14,7 @@ import time
 from collections.abc import Callable
 
 from aioengine.engine.client import EngineClient
+from aioengine.engine.pool import ModelPool
 from aioengine.http.app import STATE, ServerConfig, bound_port, build_app, start_server
 from aioengine.http.metrics import StatsLogger
 
@@ -114,3 +116,40 @@ async def _log_stats(stats: StatsLogger, interval: float) -> None:
         line = stats.line()
         if line is not None:
             logger.info("%s", line)
+
+
+async def serve_pool(
+    pool: ModelPool,
+    config: ServerConfig,
+    host: str,
+    port: int,
+    stop: asyncio.Event,
+    shutdown_timeout: float = 5.0,
+    on_ready: Callable[[int], None] | None = None,
+) -> int:
+    """Serve the pool's models until `stop` is set (-> 0); each loads on its first request."""
+    app = build_app(None, config, pool=pool)
+    try:
+        runner = await start_server(app, host, port, shutdown_timeout=min(shutdown_timeout, 5.0))
+    except OSError as e:
+        logger.error("cannot listen on %s:%d: %s", host, port, e)
+        return 1
+    logger.info(
+        "Serving %d models (%s) on http://%s:%d, each loaded on its first request",
+        len(pool.names()),
+        ", ".join(pool.names()),
+        host,
+        bound_port(runner),
+    )
+    if on_ready is not None:
+        on_ready(bound_port(runner))
+    await stop.wait()
+    app[STATE].draining = True
+    for site in list(runner.sites):
+        await site.stop()
+    deadline = time.monotonic() + shutdown_timeout
+    while any(m.active for m in pool.models.values()) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    await runner.cleanup()  # the app's cleanup unloads every model (aborting what is left)
+    logger.info("shut down")
+    return 0

@@ -16,6 +16,9 @@ from typing import Any
 from aioengine.sched.output import ModelRunnerOutput
 
 _NICE = 10  # the compute threads' priority below the loop's
+# One CPU: the engines of one process (a server's several models) take turns on its cores, a call at a time;
+# two OpenMP teams at once would each get half the cores and both wait on the slower one's barriers.
+_CORES = threading.Lock()
 
 
 class CpuWorker:
@@ -36,7 +39,7 @@ class CpuWorker:
         torch.set_num_threads(num_threads)
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
-        return self._pool.submit(fn, *args)
+        return self._pool.submit(_on_the_cores, fn, *args)
 
     async def output(self, fut: concurrent.futures.Future) -> ModelRunnerOutput:
         """A step's output: on the CPU the worker's result is the output itself."""
@@ -44,3 +47,8 @@ class CpuWorker:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _on_the_cores(fn: Callable[..., Any], *args: Any) -> Any:
+    with _CORES:
+        return fn(*args)

@@ -21,7 +21,7 @@ from aioengine.engine.client import RequestHandle
 from aioengine.http import admission
 from aioengine.http.admission import Admitted
 from aioengine.http.chat_output import ChatOutputParser, Content, Reasoning, parse_whole
-from aioengine.http.context import CONFIG, ENGINE, json_response, model_names
+from aioengine.http.context import CONFIG, ENGINE, LOAD_SECONDS, json_response, model_names
 from aioengine.http.errors import APIError, bad
 from aioengine.http.openai.chat import parse_chat_request
 from aioengine.http.openai.completions import parse_completion_request
@@ -194,16 +194,17 @@ def _load_reply(model: str, chat: bool) -> JSON:
     return reply
 
 
-def _stats(metrics: dict, tally: Tally, started: float) -> JSON:
+def _stats(metrics: dict, tally: Tally, started: float, load_s: float) -> JSON:
     """The last line's counts and durations (nanoseconds; the queue's wait counts as prompt time), from the
-    engine's monotonic times (arrival, first token; the end is now)."""
+    engine's monotonic times (arrival, first token; the end is now), and the model's load when this request
+    waited for one (the total counts it, as Ollama's does)."""
     ns = 1_000_000_000
     now = time.monotonic()
     first = metrics.get("first_token_time")
     arrival = metrics.get("arrival_time") or started
     return {
-        "total_duration": int((now - started) * ns),
-        "load_duration": 0,
+        "total_duration": int((now - started + load_s) * ns),
+        "load_duration": int(load_s * ns),
         "prompt_eval_count": sum(tally.prompt_tokens),
         "prompt_eval_duration": max(int((first - arrival) * ns), 0) if first is not None else 0,
         "eval_count": tally.completion_tokens,
@@ -269,7 +270,7 @@ async def _run(request: web.Request, chat: bool) -> web.StreamResponse:
         if parsed.reasoning is not None:
             reply["thinking"] = parsed.reasoning
     reply |= {"done": True, "done_reason": _DONE_REASONS.get(c.finish_reason or "stop", "stop")}
-    reply |= _stats(out.metrics, Tally.of([out]), started)
+    reply |= _stats(out.metrics, Tally.of([out]), started, request.get(LOAD_SECONDS) or 0.0)
     return json_response(reply, headers={"X-Request-Id": rid})
 
 
@@ -318,7 +319,8 @@ async def _stream(
             end["message"]["tool_calls"] = _calls(parser.tool_calls)
         finish = last.outputs[0].finish_reason if last is not None else None
         end |= {"done": True, "done_reason": _DONE_REASONS.get(finish or "stop", "stop")}
-        await nd.done(end | _stats(last.metrics if last is not None else {}, tally, started))
+        load_s = request.get(LOAD_SECONDS) or 0.0
+        await nd.done(end | _stats(last.metrics if last is not None else {}, tally, started, load_s))
 
     async def write_error(nd: NDJSONWriter, err: APIError) -> None:
         await nd.done({"error": err.message})

@@ -20,7 +20,7 @@ from aiohttp import web
 
 from aioengine.errors import AioEngineError
 from aioengine.http import admission
-from aioengine.http.context import CONFIG, ENGINE, json_response, model_names
+from aioengine.http.context import CONFIG, ENGINE, LOAD_SECONDS, POOL, json_response, model_names, served_path
 from aioengine.http.errors import api_error, bad
 from aioengine.http.ollama.generate import served_model
 from aioengine.http.parsing import parse_prompt
@@ -48,8 +48,7 @@ def _size(path: str | None) -> int:
     )
 
 
-def _details(app: web.Application) -> JSON:
-    path = app[ENGINE].model_path
+def _details(path: str | None) -> JSON:
     config = _config(path)
     family = str(config.get("model_type", ""))
     return {
@@ -63,7 +62,7 @@ def _details(app: web.Application) -> JSON:
 
 
 def _entry(app: web.Application, name: str) -> JSON:
-    path = app[ENGINE].model_path
+    path = served_path(app, name)
     modified = os.path.getmtime(path) if path and os.path.exists(path) else time.time()
     return {
         "name": name,
@@ -71,7 +70,7 @@ def _entry(app: web.Application, name: str) -> JSON:
         "modified_at": datetime.fromtimestamp(modified, UTC).isoformat(),
         "size": _size(path),
         "digest": hashlib.sha256(f"{name}\0{path}".encode()).hexdigest(),
-        "details": _details(app),
+        "details": _details(path),
     }
 
 
@@ -80,12 +79,21 @@ async def tags(request: web.Request) -> web.Response:
 
 
 async def ps(request: web.Request) -> web.Response:
-    """The loaded models: all of them, for the server's life (an expiry years ahead)."""
-    expires = (datetime.now(UTC) + timedelta(days=365 * 100)).isoformat()
+    """The loaded models, each with when its keep_alive runs out (years ahead: never, or held by a request);
+    one model is loaded for the server's life."""
+    never = datetime.now(UTC) + timedelta(days=365 * 100)
+    pool = request.app.get(POOL)
     models = []
     for n in model_names(request.app):
+        expires = never
+        if pool is not None:
+            model = pool.get(n)
+            if model.engine is None:
+                continue
+            if model.active == 0 and model.expires is not None:
+                expires = datetime.now(UTC) + timedelta(seconds=max(model.expires - time.monotonic(), 0.0))
         entry = _entry(request.app, n)
-        models.append({**entry, "expires_at": expires, "size_vram": 0})
+        models.append({**entry, "expires_at": expires.isoformat(), "size_vram": 0})
     return json_response({"models": models})
 
 
@@ -111,7 +119,7 @@ async def show(request: web.Request) -> web.Response:
             "modelfile": f"FROM {engine.model_path or name}\n",
             "parameters": "",
             "template": template if isinstance(template, str) else "",
-            "details": _details(request.app),
+            "details": _details(engine.model_path),
             "model_info": info,
             "capabilities": ["completion"],
             "modified_at": _entry(request.app, name)["modified_at"],
@@ -148,7 +156,7 @@ async def embed(request: web.Request) -> web.Response:
             "model": model,
             "embeddings": [list(o.outputs.embedding) for o in outs],
             "total_duration": int((time.monotonic() - started) * 1e9),
-            "load_duration": 0,
+            "load_duration": int((request.get(LOAD_SECONDS) or 0.0) * 1e9),
             "prompt_eval_count": sum(len(o.prompt_token_ids) for o in outs),
         },
         headers={"X-Request-Id": rid},

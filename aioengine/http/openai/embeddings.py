@@ -101,6 +101,7 @@ EMBEDDING: Table = {
     "encoding_format": Spec(str, enum=("float", "base64")),
     "dimensions": Spec(int, lo=1, description="cut the unit vector to its first dimensions, renormalized"),
     "user": SAMPLING["user"],
+    "keep_alive": SAMPLING["keep_alive"],
     "request_id": SAMPLING["request_id"],
     "priority": SAMPLING["priority"],
 }

@@ -403,6 +403,7 @@ RESPONSE: Table = {  # openai_responses.to_chat_body turns it into a CHAT body
     "instructions": Spec(str),
     "max_output_tokens": sampled(int, "max_tokens", description=MAX_TOKENS_NOTE),
     "temperature": SAMPLING["temperature"],
+    "keep_alive": SAMPLING["keep_alive"],
     "top_p": SAMPLING["top_p"],
     "stream": Spec(bool),
     "text": Spec(dict, schema=lambda ctx: object_schema(RESPONSE_TEXT, ctx)),

@@ -1,0 +1,221 @@
+"""Serving several models from one app: each request's model picked from its body, the model routes, metrics.
+
+The routes stay those of one model: ``app[ENGINE]`` is a ``PooledEngine`` that hands each call to the engine
+of the request being served. A middleware reads the body's ``model`` (and ``keep_alive``), acquires that
+model from the pool (loading it on its first request), serves the request in a context that names its
+engine, and releases the model when the reply (a stream included) has ended. ``POST /models/load`` and
+``/models/unload`` are llama.cpp's router's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import orjson
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Gauge, Histogram
+from prometheus_client.metrics_core import Metric
+
+from aioengine.engine.client import EngineClient
+from aioengine.engine.pool import ModelPool, PooledModel, parse_keep_alive
+from aioengine.errors import EngineNotStartedError
+from aioengine.http.admission import read_json
+from aioengine.http.context import CURRENT_ENGINE, LOAD_SECONDS, POOL, STATE, json_response
+from aioengine.http.errors import APIError, bad
+from aioengine.http.metrics import EngineMetrics
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+# The routes whose JSON body names a model: each request holds its model for as long as it is served.
+POOLED_ROUTES = frozenset(
+    {
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/responses",
+        "/v1/messages",
+        "/v1/messages/count_tokens",
+        "/v1/embeddings",
+        "/api/generate",
+        "/api/chat",
+        "/api/embed",
+        "/api/show",
+        "/tokenize",
+        "/detokenize",
+    }
+)
+LOAD_HEADER = "X-Model-Load-Seconds"  # on a reply whose request waited for its model to load
+
+
+class PooledEngine:
+    """``app[ENGINE]`` with several models: every attribute is the current request's engine's."""
+
+    def __init__(self, pool: ModelPool) -> None:
+        self._pool = pool
+
+    @staticmethod
+    def _engine() -> EngineClient:
+        engine = CURRENT_ENGINE.get()
+        if engine is None:
+            raise EngineNotStartedError("this server runs several models: a request names one with `model`")
+        return engine
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine(), name)
+
+    @property
+    def lora_modules(self) -> dict[str, str]:  # adapters are one model's; several models serve none
+        return {}
+
+    @property
+    def allow_lora_updates(self) -> bool:
+        return False
+
+
+def resolve_name(pool: ModelPool, model: object) -> str:
+    """The served name a body's ``model`` picks: itself, or without Ollama's ``:latest``; the first served
+    model when the body names none (as with one model)."""
+    names = pool.names()
+    if model is None or model == "":
+        return names[0]
+    if not isinstance(model, str):
+        raise bad("model must be a string", "model")
+    if model in pool.models:
+        return model
+    base = model.removesuffix(":latest")
+    return base if base in pool.models else model  # an unknown name: the pool's 404 says which exist
+
+
+def _body_fields(raw: bytes) -> tuple[object, object]:
+    try:
+        data = orjson.loads(raw) if raw else None
+    except orjson.JSONDecodeError:
+        return None, None  # the route's own parser answers with its 400
+    if not isinstance(data, dict):
+        return None, None
+    return data.get("model", data.get("name")), data.get("keep_alive")
+
+
+@web.middleware
+async def pool_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Serve a request that names a model in that model's engine, holding it until the reply has ended (with
+    one model: only check a ``keep_alive``, which it has no use for)."""
+    if request.method != "POST" or request.path not in POOLED_ROUTES:
+        return await handler(request)
+    pool = request.app.get(POOL)
+    raw = await request.read()
+    if pool is None and b"keep_alive" not in raw:
+        return await handler(request)
+    model, keep = _body_fields(raw)
+    try:
+        keep_alive = parse_keep_alive(keep)
+    except ValueError as e:
+        raise bad(str(e), "keep_alive") from None
+    if pool is None:
+        return await handler(request)
+    if request.app[STATE].draining:
+        raise APIError(503, "The server is shutting down.", code="shutting_down")
+    name = resolve_name(pool, model)
+    engine, load_s = await pool.acquire(name)
+    request[LOAD_SECONDS] = load_s
+    token = CURRENT_ENGINE.set(engine)
+    try:
+        return await handler(request)
+    finally:
+        CURRENT_ENGINE.reset(token)
+        pool.release(name, keep_alive)
+
+
+async def add_load_header(request: web.Request, response: web.StreamResponse) -> None:
+    load_s = request.get(LOAD_SECONDS)
+    if load_s is not None:
+        response.headers[LOAD_HEADER] = f"{load_s:.3f}"
+
+
+def model_card(app: web.Application, name: str, created: int) -> dict[str, Any]:
+    """``/v1/models``'s card of a served model, with whether it is loaded now."""
+    model = app[POOL].get(name)
+    engine = model.engine
+    return {
+        "id": name,
+        "object": "model",
+        "created": created,
+        "owned_by": "aioengine",
+        "root": model.path,
+        "parent": None,
+        "max_model_len": engine.max_model_len if engine is not None else None,
+        "loaded": engine is not None,
+        "status": "loading" if model.loading is not None else "loaded" if engine is not None else "unloaded",
+    }
+
+
+async def _model_request(request: web.Request) -> tuple[ModelPool, str]:
+    data = await read_json(request)
+    if not isinstance(data, dict):
+        raise bad("The request body must be a JSON object.")
+    pool = request.app[POOL]
+    model = data.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad("model must name a served model", "model")
+    name = resolve_name(pool, model)
+    pool.get(name)  # 404 for a name it does not serve
+    return pool, name
+
+
+async def load_model(request: web.Request) -> web.Response:
+    """``POST /models/load {"model": NAME}``: load it now (its keep_alive then runs from here)."""
+    pool, name = await _model_request(request)
+    seconds = await pool.load(name)
+    return json_response({"success": True, "model": name, "load_seconds": round(seconds, 3)})
+
+
+async def unload_model(request: web.Request) -> web.Response:
+    """``POST /models/unload {"model": NAME}``: unload it once its requests are done."""
+    pool, name = await _model_request(request)
+    was_loaded = await pool.unload(name)
+    return json_response({"success": True, "model": name, "unloaded": was_loaded})
+
+
+class PoolMetrics:
+    """``/metrics`` with several models: each loaded model's EngineMetrics (its own ``model_name`` label)
+    merged family by family, and the pool's own gauges and load times."""
+
+    def __init__(self, pool: ModelPool) -> None:
+        self.registry = CollectorRegistry()
+        Gauge("aioengine:models_loaded", "Number of models loaded now.", registry=self.registry).set_function(
+            lambda: len(pool.loaded())
+        )
+        self.load_seconds = Histogram(
+            "aioengine:model_load_seconds",
+            "Seconds each model load took (engine start included).",
+            ["model_name"],
+            buckets=(0.5, 1, 2, 5, 10, 20, 60, 120, 300),
+            registry=self.registry,
+        )
+        self.engines: dict[str, EngineMetrics] = {}
+        self._pool = pool
+        pool.listeners.append(self.on_pool)
+
+    def on_pool(self, event: str, model: PooledModel) -> None:
+        if event == "load" and model.engine is not None:
+            self.engines[model.name] = EngineMetrics(model.engine, model.name)
+            self.load_seconds.labels(model.name).observe(model.load_seconds or 0.0)
+        elif event == "unload" and model.name in self.engines:
+            self.engines.pop(model.name).close()
+
+    def close(self) -> None:
+        if self.on_pool in self._pool.listeners:
+            self._pool.listeners.remove(self.on_pool)
+        for metrics in self.engines.values():
+            metrics.close()
+        self.engines.clear()
+
+    def collect(self) -> list[Metric]:
+        merged: dict[str, Metric] = {}
+        for registry in (self.registry, *(m.registry for m in self.engines.values())):
+            for family in registry.collect():
+                name = family.name
+                if name not in merged:
+                    merged[name] = Metric(name, family.documentation, family.type, family.unit)
+                merged[name].samples.extend(family.samples)
+        return list(merged.values())
