@@ -41,6 +41,7 @@ class PooledModel:
     path: str
     engine: AsyncEngine | None = None
     loading: asyncio.Future[AsyncEngine] | None = None
+    unloading: asyncio.Future[None] | None = None  # its engine shutting down, its memory not yet given back
     active: int = 0  # requests holding it (acquired, not released)
     last_used: float = 0.0  # monotonic
     expires: float | None = None  # monotonic deadline once idle; None: never
@@ -216,6 +217,9 @@ class ModelPool:
                 await self._unload(model)  # a dead engine (its requests failed): load the model afresh
             if model.engine is not None:
                 return model.engine
+            if model.unloading is not None:  # load again once the last engine's memory is back
+                await asyncio.shield(model.unloading)
+                continue
             if model.loading is None:
                 if not await self._make_room(model):
                     await self._wait_change()
@@ -260,13 +264,18 @@ class ModelPool:
         engine, model.engine, model.expires = model.engine, None, None
         if engine is None:
             return
-        for listener in self.listeners:
-            listener("unload", model)
-        await engine.shutdown()
-        del engine
-        self._collect()
-        logger.info("model %s unloaded", model.name)
-        self._touch()
+        done = model.unloading = asyncio.get_running_loop().create_future()
+        try:
+            for listener in self.listeners:
+                listener("unload", model)
+            await engine.shutdown()
+            del engine
+            self._collect()
+            logger.info("model %s unloaded", model.name)
+        finally:
+            model.unloading = None
+            done.set_result(None)
+            self._touch()
 
     def _collect(self) -> None:
         """What the unloaded engine held goes back to the system: its cycles leave the frozen generation
@@ -294,7 +303,7 @@ class ModelPool:
 
     @staticmethod
     def _resident(model: PooledModel) -> bool:
-        return model.engine is not None or model.loading is not None
+        return model.engine is not None or model.loading is not None or model.unloading is not None
 
     @staticmethod
     def _idle(model: PooledModel) -> bool:

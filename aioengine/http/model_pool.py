@@ -145,7 +145,13 @@ def model_card(app: web.Application, name: str, created: int) -> dict[str, Any]:
         "parent": None,
         "max_model_len": engine.max_model_len if engine is not None else None,
         "loaded": engine is not None,
-        "status": "loading" if model.loading is not None else "loaded" if engine is not None else "unloaded",
+        "status": "loading"
+        if model.loading is not None
+        else "loaded"
+        if engine is not None
+        else "unloading"
+        if model.unloading is not None
+        else "unloaded",
     }
 
 

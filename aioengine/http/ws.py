@@ -15,14 +15,16 @@ from contextlib import aclosing, suppress
 import orjson
 from aiohttp import WSCloseCode, WSMsgType, web
 
-from aioengine.engine.client import RequestHandle
+from aioengine.engine.client import EngineClient, RequestHandle
+from aioengine.engine.pool import parse_keep_alive
 from aioengine.errors import AioEngineError
 from aioengine.http import admission
 from aioengine.http.admission import Admitted
 from aioengine.http.chat_output import ChatOutputParser, Reasoning
-from aioengine.http.context import CONFIG, ENGINE, STATE
+from aioengine.http.context import CONFIG, CURRENT_ENGINE, ENGINE, POOL, STATE
 from aioengine.http.errors import APIError, api_error, bad
 from aioengine.http.logprobs import chat_logprobs
+from aioengine.http.model_pool import resolve_name
 from aioengine.http.openai.chat import parse_chat_request
 from aioengine.http.openai.completions import parse_completion_request, prompt_text
 from aioengine.http.parsing import ChatRequest, CompletionRequest
@@ -65,7 +67,8 @@ class _Session:
         self.app = app
         self.engine = app[ENGINE]
         self.ws = ws
-        self.active: dict[str, tuple[asyncio.Task[None], list[RequestHandle]]] = {}
+        # each generation's task, handles, and engine (with several models, the one its body named)
+        self.active: dict[str, tuple[asyncio.Task[None], list[RequestHandle], EngineClient]] = {}
         self.send_lock = asyncio.Lock()
         self.next_id = 0
 
@@ -118,11 +121,38 @@ class _Session:
                 f"At most {MAX_ACTIVE_PER_SOCKET} generations may run on one socket.",
                 code="too_many_generations",
             )
-        admission.check_capacity(self.app)
         body = msg.get("body")
         if not isinstance(body, dict):
             raise bad("body must be a JSON object: the same body as the HTTP route takes.", "body")
         body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}  # always streamed
+        pool = self.app.get(POOL)
+        if pool is None:
+            task, handles = await self._start(kind, gen_id, body)
+            self.active[gen_id] = (task, handles, self.engine)
+            return gen_id
+        # Several models: the generation runs in the engine its body names, held until it ends.
+        try:
+            keep = parse_keep_alive(body.get("keep_alive"))
+        except ValueError as e:
+            raise bad(str(e), "keep_alive") from None
+        name = resolve_name(pool, body.get("model"))
+        engine, _ = await pool.acquire(name)
+        token = CURRENT_ENGINE.set(engine)
+        try:
+            task, handles = await self._start(kind, gen_id, body)
+        except BaseException:
+            pool.release(name, keep)
+            raise
+        finally:
+            CURRENT_ENGINE.reset(token)
+        task.add_done_callback(lambda _: pool.release(name, keep))
+        self.active[gen_id] = (task, handles, engine)
+        return gen_id
+
+    async def _start(
+        self, kind: str, gen_id: str, body: JSON
+    ) -> tuple[asyncio.Task[None], list[RequestHandle]]:
+        admission.check_capacity(self.app)
         adm: Admitted[ChatRequest] | Admitted[CompletionRequest]
         if kind == "chat":
             adm = await admission.admit_body(self.app, body, parse_chat_request, None, "chatcmpl")
@@ -130,9 +160,7 @@ class _Session:
         else:
             adm = await admission.admit_body(self.app, body, parse_completion_request, None, "cmpl")
             handles = await admission.start_completions(self.app, adm, "websocket completion")
-        task = asyncio.create_task(self.run(gen_id, adm, handles))
-        self.active[gen_id] = (task, handles)
-        return gen_id
+        return asyncio.create_task(self.run(gen_id, adm, handles)), handles
 
     async def run(
         self,
@@ -224,13 +252,13 @@ class _Session:
                 code="generation_not_found",
             )
         for h in entry[1]:  # the stream then ends with finish_reason "abort" and a "done" message
-            await self.engine.abort(h.request_id)
+            await entry[2].abort(h.request_id)
 
     async def close(self) -> None:
         entries = list(self.active.values())
-        for task, _ in entries:
+        for task, _, _ in entries:
             task.cancel()
-        for _, handles in entries:  # a task cancelled before its first step never runs its finally
-            await abort_all(self.engine, handles)
+        for _, handles, engine in entries:  # a task cancelled before its first step never runs its finally
+            await abort_all(engine, handles)
         if entries:
-            await asyncio.gather(*(task for task, _ in entries), return_exceptions=True)
+            await asyncio.gather(*(task for task, _, _ in entries), return_exceptions=True)
