@@ -40,10 +40,9 @@ from aioengine.http.context import (
     model_names,
 )
 from aioengine.http.errors import APIError, api_error
-from aioengine.http.metrics import EngineMetrics
+from aioengine.http.metrics import EngineMetrics, PoolMetrics
 from aioengine.http.model_pool import (
     PooledEngine,
-    PoolMetrics,
     add_load_header,
     load_model,
     pool_middleware,

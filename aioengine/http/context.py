@@ -19,8 +19,7 @@ from aioengine.http.errors import APIError
 from aioengine.http.schema import RequestLimits
 
 if TYPE_CHECKING:  # metrics.py imports prometheus_client; only its type is named here
-    from aioengine.http.metrics import EngineMetrics
-    from aioengine.http.model_pool import PoolMetrics
+    from aioengine.http.metrics import EngineMetrics, PoolMetrics
 
 DEFAULT_MAX_BODY = 4 << 20
 

@@ -14,8 +14,10 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 
 from aioengine.engine.client import EngineClient, RequestInfo
+from aioengine.engine.pool import ModelPool, PooledModel
 from aioengine.outputs import RequestOutput
 from aioengine.sched.output import EngineCoreOutput, SchedulerStats
 
@@ -333,6 +335,51 @@ class EngineMetrics:
             t0 = loop.time()
             await asyncio.sleep(interval)
             self.loop_lag.observe(max(0.0, loop.time() - t0 - interval))
+
+
+class PoolMetrics:
+    """``/metrics`` with several models: each loaded model's EngineMetrics (its own ``model_name`` label)
+    merged family by family, and the pool's own gauges and load times."""
+
+    def __init__(self, pool: ModelPool) -> None:
+        self.registry = CollectorRegistry()
+        Gauge("aioengine:models_loaded", "Number of models loaded now.", registry=self.registry).set_function(
+            lambda: len(pool.loaded())
+        )
+        self.load_seconds = Histogram(
+            "aioengine:model_load_seconds",
+            "Seconds each model load took (engine start included).",
+            ["model_name"],
+            buckets=(0.5, 1, 2, 5, 10, 20, 60, 120, 300),
+            registry=self.registry,
+        )
+        self.engines: dict[str, EngineMetrics] = {}
+        self._pool = pool
+        pool.listeners.append(self.on_pool)
+
+    def on_pool(self, event: str, model: PooledModel) -> None:
+        if event == "load" and model.engine is not None:
+            self.engines[model.name] = EngineMetrics(model.engine, model.name)
+            self.load_seconds.labels(model.name).observe(model.load_seconds or 0.0)
+        elif event == "unload" and model.name in self.engines:
+            self.engines.pop(model.name).close()
+
+    def close(self) -> None:
+        if self.on_pool in self._pool.listeners:
+            self._pool.listeners.remove(self.on_pool)
+        for metrics in self.engines.values():
+            metrics.close()
+        self.engines.clear()
+
+    def collect(self) -> list[Metric]:
+        merged: dict[str, Metric] = {}
+        for registry in (self.registry, *(m.registry for m in self.engines.values())):
+            for family in registry.collect():
+                name = family.name
+                if name not in merged:
+                    merged[name] = Metric(name, family.documentation, family.type, family.unit)
+                merged[name].samples.extend(family.samples)
+        return list(merged.values())
 
 
 class StatsLogger:

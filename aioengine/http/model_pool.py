@@ -4,7 +4,7 @@ The routes stay those of one model: ``app[ENGINE]`` is a ``PooledEngine`` that h
 of the request being served. A middleware reads the body's ``model`` (and ``keep_alive``), acquires that
 model from the pool (loading it on its first request), serves the request in a context that names its
 engine, and releases the model when the reply (a stream included) has ended. ``POST /models/load`` and
-``/models/unload`` are llama.cpp's router's.
+``/models/unload`` are llama.cpp's router's; the models' metrics are metrics.py's PoolMetrics.
 """
 
 from __future__ import annotations
@@ -14,16 +14,13 @@ from typing import Any
 
 import orjson
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Gauge, Histogram
-from prometheus_client.metrics_core import Metric
 
 from aioengine.engine.client import EngineClient
-from aioengine.engine.pool import ModelPool, PooledModel, parse_keep_alive
+from aioengine.engine.pool import ModelPool, parse_keep_alive
 from aioengine.errors import EngineNotStartedError
 from aioengine.http.admission import read_json
 from aioengine.http.context import CURRENT_ENGINE, LOAD_SECONDS, POOL, STATE, json_response
 from aioengine.http.errors import APIError, bad
-from aioengine.http.metrics import EngineMetrics
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -180,48 +177,3 @@ async def unload_model(request: web.Request) -> web.Response:
     pool, name = await _model_request(request)
     was_loaded = await pool.unload(name)
     return json_response({"success": True, "model": name, "unloaded": was_loaded})
-
-
-class PoolMetrics:
-    """``/metrics`` with several models: each loaded model's EngineMetrics (its own ``model_name`` label)
-    merged family by family, and the pool's own gauges and load times."""
-
-    def __init__(self, pool: ModelPool) -> None:
-        self.registry = CollectorRegistry()
-        Gauge("aioengine:models_loaded", "Number of models loaded now.", registry=self.registry).set_function(
-            lambda: len(pool.loaded())
-        )
-        self.load_seconds = Histogram(
-            "aioengine:model_load_seconds",
-            "Seconds each model load took (engine start included).",
-            ["model_name"],
-            buckets=(0.5, 1, 2, 5, 10, 20, 60, 120, 300),
-            registry=self.registry,
-        )
-        self.engines: dict[str, EngineMetrics] = {}
-        self._pool = pool
-        pool.listeners.append(self.on_pool)
-
-    def on_pool(self, event: str, model: PooledModel) -> None:
-        if event == "load" and model.engine is not None:
-            self.engines[model.name] = EngineMetrics(model.engine, model.name)
-            self.load_seconds.labels(model.name).observe(model.load_seconds or 0.0)
-        elif event == "unload" and model.name in self.engines:
-            self.engines.pop(model.name).close()
-
-    def close(self) -> None:
-        if self.on_pool in self._pool.listeners:
-            self._pool.listeners.remove(self.on_pool)
-        for metrics in self.engines.values():
-            metrics.close()
-        self.engines.clear()
-
-    def collect(self) -> list[Metric]:
-        merged: dict[str, Metric] = {}
-        for registry in (self.registry, *(m.registry for m in self.engines.values())):
-            for family in registry.collect():
-                name = family.name
-                if name not in merged:
-                    merged[name] = Metric(name, family.documentation, family.type, family.unit)
-                merged[name].samples.extend(family.samples)
-        return list(merged.values())
