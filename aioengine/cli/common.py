@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import os
 import re
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
@@ -168,7 +169,7 @@ def named_models(args: argparse.Namespace) -> dict[str, str]:
     named: dict[str, str] = {}
     for value in args.model or ():
         name, sep, path = value.partition("=")
-        if not sep:
+        if not sep or os.path.exists(value):  # a plain path that holds an "=" is a path
             continue
         if not name or not path:
             raise ValueError(f"--model NAME=PATH: got {value!r}")
@@ -184,7 +185,8 @@ def engine_args_from(args: argparse.Namespace, named_ok: bool = False) -> Engine
     if not named_ok and named_models(args):
         raise ValueError("--model NAME=PATH serves several models: `aioengine serve` only")
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs) if f.name != "kernels"}
-    plain = [m for m in values["model"] or () if "=" not in m]
+    named = named_models(args)
+    plain = [m for m in values["model"] or () if m.partition("=")[0] not in named]
     values["model"] = plain[-1] if plain else "default"
     if getattr(args, "model_tag", None):
         values["model"] = args.model_tag

@@ -16,6 +16,7 @@ import ctypes
 import dataclasses
 import gc
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DEFAULT_KEEP_ALIVE_S = 300.0  # Ollama's 5 minutes
+NEVER_S = 10 * 365 * 86400.0  # a keep_alive this long or longer is "never" (Ollama's clients send huge ones)
 
 
 @dataclass(slots=True, eq=False)
@@ -45,6 +47,7 @@ class PooledModel:
     active: int = 0  # requests holding it (acquired, not released)
     last_used: float = 0.0  # monotonic
     expires: float | None = None  # monotonic deadline once idle; None: never
+    evict: bool = False  # unload asked for while busy: it goes once idle, whatever keep_alive says
     load_seconds: float | None = None  # the last load's
     resident_bytes: int = 0  # what the last load added to the process's RSS
     loads: int = 0
@@ -65,22 +68,28 @@ class PoolConfig:
 
 def parse_keep_alive(value: object) -> float | None:
     """Seconds from Ollama's ``keep_alive``: a number of seconds, or a duration string ("10m", "1h30m",
-    "45s", "-1"); negative means never. None for None; ValueError for anything else."""
+    "45s", "-1"); negative means never, and so does ten years or more. None for None; ValueError for anything
+    else (NaN and infinities included)."""
     if value is None:
         return None
-    if isinstance(value, bool):
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
         raise ValueError("keep_alive must be a duration or a number of seconds")
-    if isinstance(value, int | float):
-        return float(value)
-    if not isinstance(value, str) or not value.strip():
-        raise ValueError("keep_alive must be a duration or a number of seconds")
-    text = value.strip()
-    try:
-        return float(text)
-    except ValueError:
-        pass
+    if isinstance(value, str):
+        text = value.strip()
+        try:
+            seconds = float(text)
+        except ValueError:
+            seconds = _duration(text, value)
+    else:
+        seconds = float(value)
+    return _finite(seconds, value)
+
+
+def _duration(text: str, value: str) -> float:
     units = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
     sign, rest, total = (-1.0, text[1:], 0.0) if text.startswith("-") else (1.0, text, 0.0)
+    if not rest:
+        raise ValueError("keep_alive must be a duration or a number of seconds")
     while rest:
         i = 0
         while i < len(rest) and (rest[i].isdigit() or rest[i] == "."):
@@ -91,9 +100,18 @@ def parse_keep_alive(value: object) -> float | None:
         number, unit = rest[:i], rest[i:j]
         if not number or unit not in units:
             raise ValueError(f"keep_alive {value!r} is not a duration (e.g. 30s, 5m, 1h)")
-        total += float(number) * units[unit]
+        try:
+            total += float(number) * units[unit]
+        except ValueError:
+            raise ValueError(f"keep_alive {value!r} is not a duration (e.g. 30s, 5m, 1h)") from None
         rest = rest[j:]
     return sign * total
+
+
+def _finite(seconds: float, value: object) -> float:
+    if not math.isfinite(seconds):
+        raise ValueError(f"keep_alive {value!r} is not a finite duration")
+    return -1.0 if seconds >= NEVER_S else seconds
 
 
 def _rss_bytes() -> int:
@@ -167,7 +185,7 @@ class ModelPool:
         model.active -= 1
         model.last_used = time.monotonic()
         keep = self.config.keep_alive_s if keep_alive_s is None else keep_alive_s
-        model.expires = None if keep < 0 else model.last_used + keep
+        model.expires = model.last_used if model.evict else None if keep < 0 else model.last_used + keep
         self._touch()
 
     async def load(self, name: str) -> float:
@@ -184,7 +202,7 @@ class ModelPool:
                 await asyncio.shield(model.loading)
         if model.engine is None:
             return False
-        model.expires = time.monotonic()  # due now: the reaper unloads it when idle
+        model.expires, model.evict = time.monotonic(), True  # due now: the reaper unloads it when idle
         if model.active == 0:
             await self._unload(model)
         else:
@@ -251,6 +269,9 @@ class ModelPool:
             raise ModelLoadError(f"The model `{model.name}` failed to load: {model.error}") from e
         model.engine, model.loading, model.error = engine, None, None
         model.load_seconds = time.perf_counter() - t0
+        # idle from now on until a request holds it (one that asked for the load may have gone)
+        keep, model.last_used = self.config.keep_alive_s, time.monotonic()
+        model.expires = None if keep < 0 else model.last_used + keep
         model.resident_bytes = max(_rss_bytes() - rss0, 0)
         model.loads += 1
         mb = model.resident_bytes >> 20
@@ -261,10 +282,16 @@ class ModelPool:
         return engine
 
     async def _unload(self, model: PooledModel) -> None:
-        engine, model.engine, model.expires = model.engine, None, None
+        """Stop the model's engine and give its memory back; a caller cancelled meanwhile (a client gone)
+        does not stop it halfway."""
+        engine, model.engine, model.expires, model.evict = model.engine, None, None, False
         if engine is None:
             return
-        done = model.unloading = asyncio.get_running_loop().create_future()
+        model.unloading = asyncio.ensure_future(self._stop(model, engine))
+        del engine
+        await asyncio.shield(model.unloading)
+
+    async def _stop(self, model: PooledModel, engine: AsyncEngine) -> None:
         try:
             for listener in self.listeners:
                 listener("unload", model)
@@ -274,7 +301,6 @@ class ModelPool:
             logger.info("model %s unloaded", model.name)
         finally:
             model.unloading = None
-            done.set_result(None)
             self._touch()
 
     def _collect(self) -> None:
@@ -322,7 +348,10 @@ class ModelPool:
             now = time.monotonic()
             for model in list(self.models.values()):
                 if self._idle(model) and model.expires is not None and model.expires <= now:
-                    await self._unload(model)
+                    try:
+                        await self._unload(model)
+                    except Exception:  # its engine's own failure: keep reaping the others
+                        logger.exception("unloading model %s failed", model.name)
             deadlines = [m.expires for m in self.models.values() if self._idle(m) and m.expires is not None]
             timeout = max(min(deadlines) - time.monotonic(), 0.0) if deadlines else None
             self._changed.clear()

@@ -19,8 +19,9 @@ from aioengine.engine.client import EngineClient
 from aioengine.engine.pool import ModelPool, parse_keep_alive
 from aioengine.errors import EngineNotStartedError
 from aioengine.http.admission import read_json
-from aioengine.http.context import CURRENT_ENGINE, LOAD_SECONDS, POOL, STATE, json_response
+from aioengine.http.context import CONFIG, CURRENT_ENGINE, LOAD_SECONDS, POOL, STATE, json_response
 from aioengine.http.errors import APIError, bad
+from aioengine.http.ollama.generate import empty_reply
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -83,14 +84,19 @@ def resolve_name(pool: ModelPool, model: object) -> str:
     return base if base in pool.models else model  # an unknown name: the pool's 404 says which exist
 
 
-def _body_fields(raw: bytes) -> tuple[object, object]:
+def _body(raw: bytes) -> dict:
     try:
         data = orjson.loads(raw) if raw else None
     except orjson.JSONDecodeError:
-        return None, None  # the route's own parser answers with its 400
-    if not isinstance(data, dict):
-        return None, None
-    return data.get("model", data.get("name")), data.get("keep_alive")
+        return {}  # the route's own parser answers with its 400
+    return data if isinstance(data, dict) else {}
+
+
+def _unloads(path: str, data: dict, keep_alive: float | None) -> bool:
+    """Ollama's unload (``ollama stop``): /api/generate or /api/chat with no prompt and keep_alive 0."""
+    if keep_alive != 0 or path not in ("/api/generate", "/api/chat"):
+        return False
+    return not (data.get("messages") if path == "/api/chat" else data.get("prompt"))
 
 
 @web.middleware
@@ -103,16 +109,20 @@ async def pool_middleware(request: web.Request, handler: Handler) -> web.StreamR
     raw = await request.read()
     if pool is None and b"keep_alive" not in raw:
         return await handler(request)
-    model, keep = _body_fields(raw)
+    data = _body(raw)
     try:
-        keep_alive = parse_keep_alive(keep)
+        keep_alive = parse_keep_alive(data.get("keep_alive"))
     except ValueError as e:
         raise bad(str(e), "keep_alive") from None
     if pool is None:
         return await handler(request)
     if request.app[STATE].draining:
-        raise APIError(503, "The server is shutting down.", code="shutting_down")
-    name = resolve_name(pool, model)
+        retry = {"Retry-After": str(request.app[CONFIG].retry_after_s)}
+        raise APIError(503, "The server is shutting down.", code="shutting_down", headers=retry)
+    name = resolve_name(pool, data.get("model") or data.get("name"))
+    if _unloads(request.path, data, keep_alive):  # unload without loading it first
+        await pool.unload(pool.get(name).name)
+        return json_response(empty_reply(name, request.path == "/api/chat", "unload"))
     engine, load_s = await pool.acquire(name)
     request[LOAD_SECONDS] = load_s
     token = CURRENT_ENGINE.set(engine)

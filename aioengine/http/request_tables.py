@@ -179,6 +179,7 @@ SAMPLING: Table = {
 # ---- /tokenize and /detokenize -----------------------------------------------------------------------------
 TOKENIZE: Table = {
     "model": Spec(str),
+    "keep_alive": KEEP_ALIVE,
     "add_special_tokens": Spec(bool),
     "return_token_strs": Spec(bool),
     "prompt": Spec(str),
@@ -187,9 +188,10 @@ TOKENIZE: Table = {
     "continue_final_message": Spec(bool),
     "chat_template_kwargs": Spec(None, schema=TEMPLATE_KWARGS.schema),
 }
-TOKENIZE_PROMPT = ("model", "add_special_tokens", "return_token_strs", "prompt")  # exactly one of these two
+TOKENIZE_PROMPT = ("model", "keep_alive", "add_special_tokens", "return_token_strs", "prompt")  # one of two
 TOKENIZE_MESSAGES = (
     "model",
+    "keep_alive",
     "add_special_tokens",
     "return_token_strs",
     "messages",
@@ -198,7 +200,7 @@ TOKENIZE_MESSAGES = (
     "chat_template_kwargs",
 )
 
-DETOKENIZE: Table = {"model": Spec(str), "tokens": Spec(None, schema=TOKENS.schema)}
+DETOKENIZE: Table = {"model": Spec(str), "keep_alive": KEEP_ALIVE, "tokens": Spec(None, schema=TOKENS.schema)}
 
 # ---- /v1/embeddings ---------------------------------------------------------------------------------------
 

@@ -150,6 +150,9 @@ async def serve_pool(
     deadline = time.monotonic() + shutdown_timeout
     while any(m.active for m in pool.models.values()) and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
-    await runner.cleanup()  # the app's cleanup unloads every model (aborting what is left)
+    if any(m.active for m in pool.models.values()):
+        logger.info("aborting the requests still running")
+    await pool.close()  # every engine stopped: what still streams ends with finish_reason "abort"
+    await runner.cleanup()
     logger.info("shut down")
     return 0

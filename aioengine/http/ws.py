@@ -16,7 +16,7 @@ import orjson
 from aiohttp import WSCloseCode, WSMsgType, web
 
 from aioengine.engine.client import EngineClient, RequestHandle
-from aioengine.engine.pool import parse_keep_alive
+from aioengine.engine.pool import ModelPool, parse_keep_alive
 from aioengine.errors import AioEngineError
 from aioengine.http import admission
 from aioengine.http.admission import Admitted
@@ -67,8 +67,8 @@ class _Session:
         self.app = app
         self.engine = app[ENGINE]
         self.ws = ws
-        # each generation's task, handles, and engine (with several models, the one its body named)
-        self.active: dict[str, tuple[asyncio.Task[None], list[RequestHandle], EngineClient]] = {}
+        # each generation's task, handles and engine (several models: the one its body named, once loaded)
+        self.active: dict[str, tuple[asyncio.Task[None], list[RequestHandle], list[EngineClient]]] = {}
         self.send_lock = asyncio.Lock()
         self.next_id = 0
 
@@ -127,40 +127,64 @@ class _Session:
         body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}  # always streamed
         pool = self.app.get(POOL)
         if pool is None:
-            task, handles = await self._start(kind, gen_id, body)
-            self.active[gen_id] = (task, handles, self.engine)
+            adm, started = await self._admit(kind, body)
+            task = asyncio.create_task(self.run(gen_id, adm, started))
+            self.active[gen_id] = (task, started, [self.engine])
             return gen_id
-        # Several models: the generation runs in the engine its body names, held until it ends.
+        # Several models: the generation loads and holds the model its body names, in a task of its own (the
+        # socket keeps reading cancels and pings meanwhile); its errors come as "error" messages.
         try:
             keep = parse_keep_alive(body.get("keep_alive"))
         except ValueError as e:
             raise bad(str(e), "keep_alive") from None
-        name = resolve_name(pool, body.get("model"))
-        engine, _ = await pool.acquire(name)
-        token = CURRENT_ENGINE.set(engine)
-        try:
-            task, handles = await self._start(kind, gen_id, body)
-        except BaseException:
-            pool.release(name, keep)
-            raise
-        finally:
-            CURRENT_ENGINE.reset(token)
-        task.add_done_callback(lambda _: pool.release(name, keep))
-        self.active[gen_id] = (task, handles, engine)
+        name = pool.get(resolve_name(pool, body.get("model"))).name  # 404 now for a name it does not serve
+        handles: list[RequestHandle] = []
+        engines: list[EngineClient] = []
+        task = asyncio.create_task(self._pooled(pool, name, keep, kind, gen_id, body, handles, engines))
+        self.active[gen_id] = (task, handles, engines)
         return gen_id
 
-    async def _start(
-        self, kind: str, gen_id: str, body: JSON
-    ) -> tuple[asyncio.Task[None], list[RequestHandle]]:
+    async def _admit(
+        self, kind: str, body: JSON
+    ) -> tuple[Admitted[ChatRequest] | Admitted[CompletionRequest], list[RequestHandle]]:
         admission.check_capacity(self.app)
         adm: Admitted[ChatRequest] | Admitted[CompletionRequest]
         if kind == "chat":
             adm = await admission.admit_body(self.app, body, parse_chat_request, None, "chatcmpl")
-            handles = [admission.start_chat(self.app, adm, "websocket chat")]
-        else:
-            adm = await admission.admit_body(self.app, body, parse_completion_request, None, "cmpl")
-            handles = await admission.start_completions(self.app, adm, "websocket completion")
-        return asyncio.create_task(self.run(gen_id, adm, handles)), handles
+            return adm, [admission.start_chat(self.app, adm, "websocket chat")]
+        adm = await admission.admit_body(self.app, body, parse_completion_request, None, "cmpl")
+        return adm, await admission.start_completions(self.app, adm, "websocket completion")
+
+    async def _pooled(
+        self,
+        pool: ModelPool,
+        name: str,
+        keep: float | None,
+        kind: str,
+        gen_id: str,
+        body: JSON,
+        handles: list[RequestHandle],
+        engines: list[EngineClient],
+    ) -> None:
+        try:
+            engine, _ = await pool.acquire(name)
+        except AioEngineError as e:
+            self.active.pop(gen_id, None)
+            await self._try(self.send_error(gen_id, api_error(e)))
+            return
+        try:
+            engines.append(engine)
+            CURRENT_ENGINE.set(engine)  # this task's own context: app[ENGINE] is this model's engine here
+            try:
+                adm, started = await self._admit(kind, body)
+            except (APIError, AioEngineError) as e:
+                self.active.pop(gen_id, None)
+                await self._try(self.send_error(gen_id, e if isinstance(e, APIError) else api_error(e)))
+                return
+            handles.extend(started)
+            await self.run(gen_id, adm, handles)
+        finally:
+            pool.release(name, keep)
 
     async def run(
         self,
@@ -251,14 +275,18 @@ class _Session:
                 "id",
                 code="generation_not_found",
             )
-        for h in entry[1]:  # the stream then ends with finish_reason "abort" and a "done" message
-            await entry[2].abort(h.request_id)
+        task, handles, engines = entry
+        if not handles:  # its model still loading: no request to abort yet
+            task.cancel()
+        for h in handles:  # the stream then ends with finish_reason "abort" and a "done" message
+            await engines[0].abort(h.request_id)
 
     async def close(self) -> None:
         entries = list(self.active.values())
         for task, _, _ in entries:
             task.cancel()
-        for _, handles, engine in entries:  # a task cancelled before its first step never runs its finally
-            await abort_all(engine, handles)
+        for _, handles, engines in entries:  # a task cancelled before its first step never runs its finally
+            if engines:
+                await abort_all(engines[0], handles)
         if entries:
             await asyncio.gather(*(task for task, _, _ in entries), return_exceptions=True)

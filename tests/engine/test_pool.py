@@ -47,7 +47,8 @@ def test_parse_keep_alive_takes_seconds_and_ollamas_durations():
     assert parse_keep_alive("45s") == 45.0 and parse_keep_alive("-1") == -1.0
     assert parse_keep_alive("-1m") == -60.0
     assert parse_keep_alive("250ms") == 0.25 and parse_keep_alive("30") == 30.0
-    for bad in ("", "soon", "10x", "m", True, [], {}):
+    assert parse_keep_alive(1e12) == -1.0 and parse_keep_alive("99999999h") == -1.0  # that long: never
+    for bad in ("", "soon", "10x", "m", "1..5s", "nan", "inf", float("nan"), float("-inf"), True, [], {}):
         with pytest.raises(ValueError):
             parse_keep_alive(bad)
 
@@ -112,6 +113,11 @@ def test_keep_alive_zero_unloads_after_the_reply_a_duration_later_and_minus_one_
         assert pool.get("c").loaded
         assert await pool.unload("c") and not pool.get("c").loaded
         assert not await pool.unload("c")  # not loaded: nothing to do
+        await pool.acquire("a")
+        assert await pool.unload("a") and pool.get("a").loaded  # busy: it goes once its request is done
+        pool.release("a", -1)  # whatever this request's keep_alive says
+        await asyncio.sleep(0.2)
+        assert not pool.get("a").loaded
         await pool.close()
 
     asyncio.run(run())

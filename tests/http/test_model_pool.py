@@ -227,3 +227,49 @@ def test_ollamas_client_lists_chats_generates_and_embeds(server: Server):
     vectors = client.embed(model="smollm2", input=["hello", "world"]).embeddings
     assert len(vectors) == 2 and len(vectors[0]) == 576
     assert [m.model for m in client.ps().models] == ["smollm2"]
+
+
+def test_ollamas_stop_unloads_without_loading_first(server: Server):
+    assert complete(server, "smollm2")[0] == 200 and loaded(server) == ["smollm2"]
+    status, _, body = call(server, "/api/generate", {"model": "smollm2", "keep_alive": 0})
+    assert status == 200 and body["done"] and body["done_reason"] == "unload"
+    wait_unloaded(server, "smollm2")
+    before = load_count(server, "gemma3-270m")
+    status, _, body = call(server, "/api/chat", {"model": "gemma3-270m", "messages": [], "keep_alive": 0})
+    assert status == 200 and body["done_reason"] == "unload" and body["message"]["content"] == ""
+    assert load_count(server, "gemma3-270m") == before and loaded(server) == []  # nothing was loaded
+
+
+def test_the_websocket_runs_each_generation_in_the_model_its_body_names(server, references):
+    import aiohttp
+
+    async def run() -> dict[str, str]:
+        texts = {"a": "", "b": ""}
+        models = {"a": "smollm2", "b": "gemma3-270m"}
+        async with (
+            aiohttp.ClientSession() as session,
+            session.ws_connect(f"{server.url}/v1/ws?api_key={KEY}") as ws,
+        ):
+            for gen_id, model in models.items():  # with one model loaded at a time, b waits for a
+                body = {
+                    "model": model,
+                    "prompt": PROMPT,
+                    "max_tokens": 12,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                }
+                await ws.send_json({"type": "completion", "id": gen_id, "body": body})
+            await ws.send_json({"type": "completion", "id": "c", "body": {"model": "nope", "prompt": "x"}})
+            done, errors = set(), {}
+            while len(done) < 2:
+                msg = await ws.receive_json(timeout=300)
+                if msg["type"] == "delta":
+                    texts[msg["id"]] += msg["text"]
+                elif msg["type"] == "done":
+                    done.add(msg["id"])
+                elif msg["type"] == "error":
+                    errors[msg["id"]] = msg["error"]["code"]
+            assert errors == {"c": "model_not_found"}
+        return {models[k]: v for k, v in texts.items()}
+
+    assert asyncio.run(run()) == references

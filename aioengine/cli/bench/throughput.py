@@ -28,7 +28,8 @@ from aioengine.sampling_params import SamplingParams
 async def run_throughput(args: argparse.Namespace) -> dict:
     engine_args = engine_args_from(args)
     if args.random_loras:  # adapters of the model's shapes, every request under one of them in turn
-        adapters = write_random_adapters(args.model, args.random_loras, args.lora_rank, tempfile.mkdtemp())
+        model, folder = engine_args.model, tempfile.mkdtemp()
+        adapters = write_random_adapters(model, args.random_loras, args.lora_rank, folder)
         engine_args = dataclasses.replace(
             engine_args,
             enable_lora=True,

@@ -19,6 +19,7 @@ _NICE = 10  # the compute threads' priority below the loop's
 # One CPU: the engines of one process (a server's several models) take turns on its cores, a call at a time;
 # two OpenMP teams at once would each get half the cores and both wait on the slower one's barriers.
 _CORES = threading.Lock()
+_STEP_CALLS = frozenset({"execute_model", "sample_tokens"})  # RankWorker's per-step calls
 
 
 class CpuWorker:
@@ -39,7 +40,9 @@ class CpuWorker:
         torch.set_num_threads(num_threads)
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
-        return self._pool.submit(_on_the_cores, fn, *args)
+        if getattr(fn, "__name__", "") in _STEP_CALLS:
+            return self._pool.submit(_on_the_cores, fn, *args)
+        return self._pool.submit(fn, *args)  # a load, a KV cache set-up: the other models keep stepping
 
     async def output(self, fut: concurrent.futures.Future) -> ModelRunnerOutput:
         """A step's output: on the CPU the worker's result is the output itself."""

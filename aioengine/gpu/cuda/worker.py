@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+from collections.abc import Callable
 from typing import Any
 
 from aioengine.gpu.cpu.worker import CpuWorker
@@ -17,6 +18,9 @@ from aioengine.sched.output import ModelRunnerOutput
 
 class CudaWorker(CpuWorker):
     """The launching thread: its current stream is a dedicated compute stream on ``device_index``."""
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
+        return self._pool.submit(fn, *args)  # streams of their own: no turns with other engines' steps
 
     def __init__(self, device_index: int = 0) -> None:
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="aioengine-step")

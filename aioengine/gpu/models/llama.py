@@ -324,9 +324,9 @@ class LlamaForCausalLM(nn.Module):
             cast(LlamaAttention, layer.self_attn).rotary_emb = rope
 
     def compute_greedy(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        """The greedy token of each row (int64 ``[N]``) straight from the head's GEMM, where it can pick it
-        without writing the logits (a head packed for cpu_gemm.c: the argmax of the float32 logits
-        ``compute_logits`` returns); else None."""
+        """The greedy token of each row (int64 ``[N]``) straight from the head, where it can pick it without
+        writing the logits (a head packed for cpu_gemm.c: the argmax of the float32 logits ``compute_logits``
+        returns; a Q8Head: its exact dots' pick, q8_head.py); else None."""
         argmax = getattr(self.lm_head, "argmax", None)
         return argmax(hidden_states) if argmax is not None else None
 

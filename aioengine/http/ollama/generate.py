@@ -184,9 +184,10 @@ def _now() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
-def _load_reply(model: str, chat: bool) -> JSON:
-    """What Ollama answers a request with no prompt: the model is loaded (here: always)."""
-    reply: JSON = {"model": model, "created_at": _now(), "done": True, "done_reason": "load"}
+def empty_reply(model: str, chat: bool, reason: str = "load") -> JSON:
+    """What Ollama answers a request with no prompt: the model is loaded (``load``), or with keep_alive 0
+    unloaded (``unload``: several models, http/model_pool.py)."""
+    reply: JSON = {"model": model, "created_at": _now(), "done": True, "done_reason": reason}
     if chat:
         reply["message"] = {"role": "assistant", "content": ""}
     else:
@@ -235,7 +236,7 @@ async def _run(request: web.Request, chat: bool) -> web.StreamResponse:
     started = time.monotonic()
     empty = not data.get("messages") if chat else not data.get("prompt")
     if empty:
-        return json_response(_load_reply(model, chat))
+        return json_response(empty_reply(model, chat))
     body = _chat_body(data, model) if chat else _generate_body(data, model)
     given = request.headers.get("X-Request-Id")
     reasoning = app[CONFIG].reasoning_parser

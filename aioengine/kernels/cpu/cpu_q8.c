@@ -266,8 +266,9 @@ static inline int q8_finite(float f) { /* by its bits, as q8_isnan */
 /* a row's error mass after the one-byte cut (row: the cut): sum |x - x1| plus the exact cut's and both paths'
  * roundings' share */
 static float q8_screen_mass(const float *x, int64_t k, int64_t per, int limbs, const q8_row *row) {
-    /* both paths' roundings: some k / 32 + 16 float32 steps each (the lanes' chain and the last sum) */
-    const double slop = (double)(k / 32 + 32) * 0x1p-23, cut = 2.0 / q8_xq_max[limbs];
+    /* both paths' roundings: up to k / 16 + 16 float32 steps each (a lane's chain: k / 64 on AVX-512, k / 32
+     * on AVX2, k / 16 on NEON; then the last sum and the scales' products), with room to spare */
+    const double slop = (double)(k / 8 + 64) * 0x1p-23, cut = 2.0 / q8_xq_max[limbs];
     double mass = 0.0;
     for (int64_t c = 0; c < k; c += 64)
         for (int64_t lane = 0; lane < 16; lane++) {
