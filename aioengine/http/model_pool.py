@@ -17,7 +17,7 @@ from aiohttp import web
 
 from aioengine.engine.client import EngineClient
 from aioengine.engine.pool import ModelPool, parse_keep_alive
-from aioengine.errors import EngineNotStartedError
+from aioengine.errors import EngineNotStartedError, InvalidRequestError
 from aioengine.http.admission import read_json
 from aioengine.http.context import CONFIG, CURRENT_ENGINE, LOAD_SECONDS, POOL, STATE, json_response
 from aioengine.http.errors import APIError, bad
@@ -68,6 +68,12 @@ class PooledEngine:
     @property
     def allow_lora_updates(self) -> bool:
         return False
+
+    async def load_lora(self, name: str, path: str) -> None:
+        raise InvalidRequestError("A server of several models serves no LoRA adapters.", "lora_name")
+
+    async def unload_lora(self, name: str) -> None:
+        raise InvalidRequestError("A server of several models serves no LoRA adapters.", "lora_name")
 
 
 def resolve_name(pool: ModelPool, model: object) -> str:

@@ -182,6 +182,8 @@ def test_a_corrupt_file_fails_only_its_own_requests(server: Server):
     status, _, body = complete(server, "smollm2")
     assert status == 200 and body["choices"][0]["text"]
     assert complete(server, "nope")[0] == 404
+    status, _, body = call(server, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/tmp"})
+    assert status == 400 and "LoRA" in body["error"]["message"]
     status, _, body = complete(server, "smollm2", keep_alive="soon")
     assert status == 400 and body["error"]["param"] == "keep_alive"
 
