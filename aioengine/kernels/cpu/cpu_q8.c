@@ -154,6 +154,20 @@ static inline void q8_best_see(q8_best *b, float v, int64_t j) {
         b->value = v, b->index = j;
 }
 
+/* Row r's argmax from each thread's (bests [threads, m]), threads in order: ties go to the earlier one, and
+ * the first NaN wins. */
+static int64_t q8_best_merge(const q8_best *bests, int64_t m, int64_t r, int num_threads) {
+    q8_best all = {0.0f, -1, -1};
+    for (int t = 0; t < num_threads && all.first_nan < 0; t++) {
+        const q8_best *b = bests + (int64_t)t * m + r;
+        if (b->first_nan >= 0)
+            all.first_nan = b->first_nan;
+        else if (b->index >= 0 && (all.index < 0 || b->value > all.value))
+            all.value = b->value, all.index = b->index;
+    }
+    return all.first_nan >= 0 ? all.first_nan : all.index >= 0 ? all.index : 0;
+}
+
 /* Where a call's sums go: float32 y (+ bias_f32), each row's argmax, bf16 y (+ bias), or act(gate) * up as
  * bf16 (the codes' rows in gate/up pairs, q8_pack'ed from [gate_0, up_0, gate_1, up_1, ...]). */
 typedef struct {
@@ -213,17 +227,7 @@ static int q8_run(const q8_row *rows, int64_t m, const uint8_t *u, const float *
             }
         }
     }
-    for (int64_t r = 0; bests != NULL && r < m; r++) { /* threads in order: ties go to the earlier one */
-        q8_best all = {0.0f, -1, -1};
-        for (int t = 0; t < num_threads && all.first_nan < 0; t++) {
-            const q8_best *b = bests + (int64_t)t * m + r;
-            if (b->first_nan >= 0)
-                all.first_nan = b->first_nan;
-            else if (b->index >= 0 && (all.index < 0 || b->value > all.value))
-                all.value = b->value, all.index = b->index;
-        }
-        s->argmax[r] = all.first_nan >= 0 ? all.first_nan : all.index >= 0 ? all.index : 0;
-    }
+    for (int64_t r = 0; bests != NULL && r < m; r++) s->argmax[r] = q8_best_merge(bests, m, r, num_threads);
     free(bests);
     return 0;
 }
@@ -357,17 +361,7 @@ static int q8_argmax_screened(const float *x, int64_t ldx, int64_t m, const uint
                     q8_best_see(mine + r, e[0], o);
                 }
         }
-        for (int64_t r = 0; r < mg; r++) { /* threads in order: ties go to the earlier one */
-            q8_best all = {0.0f, -1, -1};
-            for (int t = 0; t < num_threads && all.first_nan < 0; t++) {
-                const q8_best *b = bests + (int64_t)t * mg + r;
-                if (b->first_nan >= 0)
-                    all.first_nan = b->first_nan;
-                else if (b->index >= 0 && (all.index < 0 || b->value > all.value))
-                    all.value = b->value, all.index = b->index;
-            }
-            argmax[r0 + r] = all.first_nan >= 0 ? all.first_nan : all.index >= 0 ? all.index : 0;
-        }
+        for (int64_t r = 0; r < mg; r++) argmax[r0 + r] = q8_best_merge(bests, mg, r, num_threads);
     }
 done:
     free(scratch), free(rows), free(mass), free(hi), free(lows), free(floor_), free(every), free(bests);
