@@ -95,6 +95,8 @@ def lora_of(app: web.Application, model: str) -> str | None:
 def check_model(app: web.Application, model: str | None) -> str:
     """The served name (or adapter) a request asks for (404 for another), or the first one."""
     names = model_names(app)
+    if model is not None and model not in names and POOL in app and model.removesuffix(":latest") in names:
+        return model.removesuffix(":latest")  # the pool took Ollama's default tag off too (model_pool.py)
     if model is not None and model not in names:
         raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
     return model or names[0]

@@ -90,12 +90,13 @@ def resolve_name(pool: ModelPool, model: object) -> str:
     return base if base in pool.models else model  # an unknown name: the pool's 404 says which exist
 
 
-def _body(raw: bytes) -> dict:
+def _body(raw: bytes) -> dict | None:
+    """The body as a JSON object, or None (the route's own parser says why, with its 400)."""
     try:
         data = orjson.loads(raw) if raw else None
     except orjson.JSONDecodeError:
-        return {}  # the route's own parser answers with its 400
-    return data if isinstance(data, dict) else {}
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def _unloads(path: str, data: dict, keep_alive: float | None) -> bool:
@@ -116,6 +117,10 @@ async def pool_middleware(request: web.Request, handler: Handler) -> web.StreamR
     if pool is None and b"keep_alive" not in raw:
         return await handler(request)
     data = _body(raw)
+    if data is None:  # no model to pick: the route answers its 400 (one model), or the same 400 here
+        if pool is None:
+            return await handler(request)
+        raise bad("The request body must be a JSON object.")
     try:
         keep_alive = parse_keep_alive(data.get("keep_alive"))
     except ValueError as e:

@@ -186,6 +186,12 @@ def test_a_corrupt_file_fails_only_its_own_requests(server: Server):
     assert status == 400 and "LoRA" in body["error"]["message"]
     status, _, body = complete(server, "smollm2", keep_alive="soon")
     assert status == 400 and body["error"]["param"] == "keep_alive"
+    assert complete(server, "smollm2:latest")[2]["model"] == "smollm2"  # Ollama's default tag, on any route
+    req = urllib.request.Request(server.url + "/v1/completions", data=b"[1, 2]", method="POST")
+    req.add_header("Authorization", f"Bearer {KEY}")
+    with pytest.raises(urllib.error.HTTPError) as bad_body:
+        urllib.request.urlopen(req, timeout=60)
+    assert bad_body.value.code == 400
 
 
 def test_concurrent_first_requests_share_one_load(server: Server):
