@@ -316,7 +316,10 @@ async def _serve_pool_main(args: argparse.Namespace, engine_args: Any, config: A
     stop = asyncio.Event()
     install_signal_handlers(stop)
     pool = ModelPool(pool_config, model_engine_args(engine_args))
-    return await serve_pool(pool, config, args.host, args.port, stop, shutdown_timeout=args.shutdown_timeout)
+    stats = None if args.disable_log_stats else args.stats_interval
+    return await serve_pool(
+        pool, config, args.host, args.port, stop, shutdown_timeout=args.shutdown_timeout, stats_interval=stats
+    )
 
 
 async def _front_main(args: argparse.Namespace) -> int:

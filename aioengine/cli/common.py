@@ -181,9 +181,9 @@ def named_models(args: argparse.Namespace) -> dict[str, str]:
 
 def engine_args_from(args: argparse.Namespace, named_ok: bool = False) -> EngineArgs:
     """The EngineArgs the flags give (the last plain ``--model``; NAME=PATH entries are ``named_models``',
-    which only ``serve`` takes: ValueError elsewhere)."""
+    which only ``serve`` takes: elsewhere the command exits saying so)."""
     if not named_ok and named_models(args):
-        raise ValueError("--model NAME=PATH serves several models: `aioengine serve` only")
+        raise SystemExit("aioengine: --model NAME=PATH serves several models: `aioengine serve` only")
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs) if f.name != "kernels"}
     named = named_models(args)
     plain = [m for m in values["model"] or () if m.partition("=")[0] not in named]

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from aioengine.engine.client import EngineClient
 from aioengine.engine.pool import ModelPool
 from aioengine.http.app import STATE, ServerConfig, bound_port, build_app, start_server
-from aioengine.http.metrics import StatsLogger
+from aioengine.http.metrics import PoolMetrics, StatsLogger
 
 logger = logging.getLogger("aioengine.serve")
 
@@ -126,6 +126,7 @@ async def serve_pool(
     stop: asyncio.Event,
     shutdown_timeout: float = 5.0,
     on_ready: Callable[[int], None] | None = None,
+    stats_interval: float | None = 10.0,
 ) -> int:
     """Serve the pool's models until `stop` is set (-> 0); each loads on its first request."""
     app = build_app(None, config, pool=pool)
@@ -143,7 +144,14 @@ async def serve_pool(
     )
     if on_ready is not None:
         on_ready(bound_port(runner))
+    stats_task = None
+    if stats_interval:
+        pool_metrics = app[STATE].pool_metrics
+        assert pool_metrics is not None, "set when the app started"
+        stats_task = asyncio.create_task(_log_pool_stats(pool_metrics, stats_interval))
     await stop.wait()
+    if stats_task is not None:
+        stats_task.cancel()
     app[STATE].draining = True
     for site in list(runner.sites):
         await site.stop()
@@ -156,3 +164,18 @@ async def serve_pool(
     await runner.cleanup()
     logger.info("shut down")
     return 0
+
+
+async def _log_pool_stats(pool_metrics: PoolMetrics, interval: float) -> None:
+    """Each loaded model's stats line, named (a model loaded since the last line starts its own)."""
+    loggers: dict[str, StatsLogger] = {}
+    while True:
+        await asyncio.sleep(interval)
+        engines = pool_metrics.engines
+        for name in list(loggers):
+            if name not in engines or loggers[name].metrics is not engines[name]:
+                del loggers[name]
+        for name, metrics in engines.items():
+            line = loggers.setdefault(name, StatsLogger(metrics)).line()
+            if line is not None:
+                logger.info("%s: %s", name, line)

@@ -2,7 +2,8 @@
 
 A ``.gguf`` file is named by its stem (a split file by its first part's, the name without ``-00001-of-N``);
 a folder holding ``config.json`` (a Hugging Face checkpoint) by the folder's name. Hidden entries are skipped.
-Nothing is opened or checked here: a bad file fails its own model's load, not the listing.
+Nothing is opened or checked here: a bad file fails its own model's load, not the listing. Two entries of
+one name (``x.gguf`` beside a folder ``x``) are refused, naming both.
 """
 
 from __future__ import annotations
@@ -22,11 +23,17 @@ def scan_models_dir(folder: str | Path) -> dict[str, str]:
     for entry in sorted(root.iterdir()):
         if entry.name.startswith("."):
             continue
+        name = None
         if entry.is_file() and entry.suffix == ".gguf":
             split = _SPLIT.match(entry.stem)
             if split is not None and int(split["part"]) != 1:
                 continue  # the other parts load with the first
-            found[split["stem"] if split is not None else entry.stem] = str(entry)
+            name = split["stem"] if split is not None else entry.stem
         elif entry.is_dir() and (entry / "config.json").is_file():
-            found[entry.name] = str(entry)
+            name = entry.name
+        if name is None:
+            continue
+        if name in found:
+            raise ValueError(f"--models-dir {folder}: {found[name]} and {entry} are both named {name!r}")
+        found[name] = str(entry)
     return dict(sorted(found.items()))

@@ -154,6 +154,24 @@ def test_bad_engine_flags_exit_2(capsys):
     assert "block_size" in capsys.readouterr().err
 
 
+def test_bad_flags_for_several_models_exit_2(capsys, tmp_path):
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    cases = [
+        (["--models-dir", str(tmp_path / "nope")], "not a folder"),
+        (["--models-dir", str(tmp_path / "empty-but-file")], "not a folder"),
+        (["--model", "=x"], "NAME=PATH"),
+        (["--model", "a=x", "--model", "a=y"], "given twice"),
+        (["--models-dir", str(tmp_path), "--data-parallel-size", "2"], "data-parallel"),
+        (["--models-dir", str(tmp_path), "--max-loaded-models", "0"], "at least 1"),
+        (["--models-dir", str(tmp_path), "--keep-alive", "nan"], "finite"),
+    ]
+    for argv, message in cases:
+        assert cli.main(["serve", *argv]) == 2, argv
+        assert message in capsys.readouterr().err, argv
+    with pytest.raises(SystemExit, match="NAME=PATH serves several models"):  # serve's alone
+        cli.main(["bench", "latency", "--model", "a=b"])
+
+
 # ---- lifecycle, with a fake engine (fast) ---------------------------------------------------------------
 def test_dead_engine_health_503_stream_error_and_exit_1():
     async def main():

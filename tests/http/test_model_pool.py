@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -37,6 +38,7 @@ MAX_MODEL_LEN = 1024
 class Server:
     url: str
     proc: subprocess.Popen
+    log: list[str]  # its stderr, read on a thread (a full pipe would stall the server)
 
 
 @pytest.fixture(scope="module")
@@ -53,13 +55,15 @@ def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def server(models_dir: Path) -> Iterator[Server]:
     argv = [sys.executable, "-m", "aioengine", "serve", "--models-dir", str(models_dir), "--model",
             f"smol-alias={default_gguf_path()}", "--max-loaded-models", "1", "--api-key", KEY, "--port", "0",
-            "--max-model-len", str(MAX_MODEL_LEN), "--disable-log-stats"]  # fmt: skip
+            "--max-model-len", str(MAX_MODEL_LEN), "--stats-interval", "1"]  # fmt: skip
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     lines: list[str] = []
     try:
         port = wait_for_port(proc, r"Serving 4 models .* on http://127\.0\.0\.1:(\d+)", 120, lines)
         assert port is not None, "".join(lines[-30:])
-        yield Server(f"http://127.0.0.1:{port}", proc)
+        assert proc.stderr is not None
+        threading.Thread(target=lambda: lines.extend(iter(proc.stderr.readline, "")), daemon=True).start()
+        yield Server(f"http://127.0.0.1:{port}", proc, lines)
     finally:
         proc.terminate()
         try:
@@ -192,6 +196,14 @@ def test_a_corrupt_file_fails_only_its_own_requests(server: Server):
     with pytest.raises(urllib.error.HTTPError) as bad_body:
         urllib.request.urlopen(req, timeout=60)
     assert bad_body.value.code == 400
+
+
+def test_each_loaded_model_logs_its_own_stats_line(server: Server):
+    assert complete(server, "smollm2")[0] == 200
+    deadline = time.monotonic() + 30
+    while not any("smollm2: Avg prompt throughput" in line for line in server.log):
+        assert time.monotonic() < deadline, "".join(server.log[-20:])
+        time.sleep(0.2)
 
 
 def test_concurrent_first_requests_share_one_load(server: Server):
