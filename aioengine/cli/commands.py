@@ -318,7 +318,14 @@ async def _serve_pool_main(args: argparse.Namespace, engine_args: Any, config: A
     pool = ModelPool(pool_config, model_engine_args(engine_args))
     stats = None if args.disable_log_stats else args.stats_interval
     return await serve_pool(
-        pool, config, args.host, args.port, stop, shutdown_timeout=args.shutdown_timeout, stats_interval=stats
+        pool,
+        config,
+        args.host,
+        args.port,
+        stop,
+        shutdown_timeout=args.shutdown_timeout,
+        stats_interval=stats,
+        access_log=args.log_requests,
     )
 
 

@@ -13,6 +13,8 @@ import signal
 import time
 from collections.abc import Callable
 
+from aiohttp import web
+
 from aioengine.engine.client import EngineClient
 from aioengine.engine.pool import ModelPool
 from aioengine.http.app import STATE, ServerConfig, bound_port, build_app, start_server
@@ -53,6 +55,40 @@ async def serve_engine(
 ) -> int:
     """Serve until `stop` is set (-> 0) or the engine dies (-> 1). The engine must be started."""
     app = build_app(engine, config)
+    serving = (engine.model_name, " (chat page /, API /v1, metrics /metrics)")
+    runner = await _listen(app, host, port, shutdown_timeout, access_log, serving, on_ready)
+    if runner is None:
+        await engine.shutdown()
+        return 1
+    stats_task = None
+    if stats_interval:
+        metrics = app[STATE].metrics
+        assert metrics is not None, "set when the app started"
+        stats_task = asyncio.create_task(_log_stats(StatsLogger(metrics), stats_interval))
+    dead = await _wait_stop_or_death(engine, stop)
+    if dead:
+        logger.error("the engine is dead (%s): exiting", engine.dead_error)
+        await asyncio.sleep(DEATH_GRACE_S)
+    await _drain(app, runner, lambda: engine.stats().num_unfinished, 0.0 if dead else shutdown_timeout)
+    await engine.shutdown()  # aborts the rest: their streams end with finish_reason "abort"
+    if stats_task is not None:
+        stats_task.cancel()
+    await runner.cleanup()
+    logger.info("shut down")
+    return 1 if dead else 0
+
+
+async def _listen(
+    app: web.Application,
+    host: str,
+    port: int,
+    shutdown_timeout: float,
+    access_log: bool,
+    serving: tuple[str, str],
+    on_ready: Callable[[int], None] | None,
+) -> web.AppRunner | None:
+    """The app served on host:port, its ready line logged ("Serving WHAT on URL NOTE") and ``on_ready`` told
+    the port; None (logged) when it cannot listen there."""
     try:
         runner = await start_server(
             app,
@@ -63,40 +99,27 @@ async def serve_engine(
         )
     except OSError as e:
         logger.error("cannot listen on %s:%d: %s", host, port, e)
-        await engine.shutdown()
-        return 1
-    logger.info(
-        "Serving %s on http://%s:%d (chat page /, API /v1, metrics /metrics)",
-        engine.model_name,
-        host,
-        bound_port(runner),
-    )
+        return None
+    what, note = serving
+    logger.info("Serving %s on http://%s:%d%s", what, host, bound_port(runner), note)
     if on_ready is not None:
         on_ready(bound_port(runner))
-    stats_task = None
-    if stats_interval:
-        metrics = app[STATE].metrics
-        assert metrics is not None, "set when the app started"
-        stats_task = asyncio.create_task(_log_stats(StatsLogger(metrics), stats_interval))
-    dead = await _wait_stop_or_death(engine, stop)
-    if dead:
-        logger.error("the engine is dead (%s): exiting", engine.dead_error)
-        await asyncio.sleep(DEATH_GRACE_S)
+    return runner
+
+
+async def _drain(
+    app: web.Application, runner: web.AppRunner, busy: Callable[[], int], timeout: float
+) -> None:
+    """Refuse new generations (503) and connections, then give the ``busy()`` requests ``timeout`` seconds to
+    finish; the caller aborts what is left."""
     app[STATE].draining = True  # new generations on open connections get 503
     for site in list(runner.sites):
         await site.stop()  # no new connections
-    if not dead:
-        deadline = time.monotonic() + shutdown_timeout
-        while engine.stats().num_unfinished and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        if engine.stats().num_unfinished:
-            logger.info("aborting %d unfinished requests", engine.stats().num_unfinished)
-    await engine.shutdown()  # aborts the rest: their streams end with finish_reason "abort"
-    if stats_task is not None:
-        stats_task.cancel()
-    await runner.cleanup()
-    logger.info("shut down")
-    return 1 if dead else 0
+    deadline = time.monotonic() + timeout
+    while busy() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if timeout and busy():
+        logger.info("aborting %d unfinished requests", busy())
 
 
 async def _wait_stop_or_death(engine: EngineClient, stop: asyncio.Event) -> bool:
@@ -127,23 +150,17 @@ async def serve_pool(
     shutdown_timeout: float = 5.0,
     on_ready: Callable[[int], None] | None = None,
     stats_interval: float | None = 10.0,
+    access_log: bool = False,
 ) -> int:
     """Serve the pool's models until `stop` is set (-> 0); each loads on its first request."""
     app = build_app(None, config, pool=pool)
-    try:
-        runner = await start_server(app, host, port, shutdown_timeout=min(shutdown_timeout, 5.0))
-    except OSError as e:
-        logger.error("cannot listen on %s:%d: %s", host, port, e)
-        return 1
-    logger.info(
-        "Serving %d models (%s) on http://%s:%d, each loaded on its first request",
-        len(pool.names()),
-        ", ".join(pool.names()),
-        host,
-        bound_port(runner),
+    serving = (
+        f"{len(pool.names())} models ({', '.join(pool.names())})",
+        ", each loaded on its first request",
     )
-    if on_ready is not None:
-        on_ready(bound_port(runner))
+    runner = await _listen(app, host, port, shutdown_timeout, access_log, serving, on_ready)
+    if runner is None:
+        return 1
     stats_task = None
     if stats_interval:
         pool_metrics = app[STATE].pool_metrics
@@ -152,14 +169,7 @@ async def serve_pool(
     await stop.wait()
     if stats_task is not None:
         stats_task.cancel()
-    app[STATE].draining = True
-    for site in list(runner.sites):
-        await site.stop()
-    deadline = time.monotonic() + shutdown_timeout
-    while any(m.active for m in pool.models.values()) and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
-    if any(m.active for m in pool.models.values()):
-        logger.info("aborting the requests still running")
+    await _drain(app, runner, lambda: sum(m.active for m in pool.models.values()), shutdown_timeout)
     await pool.close()  # every engine stopped: what still streams ends with finish_reason "abort"
     await runner.cleanup()
     logger.info("shut down")
