@@ -44,13 +44,13 @@ def unfreeze() -> None:
 
 
 def refreeze() -> None:
-    """Something frozen died (an engine unloaded while others still hold the freeze): collect it and freeze
-    what is still alive again. Nothing to do while no one holds it."""
-    if _holders == 0:
-        return
-    gc.unfreeze()
+    """Something that may have been frozen died (an engine unloaded): collect it, and while anyone holds the
+    freeze, freeze what is still alive again."""
+    if _holders:
+        gc.unfreeze()
     gc.collect()
-    gc.freeze()
+    if _holders:
+        gc.freeze()
 
 
 def holders() -> int:

@@ -14,9 +14,9 @@ import asyncio
 import contextlib
 import ctypes
 import dataclasses
-import gc
 import logging
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -50,8 +50,6 @@ class PooledModel:
     evict: bool = False  # unload asked for while busy: it goes once idle, whatever keep_alive says
     load_seconds: float | None = None  # the last load's
     resident_bytes: int = 0  # what the last load added to the process's RSS
-    loads: int = 0
-    error: str | None = None  # the last load's failure
 
     @property
     def loaded(self) -> bool:
@@ -117,8 +115,6 @@ def _finite(seconds: float, value: object) -> float:
 def _rss_bytes() -> int:
     try:
         with open("/proc/self/statm") as f:
-            import os
-
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return 0
@@ -183,10 +179,15 @@ class ModelPool:
         model = self.get(name)
         assert model.active > 0, f"release without acquire: {name}"
         model.active -= 1
-        model.last_used = time.monotonic()
-        keep = self.config.keep_alive_s if keep_alive_s is None else keep_alive_s
-        model.expires = model.last_used if model.evict else None if keep < 0 else model.last_used + keep
+        self._idle_from_now(model, keep_alive_s)
         self._touch()
+
+    def _idle_from_now(self, model: PooledModel, keep_alive_s: float | None) -> None:
+        """The model was last used now; once idle it expires after ``keep_alive_s`` (the pool's default when
+        None; negative: never), or at once when an unload was asked for."""
+        keep = self.config.keep_alive_s if keep_alive_s is None else keep_alive_s
+        model.last_used = time.monotonic()
+        model.expires = model.last_used if model.evict else None if keep < 0 else model.last_used + keep
 
     async def load(self, name: str) -> float:
         """Load the model now (``POST /models/load``); returns the load's seconds (0 when it was loaded)."""
@@ -260,20 +261,17 @@ class ModelPool:
                 await engine.shutdown()
             del engine
             self._collect()
-            model.error = f"{type(e).__name__}: {e}" if not isinstance(e, ValueError) else str(e)
+            error = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
             model.loading = None
             self._touch()
-            logger.error("model %s failed to load from %s: %s", model.name, model.path, model.error)
+            logger.error("model %s failed to load from %s: %s", model.name, model.path, error)
             if isinstance(e, asyncio.CancelledError):
                 raise
-            raise ModelLoadError(f"The model `{model.name}` failed to load: {model.error}") from e
-        model.engine, model.loading, model.error = engine, None, None
+            raise ModelLoadError(f"The model `{model.name}` failed to load: {error}") from e
+        model.engine, model.loading = engine, None
         model.load_seconds = time.perf_counter() - t0
-        # idle from now on until a request holds it (one that asked for the load may have gone)
-        keep, model.last_used = self.config.keep_alive_s, time.monotonic()
-        model.expires = None if keep < 0 else model.last_used + keep
+        self._idle_from_now(model, None)  # until a request holds it (the one that asked may have gone)
         model.resident_bytes = max(_rss_bytes() - rss0, 0)
-        model.loads += 1
         mb = model.resident_bytes >> 20
         logger.info("model %s loaded in %.2f s (%d MB resident)", model.name, model.load_seconds, mb)
         for listener in self.listeners:
@@ -304,10 +302,9 @@ class ModelPool:
             self._touch()
 
     def _collect(self) -> None:
-        """What the unloaded engine held goes back to the system: its cycles leave the frozen generation
-        (other engines froze them), and the C heap is trimmed."""
+        """What the unloaded engine held goes back to the system: its cycles are collected (out of the frozen
+        generation, where other engines' starts put them), and the C heap is trimmed."""
         gc_freeze.refreeze()
-        gc.collect()
         _trim_heap()
 
     async def _make_room(self, model: PooledModel) -> bool:
