@@ -51,11 +51,17 @@ class Admitted(Generic[R]):
     grammar: PrecompiledGrammar | None = None  # its structured-output grammar, compiled off the loop
 
 
+def check_draining(app: web.Application) -> None:
+    """Refuse at once (503 + Retry-After) while the server shuts down."""
+    if app[STATE].draining:
+        retry = {"Retry-After": str(app[CONFIG].retry_after_s)}
+        raise APIError(503, "The server is shutting down.", code="shutting_down", headers=retry)
+
+
 def check_capacity(app: web.Application) -> None:
     """Backpressure: refuse at once (503 + Retry-After) while draining or when the engine's queue is full."""
+    check_draining(app)
     retry = {"Retry-After": str(app[CONFIG].retry_after_s)}
-    if app[STATE].draining:
-        raise APIError(503, "The server is shutting down.", code="shutting_down", headers=retry)
     limit = app[CONFIG].max_num_queued_reqs
     if limit is None:
         return

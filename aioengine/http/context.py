@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -92,11 +92,19 @@ def lora_of(app: web.Application, model: str) -> str | None:
     return model if model in app[ENGINE].lora_modules else None
 
 
+def untagged(names: Collection[str], model: str) -> str | None:
+    """``model`` among the ``names``: itself, or without Ollama's default tag ``:latest``; or None."""
+    if model in names:
+        return model
+    base = model.removesuffix(":latest")
+    return base if base in names else None
+
+
 def check_model(app: web.Application, model: str | None) -> str:
     """The served name (or adapter) a request asks for (404 for another), or the first one."""
     names = model_names(app)
-    if model is not None and model not in names and POOL in app and model.removesuffix(":latest") in names:
-        return model.removesuffix(":latest")  # the pool took Ollama's default tag off too (model_pool.py)
+    if model is not None and POOL in app and (found := untagged(names, model)) is not None:
+        return found  # the pool took Ollama's default tag off too (model_pool.py)
     if model is not None and model not in names:
         raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
     return model or names[0]

@@ -18,9 +18,9 @@ from aiohttp import web
 from aioengine.engine.client import EngineClient
 from aioengine.engine.pool import ModelPool, parse_keep_alive
 from aioengine.errors import EngineNotStartedError, InvalidRequestError
-from aioengine.http.admission import read_json
-from aioengine.http.context import CONFIG, CURRENT_ENGINE, LOAD_SECONDS, POOL, STATE, json_response
-from aioengine.http.errors import APIError, bad
+from aioengine.http.admission import check_draining, read_json
+from aioengine.http.context import CURRENT_ENGINE, LOAD_SECONDS, POOL, json_response, untagged
+from aioengine.http.errors import bad
 from aioengine.http.ollama.generate import empty_reply
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -84,10 +84,7 @@ def resolve_name(pool: ModelPool, model: object) -> str:
         return names[0]
     if not isinstance(model, str):
         raise bad("model must be a string", "model")
-    if model in pool.models:
-        return model
-    base = model.removesuffix(":latest")
-    return base if base in pool.models else model  # an unknown name: the pool's 404 says which exist
+    return untagged(pool.models, model) or model  # an unknown name: the pool's 404 says which exist
 
 
 def _body(raw: bytes) -> dict | None:
@@ -127,9 +124,7 @@ async def pool_middleware(request: web.Request, handler: Handler) -> web.StreamR
         raise bad(str(e), "keep_alive") from None
     if pool is None:
         return await handler(request)
-    if request.app[STATE].draining:
-        retry = {"Retry-After": str(request.app[CONFIG].retry_after_s)}
-        raise APIError(503, "The server is shutting down.", code="shutting_down", headers=retry)
+    check_draining(request.app)  # before any load
     name = resolve_name(pool, data.get("model") or data.get("name"))
     if _unloads(request.path, data, keep_alive):  # unload without loading it first
         await pool.unload(pool.get(name).name)

@@ -21,7 +21,7 @@ from aioengine.engine.client import RequestHandle
 from aioengine.http import admission
 from aioengine.http.admission import Admitted
 from aioengine.http.chat_output import ChatOutputParser, Content, Reasoning, parse_whole
-from aioengine.http.context import CONFIG, ENGINE, LOAD_SECONDS, json_response, model_names
+from aioengine.http.context import CONFIG, ENGINE, LOAD_SECONDS, json_response, model_names, untagged
 from aioengine.http.errors import APIError, bad
 from aioengine.http.openai.chat import parse_chat_request
 from aioengine.http.openai.completions import parse_completion_request
@@ -62,13 +62,10 @@ def served_model(app: web.Application, name: Any) -> str:
     """The served name an Ollama ``model`` names: itself, or without Ollama's default tag ``:latest``."""
     if not isinstance(name, str) or not name:
         raise bad("model is required", "model")
-    names = model_names(app)
-    if name in names:
-        return name
-    base = name.removesuffix(":latest")
-    if base in names:
-        return base
-    raise APIError(404, f"model '{name}' not found", "model", "model_not_found")
+    found = untagged(model_names(app), name)
+    if found is None:
+        raise APIError(404, f"model '{name}' not found", "model", "model_not_found")
+    return found
 
 
 def _object(data: Any) -> JSON:
