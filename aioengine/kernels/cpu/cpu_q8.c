@@ -261,7 +261,7 @@ static inline int q8_finite(float f) { /* by its bits, as q8_isnan */
  * inputs) and takes every output's sum a with one dot a weight byte instead of 2 or 3, and a bound B on
  * |a - e|, e the exact path's sum (limbs bytes): |sum w (x - x1)| <= the output's largest |w| (128 times its
  * largest |scale|, scale_max) times the row's sum of |x - x1|, plus the exact path's own cut and both paths'
- * float32 roundings (some k / 32 steps of 2^-24 of sum |w x|, bounded the same way). Then e is taken only
+ * float32 roundings (up to k / 16 + 16 steps of 2^-24 of sum |w x|, bounded the same way). Then e is taken only
  * where a + B reaches the largest a - B: every output whose e could be the maximum, ties included. So the
  * pick is the exact path's, bit for bit: the same dots, in the same order, on those outputs. A row with a
  * non-finite x, or a sum or bound that is not finite, takes e everywhere (its first NaN wins as before). */
@@ -299,7 +299,8 @@ static int q8_argmax_screened(const float *x, int64_t ldx, int64_t m, const uint
     float *wide;
     q8_row *rows = q8_rows(2 * mg_max, k, &scratch, &wide); /* the one-byte cuts, then the exact ones */
     float *mass = malloc(sizeof *mass * (size_t)(mg_max + 1));
-    float *hi = malloc(sizeof *hi * (size_t)(mg_max * n + 1)), *lows = malloc(sizeof *lows * (size_t)(num_threads * mg_max + 1));
+    float *hi = malloc(sizeof *hi * (size_t)(mg_max * n + 1));
+    float *lows = malloc(sizeof *lows * (size_t)(num_threads * mg_max + 1));
     float *floor_ = malloc(sizeof *floor_ * (size_t)(mg_max + 1));
     int *every = malloc(sizeof *every * (size_t)(mg_max + 1));
     q8_best *bests = malloc(sizeof *bests * (size_t)(num_threads * mg_max + 1));
