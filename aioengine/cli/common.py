@@ -166,27 +166,33 @@ def _add_fields(group: argparse._ArgumentGroup, cls: type, skip: set[str]) -> No
 
 def named_models(args: argparse.Namespace) -> dict[str, str]:
     """The ``--model NAME=PATH`` entries, in order (ValueError for an empty name or path, or a name twice)."""
+    return _model_flags(args)[0]
+
+
+def _model_flags(args: argparse.Namespace) -> tuple[dict[str, str], list[str]]:
+    """The ``--model`` values: NAME=PATH entries by name, and the plain ones in order."""
     named: dict[str, str] = {}
+    plain: list[str] = []
     for value in args.model or ():
         name, sep, path = value.partition("=")
         if not sep or os.path.exists(value):  # a plain path that holds an "=" is a path
+            plain.append(value)
             continue
         if not name or not path:
             raise ValueError(f"--model NAME=PATH: got {value!r}")
         if name in named:
             raise ValueError(f"--model {name}= is given twice")
         named[name] = path
-    return named
+    return named, plain
 
 
 def engine_args_from(args: argparse.Namespace, named_ok: bool = False) -> EngineArgs:
     """The EngineArgs the flags give (the last plain ``--model``; NAME=PATH entries are ``named_models``',
     which only ``serve`` takes: elsewhere the command exits saying so)."""
-    if not named_ok and named_models(args):
+    named, plain = _model_flags(args)
+    if named and not named_ok:
         raise SystemExit("aioengine: --model NAME=PATH serves several models: `aioengine serve` only")
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs) if f.name != "kernels"}
-    named = named_models(args)
-    plain = [m for m in values["model"] or () if m.partition("=")[0] not in named]
     values["model"] = plain[-1] if plain else "default"
     if getattr(args, "model_tag", None):
         values["model"] = args.model_tag
