@@ -167,6 +167,11 @@ class EngineArgs:
     kv_cache_memory_bytes: int | None = None  # default on CPU: 2 GiB
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+    # A second tier for the prefix cache (vLLM's --kv-offloading-size): blocks the KV pool evicts are kept
+    # in this many GiB of host memory, and loaded back on a later hit instead of computed again.
+    kv_offload_size: float | None = None
+    # ...and written to block files in this folder too, which a restarted server reads back.
+    kv_offload_dir: str | None = None
     long_prefill_token_threshold: int = 0
     # ITL-aware token budget (sched/step_cost.py): cut a step's prompt chunks so that its predicted duration
     # stays within this many ms; None: the token budget alone
@@ -247,10 +252,23 @@ class EngineArgs:
             raise ValueError(
                 f"distributed_executor_backend must be mp or ray, got {self.distributed_executor_backend!r}"
             )
+        self._validate_kv_offload()
         self.kernels.validate()
         SpeculativeConfig.from_dict(self.speculative_config)  # raises ValueError naming a bad key or value
         KVEventsConfig.from_dict(self.kv_events_config)
         self._validate_lora()
+
+    def _validate_kv_offload(self) -> None:
+        size = self.kv_offload_size
+        if size is not None and not (isinstance(size, int | float) and 0 < size < float("inf")):
+            raise ValueError(f"kv_offload_size must be a positive number of GiB, got {size!r}")
+        if self.kv_offload_dir is not None:
+            if not size:
+                raise ValueError("kv_offload_dir needs kv_offload_size (the host tier disk reads land in)")
+            if self.tensor_parallel_size > 1:
+                raise ValueError("kv_offload_dir is not supported with tensor parallelism yet")
+        if size and not self.enable_prefix_caching:
+            raise ValueError("kv_offload_size extends the prefix cache: it needs enable_prefix_caching")
 
     def _validate_lora(self) -> None:
         if self.max_loras < 1 or self.max_lora_rank < 1:

@@ -42,6 +42,10 @@ _ENGINE_HELP = {
     "kv_cache_memory_bytes": "KV-cache memory budget, e.g. 2G or 512MiB",
     "gpu_memory_utilization": "fraction of GPU memory the engine may use",
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
+    "kv_offload_size": "GiB of host memory that keeps the KV blocks the cache evicts, loaded back on a later "
+    "prefix hit (vLLM's --kv-offloading-size; default: none)",
+    "kv_offload_dir": "also keep evicted KV blocks as checksummed files in this folder, read back on a hit "
+    "and after a restart (needs --kv-offload-size)",
     "long_prefill_token_threshold": "cap on prompt tokens one request may take per step (0: off)",
     "target_itl_ms": "cut each step's prompt chunks so that its predicted duration (fitted to measured "
     "steps) stays within this many ms; default: no target",

@@ -8,6 +8,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import logging
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -20,6 +21,7 @@ from aioengine.sched.kv_cache_spec import capacity_tokens
 from aioengine.sched.scheduler import Scheduler, SchedulerConfig
 
 if TYPE_CHECKING:  # importing these imports torch: start() does, lazily
+    from aioengine.engine.kv_disk import KVDiskTier
     from aioengine.executor import Executor
     from aioengine.gpu.backend import Backend
     from aioengine.gpu.model_runner import ModelRunner
@@ -44,6 +46,7 @@ class Started:
     num_blocks: int
     kv_capacity_tokens: int
     scheduler: Scheduler
+    kv_disk: KVDiskTier | None  # the offload tier's block files (--kv-offload-dir)
     structured_build: concurrent.futures.Future  # the StructuredOutputManager, built on a thread
 
 
@@ -75,7 +78,9 @@ async def start(args: EngineArgs, new_structured_manager: Callable[[Any, int, in
         structured_build = builder.submit(new_structured_manager, tokenizer, cfg_probe["vocab_size"], eos)
         builder.shutdown(wait=False)
         num_blocks = await size_kv_cache(args, backend, executor, runner, config)
-        capacity, scheduler = await initialize_kv_cache(args, executor, runner, config, num_blocks)
+        capacity, scheduler, kv_disk = await initialize_kv_cache(
+            args, backend, executor, runner, config, num_blocks, model_path
+        )
         with contextlib.suppress(Exception):  # a failure (no xgrammar) is raised per structured request
             await asyncio.wrap_future(structured_build)
     except BaseException:
@@ -95,6 +100,7 @@ async def start(args: EngineArgs, new_structured_manager: Callable[[Any, int, in
         num_blocks,
         capacity,
         scheduler,
+        kv_disk,
         structured_build,
     )
 
@@ -193,17 +199,25 @@ async def size_kv_cache(
 
 async def initialize_kv_cache(
     args: EngineArgs,
+    backend: Backend,
     executor: Executor,
     runner: ModelRunner,
     config: EngineConfig,
     num_blocks: int,
-) -> tuple[int, Scheduler]:
-    """Allocate the cache and the backend's fast paths over it (CUDA graphs are captured here); then the
-    scheduler that hands its blocks out. Returns the tokens the cache holds, and the scheduler."""
+    model_path: str,
+) -> tuple[int, Scheduler, KVDiskTier | None]:
+    """Allocate the cache and the backend's fast paths over it (CUDA graphs are captured here), the offload
+    tier's host slots and files; then the scheduler that hands the blocks out. Returns the tokens the cache
+    holds, the scheduler and the disk tier."""
     await asyncio.wrap_future(executor.collective_rpc("initialize_kv_cache", num_blocks))
     await asyncio.wrap_future(
         executor.collective_rpc("build_fast_paths", args, config.max_num_batched_tokens)
     )
+    offload_slots, kv_disk, disk_index = 0, None, None
+    if args.kv_offload_size:
+        offload_slots, kv_disk, disk_index = await initialize_kv_offload(
+            args, backend, executor, runner, config, model_path
+        )
     capacity = capacity_tokens(
         runner.kv_cache_groups,
         num_blocks - 1,
@@ -227,9 +241,58 @@ async def initialize_kv_cache(
             speculative=args.speculative(),
             kv_events=args.kv_events() is not None,
             max_loras=args.max_loras if args.enable_lora else 0,
+            kv_offload_slots=offload_slots,
+            kv_offload_disk_index=disk_index,
         )
     )
-    return capacity, scheduler
+    return capacity, scheduler, kv_disk
+
+
+async def initialize_kv_offload(
+    args: EngineArgs,
+    backend: Backend,
+    executor: Executor,
+    runner: ModelRunner,
+    config: EngineConfig,
+    model_path: str,
+) -> tuple[int, KVDiskTier | None, list[tuple[int, int]] | None]:
+    """The offload tier's host slots (what ``kv_offload_size`` GiB holds) and, with ``kv_offload_dir``, its
+    block files: the slot count, the disk tier and the keys its files already hold."""
+    assert args.kv_offload_size
+    bytes_per_block = runner.kv_cache_bytes_per_block()
+    slots = int(args.kv_offload_size * (1 << 30)) // bytes_per_block
+    if slots < 1:
+        raise ValueError(
+            f"kv_offload_size {args.kv_offload_size} GiB holds no KV block ({bytes_per_block} bytes each)"
+        )
+    await asyncio.wrap_future(executor.collective_rpc("initialize_kv_offload", slots))
+    logger.info("KV offload: %d host slots (%.2f GiB)", slots, slots * bytes_per_block / (1 << 30))
+    if args.kv_offload_dir is None:
+        return slots, None, None
+    from aioengine.engine.kv_disk import KVDiskTier, fingerprint
+    from aioengine.version import __version__
+
+    spec = args.speculative()
+    print_ = fingerprint(
+        model_path,
+        device=backend.name,
+        dtype=config.dtype,
+        block_size=args.block_size,
+        quantization=args.quantization,
+        kernels=repr(args.kernels),
+        draft=spec.model if spec is not None else None,
+        layout=[tuple(t.shape) for t in runner.kv_tensors],
+        aioengine=__version__,
+        python=sys.version_info[:2],
+    )
+    loop = asyncio.get_running_loop()
+    assert runner.kv_host is not None
+    block_bytes = runner.kv_host.block_bytes
+    disk = await loop.run_in_executor(None, KVDiskTier, args.kv_offload_dir, print_, block_bytes)
+    index = await loop.run_in_executor(None, disk.scan)
+    runner.kv_host.disk_write = disk.write  # rank 0 is in this process (a disk tier needs one rank)
+    logger.info("KV offload: disk tier %s holds %d blocks", disk.dir, len(index))
+    return slots, disk, index
 
 
 def _import_heavy_modules() -> None:

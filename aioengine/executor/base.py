@@ -63,6 +63,9 @@ class RankWorker:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self._runner().initialize_kv_cache(num_blocks)
 
+    def initialize_kv_offload(self, num_slots: int) -> None:
+        self._runner().initialize_kv_offload(num_slots)
+
     def load_lora(self, adapter_id: int, name: str, path: str) -> None:
         self._runner().load_lora(adapter_id, name, path)
 

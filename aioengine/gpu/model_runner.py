@@ -17,6 +17,7 @@ import torch
 
 from aioengine.gpu.backend import Backend
 from aioengine.gpu.drafter import Drafter
+from aioengine.gpu.kv_offload import HostKVTier
 from aioengine.gpu.loader import kv_cache_bytes_per_block, load_model
 from aioengine.gpu.lora import LoRASlots
 from aioengine.gpu.models.moe import active_weight_bytes, num_active_parameters, num_parameters
@@ -118,6 +119,8 @@ class ModelRunner:
             else None
         )
         self.kv_caches: list[torch.Tensor] = []
+        self.kv_tensors: list[torch.Tensor] = []  # each cache tensor once (groups share them), draft too
+        self.kv_host: HostKVTier | None = None  # the offload tier's host slots (gpu/kv_offload.py)
         self.pooler = Pooler()  # embedding requests: their hidden states pooled instead of sampled
         self._busy_s = 0.0
         self._last_output = ModelRunnerOutput([], [])
@@ -196,8 +199,14 @@ class ModelRunner:
         # layer l of a group uses the tensor at its place in the group
         slots = layer_slots(self.kv_cache_groups, self.hf_config.num_hidden_layers)
         self.kv_caches = [tensors[p] for _, p in slots]
+        self.kv_tensors = list(tensors)
         if self.drafter is not None:
             self.drafter.initialize_kv_cache(num_blocks, self.block_size)
+            self.kv_tensors += list({id(t): t for t in self.drafter.kv_caches}.values())
+
+    def initialize_kv_offload(self, num_slots: int) -> None:
+        """Host slots for the blocks the pool evicts (``--kv-offload-size``), a block of every cache each."""
+        self.kv_host = HostKVTier(self.kv_tensors, num_slots)
 
     # ---- stop 5: update states ----------------------------------------------------------------
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
@@ -340,6 +349,9 @@ class ModelRunner:
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
         if self.fault_hook is not None:
             self.fault_hook("execute_model", scheduler_output)
+        if scheduler_output.kv_transfers is not None:
+            assert self.kv_host is not None, "the scheduler has an offload tier, the runner none"
+            self.kv_host.run(scheduler_output.kv_transfers)  # before the forward overwrites evicted blocks
         self._update_states(scheduler_output)
         self._pending = None
         if scheduler_output.total_num_scheduled_tokens == 0:

@@ -197,6 +197,20 @@ class EngineMetrics:
         )
         self.prefix_hits = counter("prefix_cache_hits", "Prefix cache hits, in number of cached tokens.")
         self.preemptions = counter("num_preemptions", "Cumulative number of preemptions from the engine.")
+        self.offload_stored = counter(
+            "kv_offload_stored_blocks", "KV blocks the cache evicted into the host tier."
+        )
+        self.offload_host_hits = counter(
+            "kv_offload_host_hits",
+            "Prompt tokens whose KV was loaded back from the host tier (disk reads included).",
+        )
+        self.offload_disk_hits = counter(
+            "kv_offload_disk_hits", "Prompt tokens whose KV was read from the disk tier."
+        )
+        self.offload_disk_failures = counter(
+            "kv_offload_disk_failures",
+            "Disk-tier block files found missing or corrupt (their tokens recomputed).",
+        )
         self.spec_drafts = counter("spec_decode_num_drafts", "Number of spec decoding drafts.")
         self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Number of draft tokens.")
         self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Number of accepted tokens.")
@@ -277,6 +291,14 @@ class EngineMetrics:
             t.prefix_hits += stats.prefix_cache_hits
         if stats.num_preemptions:
             self.preemptions.inc(stats.num_preemptions)
+        for metric, n in (
+            (self.offload_stored, stats.kv_offload_stored_blocks),
+            (self.offload_host_hits, stats.kv_offload_host_hits),
+            (self.offload_disk_hits, stats.kv_offload_disk_hits),
+            (self.offload_disk_failures, stats.kv_offload_disk_failures),
+        ):
+            if n:
+                metric.inc(n)
         if stats.num_scheduled_tokens:
             self.iteration_tokens.observe(stats.num_scheduled_tokens)
         if stats.spec_num_drafts:

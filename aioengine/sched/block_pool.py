@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from aioengine.sched.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+
+if TYPE_CHECKING:
+    from aioengine.sched.kv_offload import OffloadTier
 
 NONE_HASH = 0
 
@@ -13,8 +17,11 @@ NONE_HASH = 0
 def hash_block_tokens(
     parent_hash: int, token_ids: Sequence[int], extra_keys: tuple[Hashable, ...] | None = None
 ) -> int:
-    """Chained block hash: equal hashes mean equal token prefixes (and extra keys, e.g. a cache salt)."""
-    return hash((parent_hash, tuple(token_ids), extra_keys))
+    """Chained block hash: equal hashes mean equal token prefixes (and extra keys, e.g. a cache salt).
+
+    Made of ints and tuples only, so a hash means the same in another process (a disk tier's block files
+    outlive the server); ``hash(None)`` is an address before Python 3.12."""
+    return hash((parent_hash, tuple(token_ids), extra_keys or ()))
 
 
 @dataclass(slots=True, eq=False)
@@ -23,6 +30,8 @@ class KVCacheBlock:
     ref_cnt: int = 0
     block_hash: int | None = None  # set while the block holds a full, cached block of tokens
     cache_group: int = 0  # the KV cache group it is cached for (sched/kv_cache_spec.py)
+    # its tokens, kept only for a disk tier (a block file names them); None: it may not go to disk
+    token_ids: tuple[int, ...] | None = None
     prev_free_block: KVCacheBlock | None = None
     next_free_block: KVCacheBlock | None = None
     is_null: bool = False
@@ -85,8 +94,11 @@ class FreeKVCacheBlockQueue:
 class BlockPool:
     """Owns every KV block. Block 0 is the null block, never handed out (a placeholder in block tables)."""
 
-    def __init__(self, num_blocks: int, record_events: bool = False) -> None:
-        """``record_events``: keep the prefix cache's changes for ``take_events`` (KV events on)."""
+    def __init__(
+        self, num_blocks: int, record_events: bool = False, offload: OffloadTier | None = None
+    ) -> None:
+        """``record_events``: keep the prefix cache's changes for ``take_events`` (KV events on);
+        ``offload``: the second tier that evicted blocks go to."""
         assert num_blocks >= 2, "need at least one usable block besides the null block"
         self.num_blocks = num_blocks
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
@@ -96,6 +108,8 @@ class BlockPool:
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
         self.events: list[KVEvent] | None = [] if record_events else None
+        self.offload = offload
+        self.keep_tokens = offload is not None and offload.disk is not None
 
     def take_events(self) -> list[KVEvent]:
         """The changes since the last call (none when not recording)."""
@@ -110,7 +124,10 @@ class BlockPool:
             return False
         for block in self.blocks:
             block.block_hash = None
+            block.token_ids = None
         self.cached_block_hash_to_block.clear()
+        if self.offload is not None:
+            self.offload.clear()
         if self.events is not None:
             self.events.append(AllBlocksCleared())
         return True
@@ -142,9 +159,12 @@ class BlockPool:
             key = (block.block_hash, block.cache_group)
             if self.cached_block_hash_to_block.get(key) is block:
                 del self.cached_block_hash_to_block[key]
+                if self.offload is not None:  # copied out before this step's forward writes it again
+                    self.offload.offload(block.block_id, key, block.token_ids)
                 if self.events is not None:
                     self.events.append(BlockRemoved([block.block_hash], block.cache_group))
             block.block_hash = None
+            block.token_ids = None
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on cache-hit blocks, pulling free ones out of the free queue."""
@@ -184,6 +204,8 @@ class BlockPool:
             # Keep the first block published under a hash; a duplicate stays private to its request.
             if self.cached_block_hash_to_block.setdefault((h, group), block) is not block:
                 continue
+            if self.keep_tokens and not lora_id:  # an adapter's id means nothing to another process
+                block.token_ids = tuple(token_ids[i * block_size : (i + 1) * block_size])
             if self.events is None:
                 continue
             tokens = list(token_ids[i * block_size : (i + 1) * block_size])

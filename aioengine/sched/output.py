@@ -11,6 +11,7 @@ if TYPE_CHECKING:  # types only: sched never imports numpy (or torch) at run tim
     import numpy as np
     import numpy.typing as npt
 
+    from aioengine.sched.kv_offload import KVTransfers
     from aioengine.sched.step_cost import StepFeatures
 
 # The logprobs of one position: (token ids, logprobs, rank of the first id). The first id is the sampled (or
@@ -59,6 +60,7 @@ class SchedulerOutput:
     step_features: StepFeatures | None = None
     pending_structured_output_tokens: bool = False  # a structured request samples with a token in flight
     structured_output_request_ids: list[str] = field(default_factory=list)  # structured requests that sample
+    kv_transfers: KVTransfers | None = None  # the offload tier's copies, before the forward
 
 
 @dataclass(slots=True)
@@ -116,3 +118,8 @@ class SchedulerStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = field(default_factory=list)  # accepted drafts at position 0, 1, ...
+    # The KV offload tier, since the previous stats (sched/kv_offload.py's OffloadStats).
+    kv_offload_stored_blocks: int = 0
+    kv_offload_host_hits: int = 0  # tokens loaded back from the host tier (disk reads land there first)
+    kv_offload_disk_hits: int = 0  # tokens read from disk
+    kv_offload_disk_failures: int = 0  # block files found bad and recomputed

@@ -69,6 +69,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     num_cached_tokens: int = -1  # prompt tokens served by the prefix cache at first admission
+    kv_disk_rounds: int = 0  # lookups that started disk-tier reads for it (it waits for them)
     block_hashes: list[int] = field(
         default_factory=list
     )  # chained hashes of the full blocks of all_token_ids

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from aioengine.sched.kv_cache_manager import FULL, KVCacheManager
 from aioengine.sched.kv_cache_spec import KVCacheGroup
+from aioengine.sched.kv_offload import OffloadStats, OffloadTier
 from aioengine.sched.output import (
     CachedRequestData,
     EngineCoreOutput,
@@ -56,6 +58,9 @@ class SchedulerConfig:
     target_itl_ratio: float = 0.0
     kv_events: bool = False  # the block pool records its changes for the KV-event publisher
     max_loras: int = 0  # LoRA adapters that may run at once (the worker's slots); 0: no limit
+    kv_offload_slots: int = 0  # host-tier slots for blocks the pool evicts (0: no second tier)
+    # With a disk tier: the keys its block files hold (a restart finds them); None: no disk tier.
+    kv_offload_disk_index: list[tuple[int, int]] | None = None
 
     def __post_init__(self) -> None:
         assert self.max_num_batched_tokens >= 1 and self.max_num_seqs >= 1 and self.block_size >= 1
@@ -74,7 +79,11 @@ class Scheduler:
             config.enable_prefix_caching,
             config.kv_cache_groups,
             config.kv_events,
+            OffloadTier(config.kv_offload_slots, config.kv_offload_disk_index, config.block_size)
+            if config.kv_offload_slots
+            else None,
         )
+        self._offload_stats = OffloadStats()  # the totals at the last stats
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(config.policy)
         self.running: list[Request] = []
@@ -130,6 +139,12 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
+
+    @property
+    def waiting_on_disk(self) -> bool:
+        """Some request waits for disk-tier reads (the engine wakes the step loop when they land)."""
+        offload = self.kv_cache_manager.offload
+        return offload is not None and offload.waiting_on_disk
 
     def has_requests(self) -> bool:
         return bool(self.running) or len(self.waiting) > 0
@@ -251,6 +266,9 @@ class Scheduler:
                     continue
                 if request.sampling_params.prompt_logprobs is None and request.pooling in (None, "last"):
                     hit_blocks, num_hit = kv.get_computed_blocks(request)
+                    if kv.read_from_disk(request, num_hit):
+                        skipped.append(waiting.pop())  # the disk tier's blocks are on their way
+                        continue
                 else:  # prompt logprobs, mean and CLS pooling need every prompt position: no cache reads
                     hit_blocks, num_hit = [], 0
                 need = request.num_tokens - num_hit
@@ -311,6 +329,7 @@ class Scheduler:
             scheduled_spec_decode_tokens=drafts,
             num_drafts_to_propose=to_propose,
             step_features=step if self.step_cost is not None else None,
+            kv_transfers=kv.offload.take_transfers() if kv.offload is not None else None,
         )
         if num_scheduled:  # which Request each of the step's ids meant (update_from_output checks it)
             self._in_flight[id(out)] = (out, {rid: self.requests[rid] for rid in num_scheduled})
@@ -557,6 +576,14 @@ class Scheduler:
             num_scheduled_tokens=self._num_scheduled_tokens_since_stats,
         )
         self._spec.take(stats)
+        offload = self.kv_cache_manager.offload
+        if offload is not None:
+            now, last = offload.stats, self._offload_stats
+            stats.kv_offload_stored_blocks = now.stored_blocks - last.stored_blocks
+            stats.kv_offload_host_hits = now.host_hit_tokens - last.host_hit_tokens
+            stats.kv_offload_disk_hits = now.disk_hit_tokens - last.disk_hit_tokens
+            stats.kv_offload_disk_failures = now.disk_reads_failed - last.disk_reads_failed
+            self._offload_stats = dataclasses.replace(now)
         self._num_preemptions_step = 0
         self._num_scheduled_tokens_since_stats = 0
         return stats

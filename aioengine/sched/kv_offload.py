@@ -1,0 +1,191 @@
+"""The prefix cache's second tier, as bookkeeping: which evicted blocks a host tier (and a disk tier) holds,
+in which host slot, and the copies each step carries out on the worker (SchedulerOutput.kv_transfers).
+
+A block leaving the KV pool (reused for other tokens) is copied to a host slot first; a later lookup that
+runs past the pool's hits continues in the host tier, and those blocks are copied back into fresh pool
+blocks before the step's forward. The worker runs a step's stores before its loads, and steps run in
+order, so a slot's bytes are always the ones its entry names. With a disk tier every stored block is also
+written to a file; a block found only on disk is read by the engine (off the step) into a reserved slot,
+and its request waits until then, so a corrupt file costs a recompute, never a wrong hit.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+Key = tuple[int, int]  # (chained block hash, KV cache group)
+
+
+@dataclass(slots=True)
+class KVTransfers:
+    """One step's tier copies, run on every rank before the forward: stores, then loads."""
+
+    stores: list[tuple[int, int]] = field(default_factory=list)  # (pool block id, host slot)
+    loads: list[tuple[int, int]] = field(default_factory=list)  # (host slot, pool block id)
+    # Stored blocks that also go to disk: (index in stores, block hash, group, the block's token ids).
+    writes: list[tuple[int, int, int, tuple[int, ...]]] = field(default_factory=list)
+    # Evicted blocks no slot could take, written to disk straight from the pool (before anything else):
+    # (pool block id, block hash, group, token ids).
+    pool_writes: list[tuple[int, int, int, tuple[int, ...]]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.stores or self.loads or self.pool_writes)
+
+
+@dataclass(slots=True)
+class DiskRead:
+    """A block the engine reads from disk into ``slot``; ``token_ids`` must match the file's."""
+
+    key: Key
+    slot: int
+    token_ids: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class OffloadStats:
+    stored_blocks: int = 0  # copied from the pool to the host tier
+    host_hit_tokens: int = 0  # loaded back from the host tier (a disk read lands there first)
+    disk_hit_tokens: int = 0  # of which read from disk
+    disk_reads_failed: int = 0  # missing, truncated or corrupt files: recomputed
+    dropped_blocks: int = 0  # evicted with no slot free to take them (every slot pinned)
+
+
+class OffloadTier:
+    """Host slots in LRU order, the disk tier's index, and the transfers of the step being planned."""
+
+    def __init__(self, num_slots: int, disk_index: list[Key] | None = None, block_size: int = 16) -> None:
+        """``disk_index``: the keys already on disk (a restart finds them); None: no disk tier."""
+        assert num_slots >= 1
+        self.num_slots = num_slots
+        self.block_size = block_size
+        self.host: OrderedDict[Key, int] = OrderedDict()  # least recently used first
+        self.free_slots = list(range(num_slots - 1, -1, -1))
+        self.pinned: dict[int, int] = {}  # slot -> pins: a load of this step, or a disk read under way
+        self.disk: OrderedDict[Key, None] | None = (
+            None if disk_index is None else OrderedDict.fromkeys(disk_index)
+        )
+        self.arriving: dict[Key, int] = {}  # disk reads under way -> their reserved slot
+        self.transfers = KVTransfers()
+        self.reads: list[DiskRead] = []  # started this step, for the engine
+        self._step_pins: list[int] = []
+        self.stats = OffloadStats()  # since start
+
+    # ---- lookups -------------------------------------------------------------------------------
+    def in_host(self, key: Key) -> bool:
+        return key in self.host
+
+    def on_disk(self, key: Key) -> bool:
+        return self.disk is not None and (key in self.disk or key in self.arriving)
+
+    @property
+    def waiting_on_disk(self) -> bool:
+        return bool(self.arriving)
+
+    # ---- pool -> host ----------------------------------------------------------------------------
+    def offload(self, block_id: int, key: Key, token_ids: tuple[int, ...] | None) -> None:
+        """A cached block leaves the pool: keep its KV in a host slot (and on disk when ``token_ids`` is
+        given: only blocks whose hash means the same after a restart go there)."""
+        if key in self.host:
+            self.host.move_to_end(key)  # the same KV is held already
+            return
+        slot = self._take_slot()
+        to_disk = self.disk is not None and token_ids is not None and key not in self.disk
+        if slot is None:  # every slot is pinned by this step's loads or by reads under way
+            if to_disk:
+                assert self.disk is not None and token_ids is not None
+                self.transfers.pool_writes.append((block_id, key[0], key[1], token_ids))
+                self.disk[key] = None
+            elif self.disk is None or key not in self.disk:
+                self.stats.dropped_blocks += 1
+            return
+        self.host[key] = slot
+        self.transfers.stores.append((block_id, slot))
+        self.stats.stored_blocks += 1
+        if to_disk:
+            assert self.disk is not None and token_ids is not None
+            self.transfers.writes.append((len(self.transfers.stores) - 1, key[0], key[1], token_ids))
+            self.disk[key] = None
+
+    def _take_slot(self, keep: frozenset[Key] = frozenset()) -> int | None:
+        """A free slot, else the least recently used entry's that is neither pinned nor in ``keep``."""
+        if self.free_slots:
+            return self.free_slots.pop()
+        for key, slot in self.host.items():
+            if slot not in self.pinned and key not in keep:
+                del self.host[key]
+                return slot
+        return None
+
+    def _pin(self, slot: int) -> None:
+        self.pinned[slot] = self.pinned.get(slot, 0) + 1
+
+    def _unpin(self, slot: int) -> None:
+        left = self.pinned[slot] - 1
+        if left:
+            self.pinned[slot] = left
+        else:
+            del self.pinned[slot]
+
+    # ---- host -> pool ----------------------------------------------------------------------------
+    def pin(self, keys: list[Key]) -> None:
+        """Hold these host entries for this step's loads (no store may take their slots)."""
+        for key in keys:
+            slot = self.host[key]
+            self._pin(slot)
+            self._step_pins.append(slot)
+
+    def load(self, key: Key, block_id: int) -> None:
+        """Copy a (pinned) host entry into a fresh pool block before the forward."""
+        slot = self.host[key]
+        self.host.move_to_end(key)
+        self.transfers.loads.append((slot, block_id))
+        self.stats.host_hit_tokens += self.block_size
+
+    # ---- disk -> host ----------------------------------------------------------------------------
+    def read(self, key: Key, token_ids: tuple[int, ...], keep: frozenset[Key] = frozenset()) -> bool:
+        """Start reading a block found only on disk into a slot reserved for it, evicting no entry in
+        ``keep`` (the request's own hits) for it (False: no slot to take)."""
+        assert key not in self.arriving
+        slot = self._take_slot(keep)
+        if slot is None:
+            return False
+        self._pin(slot)
+        self.arriving[key] = slot
+        self.reads.append(DiskRead(key, slot, token_ids))
+        return True
+
+    def read_done(self, key: Key, ok: bool) -> None:
+        """The engine finished a read: the block is in its slot, or the file was bad (it is forgotten, and
+        the tokens are computed again)."""
+        slot = self.arriving.pop(key)
+        self._unpin(slot)
+        if ok:
+            self.host[key] = slot
+            self.stats.disk_hit_tokens += self.block_size
+        else:
+            self.free_slots.append(slot)
+            self.stats.disk_reads_failed += 1
+            if self.disk is not None:
+                self.disk.pop(key, None)
+
+    # ---- per step --------------------------------------------------------------------------------
+    def take_transfers(self) -> KVTransfers | None:
+        """The step's copies (None: none), and the end of its pins."""
+        for slot in self._step_pins:
+            self._unpin(slot)
+        self._step_pins = []
+        out, self.transfers = self.transfers, KVTransfers()
+        return out if out else None
+
+    def take_reads(self) -> list[DiskRead]:
+        out, self.reads = self.reads, []
+        return out
+
+    def clear(self) -> None:
+        """Forget every entry (the prefix cache's reset); reads under way keep their slots until done."""
+        for slot in self.host.values():
+            self.free_slots.append(slot)
+        self.host.clear()
+        if self.disk is not None:
+            self.disk.clear()
