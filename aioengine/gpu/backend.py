@@ -183,6 +183,11 @@ class Backend(ABC):
     def synchronize(self) -> None:  # noqa: B027 (a hook: CPU work is done when the op returns)
         """Wait for the device's queued work (benchmarks time matmuls with it)."""
 
+    def host_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Host memory this device copies to and from at its best (the KV offload tier's slots)."""
+        with torch.inference_mode(False):
+            return torch.empty(shape, dtype=dtype)
+
     @abstractmethod
     def default_dtype(self) -> str:
         """The dtype "auto" means here."""

@@ -13,16 +13,15 @@ from aioengine.sched.kv_offload import KVTransfers
 DiskWrite = Callable[[int, int, tuple[int, ...], bytes], None]
 
 
+HostBuffer = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
+
+
 class HostKVTier:
-    def __init__(self, caches: list[torch.Tensor], num_slots: int) -> None:
+    def __init__(self, caches: list[torch.Tensor], num_slots: int, host_buffer: HostBuffer) -> None:
         """``caches``: every KV tensor a block id addresses (``[2, blocks, ...]`` each, the draft model's
-        included). On CUDA the slots are pinned, so the copies can run as DMA."""
+        included); ``host_buffer``: the backend's host memory (pinned on CUDA)."""
         self.caches = caches
-        pin = any(c.is_cuda for c in caches)
-        with torch.inference_mode(False):
-            self.slots = [
-                torch.empty((num_slots, *c[:, 0].shape), dtype=c.dtype, pin_memory=pin) for c in caches
-            ]
+        self.slots = [host_buffer((num_slots, *c[:, 0].shape), c.dtype) for c in caches]
         self.block_bytes = sum(s[0].numel() * s.element_size() for s in self.slots)
         self.disk_write: DiskWrite | None = None  # set by the engine when a disk tier exists
 

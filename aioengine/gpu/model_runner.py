@@ -206,7 +206,7 @@ class ModelRunner:
 
     def initialize_kv_offload(self, num_slots: int) -> None:
         """Host slots for the blocks the pool evicts (``--kv-offload-size``), a block of every cache each."""
-        self.kv_host = HostKVTier(self.kv_tensors, num_slots)
+        self.kv_host = HostKVTier(self.kv_tensors, num_slots, self.backend.host_buffer)
 
     # ---- stop 5: update states ----------------------------------------------------------------
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:

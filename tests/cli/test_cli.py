@@ -108,6 +108,13 @@ def test_flags_build_engine_args():
     assert cli.engine_args_from(cli.build_parser().parse_args(["serve"])) == EngineArgs()
 
 
+def test_offload_flags_build_engine_args(tmp_path):
+    args = cli.build_parser().parse_args(
+        ["serve", "--kv-offload-size", "0.5", "--kv-offload-dir", str(tmp_path)]
+    )
+    assert cli.engine_args_from(args) == EngineArgs(kv_offload_size=0.5, kv_offload_dir=str(tmp_path))
+
+
 def test_kernel_flags_build_the_kernel_config():
     args = cli.build_parser().parse_args(
         [
@@ -152,6 +159,8 @@ def test_bench_dispatches_to_bench_main(monkeypatch, capsys):
 def test_bad_engine_flags_exit_2(capsys):
     assert cli.main(["serve", "--block-size", "3"]) == 2
     assert "block_size" in capsys.readouterr().err
+    assert cli.main(["serve", "--kv-offload-dir", "/tmp/kv"]) == 2
+    assert "kv_offload_dir needs kv_offload_size" in capsys.readouterr().err
 
 
 def test_bad_flags_for_several_models_exit_2(capsys, tmp_path):

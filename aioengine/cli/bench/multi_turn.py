@@ -1,6 +1,6 @@
 """`aioengine bench multi-turn`: interleaved multi-turn chats against a running server (one engine, or a
 data-parallel front): TTFT p50/p99, output tokens/s, and the prefix-cache hit rate the server's /metrics
-counted over the run (summed over replicas).
+counted over the run (summed over replicas), with the tokens the KV offload tiers gave back.
 
 Each of ``--conversations`` chats has ``--turns`` user turns; turn t of every conversation is sent before
 turn t + 1 of any (at most ``--max-concurrency`` at once), so a conversation's next turn finds its prefix
@@ -22,11 +22,21 @@ import aiohttp
 _TOPICS = ("the history of Paris", "how bridges carry loads", "the life of bees", "why the sky is blue")
 
 
-def _hits(metrics: str) -> tuple[float, float]:
+_COUNTERS = (
+    "prefix_cache_hits_total",
+    "prefix_cache_queries_total",
+    "kv_offload_host_hits_total",
+    "kv_offload_disk_hits_total",
+)
+
+
+def _hits(metrics: str) -> list[float]:
+    """The counters above, summed over replicas."""
+
     def total(name: str) -> float:
         return sum(float(v) for v in re.findall(rf"^aioengine:{name}(?:{{[^}}]*}})? (\S+)$", metrics, re.M))
 
-    return total("prefix_cache_hits_total"), total("prefix_cache_queries_total")
+    return [total(name) for name in _COUNTERS]
 
 
 async def run(args: argparse.Namespace) -> dict:
@@ -85,7 +95,7 @@ async def run(args: argparse.Namespace) -> dict:
             await asyncio.gather(*(turn(h) for h in chats))
         elapsed = time.perf_counter() - t0
         after = _hits(await (await s.get(args.base_url + "/metrics")).text())
-    hits, queries = after[0] - before[0], after[1] - before[1]
+    hits, queries, host_hits, disk_hits = (a - b for a, b in zip(after, before, strict=True))
     q = statistics.quantiles(ttfts, n=100)
     return {
         "requests": len(ttfts),
@@ -93,6 +103,9 @@ async def run(args: argparse.Namespace) -> dict:
         "ttft_p50_ms": statistics.median(ttfts),
         "ttft_p99_ms": q[98],
         "prefix_hit_rate": hits / queries if queries else 0.0,
+        # of the hits, the tokens loaded back from the offload tiers (disk reads land in the host tier)
+        "offload_host_hit_tokens": int(host_hits),
+        "offload_disk_hit_tokens": int(disk_hits),
         "elapsed_s": elapsed,
     }
 
@@ -111,6 +124,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(
         f"Multi-turn: {result['requests']} requests in {result['elapsed_s']:.1f} s, "
         f"{result['output_tokens_per_s']:.1f} output tokens/s; TTFT p50 {result['ttft_p50_ms']:.0f} ms, "
-        f"p99 {result['ttft_p99_ms']:.0f} ms; prefix-cache hit rate {result['prefix_hit_rate']:.1%}"
+        f"p99 {result['ttft_p99_ms']:.0f} ms; prefix-cache hit rate {result['prefix_hit_rate']:.1%} "
+        f"(offload tiers: {result['offload_host_hit_tokens']} tokens from host, "
+        f"{result['offload_disk_hit_tokens']} of them read from disk)"
     )
     return result

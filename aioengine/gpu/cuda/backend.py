@@ -151,6 +151,11 @@ class CudaBackend(Backend):
         if quantization is not None:
             raise ValueError(f"quantization={quantization!r} is a CPU option (its kernels are CPU kernels)")
 
+    def host_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Pinned: the copies to and from it run as DMA."""
+        with torch.inference_mode(False):
+            return torch.empty(shape, dtype=dtype, pin_memory=True)
+
     def allocate_kv_caches(
         self,
         hf_config: Any,

@@ -1,0 +1,136 @@
+"""The offload tier's bookkeeping, through the KV cache manager: evicted blocks go to host slots (LRU), a
+later lookup runs on into the host tier and loads into fresh blocks, a step's loads pin their slots, a
+disk-only run is read once into reserved slots, and a failed read is forgotten."""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import io
+import os
+import subprocess
+import sys
+
+from aioengine.sampling_params import SamplingParams
+from aioengine.sched.kv_cache_manager import KVCacheManager
+from aioengine.sched.kv_offload import OffloadTier
+from aioengine.sched.request import Request
+
+BS = 4
+
+
+def _req(rid: str, tokens: list[int], salt: str | None = None) -> Request:
+    return Request(rid, tokens, SamplingParams(max_tokens=4), cache_salt=salt)
+
+
+def _fill(kv: KVCacheManager, req: Request) -> None:
+    """Admit the request's whole prompt (its full blocks are cached), then finish it."""
+    hits, n = kv.get_computed_blocks(req)
+    assert kv.allocate_slots(req, req.num_tokens - n, n, hits) is not None
+    req.num_computed_tokens = req.num_tokens
+    kv.free(req)
+
+
+def test_evicted_blocks_come_back_from_the_host_tier():
+    tier = OffloadTier(num_slots=8, block_size=BS)
+    kv = KVCacheManager(num_blocks=1 + 4, block_size=BS, max_model_len=64, offload=tier)
+    a = list(range(100, 113))  # 3 full blocks and one token
+    _fill(kv, _req("a", a))
+    assert tier.take_transfers() is None  # nothing evicted yet
+    _fill(kv, _req("b", list(range(200, 213))))  # takes the pool's blocks: a's 3 go to the host tier
+    moved = tier.take_transfers()
+    assert moved is not None and len(moved.stores) == 3 and not moved.loads
+    assert sorted(s for _, s in moved.stores) == [0, 1, 2] and len(tier.host) == 3
+
+    again = _req("a2", a)
+    hits, n = kv.get_computed_blocks(again)
+    assert n == 12 and all(b is None for b in hits[0])  # all three in the host tier
+    new = kv.allocate_slots(again, 1, n, hits)
+    assert new is not None and len(new[0]) == 4
+    step = tier.take_transfers()
+    assert step is not None and [b for _, b in step.loads] == [b.block_id for b in new[0][:3]]
+    assert tier.stats.host_hit_tokens == 12
+    assert not tier.pinned  # the step's pins end with its transfers
+    # loaded blocks are the pool's again: the next lookup finds them there
+    found = kv.get_computed_blocks(_req("a3", a))[0][0]
+    assert [b.block_id for b in found] == [b.block_id for b in new[0][:3]]
+
+
+def test_a_steps_loads_pin_their_slots_and_lru_evicts_the_oldest():
+    tier = OffloadTier(num_slots=2, block_size=BS)
+    tier.offload(5, (1, 0), None)
+    tier.offload(6, (2, 0), None)
+    tier.take_transfers()
+    tier.pin([(1, 0)])
+    tier.load((1, 0), 9)
+    tier.offload(7, (3, 0), None)  # (1, 0) is pinned: (2, 0), the other, goes
+    assert list(tier.host) == [(1, 0), (3, 0)]
+    step = tier.take_transfers()
+    assert step is not None and step.stores == [(7, 1)] and step.loads == [(0, 9)]
+    tier.offload(8, (4, 0), None)  # unpinned now: the least recently used goes
+    assert list(tier.host) == [(3, 0), (4, 0)]
+    tier.pin([(3, 0)])
+    tier.pin([(4, 0)])
+    tier.offload(9, (5, 0), None)  # every slot pinned, no disk: dropped
+    assert tier.stats.dropped_blocks == 1 and (5, 0) not in tier.host
+
+
+def test_disk_blocks_are_read_once_and_a_failed_read_is_forgotten():
+    a = list(range(100, 117))  # 4 full blocks
+    req = _req("a", a)
+    probe = KVCacheManager(num_blocks=8, block_size=BS, max_model_len=64)
+    probe.update_block_hashes(req)
+    keys = [(h, 0) for h in req.block_hashes]
+    tier = OffloadTier(num_slots=3, disk_index=keys, block_size=BS)
+    kv = KVCacheManager(num_blocks=8, block_size=BS, max_model_len=64, offload=tier)
+    req = _req("a", a)
+    assert kv.get_computed_blocks(req) == ([], 0)
+    assert kv.read_from_disk(req, 0)  # waits: three slots, so the first three blocks in chain order
+    reads = tier.take_reads()
+    assert [r.key for r in reads] == keys[:3] and [r.token_ids for r in reads] == [
+        tuple(a[i * BS : (i + 1) * BS]) for i in range(3)
+    ]
+    assert kv.read_from_disk(req, 0)  # still under way
+    assert not tier.take_reads()
+    tier.read_done(keys[0], True)
+    tier.read_done(keys[1], True)
+    tier.read_done(keys[2], False)  # a bad file: forgotten, its slot free again
+    assert keys[2] not in tier.disk and tier.stats.disk_reads_failed == 1
+    assert not kv.read_from_disk(req, 8)  # one round a request: it goes with what is in
+    hits, n = kv.get_computed_blocks(req)
+    assert n == 8 and hits == [[None, None]]
+    assert tier.stats.disk_hit_tokens == 8
+
+
+_HASHES = """
+from aioengine.sampling_params import SamplingParams
+from aioengine.sched.kv_cache_manager import KVCacheManager
+from aioengine.sched.request import Request
+
+kv = KVCacheManager(num_blocks=8, block_size=4, max_model_len=64)
+for salt in (None, "tenant-1"):
+    r = Request("p", list(range(9)), SamplingParams(max_tokens=4), cache_salt=salt)
+    kv.update_block_hashes(r)
+    print(r.block_hashes)
+"""
+
+
+def test_block_hashes_are_the_same_in_every_process():
+    """A disk tier's files outlive the server: a prompt's hashes, salted or not, are the same numbers in
+    another process, whatever its string-hash seed (hash(None) and a str's hash are not)."""
+    runs = [
+        subprocess.run(
+            [sys.executable, "-c", _HASHES],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ, "PYTHONHASHSEED": seed},
+        ).stdout
+        for seed in ("1", "2")
+    ]
+    here = io.StringIO()
+    with contextlib.redirect_stdout(here):
+        exec(_HASHES, {})
+    assert runs[0] == runs[1] == here.getvalue()
+    plain, salted = (ast.literal_eval(line) for line in runs[0].splitlines())
+    assert len(plain) == 2 and plain[0] != salted[0] and plain[1] != salted[1]
