@@ -12,7 +12,7 @@ def test_multi_turn_reports_ttft_throughput_and_the_hit_rate(server, capsys):
         ["--base-url", server.url(), "--conversations", "3", "--turns", "2", "--output-len", "4"]
         + ["--max-concurrency", "3"]
     )
-    assert r["requests"] == 6 and r["output_tokens_per_s"] > 0
+    assert r["requests"] == 6 and r["output_tokens_per_s"] > 0 and r["context_tokens"] > 3 * 4
     assert 0 < r["ttft_p50_ms"] <= r["ttft_p99_ms"]
     assert 0.2 < r["prefix_hit_rate"] <= 1.0  # turn 2 reuses turn 1's blocks
     assert r["offload_host_hit_tokens"] == r["offload_disk_hit_tokens"] == 0  # no offload tier here

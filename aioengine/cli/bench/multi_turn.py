@@ -52,12 +52,13 @@ async def run(args: argparse.Namespace) -> dict:
     ]
     ttfts: list[float] = []
     tokens = 0
+    context = [0] * len(chats)  # each conversation's prompt and reply tokens at its latest turn
     gate = asyncio.Semaphore(args.max_concurrency)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     async with aiohttp.ClientSession(headers=headers) as s:
         before = _hits(await (await s.get(args.base_url + "/metrics")).text())
 
-        async def turn(history: list[dict]) -> None:
+        async def turn(c: int, history: list[dict]) -> None:
             nonlocal tokens
             body = {
                 "messages": history,
@@ -79,6 +80,7 @@ async def run(args: argparse.Namespace) -> dict:
                         chunk = json.loads(line[6:])
                         if chunk.get("usage"):
                             tokens += chunk["usage"]["completion_tokens"]
+                            context[c] = chunk["usage"]["total_tokens"]
                         for choice in chunk.get("choices", []):
                             piece = choice["delta"].get("content")
                             if piece:
@@ -92,7 +94,7 @@ async def run(args: argparse.Namespace) -> dict:
 
         t0 = time.perf_counter()
         for _ in range(args.turns):
-            await asyncio.gather(*(turn(h) for h in chats))
+            await asyncio.gather(*(turn(c, h) for c, h in enumerate(chats)))
         elapsed = time.perf_counter() - t0
         after = _hits(await (await s.get(args.base_url + "/metrics")).text())
     hits, queries, host_hits, disk_hits = (a - b for a, b in zip(after, before, strict=True))
@@ -107,6 +109,7 @@ async def run(args: argparse.Namespace) -> dict:
         "offload_host_hit_tokens": int(host_hits),
         "offload_disk_hit_tokens": int(disk_hits),
         "elapsed_s": elapsed,
+        "context_tokens": sum(context),  # what the last turns hold together (against the KV pool's size)
     }
 
 
@@ -122,7 +125,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     result = asyncio.run(run(args))
     print(
-        f"Multi-turn: {result['requests']} requests in {result['elapsed_s']:.1f} s, "
+        f"Multi-turn: {result['requests']} requests in {result['elapsed_s']:.1f} s "
+        f"({result['context_tokens']} tokens of context at the last turns), "
         f"{result['output_tokens_per_s']:.1f} output tokens/s; TTFT p50 {result['ttft_p50_ms']:.0f} ms, "
         f"p99 {result['ttft_p99_ms']:.0f} ms; prefix-cache hit rate {result['prefix_hit_rate']:.1%} "
         f"(offload tiers: {result['offload_host_hit_tokens']} tokens from host, "
