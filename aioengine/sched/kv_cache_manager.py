@@ -176,8 +176,16 @@ class KVCacheManager:
             if not tier.read(key, tuple(tokens[i * bs : (i + 1) * bs]), keep):
                 break  # no slot left to read into
             request.kv_disk_rounds = 1
+            request.kv_disk_keys.append(key)
             waits = True
+        tier.want(request.kv_disk_keys)
         return waits
+
+    def release_disk_reads(self, request: Request) -> None:
+        """The request went (admitted or finished): the blocks read for it stop being held."""
+        if request.kv_disk_keys and self.offload is not None:
+            self.offload.unwant(request.kv_disk_keys)
+        request.kv_disk_keys = []
 
     def record_prefix_hit(self, request: Request, num_hit_tokens: int) -> None:
         """Count one admitted request's lookup (lookups of requests that did not fit are not counted)."""

@@ -66,6 +66,10 @@ class OffloadTier:
             None if disk_index is None else OrderedDict.fromkeys(disk_index)
         )
         self.arriving: dict[Key, int] = {}  # disk reads under way -> their reserved slot
+        # Blocks read for requests still waiting (how many want each), and those of them landed and held
+        # pinned until their requests go: a landed block evicted before its turn would be read again.
+        self.wanted: dict[Key, int] = {}
+        self.held: set[Key] = set()
         self.transfers = KVTransfers()
         self.reads: list[DiskRead] = []  # started this step, for the engine
         self._step_pins: list[int] = []
@@ -159,15 +163,39 @@ class OffloadTier:
         """The engine finished a read: the block is in its slot, or the file was bad (it is forgotten, and
         the tokens are computed again)."""
         slot = self.arriving.pop(key)
-        self._unpin(slot)
-        if ok:
+        if ok and key in self.host:  # stored again meanwhile (computed anew, then evicted)
+            self._unpin(slot)
+            self.free_slots.append(slot)
+        elif ok:
             self.host[key] = slot
             self.stats.disk_hit_tokens += self.block_size
+            if key in self.wanted:
+                self.held.add(key)  # its read's pin stays until the requests wanting it go
+            else:
+                self._unpin(slot)
         else:
+            self._unpin(slot)
             self.free_slots.append(slot)
             self.stats.disk_reads_failed += 1
             if self.disk is not None:
                 self.disk.pop(key, None)
+
+    def want(self, keys: list[Key]) -> None:
+        """A waiting request needs these blocks read (its lookup runs again once they land)."""
+        for key in keys:
+            self.wanted[key] = self.wanted.get(key, 0) + 1
+
+    def unwant(self, keys: list[Key]) -> None:
+        """That request went (admitted, with its loads pinned for the step, or finished)."""
+        for key in keys:
+            left = self.wanted.get(key, 0) - 1
+            if left > 0:
+                self.wanted[key] = left
+                continue
+            self.wanted.pop(key, None)
+            if key in self.held:
+                self.held.discard(key)
+                self._unpin(self.host[key])
 
     # ---- per step --------------------------------------------------------------------------------
     def take_transfers(self) -> KVTransfers | None:
@@ -184,6 +212,9 @@ class OffloadTier:
 
     def clear(self) -> None:
         """Forget every entry (the prefix cache's reset); reads under way keep their slots until done."""
+        for key in self.held:
+            self._unpin(self.host[key])
+        self.held.clear()
         for slot in self.host.values():
             self.free_slots.append(slot)
         self.host.clear()

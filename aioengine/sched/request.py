@@ -70,6 +70,7 @@ class Request:
     stop_reason: int | str | None = None
     num_cached_tokens: int = -1  # prompt tokens served by the prefix cache at first admission
     kv_disk_rounds: int = 0  # lookups that started disk-tier reads for it (it waits for them)
+    kv_disk_keys: list[tuple[int, int]] = field(default_factory=list)  # the blocks it had read from disk
     block_hashes: list[int] = field(
         default_factory=list
     )  # chained hashes of the full blocks of all_token_ids

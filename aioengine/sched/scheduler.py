@@ -137,6 +137,7 @@ class Scheduler:
 
     def _free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
+        self.kv_cache_manager.release_disk_reads(request)
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
 
@@ -281,6 +282,7 @@ class Scheduler:
                 if blocks is None:
                     break
                 waiting.pop()
+                kv.release_disk_reads(request)
                 kv.record_prefix_hit(request, num_hit)
                 request.status = RequestStatus.RUNNING
                 request.num_computed_tokens = num_hit

@@ -100,6 +100,21 @@ def test_disk_blocks_are_read_once_and_a_failed_read_is_forgotten():
     hits, n = kv.get_computed_blocks(req)
     assert n == 8 and hits == [[None, None]]
     assert tier.stats.disk_hit_tokens == 8
+    # landed blocks stay pinned while their request waits: no store evicts them before its turn
+    assert set(tier.pinned) == {tier.host[k] for k in keys[:2]}
+    tier.offload(7, (77, 0), None)  # the free slot
+    tier.offload(8, (78, 0), None)  # evicts (77, 0), not the held ones
+    assert list(tier.host) == [keys[0], keys[1], (78, 0)]
+    kv.release_disk_reads(req)  # admitted (or gone)
+    assert not tier.pinned and req.kv_disk_keys == []
+
+
+def test_a_read_landing_after_its_block_was_stored_again_frees_its_slot():
+    tier = OffloadTier(num_slots=2, disk_index=[(1, 0)], block_size=BS)
+    assert tier.read((1, 0), (1, 2, 3, 4))
+    tier.offload(7, (1, 0), None)  # computed anew and evicted while the read was under way
+    tier.read_done((1, 0), True)
+    assert len(tier.host) == 1 and len(tier.free_slots) == 1 and not tier.pinned
 
 
 _HASHES = """
