@@ -81,7 +81,8 @@ class KVDiskTier:
             header = _HEADER.pack(_MAGIC, block_hash & _U64, group, len(token_ids), len(payload))
             tokens = struct.pack(f"<{len(token_ids)}I", *token_ids)
             crc = zlib.crc32(payload, zlib.crc32(tokens, zlib.crc32(header)))
-            tmp = path.with_suffix(".tmp")
+            # a name of its own: other servers (replicas, a model's alias) may share the folder
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
             with open(tmp, "wb") as f:
                 f.write(header)
                 f.write(tokens)

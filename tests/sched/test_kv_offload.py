@@ -56,6 +56,18 @@ def test_evicted_blocks_come_back_from_the_host_tier():
     assert [b.block_id for b in found] == [b.block_id for b in new[0][:3]]
 
 
+def test_a_tier_hit_never_crosses_cache_salts():
+    tier = OffloadTier(num_slots=8, block_size=BS)
+    kv = KVCacheManager(num_blocks=1 + 4, block_size=BS, max_model_len=64, offload=tier)
+    a = list(range(100, 113))
+    _fill(kv, _req("a", a, salt="tenant-1"))
+    _fill(kv, _req("b", list(range(200, 213))))  # a's blocks go to the host tier
+    assert len(tier.host) == 3
+    assert kv.get_computed_blocks(_req("a2", a, salt="tenant-2"))[1] == 0
+    assert kv.get_computed_blocks(_req("a3", a))[1] == 0
+    assert kv.get_computed_blocks(_req("a4", a, salt="tenant-1"))[1] == 12
+
+
 def test_a_steps_loads_pin_their_slots_and_lru_evicts_the_oldest():
     tier = OffloadTier(num_slots=2, block_size=BS)
     tier.offload(5, (1, 0), None)
