@@ -288,7 +288,10 @@ async def initialize_kv_offload(
     loop = asyncio.get_running_loop()
     assert runner.kv_host is not None
     block_bytes = runner.kv_host.block_bytes
-    disk = await loop.run_in_executor(None, KVDiskTier, args.kv_offload_dir, print_, block_bytes)
+    try:
+        disk = await loop.run_in_executor(None, KVDiskTier, args.kv_offload_dir, print_, block_bytes)
+    except OSError as e:
+        raise ValueError(f"kv_offload_dir {args.kv_offload_dir!r} cannot hold block files: {e}") from None
     index = await loop.run_in_executor(None, disk.scan)
     runner.kv_host.disk_write = disk.write  # rank 0 is in this process (a disk tier needs one rank)
     logger.info("KV offload: disk tier %s holds %d blocks", disk.dir, len(index))

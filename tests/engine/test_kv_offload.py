@@ -126,6 +126,14 @@ def test_windowed_models_keep_their_outputs(tiny_checkpoint_of, tmp_path, kind):
     assert stats["disk_hit_tokens"] > 0
 
 
+def test_a_folder_that_cannot_be_made_is_a_clear_start_error(tiny_llama, tmp_path):
+    path, _ = tiny_llama
+    (tmp_path / "file").write_text("not a folder")
+    args = _args(path, kv_offload_size=0.001, kv_offload_dir=str(tmp_path / "file" / "kv"))
+    with pytest.raises(ValueError, match="kv_offload_dir .* cannot hold block files"):
+        asyncio.run(AsyncEngine(args).start())
+
+
 @pytest.mark.parametrize(
     ("kw", "match"),
     [
