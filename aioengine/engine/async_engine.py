@@ -32,13 +32,13 @@ from aioengine.model.pooling import PoolingConfigError, resolve_pooling
 from aioengine.model.tokenizer import IncrementalDetokenizer, apply_chat_template, raw_encoder
 from aioengine.outputs import EmbeddingRequestOutput, RankStats
 from aioengine.sampling_params import SamplingParams
-from aioengine.sched.kv_offload import DiskRead
 from aioengine.sched.output import ModelRunnerOutput, NewRequestData
 from aioengine.sched.request import Request, RequestStatus
 from aioengine.sched.scheduler import Scheduler
 
 if TYPE_CHECKING:  # importing these imports torch: start() does, lazily
     from aioengine.engine.kv_disk import KVDiskTier
+    from aioengine.engine.kv_offload import DiskReads
     from aioengine.executor import Executor
     from aioengine.gpu.backend import Backend
     from aioengine.gpu.model_runner import ModelRunner
@@ -75,7 +75,7 @@ class AsyncEngine:
         self._loras = LoRARegistry(self.args.lora_modules if self.args.enable_lora else {})
         self._kv_events: Any = None  # engine/kv_events.py's publisher, with kv_events_config
         self._kv_disk: KVDiskTier | None = None  # the offload tier's block files, with kv_offload_dir
-        self._disk_reads: set[asyncio.Task] = set()
+        self._disk_reads: DiskReads | None = None  # their tasks (engine/kv_offload.py)
         self._structured_build: concurrent.futures.Future | None = None
         self.pooling: str | None = None  # embed()'s, set by start()
         self._pooling_error = "the engine is not started"
@@ -98,6 +98,14 @@ class AsyncEngine:
             s.scheduler,
         )
         self._kv_disk = s.kv_disk
+        if s.kv_disk is not None:
+            from aioengine.engine.kv_offload import DiskReads
+
+            offload, kv_host = s.scheduler.kv_cache_manager.offload, s.runner.kv_host
+            assert offload is not None and kv_host is not None
+            self._disk_reads = DiskReads(
+                s.kv_disk, offload, s.executor.submit, kv_host.fill, self._wakeup.set
+            )
         s.executor.on_death(self._rank_died)
         self.tokenizer = self._outputs.tokenizer = s.tokenizer
         self._encode = raw_encoder(s.tokenizer) or s.tokenizer.encode
@@ -166,17 +174,17 @@ class AsyncEngine:
             self._task = None
             _unfreeze_startup_objects()
         self._stopped.set()
-        for task in list(self._disk_reads):
-            task.cancel()
-        if self._kv_disk is not None:  # its queued writes land first: a restart reads them
-            disk, self._kv_disk = self._kv_disk, None
-            await asyncio.get_running_loop().run_in_executor(None, disk.close)
+        if self._disk_reads is not None:
+            self._disk_reads.cancel()
         if self._kv_events is not None:
             publisher, self._kv_events = self._kv_events, None
             await asyncio.get_running_loop().run_in_executor(None, publisher.close)
         if self._executor is not None:
             executor, self._executor = self._executor, None
             await asyncio.get_running_loop().run_in_executor(None, executor.shutdown)
+        if self._kv_disk is not None:  # after the worker: its last steps' writes land too
+            disk, self._kv_disk = self._kv_disk, None
+            await asyncio.get_running_loop().run_in_executor(None, disk.close)
 
     @property
     def is_running(self) -> bool:
@@ -530,8 +538,8 @@ class AsyncEngine:
             t0 = time.perf_counter()
             scheduler_output = scheduler.schedule()  # stops 2-3
             host["schedule"] += time.perf_counter() - t0
-            if self._kv_disk is not None:
-                self._start_disk_reads()
+            if self._disk_reads is not None:
+                self._disk_reads.start()
             if scheduler_output.scheduled_new_reqs:
                 self._mark_scheduled(scheduler_output.scheduled_new_reqs)
             if (
@@ -583,35 +591,6 @@ class AsyncEngine:
             for listener in self.stat_listeners:
                 listener(stats, outputs)
         return True
-
-    def _start_disk_reads(self) -> None:
-        """The disk-tier reads this schedule started, each a task of its own: they never hold a step."""
-        assert self.scheduler is not None
-        offload = self.scheduler.kv_cache_manager.offload
-        assert offload is not None
-        for read in offload.take_reads():
-            task = asyncio.create_task(self._disk_read(read))
-            self._disk_reads.add(task)
-            task.add_done_callback(self._disk_reads.discard)
-
-    async def _disk_read(self, read: DiskRead) -> None:
-        """Read and check a block file on the I/O thread, copy it into its host slot on the worker (behind
-        the steps already submitted: no step still reads that slot's old block); then its request goes."""
-        disk, (_, executor, runner) = self._kv_disk, self._device()
-        assert disk is not None and runner.kv_host is not None and self.scheduler is not None
-        ok = False
-        try:
-            payload = await asyncio.wrap_future(disk.read(read.key[0], read.key[1], read.token_ids))
-            if payload is not None:
-                await asyncio.wrap_future(executor.submit(runner.kv_host.fill, read.slot, payload))
-                ok = True
-        except Exception:
-            logger.exception("KV disk tier: a block read failed; its tokens are computed again")
-        finally:
-            offload = self.scheduler.kv_cache_manager.offload
-            if offload is not None and read.key in offload.arriving:
-                offload.read_done(read.key, ok)
-            self._wakeup.set()
 
     def _mark_scheduled(self, new_reqs: list[NewRequestData]) -> None:
         """The first-scheduled time of requests planned for the first time (not resumed after preemption)."""

@@ -1,10 +1,11 @@
-"""The KV offload tier's disk files: one checksummed file a block, under a folder named for the model and
-its KV layout, written and read on one I/O thread so that neither the steps nor the event loop wait on disk.
+"""The KV offload tier's disk files: one checksummed file a block, written and read on one I/O thread.
 
-A file holds a header (block hash, group, token count, payload size), the block's token ids, the block's
+The folder is named for the model and its KV layout, and neither the steps nor the event loop wait on
+disk. A file holds a header (block hash, group, token count, payload size), the block's token ids, the block's
 KV bytes (every cache tensor's slot, as the host tier lays them out) and a CRC-32 of all of it. A read
 checks the size, the checksum and the token ids against the request's own tokens; any mismatch (a
-truncated or corrupt file, a hash collision) deletes the file, and the tokens are computed again.
+truncated or corrupt file, a file of another block's tokens) deletes the file, and the tokens are computed
+again.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ def _signed(h: int) -> int:
 
 
 class KVDiskTier:
+    """The block files of one model's KV layout, under ``root``; the index of what they hold is the
+    scheduler's (sched/kv_offload.py), built from ``scan`` at start."""
+
     def __init__(self, root: str, fingerprint: str, block_bytes: int, max_pending_writes: int = 256) -> None:
         """``fingerprint``: what the KV bytes depend on (the model's files, dtype, block size, layout), so
         that a folder's blocks are only ever read back by a server that would have computed the same."""
@@ -73,7 +77,12 @@ class KVDiskTier:
                 self.writes_dropped += 1
                 return
             self._pending += 1
-        self._io.submit(self._write, block_hash, group, token_ids, payload)
+        try:
+            self._io.submit(self._write, block_hash, group, token_ids, payload)
+        except RuntimeError:  # closed (the engine is stopping)
+            with self._lock:
+                self._pending -= 1
+                self.writes_dropped += 1
 
     def _write(self, block_hash: int, group: int, token_ids: tuple[int, ...], payload: bytes) -> None:
         try:

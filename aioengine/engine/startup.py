@@ -281,7 +281,8 @@ async def initialize_kv_offload(
         quantization=args.quantization,
         kernels=repr(args.kernels),
         draft=spec.model if spec is not None else None,
-        layout=[tuple(t.shape) for t in runner.kv_tensors],
+        # a block's shape in each tensor (the pool's size may change from one start to the next)
+        layout=[(t.shape[0], *t.shape[2:]) for t in runner.kv_tensors],
         aioengine=__version__,
         python=sys.version_info[:2],
     )

@@ -1,5 +1,4 @@
-"""The KV offload tier's host slots: one block of every KV cache tensor each, and the copies a step's
-KVTransfers ask for (pool -> slot, slot -> pool), run on the worker before the forward."""
+"""The KV offload tier's host slots, and the copies a step's KVTransfers ask for, run before its forward."""
 
 from __future__ import annotations
 
@@ -11,22 +10,25 @@ from aioengine.sched.kv_offload import KVTransfers
 
 # (block hash, group, the block's token ids, its bytes): a block for the disk tier, handed over as bytes
 DiskWrite = Callable[[int, int, tuple[int, ...], bytes], None]
-
-
 HostBuffer = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
 
 
 class HostKVTier:
+    """Slots of one block of every KV cache tensor each, in host memory; the pool's blocks copy to and from
+    them by block id, and a slot's bytes (every tensor's part in turn) are what the disk tier stores."""
+
     def __init__(self, caches: list[torch.Tensor], num_slots: int, host_buffer: HostBuffer) -> None:
         """``caches``: every KV tensor a block id addresses (``[2, blocks, ...]`` each, the draft model's
         included); ``host_buffer``: the backend's host memory (pinned on CUDA)."""
         self.caches = caches
         self.slots = [host_buffer((num_slots, *c[:, 0].shape), c.dtype) for c in caches]
+        self.host = self.slots[0].device
         self.block_bytes = sum(s[0].numel() * s.element_size() for s in self.slots)
         self.disk_write: DiskWrite | None = None  # set by the engine when a disk tier exists
 
     def run(self, transfers: KVTransfers) -> None:
-        """Stores, then loads: a block evicted in this step may be the one a load fills."""
+        """Disk writes straight from the pool, stores, then loads: a block evicted in this step may be the
+        one a load fills."""
         if self.disk_write is not None:
             for block_id, block_hash, group, token_ids in transfers.pool_writes:
                 self.disk_write(block_hash, group, token_ids, self.block_bytes_of(block_id))
@@ -52,7 +54,7 @@ class HostKVTier:
         slot_ids = torch.tensor(slots)
         for cache, host in zip(self.caches, self.slots, strict=True):
             rows = cache.index_select(1, ids.to(cache.device)).transpose(0, 1)
-            host.index_copy_(0, slot_ids, rows.to("cpu"))
+            host.index_copy_(0, slot_ids, rows.to(self.host))
 
     def _write(self, writes: list[tuple[int, int, int, tuple[int, ...]]], slots: list[int]) -> None:
         """Hand each stored block bound for disk to the writer as bytes (it writes behind the steps)."""
@@ -61,14 +63,15 @@ class HostKVTier:
         for store, block_hash, group, token_ids in writes:
             self.disk_write(block_hash, group, token_ids, self.slot_bytes(slots[store]))
 
+    def _bytes(self, parts: list[torch.Tensor]) -> bytes:
+        return b"".join(p.to(self.host).contiguous().view(torch.uint8).numpy().tobytes() for p in parts)
+
     def block_bytes_of(self, block_id: int) -> bytes:
         """A pool block's bytes, laid out as a slot's."""
-        return b"".join(
-            c[:, block_id].contiguous().view(torch.uint8).cpu().numpy().tobytes() for c in self.caches
-        )
+        return self._bytes([c[:, block_id] for c in self.caches])
 
     def slot_bytes(self, slot: int) -> bytes:
-        return b"".join(h[slot].contiguous().view(torch.uint8).numpy().tobytes() for h in self.slots)
+        return self._bytes([h[slot] for h in self.slots])
 
     def fill(self, slot: int, payload: bytes) -> None:
         """A block read from disk, into its slot (the tier reserved the slot for it)."""

@@ -204,8 +204,8 @@ class EngineMetrics:
             "kv_offload_host_hits",
             "Prompt tokens whose KV was loaded back from the host tier (disk reads included).",
         )
-        self.offload_disk_hits = counter(
-            "kv_offload_disk_hits", "Prompt tokens whose KV was read from the disk tier."
+        self.offload_disk_reads = counter(
+            "kv_offload_disk_reads", "KV blocks read back from the disk tier (one per KV cache group)."
         )
         self.offload_disk_failures = counter(
             "kv_offload_disk_failures",
@@ -294,7 +294,7 @@ class EngineMetrics:
         for metric, n in (
             (self.offload_stored, stats.kv_offload_stored_blocks),
             (self.offload_host_hits, stats.kv_offload_host_hits),
-            (self.offload_disk_hits, stats.kv_offload_disk_hits),
+            (self.offload_disk_reads, stats.kv_offload_disk_reads),
             (self.offload_disk_failures, stats.kv_offload_disk_failures),
         ):
             if n:

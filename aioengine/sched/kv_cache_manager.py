@@ -78,7 +78,7 @@ class KVCacheManager:
         if salt is not None or request.lora_id:
             digest = -1
             if salt is not None:
-                digest = int.from_bytes(hashlib.blake2b(salt.encode(), digest_size=8).digest())
+                digest = int.from_bytes(hashlib.blake2b(salt.encode(), digest_size=8).digest(), "little")
             extra = (digest, request.lora_id)
         for i in range(len(hashes), len(tokens) // bs):
             parent = hashes[-1] if hashes else NONE_HASH
@@ -265,6 +265,8 @@ class KVCacheManager:
                 block = self.block_pool.get_new_blocks(1)[0]
                 tier.load(key, block.block_id)
                 hits[g][i] = block
+            # prompt tokens: a position loaded in several groups counts once
+            tier.stats.host_hit_tokens += len({i for _, i in loads}) * self.block_size
         out: GroupBlocks = []
         for g in range(num_groups):
             new_blocks = self.block_pool.get_new_blocks(num_new[g])

@@ -1,12 +1,13 @@
-"""The prefix cache's second tier, as bookkeeping: which evicted blocks a host tier (and a disk tier) holds,
-in which host slot, and the copies each step carries out on the worker (SchedulerOutput.kv_transfers).
+"""The bookkeeping of the prefix cache's second tier: host slots, the disk index, and each step's copies.
 
-A block leaving the KV pool (reused for other tokens) is copied to a host slot first; a later lookup that
-runs past the pool's hits continues in the host tier, and those blocks are copied back into fresh pool
-blocks before the step's forward. The worker runs a step's stores before its loads, and steps run in
-order, so a slot's bytes are always the ones its entry names. With a disk tier every stored block is also
-written to a file; a block found only on disk is read by the engine (off the step) into a reserved slot,
-and its request waits until then, so a corrupt file costs a recompute, never a wrong hit.
+It says which evicted blocks a host tier (and a disk tier) holds, in which host slot, and which copies
+each step carries out on the worker (SchedulerOutput.kv_transfers). A block leaving the KV pool (reused
+for other tokens) is copied to a host slot first; a later lookup that runs past the pool's hits continues
+in the host tier, and those blocks are copied back into fresh pool blocks before the step's forward. The
+worker runs a step's stores before its loads, and steps run in order, so a slot's bytes are always the
+ones its entry names. With a disk tier every stored block is also written to a file; a block found only on
+disk is read by the engine (off the step) into a reserved slot, and its request waits until then, so a
+corrupt file costs a recompute, never a wrong hit.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ Key = tuple[int, int]  # (chained block hash, KV cache group)
 
 @dataclass(slots=True)
 class KVTransfers:
-    """One step's tier copies, run on every rank before the forward: stores, then loads."""
+    """One step's tier copies, run on every rank before the forward: disk writes straight from the pool,
+    then stores, then loads."""
 
     stores: list[tuple[int, int]] = field(default_factory=list)  # (pool block id, host slot)
     loads: list[tuple[int, int]] = field(default_factory=list)  # (host slot, pool block id)
@@ -45,8 +47,8 @@ class DiskRead:
 @dataclass(slots=True)
 class OffloadStats:
     stored_blocks: int = 0  # copied from the pool to the host tier
-    host_hit_tokens: int = 0  # loaded back from the host tier (a disk read lands there first)
-    disk_hit_tokens: int = 0  # of which read from disk
+    host_hit_tokens: int = 0  # prompt tokens loaded back from the host tier (a disk read lands there first)
+    disk_read_blocks: int = 0  # blocks read back from disk into host slots (one per KV cache group)
     disk_reads_failed: int = 0  # missing, truncated or corrupt files: recomputed
     dropped_blocks: int = 0  # evicted with no slot free to take them (every slot pinned)
 
@@ -144,7 +146,6 @@ class OffloadTier:
         slot = self.host[key]
         self.host.move_to_end(key)
         self.transfers.loads.append((slot, block_id))
-        self.stats.host_hit_tokens += self.block_size
 
     # ---- disk -> host ----------------------------------------------------------------------------
     def read(self, key: Key, token_ids: tuple[int, ...], keep: frozenset[Key] = frozenset()) -> bool:
@@ -166,9 +167,12 @@ class OffloadTier:
         if ok and key in self.host:  # stored again meanwhile (computed anew, then evicted)
             self._unpin(slot)
             self.free_slots.append(slot)
+            if key in self.wanted and key not in self.held:  # hold that copy instead
+                self._pin(self.host[key])
+                self.held.add(key)
         elif ok:
             self.host[key] = slot
-            self.stats.disk_hit_tokens += self.block_size
+            self.stats.disk_read_blocks += 1
             if key in self.wanted:
                 self.held.add(key)  # its read's pin stays until the requests wanting it go
             else:

@@ -121,5 +121,5 @@ class SchedulerStats:
     # The KV offload tier, since the previous stats (sched/kv_offload.py's OffloadStats).
     kv_offload_stored_blocks: int = 0
     kv_offload_host_hits: int = 0  # tokens loaded back from the host tier (disk reads land there first)
-    kv_offload_disk_hits: int = 0  # tokens read from disk
+    kv_offload_disk_reads: int = 0  # blocks read back from disk (one per KV cache group)
     kv_offload_disk_failures: int = 0  # block files found bad and recomputed

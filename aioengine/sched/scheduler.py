@@ -583,7 +583,7 @@ class Scheduler:
             now, last = offload.stats, self._offload_stats
             stats.kv_offload_stored_blocks = now.stored_blocks - last.stored_blocks
             stats.kv_offload_host_hits = now.host_hit_tokens - last.host_hit_tokens
-            stats.kv_offload_disk_hits = now.disk_hit_tokens - last.disk_hit_tokens
+            stats.kv_offload_disk_reads = now.disk_read_blocks - last.disk_read_blocks
             stats.kv_offload_disk_failures = now.disk_reads_failed - last.disk_reads_failed
             self._offload_stats = dataclasses.replace(now)
         self._num_preemptions_step = 0

@@ -46,7 +46,7 @@ def test_offload_tiers_through_the_server_and_a_restart(tmp_path):
             metrics = r.read().decode()
     finally:
         _stop(proc)
-    assert first["offload_host_hit_tokens"] > 0 and first["offload_disk_hit_tokens"] == 0
+    assert first["offload_host_hit_tokens"] > 0 and first["offload_disk_read_blocks"] == 0
     assert "aioengine:kv_offload_stored_blocks_total" in metrics
     assert len(list(tmp_path.glob("*/*.kv"))) > 10
 
@@ -55,4 +55,4 @@ def test_offload_tiers_through_the_server_and_a_restart(tmp_path):
         again = multi_turn(["--base-url", url, *BENCH, "--turns", "1"])
     finally:
         _stop(proc)
-    assert again["offload_disk_hit_tokens"] > 0  # a new process: only the disk tier knew these blocks
+    assert again["offload_disk_read_blocks"] > 0  # a new process: only the disk tier knew these blocks

@@ -111,7 +111,7 @@ def test_disk_blocks_are_read_once_and_a_failed_read_is_forgotten():
     assert not kv.read_from_disk(req, 8)  # one round a request: it goes with what is in
     hits, n = kv.get_computed_blocks(req)
     assert n == 8 and hits == [[None, None]]
-    assert tier.stats.disk_hit_tokens == 8
+    assert tier.stats.disk_read_blocks == 2
     # landed blocks stay pinned while their request waits: no store evicts them before its turn
     assert set(tier.pinned) == {tier.host[k] for k in keys[:2]}
     tier.offload(7, (77, 0), None)  # the free slot

@@ -26,7 +26,7 @@ _COUNTERS = (
     "prefix_cache_hits_total",
     "prefix_cache_queries_total",
     "kv_offload_host_hits_total",
-    "kv_offload_disk_hits_total",
+    "kv_offload_disk_reads_total",
 )
 
 
@@ -97,7 +97,7 @@ async def run(args: argparse.Namespace) -> dict:
             await asyncio.gather(*(turn(c, h) for c, h in enumerate(chats)))
         elapsed = time.perf_counter() - t0
         after = _hits(await (await s.get(args.base_url + "/metrics")).text())
-    hits, queries, host_hits, disk_hits = (a - b for a, b in zip(after, before, strict=True))
+    hits, queries, host_hits, disk_reads = (a - b for a, b in zip(after, before, strict=True))
     q = statistics.quantiles(ttfts, n=100)
     return {
         "requests": len(ttfts),
@@ -107,7 +107,7 @@ async def run(args: argparse.Namespace) -> dict:
         "prefix_hit_rate": hits / queries if queries else 0.0,
         # of the hits, the tokens loaded back from the offload tiers (disk reads land in the host tier)
         "offload_host_hit_tokens": int(host_hits),
-        "offload_disk_hit_tokens": int(disk_hits),
+        "offload_disk_read_blocks": int(disk_reads),
         "elapsed_s": elapsed,
         "context_tokens": sum(context),  # what the last turns hold together (against the KV pool's size)
     }
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> dict:
         f"({result['context_tokens']} tokens of context at the last turns), "
         f"{result['output_tokens_per_s']:.1f} output tokens/s; TTFT p50 {result['ttft_p50_ms']:.0f} ms, "
         f"p99 {result['ttft_p99_ms']:.0f} ms; prefix-cache hit rate {result['prefix_hit_rate']:.1%} "
-        f"(offload tiers: {result['offload_host_hit_tokens']} tokens from host, "
-        f"{result['offload_disk_hit_tokens']} of them read from disk)"
+        f"(offload tiers: {result['offload_host_hit_tokens']} tokens from host; "
+        f"{result['offload_disk_read_blocks']} blocks read from disk into it)"
     )
     return result
