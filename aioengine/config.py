@@ -170,8 +170,10 @@ class EngineArgs:
     # A second tier for the prefix cache (vLLM's --kv-offloading-size): blocks the KV pool evicts are kept
     # in this many GiB of host memory, and loaded back on a later hit instead of computed again.
     kv_offload_size: float | None = None
-    # ...and written to block files in this folder too, which a restarted server reads back.
+    # ...and written to block files in this folder too, which a restarted server reads back,
     kv_offload_dir: str | None = None
+    # ...at most this many GiB of them (the least recently used go first); None: no cap.
+    kv_offload_dir_size: float | None = None
     long_prefill_token_threshold: int = 0
     # ITL-aware token budget (sched/step_cost.py): cut a step's prompt chunks so that its predicted duration
     # stays within this many ms; None: the token budget alone
@@ -262,6 +264,12 @@ class EngineArgs:
         size = self.kv_offload_size
         if size is not None and not (isinstance(size, int | float) and 0 < size < float("inf")):
             raise ValueError(f"kv_offload_size must be a positive number of GiB, got {size!r}")
+        cap = self.kv_offload_dir_size
+        if cap is not None:
+            if not (isinstance(cap, int | float) and 0 < cap < float("inf")):
+                raise ValueError(f"kv_offload_dir_size must be a positive number of GiB, got {cap!r}")
+            if self.kv_offload_dir is None:
+                raise ValueError("kv_offload_dir_size needs kv_offload_dir")
         if self.kv_offload_dir is not None:
             if not size:
                 raise ValueError("kv_offload_dir needs kv_offload_size (the host tier disk reads land in)")

@@ -46,6 +46,8 @@ _ENGINE_HELP = {
     "prefix hit (vLLM's --kv-offloading-size; default: none)",
     "kv_offload_dir": "also keep evicted KV blocks as checksummed files in this folder, read back on a hit "
     "and after a restart (needs --kv-offload-size)",
+    "kv_offload_dir_size": "GiB of block files --kv-offload-dir keeps at most; the least recently used go "
+    "first (default: no cap)",
     "long_prefill_token_threshold": "cap on prompt tokens one request may take per step (0: off)",
     "target_itl_ms": "cut each step's prompt chunks so that its predicted duration (fitted to measured "
     "steps) stays within this many ms; default: no target",

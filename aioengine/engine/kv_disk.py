@@ -11,6 +11,7 @@ again.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import hashlib
 import logging
 import os
@@ -105,6 +106,15 @@ class KVDiskTier:
         finally:
             with self._lock:
                 self._pending -= 1
+
+    def delete(self, block_hash: int, group: int) -> None:
+        """A block file past the cap, removed behind the writes already queued."""
+        with contextlib.suppress(RuntimeError):  # closed (the engine is stopping)
+            self._io.submit(self.path(block_hash, group).unlink, missing_ok=True)
+
+    def file_bytes(self, block_size: int) -> int:
+        """A block file's size on disk."""
+        return _HEADER.size + 4 * block_size + self.block_bytes + _CRC.size
 
     # ---- reads: for the engine, off the loop --------------------------------------------------------
     def read(self, block_hash: int, group: int, token_ids: tuple[int, ...]) -> concurrent.futures.Future:

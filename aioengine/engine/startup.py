@@ -213,9 +213,9 @@ async def initialize_kv_cache(
     await asyncio.wrap_future(
         executor.collective_rpc("build_fast_paths", args, config.max_num_batched_tokens)
     )
-    offload_slots, kv_disk, disk_index = 0, None, None
+    offload_slots, kv_disk, disk_index, disk_blocks = 0, None, None, 0
     if args.kv_offload_size:
-        offload_slots, kv_disk, disk_index = await initialize_kv_offload(
+        offload_slots, kv_disk, disk_index, disk_blocks = await initialize_kv_offload(
             args, backend, executor, runner, config, model_path
         )
     capacity = capacity_tokens(
@@ -243,6 +243,7 @@ async def initialize_kv_cache(
             max_loras=args.max_loras if args.enable_lora else 0,
             kv_offload_slots=offload_slots,
             kv_offload_disk_index=disk_index,
+            kv_offload_disk_blocks=disk_blocks,
         )
     )
     return capacity, scheduler, kv_disk
@@ -255,9 +256,10 @@ async def initialize_kv_offload(
     runner: ModelRunner,
     config: EngineConfig,
     model_path: str,
-) -> tuple[int, KVDiskTier | None, list[tuple[int, int]] | None]:
+) -> tuple[int, KVDiskTier | None, list[tuple[int, int]] | None, int]:
     """The offload tier's host slots (what ``kv_offload_size`` GiB holds) and, with ``kv_offload_dir``, its
-    block files: the slot count, the disk tier and the keys its files already hold."""
+    block files: the slot count, the disk tier, the keys its files already hold and the most files it
+    keeps (``kv_offload_dir_size``; 0: no cap)."""
     assert args.kv_offload_size
     bytes_per_block = runner.kv_cache_bytes_per_block()
     slots = int(args.kv_offload_size * (1 << 30)) // bytes_per_block
@@ -268,7 +270,7 @@ async def initialize_kv_offload(
     await asyncio.wrap_future(executor.collective_rpc("initialize_kv_offload", slots))
     logger.info("KV offload: %d host slots (%.2f GiB)", slots, slots * bytes_per_block / (1 << 30))
     if args.kv_offload_dir is None:
-        return slots, None, None
+        return slots, None, None, 0
     from aioengine.engine.kv_disk import KVDiskTier, fingerprint
     from aioengine.version import __version__
 
@@ -294,9 +296,16 @@ async def initialize_kv_offload(
     except OSError as e:
         raise ValueError(f"kv_offload_dir {args.kv_offload_dir!r} cannot hold block files: {e}") from None
     index = await loop.run_in_executor(None, disk.scan)
-    runner.kv_host.disk_write = disk.write  # rank 0 is in this process (a disk tier needs one rank)
+    disk_blocks = 0
+    if args.kv_offload_dir_size:
+        disk_blocks = int(args.kv_offload_dir_size * (1 << 30)) // disk.file_bytes(args.block_size)
+        if disk_blocks < 1:
+            disk.close()
+            raise ValueError(f"kv_offload_dir_size {args.kv_offload_dir_size} GiB holds no block file")
+    # rank 0 is in this process (a disk tier needs one rank)
+    runner.kv_host.disk_write, runner.kv_host.disk_delete = disk.write, disk.delete
     logger.info("KV offload: disk tier %s holds %d blocks", disk.dir, len(index))
-    return slots, disk, index
+    return slots, disk, index, disk_blocks
 
 
 def _import_heavy_modules() -> None:

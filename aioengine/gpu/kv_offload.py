@@ -25,6 +25,7 @@ class HostKVTier:
         self.host = self.slots[0].device
         self.block_bytes = sum(s[0].numel() * s.element_size() for s in self.slots)
         self.disk_write: DiskWrite | None = None  # set by the engine when a disk tier exists
+        self.disk_delete: Callable[[int, int], None] | None = None  # (block hash, group): a file past the cap
 
     def run(self, transfers: KVTransfers) -> None:
         """Disk writes straight from the pool, stores, then loads: a block evicted in this step may be the
@@ -32,6 +33,9 @@ class HostKVTier:
         if self.disk_write is not None:
             for block_id, block_hash, group, token_ids in transfers.pool_writes:
                 self.disk_write(block_hash, group, token_ids, self.block_bytes_of(block_id))
+        if self.disk_delete is not None:
+            for block_hash, group in transfers.disk_deletes:
+                self.disk_delete(block_hash, group)
         stores, writes = transfers.stores, transfers.writes
         if stores:
             slots = [s for _, s in stores]

@@ -30,9 +30,10 @@ class KVTransfers:
     # Evicted blocks no slot could take, written to disk straight from the pool (before anything else):
     # (pool block id, block hash, group, token ids).
     pool_writes: list[tuple[int, int, int, tuple[int, ...]]] = field(default_factory=list)
+    disk_deletes: list[Key] = field(default_factory=list)  # block files past the disk tier's cap (oldest)
 
     def __bool__(self) -> bool:
-        return bool(self.stores or self.loads or self.pool_writes)
+        return bool(self.stores or self.loads or self.pool_writes or self.disk_deletes)
 
 
 @dataclass(slots=True)
@@ -56,8 +57,15 @@ class OffloadStats:
 class OffloadTier:
     """Host slots in LRU order, the disk tier's index, and the transfers of the step being planned."""
 
-    def __init__(self, num_slots: int, disk_index: list[Key] | None = None, block_size: int = 16) -> None:
-        """``disk_index``: the keys already on disk (a restart finds them); None: no disk tier."""
+    def __init__(
+        self,
+        num_slots: int,
+        disk_index: list[Key] | None = None,
+        block_size: int = 16,
+        disk_blocks: int = 0,
+    ) -> None:
+        """``disk_index``: the keys already on disk, oldest first (a restart finds them); None: no disk tier.
+        ``disk_blocks``: the most block files kept (the least recently used go first); 0: no cap."""
         assert num_slots >= 1
         self.num_slots = num_slots
         self.block_size = block_size
@@ -76,6 +84,8 @@ class OffloadTier:
         self.reads: list[DiskRead] = []  # started this step, for the engine
         self._step_pins: list[int] = []
         self.stats = OffloadStats()  # since start
+        self.disk_blocks = disk_blocks
+        self._cap_disk()
 
     # ---- lookups -------------------------------------------------------------------------------
     def in_host(self, key: Key) -> bool:
@@ -99,9 +109,9 @@ class OffloadTier:
         to_disk = self.disk is not None and token_ids is not None and key not in self.disk
         if slot is None:  # every slot is pinned by this step's loads or by reads under way
             if to_disk:
-                assert self.disk is not None and token_ids is not None
+                assert token_ids is not None
                 self.transfers.pool_writes.append((block_id, key[0], key[1], token_ids))
-                self.disk[key] = None
+                self._on_disk(key)
             elif self.disk is None or key not in self.disk:
                 self.stats.dropped_blocks += 1
             return
@@ -109,9 +119,26 @@ class OffloadTier:
         self.transfers.stores.append((block_id, slot))
         self.stats.stored_blocks += 1
         if to_disk:
-            assert self.disk is not None and token_ids is not None
+            assert token_ids is not None
             self.transfers.writes.append((len(self.transfers.stores) - 1, key[0], key[1], token_ids))
-            self.disk[key] = None
+            self._on_disk(key)
+
+    def _on_disk(self, key: Key) -> None:
+        assert self.disk is not None
+        self.disk[key] = None
+        self._cap_disk()
+
+    def _cap_disk(self) -> None:
+        """Past the cap, the least recently used block files go (none a read is under way for)."""
+        disk = self.disk
+        if disk is None or not self.disk_blocks:
+            return
+        while len(disk) > self.disk_blocks:
+            old = next((k for k in disk if k not in self.arriving), None)
+            if old is None:
+                return
+            del disk[old]
+            self.transfers.disk_deletes.append(old)
 
     def _take_slot(self, keep: frozenset[Key] = frozenset()) -> int | None:
         """A free slot, else the least recently used entry's that is neither pinned nor in ``keep``."""
@@ -155,6 +182,8 @@ class OffloadTier:
         slot = self._take_slot(keep)
         if slot is None:
             return False
+        if self.disk is not None and key in self.disk:
+            self.disk.move_to_end(key)  # used: the last to go past the cap
         self._pin(slot)
         self.arriving[key] = slot
         self.reads.append(DiskRead(key, slot, token_ids))

@@ -61,6 +61,7 @@ class SchedulerConfig:
     kv_offload_slots: int = 0  # host-tier slots for blocks the pool evicts (0: no second tier)
     # With a disk tier: the keys its block files hold (a restart finds them); None: no disk tier.
     kv_offload_disk_index: list[tuple[int, int]] | None = None
+    kv_offload_disk_blocks: int = 0  # the most block files the disk tier keeps (0: no cap)
 
     def __post_init__(self) -> None:
         assert self.max_num_batched_tokens >= 1 and self.max_num_seqs >= 1 and self.block_size >= 1
@@ -79,7 +80,12 @@ class Scheduler:
             config.enable_prefix_caching,
             config.kv_cache_groups,
             config.kv_events,
-            OffloadTier(config.kv_offload_slots, config.kv_offload_disk_index, config.block_size)
+            OffloadTier(
+                config.kv_offload_slots,
+                config.kv_offload_disk_index,
+                config.block_size,
+                config.kv_offload_disk_blocks,
+            )
             if config.kv_offload_slots
             else None,
         )

@@ -113,6 +113,21 @@ def test_disk_tier_hits_survives_a_restart_and_recomputes_a_corrupt_file(tiny_ll
     assert sum(r[2] for r in bad) == 0
 
 
+def test_the_disk_tier_keeps_to_its_size(tiny_llama, tmp_path):
+    path, _ = tiny_llama
+    file_bytes = 32 + 4 * BLOCK + BLOCK_BYTES + 4
+    disk = dict(
+        kv_offload_size=8 * BLOCK_BYTES / (1 << 30),
+        kv_offload_dir=str(tmp_path),
+        kv_offload_dir_size=30 * file_bytes / (1 << 30),
+    )
+    base, _ = asyncio.run(_run(path))
+    rows, stats = asyncio.run(_run(path, **disk))
+    assert [r[3] for r in rows] == [r[3] for r in base]
+    assert stats["stored_blocks"] > 60 and stats["disk_reads_failed"] == 0
+    assert 0 < len(list(tmp_path.glob("*/*.kv"))) <= 30
+
+
 @pytest.mark.parametrize("kind", ["mistral", "gemma3"])
 def test_windowed_models_keep_their_outputs(tiny_checkpoint_of, tmp_path, kind):
     """Sliding-window groups go through the tiers too (a hit needs the window's blocks only)."""
@@ -139,6 +154,8 @@ def test_a_folder_that_cannot_be_made_is_a_clear_start_error(tiny_llama, tmp_pat
     [
         (dict(kv_offload_size=-1.0), "kv_offload_size must be a positive"),
         (dict(kv_offload_dir="/tmp/x"), "kv_offload_dir needs kv_offload_size"),
+        (dict(kv_offload_size=1.0, kv_offload_dir_size=1.0), "kv_offload_dir_size needs kv_offload_dir"),
+        (dict(kv_offload_size=1.0, kv_offload_dir="/tmp/x", kv_offload_dir_size=0.0), "must be a positive"),
         (dict(kv_offload_size=1.0, enable_prefix_caching=False), "needs enable_prefix_caching"),
         (dict(kv_offload_size=1.0, kv_offload_dir="/tmp/x", tensor_parallel_size=2), "tensor parallelism"),
     ],

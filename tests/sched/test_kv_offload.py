@@ -129,6 +129,19 @@ def test_a_read_landing_after_its_block_was_stored_again_frees_its_slot():
     assert len(tier.host) == 1 and len(tier.free_slots) == 1 and not tier.pinned
 
 
+def test_the_disk_tier_keeps_its_cap_dropping_the_least_recently_used():
+    tier = OffloadTier(num_slots=4, disk_index=[(1, 0), (2, 0), (3, 0)], block_size=BS, disk_blocks=2)
+    first = tier.take_transfers()  # the folder held more than the cap at start: the oldest goes
+    assert first is not None and first.disk_deletes == [(1, 0)] and list(tier.disk) == [(2, 0), (3, 0)]
+    assert tier.read((2, 0), (1, 2, 3, 4))  # used: now the most recent
+    tier.offload(5, (4, 0), (5, 6, 7, 8))
+    step = tier.take_transfers()
+    assert step is not None and step.disk_deletes == [(3, 0)] and list(tier.disk) == [(2, 0), (4, 0)]
+    tier.offload(6, (6, 0), (9, 9, 9, 9))  # (2, 0) is being read: (4, 0) goes instead
+    step = tier.take_transfers()
+    assert step is not None and step.disk_deletes == [(4, 0)] and list(tier.disk) == [(2, 0), (6, 0)]
+
+
 _HASHES = """
 from aioengine.sampling_params import SamplingParams
 from aioengine.sched.kv_cache_manager import KVCacheManager
