@@ -6,7 +6,6 @@ import asyncio
 import concurrent.futures
 import logging
 from collections.abc import Callable
-from typing import Any
 
 from aioengine.engine.kv_disk import KVDiskTier
 from aioengine.sched.kv_offload import DiskRead, OffloadTier
@@ -38,10 +37,8 @@ class DiskReads:
     async def _read(self, read: DiskRead) -> None:
         ok = False
         try:
-            # Asked of the I/O thread from the worker, behind the steps already submitted: a block one of
-            # them wrote to disk (evicted just before this lookup) is then written before it is read.
-            io: Any = await asyncio.wrap_future(self.submit(self.disk.read, *read.key, read.token_ids))
-            payload = await asyncio.wrap_future(io)
+            # (the tier only reads blocks whose step ran: their writes are ahead of this on the I/O thread)
+            payload = await asyncio.wrap_future(self.disk.read(*read.key, read.token_ids))
             if payload is not None:  # into its slot on the worker: no step still reads the slot's old block
                 await asyncio.wrap_future(self.submit(self.fill, read.slot, payload))
                 ok = True

@@ -76,6 +76,9 @@ class OffloadTier:
             None if disk_index is None else OrderedDict.fromkeys(disk_index)
         )
         self.arriving: dict[Key, int] = {}  # disk reads under way -> their reserved slot
+        # In the index, not yet handed to the writer: the step that writes them has not run. A read asked
+        # now could pass the write on the I/O thread, so lookups do not count them as on disk yet.
+        self.unwritten: set[Key] = set()
         # Blocks read for requests still waiting (how many want each), and those of them landed and held
         # pinned until their requests go: a landed block evicted before its turn would be read again.
         self.wanted: dict[Key, int] = {}
@@ -92,7 +95,9 @@ class OffloadTier:
         return key in self.host
 
     def on_disk(self, key: Key) -> bool:
-        return self.disk is not None and (key in self.disk or key in self.arriving)
+        if key in self.arriving:
+            return True
+        return self.disk is not None and key in self.disk and key not in self.unwritten
 
     @property
     def waiting_on_disk(self) -> bool:
@@ -126,7 +131,16 @@ class OffloadTier:
     def _on_disk(self, key: Key) -> None:
         assert self.disk is not None
         self.disk[key] = None
+        self.unwritten.add(key)
         self._cap_disk()
+
+    def written(self, transfers: KVTransfers) -> None:
+        """The step carrying these transfers ran: its blocks are queued on the I/O thread, ahead of any read
+        asked from now on."""
+        for _, block_hash, group, _ in transfers.writes:
+            self.unwritten.discard((block_hash, group))
+        for _, block_hash, group, _ in transfers.pool_writes:
+            self.unwritten.discard((block_hash, group))
 
     def _cap_disk(self) -> None:
         """Past the cap, the least recently used block files go (none a read is under way for)."""
@@ -138,6 +152,7 @@ class OffloadTier:
             if old is None:
                 return
             del disk[old]
+            self.unwritten.discard(old)
             self.transfers.disk_deletes.append(old)
 
     def _take_slot(self, keep: frozenset[Key] = frozenset()) -> int | None:
@@ -212,6 +227,7 @@ class OffloadTier:
             self.stats.disk_reads_failed += 1
             if self.disk is not None:
                 self.disk.pop(key, None)
+                self.unwritten.discard(key)
 
     def want(self, keys: list[Key]) -> None:
         """A waiting request needs these blocks read (its lookup runs again once they land)."""
@@ -253,3 +269,4 @@ class OffloadTier:
         self.host.clear()
         if self.disk is not None:
             self.disk.clear()
+        self.unwritten.clear()

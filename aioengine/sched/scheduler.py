@@ -474,6 +474,8 @@ class Scheduler:
         if runner_output.pooler_output:
             outputs.extend(self._finish_pooled(runner_output.pooler_output))
         _, planned = self._in_flight.pop(id(scheduler_output), (None, {}))
+        if scheduler_output.kv_transfers is not None and kv.offload is not None:
+            kv.offload.written(scheduler_output.kv_transfers)
         for i, req_id in enumerate(runner_output.req_ids):
             new_token_ids = sampled[i]
             if not new_token_ids:

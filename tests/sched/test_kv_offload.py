@@ -142,6 +142,17 @@ def test_the_disk_tier_keeps_its_cap_dropping_the_least_recently_used():
     assert step is not None and step.disk_deletes == [(4, 0)] and list(tier.disk) == [(2, 0), (6, 0)]
 
 
+def test_a_block_counts_as_on_disk_once_the_step_writing_it_ran():
+    """Else a read asked right away could reach the I/O thread before the write it needs."""
+    tier = OffloadTier(num_slots=1, disk_index=[], block_size=BS)
+    tier.offload(5, (1, 0), (1, 2, 3, 4))
+    assert (1, 0) in tier.host and not tier.on_disk((1, 0))
+    step = tier.take_transfers()
+    assert step is not None and [w[1:3] for w in step.writes] == [(1, 0)]
+    tier.written(step)
+    assert tier.on_disk((1, 0))
+
+
 _HASHES = """
 from aioengine.sampling_params import SamplingParams
 from aioengine.sched.kv_cache_manager import KVCacheManager
