@@ -21,7 +21,7 @@ Key = tuple[int, int]  # (chained block hash, KV cache group)
 @dataclass(slots=True)
 class KVTransfers:
     """One step's tier copies, run on every rank before the forward: disk writes straight from the pool,
-    then stores, then loads."""
+    block files past the cap deleted, stores (and their disk writes), then loads."""
 
     stores: list[tuple[int, int]] = field(default_factory=list)  # (pool block id, host slot)
     loads: list[tuple[int, int]] = field(default_factory=list)  # (host slot, pool block id)
@@ -107,6 +107,7 @@ class OffloadTier:
     def offload(self, block_id: int, key: Key, token_ids: tuple[int, ...] | None) -> None:
         """A cached block leaves the pool: keep its KV in a host slot (and on disk when ``token_ids`` is
         given: only blocks whose hash means the same after a restart go there)."""
+        self._used_on_disk(key)
         if key in self.host:
             self.host.move_to_end(key)  # the same KV is held already
             return
@@ -128,10 +129,18 @@ class OffloadTier:
             self.transfers.writes.append((len(self.transfers.stores) - 1, key[0], key[1], token_ids))
             self._on_disk(key)
 
+    def _used_on_disk(self, key: Key) -> None:
+        """The block was used (hit, evicted again): its file is the last to go past the cap."""
+        if self.disk is not None and key in self.disk:
+            self.disk.move_to_end(key)
+
     def _on_disk(self, key: Key) -> None:
         assert self.disk is not None
         self.disk[key] = None
         self.unwritten.add(key)
+        deletes = self.transfers.disk_deletes
+        if key in deletes:  # dropped past the cap earlier in this step: written again instead
+            deletes.remove(key)
         self._cap_disk()
 
     def written(self, transfers: KVTransfers) -> None:
@@ -153,7 +162,12 @@ class OffloadTier:
                 return
             del disk[old]
             self.unwritten.discard(old)
-            self.transfers.disk_deletes.append(old)
+            # A write of it planned in this step is dropped (the worker runs deletes between the pool's
+            # writes and the stores' writes); a file from an earlier step is deleted.
+            t = self.transfers
+            t.writes = [w for w in t.writes if w[1:3] != old]
+            t.pool_writes = [w for w in t.pool_writes if w[1:3] != old]
+            t.disk_deletes.append(old)
 
     def _take_slot(self, keep: frozenset[Key] = frozenset()) -> int | None:
         """A free slot, else the least recently used entry's that is neither pinned nor in ``keep``."""
@@ -187,6 +201,7 @@ class OffloadTier:
         """Copy a (pinned) host entry into a fresh pool block before the forward."""
         slot = self.host[key]
         self.host.move_to_end(key)
+        self._used_on_disk(key)
         self.transfers.loads.append((slot, block_id))
 
     # ---- disk -> host ----------------------------------------------------------------------------

@@ -142,6 +142,33 @@ def test_the_disk_tier_keeps_its_cap_dropping_the_least_recently_used():
     assert step is not None and step.disk_deletes == [(4, 0)] and list(tier.disk) == [(2, 0), (6, 0)]
 
 
+def test_a_write_and_a_delete_of_one_block_in_one_step_never_cross():
+    """The worker runs deletes between the pool's writes and the stores' writes: the tier keeps at most one
+    of the two for a block in a step."""
+    tier = OffloadTier(num_slots=8, disk_index=[], block_size=BS, disk_blocks=1)
+    tier.offload(1, (1, 0), (1, 1, 1, 1))
+    tier.offload(2, (2, 0), (2, 2, 2, 2))  # past the cap: (1, 0) goes, its planned write with it
+    step = tier.take_transfers()
+    assert step is not None and [w[1:3] for w in step.writes] == [(2, 0)] and step.disk_deletes == [(1, 0)]
+    assert list(tier.disk) == [(2, 0)]
+    tier.written(step)
+    tier.host.clear()
+    tier.free_slots = []  # no slot: the next evictions write straight from the pool
+    tier.offload(3, (3, 0), (3, 3, 3, 3))  # drops (2, 0): a delete
+    tier.offload(4, (2, 0), (2, 2, 2, 2))  # (2, 0) again: written anew, the delete withdrawn; (3, 0) goes
+    step = tier.take_transfers()
+    assert step is not None and [w[1:3] for w in step.pool_writes] == [(2, 0)]
+    assert step.disk_deletes == [(3, 0)] and list(tier.disk) == [(2, 0)]
+
+
+def test_a_hit_keeps_a_block_file_from_the_cap():
+    tier = OffloadTier(num_slots=8, disk_index=[(1, 0), (2, 0)], block_size=BS, disk_blocks=2)
+    tier.offload(5, (1, 0), (1, 1, 1, 1))  # evicted from the pool again: used
+    tier.offload(6, (3, 0), (3, 3, 3, 3))
+    step = tier.take_transfers()
+    assert step is not None and step.disk_deletes == [(2, 0)] and list(tier.disk) == [(1, 0), (3, 0)]
+
+
 def test_a_block_counts_as_on_disk_once_the_step_writing_it_ran():
     """Else a read asked right away could reach the I/O thread before the write it needs."""
     tier = OffloadTier(num_slots=1, disk_index=[], block_size=BS)
