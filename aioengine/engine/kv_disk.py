@@ -113,7 +113,7 @@ class KVDiskTier:
             self._io.submit(self.path(block_hash, group).unlink, missing_ok=True)
 
     def file_bytes(self, block_size: int) -> int:
-        """A block file's size on disk."""
+        """A block file's size, for blocks of ``block_size`` tokens."""
         return _HEADER.size + 4 * block_size + self.block_bytes + _CRC.size
 
     # ---- reads: for the engine, off the loop --------------------------------------------------------
@@ -139,8 +139,8 @@ class KVDiskTier:
     def _check(self, data: bytes, block_hash: int, group: int, token_ids: tuple[int, ...]) -> str | None:
         """Why the file cannot be used, or None."""
         n = len(token_ids)
-        if len(data) != _HEADER.size + 4 * n + self.block_bytes + _CRC.size:
-            return f"{len(data)} bytes long, not {_HEADER.size + 4 * n + self.block_bytes + _CRC.size}"
+        if len(data) != self.file_bytes(n):
+            return f"{len(data)} bytes long, not {self.file_bytes(n)}"
         (crc,) = _CRC.unpack_from(data, len(data) - _CRC.size)
         if zlib.crc32(memoryview(data)[: -_CRC.size]) != crc:
             return "corrupt (checksum mismatch)"

@@ -67,7 +67,6 @@ class OffloadTier:
         """``disk_index``: the keys already on disk, oldest first (a restart finds them); None: no disk tier.
         ``disk_blocks``: the most block files kept (the least recently used go first); 0: no cap."""
         assert num_slots >= 1
-        self.num_slots = num_slots
         self.block_size = block_size
         self.host: OrderedDict[Key, int] = OrderedDict()  # least recently used first
         self.free_slots = list(range(num_slots - 1, -1, -1))
@@ -212,8 +211,7 @@ class OffloadTier:
         slot = self._take_slot(keep)
         if slot is None:
             return False
-        if self.disk is not None and key in self.disk:
-            self.disk.move_to_end(key)  # used: the last to go past the cap
+        self._used_on_disk(key)
         self._pin(slot)
         self.arriving[key] = slot
         self.reads.append(DiskRead(key, slot, token_ids))
