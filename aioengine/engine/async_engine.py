@@ -124,6 +124,9 @@ class AsyncEngine:
             self._kv_events = startup.kv_event_publisher(self.args, s.backend.kv_event_medium)
         except BaseException:
             await asyncio.get_running_loop().run_in_executor(None, s.executor.shutdown)
+            if s.kv_disk is not None:  # its I/O thread too
+                self._kv_disk = self._disk_reads = None
+                await asyncio.get_running_loop().run_in_executor(None, s.kv_disk.close)
             raise
         # What start-up built (torch, transformers, the model's modules) lives as long as the engine:
         # out of the collector's reach, a full collection no longer walks it while requests wait
