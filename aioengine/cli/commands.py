@@ -7,7 +7,7 @@ import asyncio
 import dataclasses
 import logging
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aioengine import env
 from aioengine.cli.common import (
@@ -17,6 +17,9 @@ from aioengine.cli.common import (
     parse_bytes,
     run_in_loop,
 )
+
+if TYPE_CHECKING:
+    from aioengine.config import EngineArgs
 
 logger = logging.getLogger("aioengine.serve")
 
@@ -221,11 +224,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     if args.data_parallel_size > 1:
         return run_in_loop(_front_main(args))
+    config = server_config_from(args)
+    if pool is not None:
+        return run_in_loop(_serve_pool_main(args, engine_args, config, pool))
+    return run_in_loop(_serve_main(args, engine_args, config))
+
+
+def server_config_from(args: argparse.Namespace) -> Any:
+    """The ServerConfig that serve's flags give."""
     from aioengine.http.app import ServerConfig
     from aioengine.http.cors import CorsConfig
     from aioengine.http.schema import RequestLimits
 
-    config = ServerConfig(
+    return ServerConfig(
         api_key=args.api_key or env.api_key(),
         max_num_queued_reqs=args.max_num_queued_reqs,
         client_max_size=args.max_request_bytes,
@@ -241,9 +252,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
             args.allow_credentials,
         ),
     )
-    if pool is not None:
-        return run_in_loop(_serve_pool_main(args, engine_args, config, pool))
-    return run_in_loop(_serve_main(args, engine_args, config))
+
+
+def serve_configs(argv: list[str]) -> tuple[EngineArgs, Any]:
+    """The EngineArgs and ServerConfig that ``aioengine serve ARGV`` runs one model with (what a Ray Serve
+    replica runs); ValueError names a bad flag, or one that only serve's own process can act on."""
+    try:
+        args = build_parser().parse_args(["serve", *argv])
+        engine_args = engine_args_from(args)
+    except SystemExit as e:  # argparse has printed why; engine_args_from's says it
+        why = e.code if isinstance(e.code, str) else f"not valid `aioengine serve` flags: {' '.join(argv)}"
+        raise ValueError(why) from None
+    engine_args.validate()
+    if args.models_dir is not None or args.data_parallel_size != 1:
+        raise ValueError("a replica serves one model: no --models-dir or --data-parallel-size")
+    return engine_args, server_config_from(args)
 
 
 def _pool_config(args: argparse.Namespace) -> Any:

@@ -670,6 +670,15 @@ class AsyncEngine:
     def kv_cache_usage(self) -> float:
         return self.scheduler.kv_cache_manager.usage if self.scheduler else 0.0
 
+    def cached_prefix_hashes(self, limit: int | None = None) -> list[int]:
+        """The chained hashes of the blocks the prefix cache holds for a full-attention group (the one a
+        prefix is served from whole): what a router outside the engine scores this engine by."""
+        if self.scheduler is None or not self.args.enable_prefix_caching:
+            return []
+        kv = self.scheduler.kv_cache_manager
+        full = [g for g, group in enumerate(kv.groups) if group.sliding_window is None]
+        return kv.block_pool.cached_hashes(full[0] if full else 0, limit)
+
 
 def _freeze_startup_objects() -> None:
     gc_freeze.freeze()  # one holder per started engine (aioengine/engine/gc_freeze.py)

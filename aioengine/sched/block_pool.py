@@ -24,6 +24,17 @@ def hash_block_tokens(
     return hash((parent_hash, tuple(token_ids), extra_keys or ()))
 
 
+def chain_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """The chained hashes of every full block of ``token_ids``, as the KV cache manager makes them for a
+    request with no cache salt or adapter (a router outside the engine scores replicas by them)."""
+    hashes: list[int] = []
+    parent = NONE_HASH
+    for i in range(len(token_ids) // block_size):
+        parent = hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size])
+        hashes.append(parent)
+    return hashes
+
+
 @dataclass(slots=True, eq=False)
 class KVCacheBlock:
     block_id: int
@@ -139,6 +150,11 @@ class BlockPool:
         """Fraction of usable blocks held by requests (free-but-cached blocks count as free)."""
         usable = self.num_blocks - 1
         return 1.0 - self.get_num_free_blocks() / usable
+
+    def cached_hashes(self, group: int = 0, limit: int | None = None) -> list[int]:
+        """The hashes of the group's cached blocks (at most ``limit``, in no particular order)."""
+        out = [h for h, g in self.cached_block_hash_to_block if g == group]
+        return out if limit is None else out[:limit]
 
     def get_cached_block(self, block_hash: int, group: int = 0) -> KVCacheBlock | None:
         return self.cached_block_hash_to_block.get((block_hash, group))

@@ -201,15 +201,15 @@ def test_prefix_routing_beats_round_robin_and_a_killed_replica_is_replaced():
 def test_a_dying_replicas_stream_ends_in_its_apis_own_error_format():
     import orjson
 
-    from aioengine.http.front.proxy import _error, _stream_error
+    from aioengine.http.front.proxy import _error, stream_error
 
-    nd = _stream_error("/api/chat", "application/x-ndjson", "gone")
+    nd = stream_error("/api/chat", "application/x-ndjson", "gone")
     assert orjson.loads(nd) == {"error": "gone"} and nd.endswith(b"\n")
-    msg = _stream_error("/v1/messages", "text/event-stream", "gone").decode()
+    msg = stream_error("/v1/messages", "text/event-stream", "gone").decode()
     assert msg.startswith("event: error\ndata: ") and '"overloaded_error"' in msg
-    resp = _stream_error("/v1/responses", "text/event-stream", "gone").decode()
+    resp = stream_error("/v1/responses", "text/event-stream", "gone").decode()
     assert resp.startswith("event: error\ndata: ") and '"engine_dead"' in resp
-    chat = _stream_error("/v1/chat/completions", "text/event-stream", "gone").decode()
+    chat = stream_error("/v1/chat/completions", "text/event-stream", "gone").decode()
     assert chat.startswith("data: ") and orjson.loads(chat[6:])["error"]["type"] == "engine_dead"
     assert orjson.loads(_error(503, "x", "/api/tags").body) == {"error": "x"}
     assert orjson.loads(_error(503, "x", "/v1/messages").body)["type"] == "error"

@@ -31,7 +31,7 @@ REPLICAS = web.AppKey("replicas", ReplicaSet)
 ROUTER = web.AppKey("router", PrefixRouter)
 SESSION = web.AppKey("session", aiohttp.ClientSession)
 # Hop-by-hop headers, and the ones aiohttp sets itself for the new message
-_DROP = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive", "upgrade"})
+HOP_BY_HOP = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive", "upgrade"})
 
 
 def build_front(
@@ -84,7 +84,7 @@ async def forward(request: web.Request) -> web.StreamResponse:
 
 
 async def _relay(request: web.Request, r: Replica, body: bytes) -> web.StreamResponse:
-    headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROP}
+    headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
     url = r.url + request.rel_url.path_qs
     resp: web.StreamResponse | None = None
     kind = ""
@@ -92,7 +92,7 @@ async def _relay(request: web.Request, r: Replica, body: bytes) -> web.StreamRes
         async with request.app[SESSION].request(
             request.method, url, headers=headers, data=body, allow_redirects=False
         ) as up:
-            out = {k: v for k, v in up.headers.items() if k.lower() not in _DROP}
+            out = {k: v for k, v in up.headers.items() if k.lower() not in HOP_BY_HOP}
             resp = web.StreamResponse(status=up.status, reason=up.reason, headers=out)
             kind = up.headers.get("Content-Type", "")
             await resp.prepare(request)
@@ -106,11 +106,11 @@ async def _relay(request: web.Request, r: Replica, body: bytes) -> web.StreamRes
         if resp is None or not resp.prepared:
             return _error(503, message, request.path)
         with contextlib.suppress(ConnectionResetError):
-            await resp.write_eof(_stream_error(request.path, kind, message))
+            await resp.write_eof(stream_error(request.path, kind, message))
         return resp
 
 
-def _stream_error(path: str, content_type: str, message: str) -> bytes:
+def stream_error(path: str, content_type: str, message: str) -> bytes:
     """The last bytes of a stream whose replica died, in its API's stream format: Ollama's NDJSON line,
     Anthropic's and the Responses API's named ``error`` event, or chat's ``data:`` error object."""
     if "ndjson" in content_type:

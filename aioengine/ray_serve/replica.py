@@ -1,0 +1,123 @@
+"""A Ray Serve replica of the engine: one AsyncEngine and the server's own aiohttp app in the replica's event
+loop. Each request from the ingress goes through that app over a Unix socket, so that every route, error
+shape and stream format is the server's own; the replica also reports its cached block hashes to the router
+and its engine's death to Serve's health check (Serve then replaces it)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from aioengine.cli.commands import serve_configs
+from aioengine.engine.async_engine import AsyncEngine
+from aioengine.http.app import build_app
+from aioengine.http.front.proxy import HOP_BY_HOP
+from aioengine.model.tokenizer import NullTokenizer
+from aioengine.ray_serve.calls import HTTPCall, ResponseHead, RoutingInfo
+
+logger = logging.getLogger("aioengine.ray_serve")
+
+# The most block hashes a replica reports a period (about 8 bytes each through Serve's controller); a
+# prefix past them is routed as if not held.
+MAX_REPORTED_BLOCKS = 1 << 16
+
+
+def replica_flags(engine_args: Sequence[str], cpus: float | None) -> list[str]:
+    """The replica's serve flags: the app's, with ``--num-threads`` set to the CPUs Ray gave the replica
+    when the app sets none (replicas sharing a node would otherwise each take every core)."""
+    flags = list(engine_args)
+    given = any(f == "--num-threads" or f.startswith("--num-threads=") for f in flags)
+    if not given and cpus is not None and cpus >= 1:
+        flags += ["--num-threads", str(int(cpus))]
+    return flags
+
+
+class EngineReplica:
+    async def __init__(self, engine_args: Sequence[str]) -> None:  # type: ignore[misc]  # Serve awaits it
+        import ray
+
+        self._closed = True  # nothing to close until the fields below exist
+        cpus = ray.get_runtime_context().get_assigned_resources().get("CPU")
+        args, config = serve_configs(replica_flags(engine_args, cpus))
+        self.engine = AsyncEngine(args)
+        self._dir = tempfile.mkdtemp(prefix="aioengine-replica-")
+        self._runner: web.AppRunner | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._closed = False
+        try:
+            await self.engine.start()
+            self._runner = web.AppRunner(build_app(self.engine, config), handler_cancellation=True)
+            await self._runner.setup()
+            socket = os.path.join(self._dir, "http.sock")
+            await web.UnixSite(self._runner, socket).start()
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.UnixConnector(path=socket),
+                timeout=aiohttp.ClientTimeout(total=None),  # a stream lasts as long as its generation
+                auto_decompress=False,
+            )
+        except BaseException:
+            await self._close()
+            raise
+        logger.info("replica serving %s (pid %d)", self.engine.model_name, os.getpid())
+
+    async def forward(self, call: HTTPCall) -> AsyncIterator[ResponseHead | bytes]:
+        """The response to ``call``: its head, then its body as the app writes it. Closing the generator
+        (the client left) closes the connection, and the app aborts the request."""
+        assert self._session is not None
+        url = "http://replica" + call.target
+        async with self._session.request(
+            call.method, url, headers=call.headers, data=call.body, allow_redirects=False
+        ) as up:
+            headers = [(k, v) for k, v in up.headers.items() if k.lower() not in HOP_BY_HOP]
+            yield ResponseHead(up.status, headers)
+            async for chunk in up.content.iter_any():
+                yield chunk
+
+    def routing_info(self) -> RoutingInfo:
+        tokenizer = self.engine.tokenizer
+        return RoutingInfo(
+            block_size=self.engine.args.block_size,
+            tokenizer=None if isinstance(tokenizer, NullTokenizer) else tokenizer,
+            lora_names=tuple(self.engine.lora_modules),
+            prefix_caching=self.engine.args.enable_prefix_caching,
+        )
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        """Serve's hook, each ``request_routing_stats_period_s``: what the router scores this replica by."""
+        return {
+            "block_hashes": self.engine.cached_prefix_hashes(MAX_REPORTED_BLOCKS),
+            "load": self.engine.stats().num_unfinished,
+        }
+
+    async def check_health(self) -> None:
+        """Serve's hook: a dead engine fails it, and Serve starts a new replica in this one's place."""
+        if self.engine.dead_error is not None:
+            raise RuntimeError(f"the engine is dead: {self.engine.dead_error}")
+
+    def __del__(self) -> Awaitable[None] | None:
+        """Serve's graceful shutdown, which awaits what this returns (the first time only: the collector
+        calls it again later)."""
+        if self._closed:
+            return None
+        return self._close()
+
+    async def _close(self) -> None:
+        """The app, the engine, the socket's folder."""
+        self._closed = True
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+        if self._runner is not None:
+            with contextlib.suppress(Exception):
+                await self._runner.cleanup()
+            self._runner = None
+        await self.engine.shutdown()
+        shutil.rmtree(self._dir, ignore_errors=True)
