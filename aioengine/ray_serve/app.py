@@ -58,7 +58,8 @@ def build_app(config: RayServeConfig) -> serve.Application:
         options["autoscaling_config"] = config.autoscaling_config
     if config.routing == "prefix":
         router: dict[str, Any] = {
-            "request_router_class": PrefixAwareRouter,
+            # by import path: each handle's process imports it (a class object would be pickled by value)
+            "request_router_class": f"{PrefixAwareRouter.__module__}.{PrefixAwareRouter.__qualname__}",
             "request_router_kwargs": config.router_kwargs,
             "request_routing_stats_period_s": config.stats_period_s,
             "request_routing_stats_timeout_s": max(5.0, 2 * config.stats_period_s),

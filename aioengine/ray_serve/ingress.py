@@ -23,8 +23,8 @@ from aioengine.http.app import route_error
 from aioengine.http.errors import APIError
 from aioengine.http.front.proxy import HOP_BY_HOP, stream_error
 from aioengine.ray_serve.calls import HTTPCall, ResponseHead, RoutingInfo
+from aioengine.ray_serve.prefix_index import ROUTERS
 from aioengine.ray_serve.prompt_hashes import PROMPT_ROUTES, PromptHasher
-from aioengine.ray_serve.router import ROUTERS
 
 logger = logging.getLogger("aioengine.ray_serve")
 

@@ -3,18 +3,15 @@ longest run of its prompt's blocks (the engine's own chained block hashes), unle
 too far apart; then, and for a request no replica holds any of, power of two choices on queue length.
 
 A replica's cached hashes come in its routing stats (`EngineReplica.record_routing_stats`, every
-``request_routing_stats_period_s``). Between two reports, the blocks of each request this router sent are
-taken as held by its replica for ``record_ttl_s``, as SGLang's router does, so that a conversation's next
-turn follows it before the replica has said so.
+``request_routing_stats_period_s``); ray_serve/prefix_index.py keeps them and decides. Serve pickles this
+module by value into each process that holds a handle to the replicas.
 """
 
 from __future__ import annotations
 
 import random
 import time
-import weakref
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from typing import Any
 
 from ray.serve.metrics import Counter
@@ -27,83 +24,11 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
+from aioengine.ray_serve import prefix_index  # a module travels by name; its ROUTERS could not by value
 from aioengine.ray_serve.calls import HTTPCall
+from aioengine.ray_serve.prefix_index import DECISIONS, PrefixIndex, choose
 
-DECISIONS = ("prefix_hit", "miss", "load_fallback")
 MAX_PENDING = 1 << 14
-
-
-@dataclass(slots=True)
-class Report:
-    hashes: frozenset[int]
-    load: int  # requests unfinished on the replica when it reported
-
-
-@dataclass
-class PrefixIndex:
-    """Which replicas hold which block hashes: their own reports, and this router's choices since."""
-
-    record_ttl_s: float = 30.0
-    max_recorded: int = 1 << 18
-    reports: dict[str, Report] = field(default_factory=dict)
-    # hash -> {replica: when this router sent it a request holding it}, least recently sent first
-    recorded: OrderedDict[int, dict[str, float]] = field(default_factory=OrderedDict)
-
-    def report(self, replica: str, stats: dict[str, Any]) -> None:
-        self.reports[replica] = Report(frozenset(stats.get("block_hashes", ())), int(stats.get("load", 0)))
-
-    def record(self, replica: str, hashes: list[int], now: float) -> None:
-        for h in hashes:
-            holders = self.recorded.pop(h, {})
-            holders[replica] = now
-            self.recorded[h] = holders
-        while len(self.recorded) > self.max_recorded:
-            self.recorded.popitem(last=False)
-
-    def matched(self, replica: str, hashes: list[int], now: float) -> int:
-        """How many leading blocks of ``hashes`` the replica is taken to hold."""
-        report = self.reports.get(replica)
-        held = report.hashes if report is not None else frozenset()
-        n = 0
-        for h in hashes:
-            sent = self.recorded.get(h, {}).get(replica)
-            if h not in held and (sent is None or now - sent > self.record_ttl_s):
-                break
-            n += 1
-        return n
-
-    def forget(self, replica: str) -> None:
-        self.reports.pop(replica, None)
-        for holders in self.recorded.values():
-            holders.pop(replica, None)
-
-
-def choose(
-    index: PrefixIndex,
-    replicas: list[str],
-    loads: dict[str, int],
-    hashes: list[int],
-    now: float,
-    balance_abs: int = 4,
-    balance_rel: float = 1.5,
-) -> tuple[str, list[str]]:
-    """(the decision, the replicas to try in order): the longest match first, or [] for power of two choices.
-    Loads differing by more than both ``balance_abs`` and ``balance_rel`` times make it a load fallback
-    (SGLang's rule)."""
-    if not hashes or not replicas:
-        return "miss", []
-    lo, hi = min(loads.values(), default=0), max(loads.values(), default=0)
-    if hi - lo > balance_abs and hi > balance_rel * lo:
-        return "load_fallback", []
-    matched = {r: index.matched(r, hashes, now) for r in replicas}
-    best = max(replicas, key=lambda r: (matched[r], -loads.get(r, 0)))
-    if matched[best] == 0:
-        return "miss", []
-    return "prefix_hit", [best]
-
-
-# This process's routers, by (application, deployment): the ingress beside them reports their decisions.
-ROUTERS: weakref.WeakValueDictionary[tuple[str, str], PrefixAwareRouter] = weakref.WeakValueDictionary()
 
 
 class PrefixAwareRouter(FIFOMixin, LocalityMixin, RequestRouter):
@@ -122,7 +47,7 @@ class PrefixAwareRouter(FIFOMixin, LocalityMixin, RequestRouter):
             tag_keys=("decision",),
         )
         if self._deployment_id is not None:
-            ROUTERS[(self._deployment_id.app_name, self._deployment_id.name)] = self
+            prefix_index.ROUTERS[(self._deployment_id.app_name, self._deployment_id.name)] = self
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
@@ -158,7 +83,7 @@ class PrefixAwareRouter(FIFOMixin, LocalityMixin, RequestRouter):
         decision, order = choose(
             self.index, list(by_id), loads, hashes, time.monotonic(), self.balance_abs, self.balance_rel
         )
-        if pending_request is not None:
+        if pending_request is not None and hashes:  # a prompt of a block or more: counted once routed
             self._pending[pending_request.metadata.internal_request_id] = (decision, hashes)
             while len(self._pending) > MAX_PENDING:
                 self._pending.popitem(last=False)
@@ -169,11 +94,13 @@ class PrefixAwareRouter(FIFOMixin, LocalityMixin, RequestRouter):
         return ranks
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
-        decision, hashes = self._pending.pop(pending_request.metadata.internal_request_id, ("miss", []))
+        entry = self._pending.pop(pending_request.metadata.internal_request_id, None)
+        if entry is None:
+            return
+        decision, hashes = entry
         self.decisions[decision] += 1
         self._counter.inc(tags={"decision": decision})
-        if hashes:
-            self.index.record(replica_id.unique_id, hashes, time.monotonic())
+        self.index.record(replica_id.unique_id, hashes, time.monotonic())
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)

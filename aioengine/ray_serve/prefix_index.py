@@ -1,0 +1,93 @@
+"""Where a request's prompt blocks are taken to be held, and the routing rule over it: the part of the
+prefix-aware router that does not touch Ray (ray_serve/router.py wraps it in Serve's RequestRouter).
+
+A replica's report (its cached block hashes) replaces the last one; between two reports, the blocks of each
+request the router sent are taken as held by its replica for ``record_ttl_s``, as SGLang's router does, so
+that a conversation's next turn follows it before the replica has said so.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from aioengine.ray_serve.router import PrefixAwareRouter
+
+DECISIONS = ("prefix_hit", "miss", "load_fallback")
+
+
+@dataclass(slots=True)
+class Report:
+    hashes: frozenset[int]
+    load: int  # requests unfinished on the replica when it reported
+
+
+@dataclass
+class PrefixIndex:
+    """Which replicas hold which block hashes: their own reports, and this router's choices since."""
+
+    record_ttl_s: float = 30.0
+    max_recorded: int = 1 << 18
+    reports: dict[str, Report] = field(default_factory=dict)
+    # hash -> {replica: when this router sent it a request holding it}, least recently sent first
+    recorded: OrderedDict[int, dict[str, float]] = field(default_factory=OrderedDict)
+
+    def report(self, replica: str, stats: dict[str, Any]) -> None:
+        self.reports[replica] = Report(frozenset(stats.get("block_hashes", ())), int(stats.get("load", 0)))
+
+    def record(self, replica: str, hashes: list[int], now: float) -> None:
+        for h in hashes:
+            holders = self.recorded.pop(h, {})
+            holders[replica] = now
+            self.recorded[h] = holders
+        while len(self.recorded) > self.max_recorded:
+            self.recorded.popitem(last=False)
+
+    def matched(self, replica: str, hashes: list[int], now: float) -> int:
+        """How many leading blocks of ``hashes`` the replica is taken to hold."""
+        report = self.reports.get(replica)
+        held = report.hashes if report is not None else frozenset()
+        n = 0
+        for h in hashes:
+            sent = self.recorded.get(h, {}).get(replica)
+            if h not in held and (sent is None or now - sent > self.record_ttl_s):
+                break
+            n += 1
+        return n
+
+    def forget(self, replica: str) -> None:
+        self.reports.pop(replica, None)
+        for holders in self.recorded.values():
+            holders.pop(replica, None)
+
+
+def choose(
+    index: PrefixIndex,
+    replicas: list[str],
+    loads: dict[str, int],
+    hashes: list[int],
+    now: float,
+    balance_abs: int = 4,
+    balance_rel: float = 1.5,
+) -> tuple[str, list[str]]:
+    """(the decision, the replicas to try in order): the longest match first, or [] for power of two choices.
+    Loads differing by more than both ``balance_abs`` and ``balance_rel`` times make it a load fallback
+    (SGLang's rule)."""
+    if not hashes or not replicas:
+        return "miss", []
+    lo, hi = min(loads.values(), default=0), max(loads.values(), default=0)
+    if hi - lo > balance_abs and hi > balance_rel * lo:
+        return "load_fallback", []
+    matched = {r: index.matched(r, hashes, now) for r in replicas}
+    best = max(replicas, key=lambda r: (matched[r], -loads.get(r, 0)))
+    if matched[best] == 0:
+        return "miss", []
+    return "prefix_hit", [best]
+
+
+# This process's routers, by (application, deployment): the ingress beside them reports their decisions.
+# Here, not in router.py: Serve pickles the router's module by value, and a weak dictionary cannot be.
+ROUTERS: weakref.WeakValueDictionary[tuple[str, str], PrefixAwareRouter] = weakref.WeakValueDictionary()
