@@ -25,6 +25,8 @@ from aioengine.ray_serve.calls import HTTPCall, ResponseHead, RoutingInfo
 
 logger = logging.getLogger("aioengine.ray_serve")
 
+# Headers Serve's proxy writes itself (the request id is the one it passed in): not sent twice
+SET_BY_SERVE = HOP_BY_HOP | {"date", "server", "x-request-id"}
 # The most block hashes a replica reports a period (about 8 bytes each through Serve's controller); a
 # prefix past them is routed as if not held.
 MAX_REPORTED_BLOCKS = 1 << 16
@@ -35,17 +37,31 @@ def replica_flags(engine_args: Sequence[str], cpus: float | None) -> list[str]:
     when the app sets none (replicas sharing a node would otherwise each take every core)."""
     flags = list(engine_args)
     given = any(f == "--num-threads" or f.startswith("--num-threads=") for f in flags)
-    if not given and cpus is not None and cpus >= 1:
-        flags += ["--num-threads", str(int(cpus))]
+    if not given and cpus:
+        flags += ["--num-threads", str(max(1, int(cpus)))]
     return flags
+
+
+def routing_info(engine: AsyncEngine) -> RoutingInfo:
+    """What the ingress hashes prompts with: the started engine's block size, tokenizer and adapters."""
+    tokenizer = engine.tokenizer
+    return RoutingInfo(
+        block_size=engine.args.block_size,
+        tokenizer=None if isinstance(tokenizer, NullTokenizer) else tokenizer,
+        lora_names=tuple(engine.lora_modules),
+        prefix_caching=engine.args.enable_prefix_caching,
+    )
 
 
 class EngineReplica:
     async def __init__(self, engine_args: Sequence[str]) -> None:  # type: ignore[misc]  # Serve awaits it
         import ray
+        from ray import serve
 
         self._closed = True  # nothing to close until the fields below exist
         cpus = ray.get_runtime_context().get_assigned_resources().get("CPU")
+        # on each response, so that a client (or a test) sees where the router sent it
+        self._replica_header = ("X-Aioengine-Replica", serve.get_replica_context().replica_id.unique_id)
         args, config = serve_configs(replica_flags(engine_args, cpus))
         self.engine = AsyncEngine(args)
         self._dir = tempfile.mkdtemp(prefix="aioengine-replica-")
@@ -76,19 +92,13 @@ class EngineReplica:
         async with self._session.request(
             call.method, url, headers=call.headers, data=call.body, allow_redirects=False
         ) as up:
-            headers = [(k, v) for k, v in up.headers.items() if k.lower() not in HOP_BY_HOP]
-            yield ResponseHead(up.status, headers)
+            headers = [(k, v) for k, v in up.headers.items() if k.lower() not in SET_BY_SERVE]
+            yield ResponseHead(up.status, [*headers, self._replica_header])
             async for chunk in up.content.iter_any():
                 yield chunk
 
     def routing_info(self) -> RoutingInfo:
-        tokenizer = self.engine.tokenizer
-        return RoutingInfo(
-            block_size=self.engine.args.block_size,
-            tokenizer=None if isinstance(tokenizer, NullTokenizer) else tokenizer,
-            lora_names=tuple(self.engine.lora_modules),
-            prefix_caching=self.engine.args.enable_prefix_caching,
-        )
+        return routing_info(self.engine)
 
     async def record_routing_stats(self) -> dict[str, Any]:
         """Serve's hook, each ``request_routing_stats_period_s``: what the router scores this replica by."""

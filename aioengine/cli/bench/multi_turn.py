@@ -1,6 +1,8 @@
 """`aioengine bench multi-turn`: interleaved multi-turn chats against a running server (one engine, or a
-data-parallel front): TTFT p50/p99, output tokens/s, and the prefix-cache hit rate the server's /metrics
-counted over the run (summed over replicas), with the tokens the KV offload tiers gave back.
+data-parallel front, a Ray Serve application): TTFT p50/p99, output tokens/s, and the prefix-cache hit rate
+the server's /metrics counted over the run (summed over replicas), with the tokens the KV offload tiers gave
+back. Where /metrics counts no prefix-cache queries (Ray Serve's ingress reports its router instead), the
+hit rate is the replies' own: cached prompt tokens over prompt tokens, from each stream's usage.
 
 Each of ``--conversations`` chats has ``--turns`` user turns; turn t of every conversation is sent before
 turn t + 1 of any (at most ``--max-concurrency`` at once), so a conversation's next turn finds its prefix
@@ -53,13 +55,14 @@ async def run(args: argparse.Namespace) -> dict:
     ttfts: list[float] = []
     tokens = 0
     context = [0] * len(chats)  # each conversation's prompt and reply tokens at its latest turn
+    prompt_tokens = cached_tokens = 0
     gate = asyncio.Semaphore(args.max_concurrency)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     async with aiohttp.ClientSession(headers=headers) as s:
         before = _hits(await (await s.get(args.base_url + "/metrics")).text())
 
         async def turn(c: int, history: list[dict]) -> None:
-            nonlocal tokens
+            nonlocal tokens, prompt_tokens, cached_tokens
             body = {
                 "messages": history,
                 "max_tokens": args.output_len,
@@ -78,9 +81,13 @@ async def run(args: argparse.Namespace) -> dict:
                         if not line.startswith("data: {"):
                             continue
                         chunk = json.loads(line[6:])
-                        if chunk.get("usage"):
-                            tokens += chunk["usage"]["completion_tokens"]
-                            context[c] = chunk["usage"]["total_tokens"]
+                        usage = chunk.get("usage")
+                        if usage:
+                            tokens += usage["completion_tokens"]
+                            context[c] = usage["total_tokens"]
+                            prompt_tokens += usage["prompt_tokens"]
+                            details = usage.get("prompt_tokens_details") or {}
+                            cached_tokens += details.get("cached_tokens", 0)
                         for choice in chunk.get("choices", []):
                             piece = choice["delta"].get("content")
                             if piece:
@@ -98,13 +105,15 @@ async def run(args: argparse.Namespace) -> dict:
         elapsed = time.perf_counter() - t0
         after = _hits(await (await s.get(args.base_url + "/metrics")).text())
     hits, queries, host_hits, disk_reads = (a - b for a, b in zip(after, before, strict=True))
+    usage_rate = cached_tokens / prompt_tokens if prompt_tokens else 0.0
     q = statistics.quantiles(ttfts, n=100)
     return {
         "requests": len(ttfts),
         "output_tokens_per_s": tokens / elapsed,
         "ttft_p50_ms": statistics.median(ttfts),
         "ttft_p99_ms": q[98],
-        "prefix_hit_rate": hits / queries if queries else 0.0,
+        "prefix_hit_rate": hits / queries if queries else usage_rate,
+        "usage_hit_rate": usage_rate,  # the replies' cached_tokens over their prompt_tokens
         # of the hits, the tokens loaded back from the offload tiers (disk reads land in the host tier)
         "offload_host_hit_tokens": int(host_hits),
         "offload_disk_read_blocks": int(disk_reads),
