@@ -42,7 +42,10 @@ BODIES = {
             ]
         },
     ),
-    "chat with tools": ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}], "tools": TOOLS}),
+    "chat with tools": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": LONG}], "tools": TOOLS},
+    ),
     "completion text": ("/v1/completions", {"prompt": LONG}),
     "completion ids": ("/v1/completions", {"prompt": list(range(100, 180))}),
     "anthropic": ("/v1/messages", {"system": "Be brief.", "messages": [{"role": "user", "content": LONG}]}),
