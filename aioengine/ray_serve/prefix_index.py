@@ -72,10 +72,12 @@ def choose(
     now: float,
     balance_abs: int = 4,
     balance_rel: float = 1.5,
+    min_match: float = 0.5,
 ) -> tuple[str, list[str]]:
     """(the decision, the replicas to try in order): the longest match first, or [] for power of two choices.
-    Loads differing by more than both ``balance_abs`` and ``balance_rel`` times make it a load fallback
-    (SGLang's rule)."""
+    Loads differing by more than both ``balance_abs`` and ``balance_rel`` times make it a load fallback; a
+    match of less than ``min_match`` of the prompt's blocks is a miss (SGLang's rules: the template's
+    opening block, which every chat shares, must not pull every conversation to one replica)."""
     if not hashes or not replicas:
         return "miss", []
     lo, hi = min(loads.values(), default=0), max(loads.values(), default=0)
@@ -83,7 +85,7 @@ def choose(
         return "load_fallback", []
     matched = {r: index.matched(r, hashes, now) for r in replicas}
     best = max(replicas, key=lambda r: (matched[r], -loads.get(r, 0)))
-    if matched[best] == 0:
+    if matched[best] == 0 or matched[best] < min_match * len(hashes):
         return "miss", []
     return "prefix_hit", [best]
 

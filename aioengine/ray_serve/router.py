@@ -33,9 +33,14 @@ MAX_PENDING = 1 << 14
 
 class PrefixAwareRouter(FIFOMixin, LocalityMixin, RequestRouter):
     def initialize_state(
-        self, balance_abs: int = 4, balance_rel: float = 1.5, record_ttl_s: float = 30.0, **_: Any
+        self,
+        balance_abs: int = 4,
+        balance_rel: float = 1.5,
+        min_match: float = 0.5,
+        record_ttl_s: float = 30.0,
     ) -> None:
-        self.balance_abs, self.balance_rel = balance_abs, balance_rel
+        """The rule's settings (RayServeConfig.router_kwargs): see prefix_index.choose."""
+        self.balance_abs, self.balance_rel, self.min_match = balance_abs, balance_rel, min_match
         self.index = PrefixIndex(record_ttl_s)
         self.decisions = dict.fromkeys(DECISIONS, 0)
         self._seen_stats: dict[str, int] = {}  # replica -> id() of the stats dict last read
@@ -81,7 +86,14 @@ class PrefixAwareRouter(FIFOMixin, LocalityMixin, RequestRouter):
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         loads = {k: self._load(r) for k, r in by_id.items()}
         decision, order = choose(
-            self.index, list(by_id), loads, hashes, time.monotonic(), self.balance_abs, self.balance_rel
+            self.index,
+            list(by_id),
+            loads,
+            hashes,
+            time.monotonic(),
+            self.balance_abs,
+            self.balance_rel,
+            self.min_match,
         )
         if pending_request is not None and hashes:  # a prompt of a block or more: counted once routed
             self._pending[pending_request.metadata.internal_request_id] = (decision, hashes)

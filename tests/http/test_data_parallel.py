@@ -23,7 +23,7 @@ import pytest
 
 from aioengine.http.front.replicas import replica_argv, replica_kv_events
 from aioengine.http.front.router import PrefixRouter, prefix_text
-from tests.processes import alive, wait_for_port
+from tests.processes import alive, descendants, wait_for_port
 
 
 def test_prefix_text_of_a_conversation_extends_its_previous_turn():
@@ -66,19 +66,6 @@ def test_replicas_get_the_command_line_less_the_fronts_flags():
     assert json.loads(replica_kv_events(same, 0)[1].partition("=")[2]) == json.loads(cfg)
 
 
-def _descendants(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        with contextlib.suppress(FileNotFoundError):
-            for task in os.listdir(f"/proc/{p}/task"):
-                with open(f"/proc/{p}/task/{task}/children") as f:
-                    kids = [int(x) for x in f.read().split()]
-                out += kids
-                todo += kids
-    return out
-
-
 @contextlib.contextmanager
 def front(policy: str) -> Iterator[tuple[str, subprocess.Popen]]:
     proc = subprocess.Popen(
@@ -96,10 +83,10 @@ def front(policy: str) -> Iterator[tuple[str, subprocess.Popen]]:
         assert port, "".join(lines[-30:])
         # keep reading: the replicas share this pipe, and a full one would stop them
         threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()
-        everyone = _descendants(proc.pid)
+        everyone = descendants(proc.pid)
         yield f"http://127.0.0.1:{port}", proc
     finally:
-        everyone += _descendants(proc.pid)
+        everyone += descendants(proc.pid)
         proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(60)
@@ -153,7 +140,7 @@ async def _websocket_through_the_front(url: str) -> None:
 
 
 async def _kill_one_mid_stream(url: str, proc: subprocess.Popen) -> None:
-    replicas = [p for p in _descendants(proc.pid) if alive(p)]
+    replicas = [p for p in descendants(proc.pid) if alive(p)]
     assert len(replicas) >= 2
     async with aiohttp.ClientSession() as s:
         long = {"prompt": "Once upon a time", "max_tokens": 300, "ignore_eos": True, "stream": True}

@@ -15,6 +15,9 @@ def test_the_longest_leading_run_wins_and_a_gap_ends_it():
     assert index.matched("c", [1, 2, 3], 0.0) == 0
     assert index.matched("b", [2, 3], 0.0) == 2  # a run is scored from the request's first block
     assert choose(index, ["a", "b"], {"a": 0, "b": 0}, [1, 2, 3, 4], 0.0) == ("prefix_hit", ["b"])
+    # 3 of 7 blocks is under half the prompt: a shared opening alone does not pull a request along
+    assert choose(index, ["a", "b"], {"a": 0, "b": 0}, [1, 2, 3, 4, 6, 7, 8], 0.0) == ("miss", [])
+    assert choose(index, ["a", "b"], {}, [1, 2, 3, 4, 6, 7, 8], 0.0, min_match=0.4)[0] == "prefix_hit"
     assert choose(index, ["a", "b"], {"a": 0, "b": 0}, [9, 1, 2], 0.0) == ("miss", [])
     assert choose(index, ["a", "b"], {"a": 0, "b": 0}, [], 0.0) == ("miss", [])
 
