@@ -11,10 +11,7 @@ from __future__ import annotations
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from aioengine.ray_serve.router import PrefixAwareRouter
+from typing import Any
 
 DECISIONS = ("prefix_hit", "miss", "load_fallback")
 
@@ -92,4 +89,5 @@ def choose(
 
 # This process's routers, by (application, deployment): the ingress beside them reports their decisions.
 # Here, not in router.py: Serve pickles the router's module by value, and a weak dictionary cannot be.
-ROUTERS: weakref.WeakValueDictionary[tuple[str, str], PrefixAwareRouter] = weakref.WeakValueDictionary()
+# (Any: the router imports this module.)
+ROUTERS: weakref.WeakValueDictionary[tuple[str, str], Any] = weakref.WeakValueDictionary()

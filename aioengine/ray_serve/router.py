@@ -32,16 +32,16 @@ MAX_PENDING = 1 << 14
 
 
 class PrefixAwareRouter(FIFOMixin, LocalityMixin, RequestRouter):
-    def initialize_state(
-        self,
-        balance_abs: int = 4,
-        balance_rel: float = 1.5,
-        min_match: float = 0.5,
-        record_ttl_s: float = 30.0,
-    ) -> None:
-        """The rule's settings (RayServeConfig.router_kwargs): see prefix_index.choose."""
-        self.balance_abs, self.balance_rel, self.min_match = balance_abs, balance_rel, min_match
-        self.index = PrefixIndex(record_ttl_s)
+    def initialize_state(self, **kwargs: Any) -> None:
+        """The rule's settings (RayServeConfig.router_kwargs; prefix_index.choose says what they do)."""
+        settings = {"balance_abs": 4, "balance_rel": 1.5, "min_match": 0.5, "record_ttl_s": 30.0}
+        unknown = sorted(set(kwargs) - set(settings))
+        if unknown:
+            raise ValueError(f"unknown router_kwargs {unknown}; known: {sorted(settings)}")
+        settings.update(kwargs)
+        self.balance_abs, self.balance_rel = int(settings["balance_abs"]), float(settings["balance_rel"])
+        self.min_match = float(settings["min_match"])
+        self.index = PrefixIndex(float(settings["record_ttl_s"]))
         self.decisions = dict.fromkeys(DECISIONS, 0)
         self._seen_stats: dict[str, int] = {}  # replica -> id() of the stats dict last read
         # request -> (decision, hashes) until Serve says where it went; bounded, for requests cancelled before
