@@ -13,6 +13,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from aioengine.ray_serve.ingress import Ingress
+from aioengine.ray_serve.prefix_index import router_settings
 from aioengine.ray_serve.replica import EngineReplica
 from aioengine.ray_serve.router import PrefixAwareRouter
 
@@ -40,6 +41,7 @@ class RayServeConfig:
             raise ValueError(f"num_replicas must be at least 1, got {self.num_replicas}")
         if self.stats_period_s <= 0:
             raise ValueError("stats_period_s must be positive")
+        router_settings(self.router_kwargs)  # a misspelt setting fails here, not in each ingress
 
 
 def build_app(config: RayServeConfig) -> serve.Application:

@@ -14,6 +14,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 DECISIONS = ("prefix_hit", "miss", "load_fallback")
+# The router's settings and their defaults (RayServeConfig.router_kwargs): choose() and PrefixIndex say what
+# each does.
+ROUTER_SETTINGS = {"balance_abs": 4, "balance_rel": 1.5, "min_match": 0.5, "record_ttl_s": 30.0}
+
+
+def router_settings(kwargs: dict[str, Any]) -> dict[str, float]:
+    """The defaults with ``kwargs`` over them; ValueError names a setting there is not."""
+    unknown = sorted(set(kwargs) - set(ROUTER_SETTINGS))
+    if unknown:
+        raise ValueError(f"unknown router_kwargs {unknown}; known: {sorted(ROUTER_SETTINGS)}")
+    return {k: float(kwargs.get(k, v)) for k, v in ROUTER_SETTINGS.items()}
 
 
 @dataclass(slots=True)

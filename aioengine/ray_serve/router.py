@@ -26,7 +26,7 @@ from ray.serve.request_router import (
 
 from aioengine.ray_serve import prefix_index  # a module travels by name; its ROUTERS could not by value
 from aioengine.ray_serve.calls import HTTPCall
-from aioengine.ray_serve.prefix_index import DECISIONS, PrefixIndex, choose
+from aioengine.ray_serve.prefix_index import DECISIONS, PrefixIndex, choose, router_settings
 
 MAX_PENDING = 1 << 14
 
@@ -34,11 +34,7 @@ MAX_PENDING = 1 << 14
 class PrefixAwareRouter(FIFOMixin, LocalityMixin, RequestRouter):
     def initialize_state(self, **kwargs: Any) -> None:
         """The rule's settings (RayServeConfig.router_kwargs; prefix_index.choose says what they do)."""
-        settings = {"balance_abs": 4, "balance_rel": 1.5, "min_match": 0.5, "record_ttl_s": 30.0}
-        unknown = sorted(set(kwargs) - set(settings))
-        if unknown:
-            raise ValueError(f"unknown router_kwargs {unknown}; known: {sorted(settings)}")
-        settings.update(kwargs)
+        settings = router_settings(kwargs)
         self.balance_abs, self.balance_rel = int(settings["balance_abs"]), float(settings["balance_rel"])
         self.min_match = float(settings["min_match"])
         self.index = PrefixIndex(float(settings["record_ttl_s"]))
