@@ -8,6 +8,7 @@
 # usage: scripts/ray_serve_bench.sh [RESULTS_DIR] [ROUNDS=3]
 set -u
 cd "$(dirname "$0")/.."
+export RAY_USAGE_STATS_ENABLED=0
 out=${1:-ray-serve-bench}; rounds=${2:-3}; mkdir -p "$out"
 port=8161; single=8162
 flags="--max-model-len 2048 --disable-log-stats --num-threads 1"

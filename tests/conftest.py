@@ -21,6 +21,9 @@ if _worker and _workers > 1 and hasattr(os, "sched_setaffinity"):
 if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The Ray clusters the tests start (and their `serve run` children) report nothing anywhere.
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
 
 def pytest_addoption(parser):
     # The kernel tests of one ISA level: `pytest tests/kernels/cpu --cpu-isa avx2` runs them against exactly
