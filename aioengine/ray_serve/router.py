@@ -39,7 +39,8 @@ class PrefixAwareRouter(FIFOMixin, LocalityMixin, RequestRouter):
         self.min_match = float(settings["min_match"])
         self.index = PrefixIndex(float(settings["record_ttl_s"]))
         self.decisions = dict.fromkeys(DECISIONS, 0)
-        self._seen_stats: dict[str, int] = {}  # replica -> id() of the stats dict last read
+        # replica -> the stats dict last read (held, so that a new report is never taken for it by its id)
+        self._seen_stats: dict[str, dict[str, Any]] = {}
         # request -> (decision, hashes) until Serve says where it went; bounded, for requests cancelled before
         self._pending: OrderedDict[str, tuple[str, list[int]]] = OrderedDict()
         self._counter = Counter(
@@ -61,8 +62,8 @@ class PrefixAwareRouter(FIFOMixin, LocalityMixin, RequestRouter):
         for r in replicas:
             stats = r.routing_stats
             key = r.replica_id.unique_id
-            if stats and self._seen_stats.get(key) != id(stats):
-                self._seen_stats[key] = id(stats)
+            if stats and self._seen_stats.get(key) is not stats:
+                self._seen_stats[key] = stats
                 self.index.report(key, stats)
 
     def _load(self, r: RunningReplica) -> int:
