@@ -35,9 +35,9 @@ class PrefixAwareRouter(FIFOMixin, LocalityMixin, RequestRouter):
     def initialize_state(self, **kwargs: Any) -> None:
         """The rule's settings (RayServeConfig.router_kwargs; prefix_index.choose says what they do)."""
         settings = router_settings(kwargs)
-        self.balance_abs, self.balance_rel = int(settings["balance_abs"]), float(settings["balance_rel"])
-        self.min_match = float(settings["min_match"])
-        self.index = PrefixIndex(float(settings["record_ttl_s"]))
+        self.balance_abs, self.balance_rel = settings["balance_abs"], settings["balance_rel"]
+        self.min_match = settings["min_match"]
+        self.index = PrefixIndex(settings["record_ttl_s"])
         self.decisions = dict.fromkeys(DECISIONS, 0)
         # replica -> the stats dict last read (held, so that a new report is never taken for it by its id)
         self._seen_stats: dict[str, dict[str, Any]] = {}

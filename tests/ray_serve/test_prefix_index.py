@@ -56,9 +56,10 @@ def test_ties_go_to_the_less_loaded_and_loads_far_apart_fall_back():
     for r in ("a", "b"):
         index.report(r, {"block_hashes": [1, 2]})
     assert choose(index, ["a", "b"], {"a": 3, "b": 1}, [1, 2], 0.0) == ("prefix_hit", ["b"])
-    # 10 against 0 is past both 4 apart and 1.5 times: the prefix is not followed
+    # 20 against 0 is past both 16 apart and 1.5 times (the defaults): the prefix is not followed
     index.report("a", {"block_hashes": [1, 2, 3]})
-    assert choose(index, ["a", "b"], {"a": 10, "b": 0}, [1, 2, 3], 0.0) == ("load_fallback", [])
-    assert choose(index, ["a", "b"], {"a": 4, "b": 0}, [1, 2, 3], 0.0) == ("prefix_hit", ["a"])
-    assert choose(index, ["a", "b"], {"a": 12, "b": 9}, [1, 2, 3], 0.0) == ("prefix_hit", ["a"])  # 1.33x
-    assert choose(index, ["a", "b"], {"a": 10, "b": 0}, [1, 2, 3], 0.0, balance_abs=20)[0] == "prefix_hit"
+    assert choose(index, ["a", "b"], {"a": 20, "b": 0}, [1, 2, 3], 0.0) == ("load_fallback", [])
+    assert choose(index, ["a", "b"], {"a": 16, "b": 0}, [1, 2, 3], 0.0) == ("prefix_hit", ["a"])
+    assert choose(index, ["a", "b"], {"a": 40, "b": 30}, [1, 2, 3], 0.0) == ("prefix_hit", ["a"])  # 1.33x
+    assert choose(index, ["a", "b"], {"a": 5, "b": 0}, [1, 2, 3], 0.0, balance_abs=4)[0] == "load_fallback"
+    assert choose(index, ["a", "b"], {"a": 20, "b": 0}, [1, 2, 3], 0.0, balance_abs=20)[0] == "prefix_hit"
