@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 export RAY_USAGE_STATS_ENABLED=0
 out=${1:-ray-serve-bench}; rounds=${2:-3}; mkdir -p "$out"
 port=8161; single=8162
-flags="--max-model-len 2048 --disable-log-stats --num-threads 1"
+flags="--max-model-len 2048 --num-kv-blocks 1024 --disable-log-stats --num-threads 1"  # 16k tokens: the runs hold 8k
 app() {  # name, routing, router settings
   printf '  - name: %s\n    route_prefix: /%s\n    import_path: aioengine.ray_serve:app_builder\n' "$1" "$1"
   printf '    args: {engine_args: "%s", num_replicas: 2, replica_cpus: 0.33, routing: %s, router_kwargs: {%s}}\n' \
@@ -23,9 +23,10 @@ app() {  # name, routing, router settings
   printf 'http_options: {host: 127.0.0.1, port: %s}\napplications:\n' "$port"
   app prefix prefix; app prefix4 prefix "balance_abs: 4"; app pow2 pow2
 } > "$out/config.yaml"
-serve run "$out/config.yaml" > "$out/serve.log" 2>&1 &
+# A background job starts with SIGINT ignored, and then `serve run` would never stop on it: restore it.
+env --default-signal=INT serve run "$out/config.yaml" > "$out/serve.log" 2>&1 &
 serve_pid=$!
-python -m aioengine serve --port "$single" --max-model-len 2048 --disable-log-stats > "$out/single.log" 2>&1 &
+python -m aioengine serve --port "$single" --max-model-len 2048 --num-kv-blocks 1024 --disable-log-stats > "$out/single.log" 2>&1 &
 single_pid=$!
 up() { for _ in $(seq 1 300); do curl -sf "$1/v1/models" >/dev/null && return 0; sleep 1; done; return 1; }
 for base in "http://127.0.0.1:$port/"{prefix,prefix4,pow2} "http://127.0.0.1:$single"; do

@@ -31,6 +31,7 @@ class RayServeConfig:
     routing: str = "prefix"  # "prefix": PrefixAwareRouter; "pow2": Serve's power of two choices alone
     stats_period_s: float = 1.0  # how often a replica reports its cached blocks to the router
     router_kwargs: dict[str, Any] = field(default_factory=dict)  # PrefixAwareRouter.initialize_state's
+    ingress_replicas: int = 1  # HTTP ingresses: each hashes prompts and relays every streamed chunk
 
     def __post_init__(self) -> None:
         if self.routing not in ROUTINGS:
@@ -39,6 +40,8 @@ class RayServeConfig:
             raise ValueError("give num_replicas or autoscaling_config")
         if self.num_replicas is not None and self.num_replicas < 1:
             raise ValueError(f"num_replicas must be at least 1, got {self.num_replicas}")
+        if self.ingress_replicas < 1:
+            raise ValueError(f"ingress_replicas must be at least 1, got {self.ingress_replicas}")
         if self.stats_period_s <= 0:
             raise ValueError("stats_period_s must be positive")
         router_settings(self.router_kwargs)  # a misspelt setting fails here, not in each ingress
@@ -68,9 +71,12 @@ def build_app(config: RayServeConfig) -> serve.Application:
         }
         options["request_router_config"] = RequestRouterConfig(**router)
     engine = serve.deployment(name="EngineReplica", **options)(EngineReplica)
-    ingress = serve.deployment(name="Ingress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)(
-        Ingress
-    )
+    ingress = serve.deployment(
+        name="Ingress",
+        num_replicas=config.ingress_replicas,
+        ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=4096,
+    )(Ingress)
     return ingress.bind(engine.bind(list(config.engine_args)))
 
 
@@ -91,7 +97,7 @@ def app_builder(args: dict[str, Any]) -> serve.Application:
     for key, kind in (("replica_cpus", float), ("replica_gpus", float), ("stats_period_s", float)):
         if isinstance(values.get(key), str):
             values[key] = kind(values[key])
-    for key in ("num_replicas", "max_ongoing_requests"):
+    for key in ("num_replicas", "max_ongoing_requests", "ingress_replicas"):
         if isinstance(values.get(key), str):
             values[key] = None if values[key] in ("", "none", "auto") else int(values[key])
     return build_app(RayServeConfig(**values))

@@ -21,7 +21,7 @@ def test_command_line_strings_and_yaml_values_build_the_same_application():
 
     cli = app_builder(
         {"engine_args": "--max-model-len 2048 --model 'my model'", "num_replicas": "3", "replica_cpus": "2"}
-        | {"router_kwargs": '{"min_match": 0.25}'}
+        | {"router_kwargs": '{"min_match": 0.25}', "ingress_replicas": "2"}
     )
     yaml = app_builder(
         {
@@ -29,7 +29,7 @@ def test_command_line_strings_and_yaml_values_build_the_same_application():
             "num_replicas": 3,
             "replica_cpus": 2,
         }
-        | {"router_kwargs": {"min_match": 0.25}}
+        | {"router_kwargs": {"min_match": 0.25}, "ingress_replicas": 2}
     )
     for app in (cli, yaml):
         d = _deployments(app)
@@ -44,7 +44,7 @@ def test_command_line_strings_and_yaml_values_build_the_same_application():
         router = engine._deployment_config.request_router_config
         assert router.request_router_class == "aioengine.ray_serve.router.PrefixAwareRouter"
         assert router.request_router_kwargs == {"min_match": 0.25}
-        assert d["Ingress"].ray_actor_options["num_cpus"] == 0
+        assert d["Ingress"].ray_actor_options["num_cpus"] == 0 and d["Ingress"].num_replicas == 2
 
 
 def test_pow2_keeps_serves_router_and_autoscaling_replaces_the_count():
@@ -71,6 +71,7 @@ def test_pow2_keeps_serves_router_and_autoscaling_replaces_the_count():
         ({"num_replicas": 0}, "at least 1"),
         ({"router_kwargs": {"min_matches": 0.2}}, "unknown router_kwargs"),
         ({"stats_period_s": "0"}, "positive"),
+        ({"ingress_replicas": 0}, "ingress_replicas must be at least 1"),
     ],
 )
 def test_mistakes_are_refused_by_name(args, message):
