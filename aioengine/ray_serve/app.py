@@ -12,6 +12,7 @@ from typing import Any
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from aioengine.cli.commands import serve_configs
 from aioengine.ray_serve.ingress import Ingress
 from aioengine.ray_serve.prefix_index import router_settings
 from aioengine.ray_serve.replica import EngineReplica
@@ -45,6 +46,13 @@ class RayServeConfig:
         if self.stats_period_s <= 0:
             raise ValueError("stats_period_s must be positive")
         router_settings(self.router_kwargs)  # a misspelt setting fails here, not in each ingress
+        # and a bad flag here, not in each replica as Serve starts it again and again
+        args, _ = serve_configs(list(self.engine_args))
+        if args.kv_events_config is not None:
+            raise ValueError(
+                "--kv-events-config: a replica's events would bind one port per node for every replica; "
+                "a Ray Serve application routes with its own router"
+            )
 
 
 def build_app(config: RayServeConfig) -> serve.Application:
@@ -63,7 +71,7 @@ def build_app(config: RayServeConfig) -> serve.Application:
         options["autoscaling_config"] = config.autoscaling_config
     if config.routing == "prefix":
         router: dict[str, Any] = {
-            # by import path: each handle's process imports it (a class object would be pickled by value)
+            # by import path: Serve imports it there and pickles its module by value to each handle's process
             "request_router_class": f"{PrefixAwareRouter.__module__}.{PrefixAwareRouter.__qualname__}",
             "request_router_kwargs": config.router_kwargs,
             "request_routing_stats_period_s": config.stats_period_s,

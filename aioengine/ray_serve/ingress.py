@@ -21,7 +21,7 @@ from starlette.responses import Response, StreamingResponse
 
 from aioengine.http.app import route_error
 from aioengine.http.errors import APIError
-from aioengine.http.front.proxy import HOP_BY_HOP, stream_error
+from aioengine.http.front.proxy import end_to_end, stream_error
 from aioengine.ray_serve.calls import HTTPCall, ResponseHead, RoutingInfo
 from aioengine.ray_serve.prefix_index import ROUTERS
 from aioengine.ray_serve.prompt_hashes import PROMPT_ROUTES, PromptHasher
@@ -31,9 +31,13 @@ logger = logging.getLogger("aioengine.ray_serve")
 RETRY_INFO_S = 30.0  # after a failed fetch of the routing info, prompts go unhashed this long
 
 
-def route_path(scope: Mapping[str, Any]) -> str:
-    """The path as the engine's server routes it: without the application's route prefix."""
-    path, root = scope.get("path", "/"), scope.get("root_path", "")
+def route_path(scope: Mapping[str, Any], raw: bool = False) -> str:
+    """The path as the engine's server routes it: without the application's route prefix; ``raw``: as the
+    client sent it (percent-escapes kept), to forward."""
+    root = scope.get("root_path", "")
+    path = scope.get("path", "/")
+    if raw and scope.get("raw_path") is not None:
+        path = scope["raw_path"].decode("latin-1")
     if root and path.startswith(root):
         path = path[len(root) :] or "/"
     return path
@@ -60,24 +64,24 @@ class Ingress:
             hasher = await self._get_hasher()
             if hasher is not None:
                 hashes = await asyncio.to_thread(hasher.hashes, path, body)
-        query = request.url.query
-        headers = [
-            (k.decode("latin-1"), v.decode("latin-1"))
-            for k, v in request.headers.raw
-            if k.decode("latin-1").lower() not in HOP_BY_HOP
-        ]
-        call = HTTPCall(request.method, path + (f"?{query}" if query else ""), headers, body, hashes)
-        stream = self._stream.forward.remote(call)
+        query = request.scope.get("query_string", b"").decode("latin-1")
+        target = route_path(request.scope, raw=True) + (f"?{query}" if query else "")
+        headers = end_to_end((k.decode("latin-1"), v.decode("latin-1")) for k, v in request.headers.raw)
+        stream = self._stream.forward.remote(HTTPCall(request.method, target, headers, body, hashes))
         try:
             head = await stream.__anext__()
         except Exception as e:  # Ray's errors: the replica died or could not be reached
             stream.cancel()
             logger.warning("%s %s: no replica answered: %r", request.method, path, e)
             return _error(path, 503, f"no engine replica answered the request ({type(e).__name__}): retry it")
+        except BaseException:  # the client left first
+            stream.cancel()
+            raise
         assert isinstance(head, ResponseHead)
         kind = next((v for k, v in head.headers if k.lower() == "content-type"), "")
-        relay = _relay(stream, path, kind)
-        return StreamingResponse(relay, status_code=head.status, headers=dict(head.headers))
+        response = StreamingResponse(_relay(stream, path, kind), status_code=head.status)
+        response.raw_headers += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in head.headers]
+        return response
 
     async def _get_hasher(self) -> PromptHasher | None:
         """The prompt hasher, made from a replica's routing info on first use."""

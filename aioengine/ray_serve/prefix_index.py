@@ -44,6 +44,7 @@ class PrefixIndex:
     reports: dict[str, Report] = field(default_factory=dict)
     # hash -> {replica: when this router sent it a request holding it}, least recently sent first
     recorded: OrderedDict[int, dict[str, float]] = field(default_factory=OrderedDict)
+    num_recorded: dict[str, int] = field(default_factory=dict)  # replica -> hashes recorded for it
 
     def report(self, replica: str, stats: dict[str, Any]) -> None:
         self.reports[replica] = Report(frozenset(stats.get("block_hashes", ())), int(stats.get("load", 0)))
@@ -51,10 +52,18 @@ class PrefixIndex:
     def record(self, replica: str, hashes: list[int], now: float) -> None:
         for h in hashes:
             holders = self.recorded.pop(h, {})
+            if replica not in holders:
+                self.num_recorded[replica] = self.num_recorded.get(replica, 0) + 1
             holders[replica] = now
             self.recorded[h] = holders
         while len(self.recorded) > self.max_recorded:
-            self.recorded.popitem(last=False)
+            for r in self.recorded.popitem(last=False)[1]:
+                self.num_recorded[r] -= 1
+
+    def held(self, replica: str) -> int:
+        """About how many blocks the replica holds: its report's, and those recorded for it since."""
+        report = self.reports.get(replica)
+        return (len(report.hashes) if report is not None else 0) + self.num_recorded.get(replica, 0)
 
     def matched(self, replica: str, hashes: list[int], now: float) -> int:
         """How many leading blocks of ``hashes`` the replica is taken to hold."""
@@ -70,6 +79,7 @@ class PrefixIndex:
 
     def forget(self, replica: str) -> None:
         self.reports.pop(replica, None)
+        self.num_recorded.pop(replica, None)
         for holders in self.recorded.values():
             holders.pop(replica, None)
 
@@ -84,10 +94,15 @@ def choose(
     balance_rel: float = 1.5,
     min_match: float = 0.5,
 ) -> tuple[str, list[str]]:
-    """(the decision, the replicas to try in order): the longest match first, or [] for power of two choices.
-    Loads differing by more than both ``balance_abs`` and ``balance_rel`` times make it a load fallback; a
-    match of less than ``min_match`` of the prompt's blocks is a miss (SGLang's rules: the template's
-    opening block, which every chat shares, must not pull every conversation to one replica)."""
+    """(the decision, the replica to try first, or [] for power of two choices on queue length), SGLang's
+    cache-aware rules:
+    - loads more than ``balance_abs`` apart and more than ``balance_rel`` times apart: a load fallback, [];
+    - the replica holding the longest leading run of the prompt's blocks, if that is at least ``min_match``
+      of them (the template's opening block, which every chat shares, must not pull every conversation to
+      one replica): a prefix hit;
+    - else a miss, sent to the least loaded replica holding the fewest blocks, which spreads new prompts
+      over the replicas' caches.
+    ``hashes`` empty (nothing to score): a miss, []."""
     if not hashes or not replicas:
         return "miss", []
     lo, hi = min(loads.values(), default=0), max(loads.values(), default=0)
@@ -96,7 +111,7 @@ def choose(
     matched = {r: index.matched(r, hashes, now) for r in replicas}
     best = max(replicas, key=lambda r: (matched[r], -loads.get(r, 0)))
     if matched[best] == 0 or matched[best] < min_match * len(hashes):
-        return "miss", []
+        return "miss", [min(replicas, key=lambda r: (loads.get(r, 0), index.held(r), r))]
     return "prefix_hit", [best]
 
 

@@ -19,7 +19,7 @@ from aiohttp import web
 from aioengine.cli.commands import serve_configs
 from aioengine.engine.async_engine import AsyncEngine
 from aioengine.http.app import build_app
-from aioengine.http.front.proxy import HOP_BY_HOP
+from aioengine.http.front.proxy import HOP_BY_HOP, end_to_end
 from aioengine.model.tokenizer import NullTokenizer
 from aioengine.ray_serve.calls import HTTPCall, ResponseHead, RoutingInfo
 
@@ -27,9 +27,10 @@ logger = logging.getLogger("aioengine.ray_serve")
 
 # Headers Serve's proxy writes itself (the request id is the one it passed in): not sent twice
 SET_BY_SERVE = HOP_BY_HOP | {"date", "server", "x-request-id"}
-# The most block hashes a replica reports a period (about 8 bytes each through Serve's controller); a
-# prefix past them is routed as if not held.
-MAX_REPORTED_BLOCKS = 1 << 16
+# The most block hashes a replica reports a period, the most recently cached first: Serve's controller sends
+# every replica's report to every handle (and prints it), so the report stays small; older blocks are
+# routed by the router's own records, or as not held.
+MAX_REPORTED_BLOCKS = 8192
 
 
 def replica_flags(engine_args: Sequence[str], cpus: float | None) -> list[str]:
@@ -75,7 +76,8 @@ class EngineReplica:
             socket = os.path.join(self._dir, "http.sock")
             await web.UnixSite(self._runner, socket).start()
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.UnixConnector(path=socket),
+                # no cap: every request Serve lets in reaches the engine (aiohttp's default is 100)
+                connector=aiohttp.UnixConnector(path=socket, limit=0),
                 timeout=aiohttp.ClientTimeout(total=None),  # a stream lasts as long as its generation
                 auto_decompress=False,
             )
@@ -92,8 +94,9 @@ class EngineReplica:
         async with self._session.request(
             call.method, url, headers=call.headers, data=call.body, allow_redirects=False
         ) as up:
-            headers = [(k, v) for k, v in up.headers.items() if k.lower() not in SET_BY_SERVE]
-            yield ResponseHead(up.status, [*headers, self._replica_header])
+            yield ResponseHead(
+                up.status, [*end_to_end(up.headers.items(), SET_BY_SERVE), self._replica_header]
+            )
             async for chunk in up.content.iter_any():
                 yield chunk
 
@@ -129,5 +132,7 @@ class EngineReplica:
             with contextlib.suppress(Exception):
                 await self._runner.cleanup()
             self._runner = None
-        await self.engine.shutdown()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        try:
+            await self.engine.shutdown()
+        finally:
+            shutil.rmtree(self._dir, ignore_errors=True)

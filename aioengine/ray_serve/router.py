@@ -1,6 +1,6 @@
 """Ray Serve's request router for engine replicas: a request goes to the replica whose prefix cache holds the
 longest run of its prompt's blocks (the engine's own chained block hashes), unless the replicas' loads are
-too far apart; then, and for a request no replica holds any of, power of two choices on queue length.
+too far apart: then power of two choices on queue length (prefix_index.choose has the rules).
 
 A replica's cached hashes come in its routing stats (`EngineReplica.record_routing_stats`, every
 ``request_routing_stats_period_s``); ray_serve/prefix_index.py keeps them and decides. Serve pickles this
@@ -15,14 +15,7 @@ from collections import OrderedDict
 from typing import Any
 
 from ray.serve.metrics import Counter
-from ray.serve.request_router import (
-    FIFOMixin,
-    LocalityMixin,
-    PendingRequest,
-    ReplicaID,
-    RequestRouter,
-    RunningReplica,
-)
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from aioengine.ray_serve import prefix_index  # a module travels by name; its ROUTERS could not by value
 from aioengine.ray_serve.calls import HTTPCall
@@ -31,7 +24,8 @@ from aioengine.ray_serve.prefix_index import DECISIONS, PrefixIndex, choose, rou
 MAX_PENDING = 1 << 14
 
 
-class PrefixAwareRouter(FIFOMixin, LocalityMixin, RequestRouter):
+# No FIFOMixin: it hands the replica chosen for one request to the oldest pending one, whose prompt differs.
+class PrefixAwareRouter(RequestRouter):
     def initialize_state(self, **kwargs: Any) -> None:
         """The rule's settings (RayServeConfig.router_kwargs; prefix_index.choose says what they do)."""
         settings = router_settings(kwargs)
@@ -41,8 +35,9 @@ class PrefixAwareRouter(FIFOMixin, LocalityMixin, RequestRouter):
         self.decisions = dict.fromkeys(DECISIONS, 0)
         # replica -> the stats dict last read (held, so that a new report is never taken for it by its id)
         self._seen_stats: dict[str, dict[str, Any]] = {}
-        # request -> (decision, hashes) until Serve says where it went; bounded, for requests cancelled before
-        self._pending: OrderedDict[str, tuple[str, list[int]]] = OrderedDict()
+        # request -> (decision, the replica chosen) until Serve says where it went; bounded, for requests
+        # cancelled before
+        self._pending: OrderedDict[str, tuple[str, str | None]] = OrderedDict()
         self._counter = Counter(
             "aioengine_router_decisions",
             description="Routing decisions of the prefix-aware router",
@@ -93,12 +88,15 @@ class PrefixAwareRouter(FIFOMixin, LocalityMixin, RequestRouter):
             self.min_match,
         )
         if pending_request is not None and hashes:  # a prompt of a block or more: counted once routed
-            self._pending[pending_request.metadata.internal_request_id] = (decision, hashes)
+            self._pending[pending_request.metadata.internal_request_id] = (
+                decision,
+                order[0] if order else None,
+            )
             while len(self._pending) > MAX_PENDING:
                 self._pending.popitem(last=False)
         ranks = [[by_id[k] for k in order]] if order else []
         rest = [r for k, r in by_id.items() if k not in order]
-        if rest:  # power of two choices: Serve takes the shorter queue of the two
+        if rest:  # power of two choices: Serve takes the shorter queue of the two (or of the first's refusal)
             ranks.append(random.sample(rest, min(2, len(rest))))
         return ranks
 
@@ -106,10 +104,15 @@ class PrefixAwareRouter(FIFOMixin, LocalityMixin, RequestRouter):
         entry = self._pending.pop(pending_request.metadata.internal_request_id, None)
         if entry is None:
             return
-        decision, hashes = entry
+        decision, chosen = entry
+        if decision == "prefix_hit" and replica_id.unique_id != chosen:
+            decision = "load_fallback"  # the replica holding the prefix refused it: its queue was full
         self.decisions[decision] += 1
         self._counter.inc(tags={"decision": decision})
-        self.index.record(replica_id.unique_id, hashes, time.monotonic())
+        self.index.record(replica_id.unique_id, _hashes(pending_request), time.monotonic())
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self._pending.pop(internal_request_id, None)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)

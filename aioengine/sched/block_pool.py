@@ -152,9 +152,14 @@ class BlockPool:
         return 1.0 - self.get_num_free_blocks() / usable
 
     def cached_hashes(self, group: int = 0, limit: int | None = None) -> list[int]:
-        """The hashes of the group's cached blocks (at most ``limit``, in no particular order)."""
-        out = [h for h, g in self.cached_block_hash_to_block if g == group]
-        return out if limit is None else out[:limit]
+        """The hashes of the group's cached blocks, the most recently cached first (at most ``limit``)."""
+        out = []
+        for h, g in reversed(self.cached_block_hash_to_block):  # a dict keeps its insertion order
+            if g == group:
+                out.append(h)
+                if len(out) == limit:
+                    break
+        return out
 
     def get_cached_block(self, block_hash: int, group: int = 0) -> KVCacheBlock | None:
         return self.cached_block_hash_to_block.get((block_hash, group))

@@ -72,6 +72,8 @@ def test_pow2_keeps_serves_router_and_autoscaling_replaces_the_count():
         ({"router_kwargs": {"min_matches": 0.2}}, "unknown router_kwargs"),
         ({"stats_period_s": "0"}, "positive"),
         ({"ingress_replicas": 0}, "ingress_replicas must be at least 1"),
+        ({"engine_args": "--no-such-flag"}, "not valid"),
+        ({"engine_args": "--kv-events-config '{\"enable_kv_cache_events\": true}'"}, "own router"),
     ],
 )
 def test_mistakes_are_refused_by_name(args, message):

@@ -16,10 +16,10 @@ def test_the_longest_leading_run_wins_and_a_gap_ends_it():
     assert index.matched("b", [2, 3], 0.0) == 2  # a run is scored from the request's first block
     assert choose(index, ["a", "b"], {"a": 0, "b": 0}, [1, 2, 3, 4], 0.0) == ("prefix_hit", ["b"])
     # 3 of 7 blocks is under half the prompt: a shared opening alone does not pull a request along
-    assert choose(index, ["a", "b"], {"a": 0, "b": 0}, [1, 2, 3, 4, 6, 7, 8], 0.0) == ("miss", [])
+    assert choose(index, ["a", "b"], {"a": 0, "b": 0}, [1, 2, 3, 4, 6, 7, 8], 0.0) == ("miss", ["a"])
     assert choose(index, ["a", "b"], {}, [1, 2, 3, 4, 6, 7, 8], 0.0, min_match=0.4)[0] == "prefix_hit"
-    assert choose(index, ["a", "b"], {"a": 0, "b": 0}, [9, 1, 2], 0.0) == ("miss", [])
-    assert choose(index, ["a", "b"], {"a": 0, "b": 0}, [], 0.0) == ("miss", [])
+    assert choose(index, ["a", "b"], {"a": 0, "b": 0}, [9, 1, 2], 0.0) == ("miss", ["a"])  # holds fewer
+    assert choose(index, ["a", "b"], {"a": 0, "b": 0}, [], 0.0) == ("miss", [])  # nothing to score
 
 
 def test_a_report_replaces_the_last_one():
@@ -63,3 +63,23 @@ def test_ties_go_to_the_less_loaded_and_loads_far_apart_fall_back():
     assert choose(index, ["a", "b"], {"a": 40, "b": 30}, [1, 2, 3], 0.0) == ("prefix_hit", ["a"])  # 1.33x
     assert choose(index, ["a", "b"], {"a": 5, "b": 0}, [1, 2, 3], 0.0, balance_abs=4)[0] == "load_fallback"
     assert choose(index, ["a", "b"], {"a": 20, "b": 0}, [1, 2, 3], 0.0, balance_abs=20)[0] == "prefix_hit"
+
+
+def test_misses_go_to_the_least_loaded_replica_holding_the_least():
+    """New conversations spread over the replicas, each sent where the fewest blocks are held."""
+    index = PrefixIndex()
+    replicas, loads = ["a", "b", "c"], {"a": 0, "b": 0, "c": 0}
+    placed = []
+    for c in range(6):
+        prompt = [100 * c + i for i in range(4)]
+        decision, order = choose(index, replicas, loads, prompt, 0.0)
+        assert decision == "miss"
+        index.record(order[0], prompt, 0.0)
+        placed.append(order[0])
+    assert sorted(placed) == ["a", "a", "b", "b", "c", "c"]
+    assert choose(index, replicas, {"a": 0, "b": 2, "c": 1}, [7, 8], 0.0) == ("miss", ["a"])  # load first
+    index.max_recorded = 4  # the oldest records go, and their replicas' counts with them
+    index.record("c", [1000], 0.0)
+    assert sum(index.num_recorded.values()) == len(index.recorded) == 4
+    index.forget("c")
+    assert index.held("c") == 0

@@ -161,9 +161,17 @@ def test_the_clients_get_what_one_engine_answers(cluster):
     prompt = "The quick brown fox"
     tp = openai.OpenAI(base_url=f"{cluster.url}/tp/v1", api_key="none")
     alone = _local(cluster.tiny, None, prompt, 12, max_model_len=256, dtype="float32")
-    for _ in range(2):  # both replicas, most likely
-        out = tp.completions.create(model=cluster.tiny, prompt=prompt, max_tokens=12, temperature=0)
-        assert out.choices[0].text == alone
+    answered: set[str] = set()
+    for i in range(20):  # until both replicas have answered (a prompt no replica holds goes to the emptier)
+        raw = tp.completions.with_raw_response.create(
+            model=cluster.tiny, prompt=f"{prompt} {i}" if i else prompt, max_tokens=12, temperature=0
+        )
+        if not i:
+            assert raw.parse().choices[0].text == alone
+        answered.add(raw.headers["X-Aioengine-Replica"])
+        if len(answered) == 2:
+            break
+    assert len(answered) == 2, answered
 
 
 async def _multi_turn(url: str) -> tuple[float, set[str]]:
@@ -255,6 +263,39 @@ async def _kill_one_mid_stream(url: str) -> None:
                 seen.add(r.headers["X-Aioengine-Replica"])
             await asyncio.sleep(0.5)
     assert len(_replica_pids("prefix")) == 2
+
+
+async def _leave_mid_stream(url: str) -> None:
+    """A client that closes its stream: the replica's engine aborts the request (the load it reports, read
+    through the ingress's /metrics, goes back to 0)."""
+
+    async def loads(s: aiohttp.ClientSession) -> list[float]:
+        async with s.get(url + "/v1/models"):  # a request through the router, which reads the reports
+            pass
+        async with s.get(url + "/metrics") as r:
+            return [float(x) for x in re.findall(r"aioengine:replica_load\{[^}]*\} (\S+)", await r.text())]
+
+    async with aiohttp.ClientSession() as s:
+        body = {
+            "model": "default",
+            "prompt": f"Tell me {uuid.uuid4()}",
+            "max_tokens": 2000,
+            "ignore_eos": True,
+        }
+        r = await s.post(url + "/v1/completions", json={**body, "stream": True})
+        await r.content.readline()
+        deadline = time.monotonic() + 30
+        while sum(await loads(s)) < 1:  # the replica has reported the request
+            assert time.monotonic() < deadline, "the stream never showed in a replica's load"
+            await asyncio.sleep(0.3)
+        r.close()
+        while sum(await loads(s)) > 0:
+            assert time.monotonic() < deadline, "the request went on after its client left"
+            await asyncio.sleep(0.3)
+
+
+def test_a_client_that_leaves_ends_its_request(cluster):
+    asyncio.run(_leave_mid_stream(f"{cluster.url}/prefix"))
 
 
 def test_a_replica_killed_mid_stream_ends_only_its_stream_and_is_replaced(cluster):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Iterable
 from typing import Any
 
 import aiohttp
@@ -34,6 +35,13 @@ SESSION = web.AppKey("session", aiohttp.ClientSession)
 HOP_BY_HOP = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive", "upgrade"})
 
 
+def end_to_end(
+    headers: Iterable[tuple[str, str]], drop: frozenset[str] = HOP_BY_HOP
+) -> list[tuple[str, str]]:
+    """The headers a proxy passes on: all but ``drop`` (the hop-by-hop ones), repeated ones kept."""
+    return [(k, v) for k, v in headers if k.lower() not in drop]
+
+
 def build_front(
     replicas: ReplicaSet, router: PrefixRouter, client_max_size: int = 32 << 20
 ) -> web.Application:
@@ -47,9 +55,12 @@ def build_front(
 
 
 async def _session(app: web.Application) -> Any:
-    # no total timeout: a stream lasts as long as its generation
+    # no total timeout: a stream lasts as long as its generation; no cap on connections (aiohttp's 100 would
+    # hold the 101st stream back, unseen by the replicas and their queue limits)
     app[SESSION] = aiohttp.ClientSession(
-        timeout=aiohttp.ClientTimeout(total=None, sock_connect=10), auto_decompress=False
+        connector=aiohttp.TCPConnector(limit=0),
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
+        auto_decompress=False,
     )
     yield
     await app[SESSION].close()
@@ -84,7 +95,7 @@ async def forward(request: web.Request) -> web.StreamResponse:
 
 
 async def _relay(request: web.Request, r: Replica, body: bytes) -> web.StreamResponse:
-    headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+    headers = end_to_end(request.headers.items())
     url = r.url + request.rel_url.path_qs
     resp: web.StreamResponse | None = None
     kind = ""
@@ -92,7 +103,7 @@ async def _relay(request: web.Request, r: Replica, body: bytes) -> web.StreamRes
         async with request.app[SESSION].request(
             request.method, url, headers=headers, data=body, allow_redirects=False
         ) as up:
-            out = {k: v for k, v in up.headers.items() if k.lower() not in HOP_BY_HOP}
+            out = end_to_end(up.headers.items())
             resp = web.StreamResponse(status=up.status, reason=up.reason, headers=out)
             kind = up.headers.get("Content-Type", "")
             await resp.prepare(request)
