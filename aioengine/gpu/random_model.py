@@ -105,9 +105,10 @@ def random_config(name: str) -> Any:
 
     key = name.removeprefix(RANDOM_PREFIX)
     if key not in SHAPES:
-        raise ValueError(
-            f"unknown random model {name!r}; known: {', '.join(RANDOM_PREFIX + k for k in SHAPES)}"
-        )
+        from aioengine.model.random_gguf import GGUF_SHAPES
+
+        known = ", ".join(RANDOM_PREFIX + k for k in [*SHAPES, *GGUF_SHAPES])
+        raise ValueError(f"unknown random model {name!r}; known: {known}")
     shape = {"architectures": ["LlamaForCausalLM"], **SHAPES[key]}
     return getattr(transformers, _CONFIGS[shape["architectures"][0]])(**shape)
 

@@ -8,6 +8,7 @@ from typing import Any
 from aioengine.config import EngineArgs
 from aioengine.model.checkpoint import RANDOM_PREFIX, read_config
 from aioengine.model.files import resolve_model
+from aioengine.model.random_gguf import gguf_alias
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,7 +23,10 @@ def resolve_source(args: EngineArgs) -> ModelSource:
 
     Raises ModelNotFoundError for a name that is no checkpoint, GGUFError for a damaged or unsupported file.
     """
-    if args.model.startswith(RANDOM_PREFIX):  # random weights of a known shape: no files
+    gguf = gguf_alias(args.model)
+    if gguf is not None:  # random weights of a known shape, written as a GGUF file
+        path = str(resolve_model(gguf))
+    elif args.model.startswith(RANDOM_PREFIX):  # random weights of a known shape: no files
         path = args.model
     else:
         path = str(resolve_model(args.model))
