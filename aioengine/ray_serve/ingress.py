@@ -21,7 +21,7 @@ from starlette.responses import Response, StreamingResponse
 
 from aioengine.http.app import route_error
 from aioengine.http.errors import APIError
-from aioengine.http.front.proxy import end_to_end, stream_error
+from aioengine.http.front.proxy import decision_lines, end_to_end, stream_error
 from aioengine.ray_serve.calls import HTTPCall, ResponseHead, RoutingInfo
 from aioengine.ray_serve.prefix_index import ROUTERS
 from aioengine.ray_serve.prompt_hashes import PROMPT_ROUTES, PromptHasher
@@ -100,14 +100,12 @@ class Ingress:
     def _metrics(self) -> str:
         app, name = self._engine.app_name, self._engine.deployment_name
         router = ROUTERS.get((app, name))
-        lines = [
-            "# HELP aioengine:router_decisions_total Routing decisions of the prefix-aware router",
-            "# TYPE aioengine:router_decisions_total counter",
-        ]
-        if router is None:  # no request has gone through this ingress's handle yet
+        # no request has gone through this ingress's handle yet: no router, no decisions
+        lines = decision_lines(
+            router.decisions if router else {}, "Routing decisions of the prefix-aware router"
+        )
+        if router is None:
             return "\n".join(lines) + "\n"
-        for decision, count in router.decisions.items():
-            lines.append(f'aioengine:router_decisions_total{{decision="{decision}"}} {count}')
         lines += ["# TYPE aioengine:replica_cached_blocks gauge", "# TYPE aioengine:replica_load gauge"]
         for replica, report in sorted(router.index.reports.items()):
             lines.append(f'aioengine:replica_cached_blocks{{replica="{replica}"}} {len(report.hashes)}')

@@ -20,6 +20,7 @@ from aioengine.cli.commands import serve_configs
 from aioengine.engine.async_engine import AsyncEngine
 from aioengine.http.app import build_app
 from aioengine.http.front.proxy import HOP_BY_HOP, end_to_end
+from aioengine.http.front.replicas import sets_flag
 from aioengine.model.tokenizer import NullTokenizer
 from aioengine.ray_serve.calls import HTTPCall, ResponseHead, RoutingInfo
 
@@ -37,8 +38,7 @@ def replica_flags(engine_args: Sequence[str], cpus: float | None) -> list[str]:
     """The replica's serve flags: the app's, with ``--num-threads`` set to the CPUs Ray gave the replica
     when the app sets none (replicas sharing a node would otherwise each take every core)."""
     flags = list(engine_args)
-    given = any(f == "--num-threads" or f.startswith("--num-threads=") for f in flags)
-    if not given and cpus:
+    if not sets_flag(flags, "--num-threads") and cpus:
         flags += ["--num-threads", str(max(1, int(cpus)))]
     return flags
 

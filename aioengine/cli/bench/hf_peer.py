@@ -97,10 +97,7 @@ def latency_stats(outputs: list) -> dict:
 def load_peer_model(name: str, device: str, dtype_name: str) -> Any:
     import torch
 
-    from aioengine.model.random_gguf import gguf_alias
-
     dtype = getattr(torch, dtype_name)
-    name = gguf_alias(name) or name  # a random GGUF: the peer reads the file
     if name.startswith("random:"):
         from aioengine.gpu.random_model import build_random_hf_model
 
@@ -139,8 +136,9 @@ def main(argv: list[str]) -> dict:
     dtype = args.dtype if args.dtype != "auto" else backend.peer_dtype
     from aioengine.model.random_gguf import gguf_alias
 
-    model = load_peer_model(args.model, device, dtype)
-    if args.model.startswith("random:") and gguf_alias(args.model) is None:
+    name = gguf_alias(args.model) or args.model  # a random GGUF: the peer reads the file
+    model = load_peer_model(name, device, dtype)
+    if name.startswith("random:"):
         from aioengine.model.tokenizer import NullTokenizer
 
         tokenizer = NullTokenizer(model.config.vocab_size)
@@ -148,7 +146,7 @@ def main(argv: list[str]) -> dict:
         from aioengine.model.files import resolve_model
         from aioengine.model.tokenizer import load_tokenizer
 
-        tokenizer = load_tokenizer(str(resolve_model(gguf_alias(args.model) or args.model)))
+        tokenizer = load_tokenizer(str(resolve_model(name)))
     requests = build_dataset(args, tokenizer)
     note = None
     if hasattr(model, "continuous_batching_context_manager"):

@@ -220,14 +220,21 @@ async def metrics(request: web.Request) -> web.Response:
                     lines.append(line)
             elif line:
                 lines.append(_labelled(line, r.index))
-    lines += ["# HELP aioengine:router_decisions_total Routing decisions of the data-parallel front"]
-    lines += ["# TYPE aioengine:router_decisions_total counter"]
-    lines += [f'aioengine:router_decisions_total{{decision="{k}"}} {v}' for k, v in router.decisions.items()]
+    lines += decision_lines(router.decisions, "Routing decisions of the data-parallel front")
     lines += ["# TYPE aioengine:replica_up gauge", "# TYPE aioengine:replica_restarts_total counter"]
     for r in replicas:
         lines.append(f'aioengine:replica_up{{replica="{r.index}"}} {int(r.healthy)}')
         lines.append(f'aioengine:replica_restarts_total{{replica="{r.index}"}} {r.restarts}')
     return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+
+
+def decision_lines(decisions: dict[str, int], help_text: str) -> list[str]:
+    """A router's decision counts as Prometheus lines (this front's, and a Ray Serve ingress's router)."""
+    lines = [
+        f"# HELP aioengine:router_decisions_total {help_text}",
+        "# TYPE aioengine:router_decisions_total counter",
+    ]
+    return lines + [f'aioengine:router_decisions_total{{decision="{k}"}} {v}' for k, v in decisions.items()]
 
 
 def _labelled(sample: str, replica: int) -> str:

@@ -59,6 +59,11 @@ def _free_port() -> int:
 _FRONT_FLAGS = ("--data-parallel-size", "--data-parallel-routing", "--host", "--port")
 
 
+def sets_flag(argv: list[str], flag: str) -> bool:
+    """Whether the command line gives ``flag`` (as ``--flag value`` or ``--flag=value``)."""
+    return any(a.split("=", 1)[0] == flag for a in argv)
+
+
 def replica_argv(argv: list[str]) -> list[str]:
     """The serve command line less the front's own flags (data parallelism, host, port; argparse's
     abbreviations of them too), ending with ``--data-parallel-size 1`` (the last value wins, so a replica
@@ -118,7 +123,7 @@ class ReplicaSet:
         self._session: aiohttp.ClientSession | None = None
 
     def _threads(self) -> list[str]:
-        if any(a.split("=", 1)[0] == "--num-threads" for a in self.argv):
+        if sets_flag(self.argv, "--num-threads"):
             return []
         return ["--num-threads", str(max(1, (os.cpu_count() or 1) // len(self.replicas)))]
 
